@@ -1,0 +1,103 @@
+"""Patch and unpatch Megatron for local SGD: the package's entry points."""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
+from .local_sgd import LocalSGD
+from .megatron_patches import SUPPORTED, LocalSGDRuntime, build_registry, get_local_sgd as _get
+from .patching import PatchError, PatchRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class UnsupportedMegatronVersion(PatchError):
+    """The installed megatron-core is outside the range megatron_edit supports."""
+
+
+class _Session:
+    """The one active patch session of this process (patching is process-global by nature)."""
+
+    runtime: Optional[LocalSGDRuntime] = None
+    registry: Optional[PatchRegistry] = None
+
+
+def megatron_core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def _configs_from_megatron_args():
+    """Megatron-LM training: the configs come from its parsed arguments."""
+    from .arguments import configs_from_args
+
+    try:
+        from megatron.training import get_args
+    except ImportError:
+        raise RuntimeError(
+            "patch_megatron_for_local_sgd() was called without configs and megatron.training is "
+            "not importable: with megatron-core alone pass local_sgd_config=LocalSGDConfig(...)."
+        ) from None
+    return configs_from_args(get_args())
+
+
+def patch_megatron_for_local_sgd(
+    local_sgd_config: Optional[LocalSGDConfig] = None,
+    outer_optim_config: Optional[OuterOptimizerConfig] = None,
+    gta_config: Optional[GTAConfig] = None,
+) -> List[str]:
+    """Apply every EDiT patch to megatron-core; returns the patch ids now active.
+
+    With megatron-core alone, pass the configs; DDP and distributed optimizers built afterwards
+    train with EDiT. Without configs (Megatron-LM's ``pretrain``), they are read from the parsed
+    arguments when the first DDP is built, and the patches pass through unless
+    ``--use-local-sgd`` was given. Calling it again replaces the configs and keeps the patches
+    (idempotent). Raises :class:`UnsupportedMegatronVersion` on a megatron-core outside
+    ``SUPPORTED``.
+    """
+    version = megatron_core_version()
+    if not SUPPORTED.contains(version):
+        raise UnsupportedMegatronVersion(
+            f"megatron_edit supports megatron-core {SUPPORTED}; megatron-core {version} is "
+            f"installed. Install a supported release, e.g. pip install megatron-core==0.16.1."
+        )
+    if local_sgd_config is None and (outer_optim_config or gta_config):
+        raise ValueError("pass local_sgd_config too when passing outer_optim_config / gta_config")
+    _Session.runtime = LocalSGDRuntime(
+        local_sgd_config,
+        outer_optim_config,
+        gta_config,
+        configs_from=None if local_sgd_config is not None else _configs_from_megatron_args,
+    )
+    if _Session.registry is None:
+        _Session.registry = build_registry(lambda: _Session.runtime)
+    applied = _Session.registry.apply(version)
+    if applied:
+        _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
+    return [p.id for p in _Session.registry.patches if _Session.registry.is_applied(p.id)]
+
+
+def unpatch_megatron_for_local_sgd() -> List[str]:
+    """Restore every patched Megatron function; returns the ids reverted."""
+    reverted = _Session.registry.revert() if _Session.registry else []
+    _Session.runtime = None
+    return reverted
+
+
+def is_patched() -> bool:
+    return _Session.registry is not None and _Session.registry.is_applied()
+
+
+def get_local_sgd(optimizer) -> List[LocalSGD]:
+    """The EDiT state objects of a Megatron optimizer (one per distributed optimizer inside)."""
+    return _get(optimizer, _Session.runtime)
+
+
+def _log_rank0(message: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info(message)

@@ -1,0 +1,362 @@
+"""Configuration of EDiT / A-EDiT (arXiv 2412.07210) as dataclasses.
+
+The names and fields follow the authors' reference implementation (ATorch's ``LocalSGDConfig``,
+``OuterOptimizerConfig``, ``GTAConfig``) so that its users find what they know. Every field is
+validated in ``__post_init__``; an option whose behaviour this version does not implement yet
+is accepted at its default and rejected with :class:`NotSupportedYet` when turned on, never
+silently ignored.
+
+Command-line flags (``--use-local-sgd`` ...) map onto these classes in one place:
+:mod:`megatron_edit.arguments`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Type, Union
+
+
+class ConfigError(ValueError):
+    """A bad EDiT option. The message names the option (and its flag) and the fix."""
+
+
+class NotSupportedYet(ConfigError):
+    """An EDiT option that is valid but whose behaviour is not implemented in this version."""
+
+
+# Field name -> Megatron-style command-line flag, so errors name what the user typed.
+FLAG_NAMES: Dict[str, str] = {
+    "use_async": "--local-sgd-async",
+    "local_sgd_sync_interval": "--local-sgd-sync-interval",
+    "local_sgd_sync_time": "--local-sgd-sync-time",
+    "min_total_global_steps": "--local-sgd-min-total-global-steps",
+    "use_step_weight": "--local-sgd-use-step-weight",
+    "step_weight_ratio": "--local-sgd-step-weight-ratio",
+    "local_sgd_warmup_steps": "--local-sgd-warmup-steps",
+    "gradient_accumulation_steps": "--local-sgd-gradient-accumulation-steps",
+    "clip_pseudo_grad": "--local-sgd-clip-pseudo-grad",
+    "pseudo_gradnorm_reduce": "--local-sgd-pseudo-gradnorm-reduce",
+    "weight_softmax_temperature": "--local-sgd-weight-softmax-temperature",
+    "skip_anomaly": "--local-sgd-skip-anomaly",
+    "ewma_alpha": "--local-sgd-ewma-alpha",
+    "ewma_warmup_steps": "--local-sgd-ewma-warmup-steps",
+    "ewma_threshold": "--local-sgd-ewma-threshold",
+    "cpu_offload": "--local-sgd-cpu-offload",
+    "is_debug": "--local-sgd-debug",
+    "sync_mode": "--local-sgd-sync-mode",
+    "outer_optim_class": "--outer-optimizer",
+    "outer_optim_kwargs": "--outer-optimizer-lr / --outer-optimizer-momentum / --outer-optimizer-kwargs",
+    "reducer": "--local-sgd-reducer",
+    "consensus_method": "--gta-consensus-method",
+    "sparsification_method": "--gta-sparsification-method",
+    "normalize": "--gta-normalize",
+    "density": "--gta-density",
+    "int8_mask": "--gta-int8-mask",
+}
+
+
+def _name(field_name: str) -> str:
+    flag = FLAG_NAMES.get(field_name)
+    return f"{field_name} ({flag})" if flag else field_name
+
+
+def _require(cond: bool, field_name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{_name(field_name)}: {msg}")
+
+
+def _not_yet(field_name: str, what: str) -> NotSupportedYet:
+    return NotSupportedYet(
+        f"{_name(field_name)}: {what} is not supported yet in megatron_edit; "
+        f"leave it at its default."
+    )
+
+
+SYNC_MODES = ("layerwise", "step_end")
+
+
+@dataclass
+class LocalSGDConfig:
+    """When and how data-parallel workers synchronise (EDiT / A-EDiT)."""
+
+    use_async: bool = False
+    """A-EDiT: synchronise every ``local_sgd_sync_time`` seconds instead of every
+    ``local_sgd_sync_interval`` steps, so fast workers are not held back by slow ones."""
+
+    local_sgd_sync_interval: int = 1
+    """H: inner (optimizer) steps between two outer synchronisations after warmup."""
+
+    local_sgd_sync_time: float = 600.0
+    """A-EDiT only: seconds of training between two synchronisations."""
+
+    min_total_global_steps: int = 100
+    """A-EDiT only: skip a time-triggered sync when all workers together took fewer steps than
+    this since the last one."""
+
+    use_step_weight: bool = False
+    """A-EDiT only: blend the averaging weights with each worker's share of the steps since the
+    last sync."""
+
+    step_weight_ratio: float = 0.5
+    """A-EDiT only: weight of the step share in that blend (0 = norm weights only, 1 = step
+    share only)."""
+
+    local_sgd_warmup_steps: int = 0
+    """W: the first W steps are ordinary synchronous data-parallel training; the anchor of the
+    first outer step is the model after step W."""
+
+    gradient_accumulation_steps: int = 1
+    """Kept for compatibility with the reference implementation. Megatron accumulates
+    micro-batches itself (``--global-batch-size`` / ``--micro-batch-size``) and EDiT counts
+    optimizer steps, so this must stay 1."""
+
+    clip_pseudo_grad: Optional[float] = None
+    """tau: clip each layer's averaged pseudo-gradient to this L2 norm (None: no clipping)."""
+
+    pseudo_gradnorm_reduce: bool = False
+    """Weighted averaging: weights softmax(-||Delta_i|| / T) over workers instead of the mean."""
+
+    weight_softmax_temperature: Optional[float] = None
+    """T of the softmax weights (None: 1.0)."""
+
+    skip_anomaly: bool = False
+    """Anomaly elimination: exclude a worker's pseudo-gradient for a layer when the z-score of
+    its norm against its running (EWMA) statistics exceeds ``ewma_threshold``."""
+
+    ewma_alpha: float = 0.02
+    """Smoothing factor of the EWMA mean/variance of pseudo-gradient norms."""
+
+    ewma_warmup_steps: int = 120
+    """Number of syncs before the anomaly detector may exclude anything."""
+
+    ewma_threshold: float = 3.0
+    """z-score above which a worker's pseudo-gradient is anomalous."""
+
+    cpu_offload: bool = False
+    """Keep the anchor and the outer optimizer state in (pinned, where CUDA is present) CPU
+    memory instead of device memory."""
+
+    is_debug: bool = False
+    """Log every sync decision on every rank (verbose)."""
+
+    sync_mode: str = "layerwise"
+    """``layerwise``: each bucket's exchange runs just before its parameters are all-gathered in
+    the next forward pass, overlapped with compute (needs ``overlap_param_gather``).
+    ``step_end``: one blocking exchange of all buckets right after the optimizer step. Both
+    compute the same numbers."""
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.local_sgd_sync_interval, int) and self.local_sgd_sync_interval >= 1,
+            "local_sgd_sync_interval",
+            f"must be an integer >= 1 (got {self.local_sgd_sync_interval!r}); "
+            "1 synchronises after every step.",
+        )
+        _require(
+            isinstance(self.local_sgd_warmup_steps, int) and self.local_sgd_warmup_steps >= 0,
+            "local_sgd_warmup_steps",
+            f"must be an integer >= 0 (got {self.local_sgd_warmup_steps!r}).",
+        )
+        _require(
+            self.gradient_accumulation_steps == 1,
+            "gradient_accumulation_steps",
+            f"must be 1 (got {self.gradient_accumulation_steps!r}): Megatron accumulates "
+            "micro-batches itself; set --global-batch-size / --micro-batch-size instead.",
+        )
+        _require(
+            math.isfinite(self.local_sgd_sync_time) and self.local_sgd_sync_time > 0,
+            "local_sgd_sync_time",
+            f"must be a positive number of seconds (got {self.local_sgd_sync_time!r}).",
+        )
+        _require(
+            isinstance(self.min_total_global_steps, int) and self.min_total_global_steps >= 0,
+            "min_total_global_steps",
+            f"must be an integer >= 0 (got {self.min_total_global_steps!r}).",
+        )
+        _require(
+            0.0 <= self.step_weight_ratio <= 1.0,
+            "step_weight_ratio",
+            f"must be in [0, 1] (got {self.step_weight_ratio!r}).",
+        )
+        _require(
+            self.clip_pseudo_grad is None
+            or (math.isfinite(self.clip_pseudo_grad) and self.clip_pseudo_grad > 0),
+            "clip_pseudo_grad",
+            f"must be a positive norm or None (got {self.clip_pseudo_grad!r}).",
+        )
+        _require(
+            self.weight_softmax_temperature is None or self.weight_softmax_temperature > 0,
+            "weight_softmax_temperature",
+            f"must be > 0 or None (got {self.weight_softmax_temperature!r}).",
+        )
+        _require(
+            0.0 < self.ewma_alpha <= 1.0,
+            "ewma_alpha",
+            f"must be in (0, 1] (got {self.ewma_alpha!r}).",
+        )
+        _require(
+            isinstance(self.ewma_warmup_steps, int) and self.ewma_warmup_steps >= 0,
+            "ewma_warmup_steps",
+            f"must be an integer >= 0 (got {self.ewma_warmup_steps!r}).",
+        )
+        _require(
+            self.ewma_threshold > 0, "ewma_threshold", f"must be > 0 (got {self.ewma_threshold!r})."
+        )
+        _require(
+            self.sync_mode in SYNC_MODES,
+            "sync_mode",
+            f"must be one of {SYNC_MODES} (got {self.sync_mode!r}).",
+        )
+        # Valid, but not built in this version: refuse rather than ignore.
+        if self.use_async:
+            raise _not_yet("use_async", "A-EDiT (time-based synchronisation)")
+        if self.use_step_weight:
+            raise _not_yet("use_step_weight", "step-share weighting (A-EDiT)")
+        if self.clip_pseudo_grad is not None:
+            raise _not_yet("clip_pseudo_grad", "pseudo-gradient clipping")
+        if self.pseudo_gradnorm_reduce:
+            raise _not_yet("pseudo_gradnorm_reduce", "norm-weighted averaging")
+        if self.weight_softmax_temperature is not None:
+            raise _not_yet("weight_softmax_temperature", "norm-weighted averaging")
+        if self.skip_anomaly:
+            raise _not_yet("skip_anomaly", "anomaly elimination")
+
+
+# Short names accepted by --outer-optimizer.
+OUTER_OPTIMIZERS: Dict[str, str] = {
+    "sgd": "torch.optim.SGD",
+    "adam": "torch.optim.Adam",
+    "adamw": "torch.optim.AdamW",
+}
+
+
+def resolve_optimizer_class(spec: Union[str, type]) -> Type["torch.optim.Optimizer"]:  # noqa: F821
+    """``"sgd"`` / ``"torch.optim.SGD"`` / a class -> the optimizer class (ConfigError if not)."""
+    import torch
+
+    if isinstance(spec, str):
+        path = OUTER_OPTIMIZERS.get(spec.lower(), spec)
+        module_name, _, cls_name = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name) if module_name else None
+        except (ImportError, AttributeError):
+            cls = None
+        if cls is None:
+            raise ConfigError(
+                f"{_name('outer_optim_class')}: cannot import {spec!r}; use one of "
+                f"{sorted(OUTER_OPTIMIZERS)} or a dotted path such as 'torch.optim.SGD'."
+            )
+    else:
+        cls = spec
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(
+            f"{_name('outer_optim_class')}: {spec!r} is not a torch.optim.Optimizer subclass."
+        )
+    return cls
+
+
+@dataclass
+class OuterOptimizerConfig:
+    """The outer optimizer: steps the anchor with the averaged pseudo-gradient as its gradient."""
+
+    outer_optim_class: Union[str, type] = "torch.optim.SGD"
+    """Any torch optimizer class, as a class, a dotted path, or one of ``sgd``, ``adam``,
+    ``adamw``. SGD with lr 1 and no momentum is plain parameter averaging."""
+
+    outer_optim_kwargs: Dict[str, Any] = field(
+        default_factory=lambda: {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    )
+    """Keyword arguments of the outer optimizer's constructor (default: the paper's Nesterov
+    SGD, lr 0.7, momentum 0.9)."""
+
+    def __post_init__(self) -> None:
+        cls = resolve_optimizer_class(self.outer_optim_class)
+        _require(
+            isinstance(self.outer_optim_kwargs, dict),
+            "outer_optim_kwargs",
+            f"must be a dict (got {type(self.outer_optim_kwargs).__name__}).",
+        )
+        lr = self.outer_optim_kwargs.get("lr", 1e-3)
+        _require(
+            isinstance(lr, (int, float)) and lr > 0,
+            "outer_optim_kwargs",
+            f"lr must be > 0 (got {lr!r}).",
+        )
+        # Instantiate once on a dummy tensor so a bad keyword fails now, not at the first sync.
+        import torch
+
+        try:
+            cls([torch.nn.Parameter(torch.zeros(1))], **self.outer_optim_kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"{_name('outer_optim_kwargs')}: {cls.__name__}({self.outer_optim_kwargs}) "
+                f"fails: {e}"
+            ) from e
+
+    @property
+    def optimizer_class(self) -> type:
+        return resolve_optimizer_class(self.outer_optim_class)
+
+
+GTA_CONSENSUS = ("sum", "count")
+GTA_SPARSIFICATION = ("magnitude", "random", "rescaled_random")
+
+
+@dataclass
+class GTAConfig:
+    """The reducer that turns the workers' pseudo-gradients into one."""
+
+    reducer: str = "linear"
+    """``linear``: (weighted) mean. ``gta``: generalized task arithmetic (sparsify, sign
+    consensus, mean of the agreeing entries)."""
+
+    consensus_method: Optional[str] = None
+    """GTA: ``sum`` (sign of the sum) or ``count`` (sign of the sum of signs); None: no sign
+    consensus."""
+
+    sparsification_method: Optional[str] = None
+    """GTA: ``magnitude``, ``random`` or ``rescaled_random``; None: no sparsification."""
+
+    normalize: bool = True
+    """GTA: divide by the number (weight) of entries kept instead of the number of workers."""
+
+    density: float = 1.0
+    """GTA: fraction of entries kept by sparsification, in (0, 1]."""
+
+    int8_mask: bool = False
+    """GTA: keep masks as int8 instead of the pseudo-gradient's dtype (memory)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.reducer in ("linear", "gta"),
+            "reducer",
+            f"must be 'linear' or 'gta' (got {self.reducer!r}).",
+        )
+        _require(
+            self.consensus_method in (None,) + GTA_CONSENSUS,
+            "consensus_method",
+            f"must be one of {GTA_CONSENSUS} or None (got {self.consensus_method!r}).",
+        )
+        _require(
+            self.sparsification_method in (None,) + GTA_SPARSIFICATION,
+            "sparsification_method",
+            f"must be one of {GTA_SPARSIFICATION} or None (got {self.sparsification_method!r}).",
+        )
+        _require(
+            0.0 < self.density <= 1.0, "density", f"must be in (0, 1] (got {self.density!r})."
+        )
+        if self.reducer == "gta":
+            raise _not_yet("reducer", "the GTA reducer")
+        for name in ("consensus_method", "sparsification_method"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{_name(name)}: only used with reducer='gta' (--local-sgd-reducer gta).")
+        if self.density != 1.0:
+            raise ConfigError(f"{_name('density')}: only used with reducer='gta'.")
+
+
+def replace(cfg, **changes):
+    """dataclasses.replace that re-runs validation."""
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,291 @@
+"""Run megatron-core 0.16.1 on CPU over gloo, for the CPU demo and the multi-rank tests.
+
+Why this exists: megatron-core assumes CUDA everywhere (buffers allocated on
+``torch.cuda.current_device()``, ``device='cuda'`` literals, CUDA type-name checks, the CUDA RNG
+tracker, side streams). The real ``GPTModel`` + ``DistributedDataParallel`` +
+``get_megatron_optimizer`` + ``get_forward_backward_func`` stack is otherwise device-agnostic, so a
+handful of reversible in-process replacements lets it run on CPU processes over gloo. That is what
+lets EDiT's numerics be tested against the real Megatron code path on a machine without a GPU.
+
+It must never be active on a GPU run: :func:`activate` refuses when ``torch.cuda.is_available()``.
+
+Usage (per rank, before building anything megatron)::
+
+    torch.set_num_threads(1)   # several ranks share a few cores
+    cpu_adapter.activate()
+    torch.distributed.init_process_group("gloo")
+
+Every replaced attribute is recorded; :func:`deactivate` puts the originals back exactly, so
+tests can activate and deactivate in one process. No imports from the rest of ``megatron_edit``.
+
+Known limits: dropout on CPU draws from the CPU default generator, not from the RNG tracker's
+states (the tracker keeps and forks its states faithfully, but CPU ops never read them), so
+tensor-parallel dropout is not rank-distinct; ``Tensor.to('cuda')`` is not redirected (megatron's
+training path uses ``.cuda()`` or ``current_device()``); the 16-bit ``main_param = None``
+bookkeeping in ``DistributedOptimizer.__init__`` (used only by QK-clip) still sees CPU type names.
+"""
+
+import contextlib
+import functools
+import warnings
+
+import torch
+
+__all__ = ["activate", "deactivate", "is_active"]
+
+_TESTED_MEGATRON = "0.16."
+_CPU = torch.device("cpu")
+_MISSING = object()
+
+# (owner, name, raw original from owner.__dict__ or _MISSING) in application order.
+_applied = []
+# Stand-in for the CUDA default generator: a separate CPU generator, so seeding "CUDA" (as
+# model_parallel_cuda_manual_seed does) never disturbs the CPU generator the model init uses.
+_cuda_rng = None
+
+
+def is_active() -> bool:
+    """Whether the adapter's replacements are currently installed."""
+    return bool(_applied)
+
+
+def _replace(owner, name, value):
+    """Set ``owner.name = value``, recording the raw original; fail loudly if upstream lost it."""
+    if not hasattr(owner, name):
+        raise AttributeError(
+            f"cpu_adapter: {getattr(owner, '__name__', owner)}.{name} not found; "
+            "megatron-core or torch changed, update the adapter"
+        )
+    _applied.append((owner, name, vars(owner).get(name, _MISSING)))
+    setattr(owner, name, value)
+
+
+def deactivate() -> None:
+    """Restore every replaced attribute, newest first. A no-op when not active."""
+    global _cuda_rng
+    while _applied:
+        owner, name, original = _applied.pop()
+        if original is _MISSING:
+            delattr(owner, name)  # it was inherited (e.g. Tensor.cuda from TensorBase)
+        else:
+            setattr(owner, name, original)
+    _cuda_rng = None
+
+
+# --- (2) device literals ------------------------------------------------------------------------
+
+
+def _as_cpu(device):
+    """Map any CUDA device spec ('cuda', 'cuda:1', torch.device('cuda'), an ordinal) to CPU."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _CPU
+    if isinstance(device, str) and device.startswith("cuda"):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _cpu_factory(fn):
+    """Wrap a torch factory so a CUDA ``device=`` keyword allocates on CPU instead."""
+
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _as_cpu(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+# Factories megatron-core calls with device='cuda' (keyword-only in torch, so kwargs suffice).
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace",
+    "rand", "randn", "randint", "zeros_like", "ones_like", "empty_like", "full_like",
+)
+
+
+def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    """``Tensor.cuda()`` on CPU: the tensor already lives on the only device there is."""
+    return self
+
+
+# --- (3) CUDA type names --------------------------------------------------------------------------
+
+
+def _cuda_named_type(original):
+    """A ``Tensor.type`` that names CPU tensors like CUDA ones ('torch.cuda.FloatTensor')."""
+
+    def type_(self, *args, **kwargs):
+        if args or kwargs:  # a conversion, not a query: leave it alone
+            return original(self, *args, **kwargs)
+        name = original(self)
+        if self.device.type == "cpu" and not name.startswith("torch.cuda."):
+            name = "torch.cuda." + name[len("torch."):]
+        return name
+
+    return type_
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Only inside this block does ``Tensor.type()`` report CUDA names; restored exactly after."""
+    raw = vars(torch.Tensor).get("type", _MISSING)
+    torch.Tensor.type = _cuda_named_type(torch.Tensor.type)
+    try:
+        yield
+    finally:
+        if raw is _MISSING:
+            del torch.Tensor.type
+        else:
+            torch.Tensor.type = raw
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# --- (4) RNG ----------------------------------------------------------------------------------------
+
+
+def _get_rng_state(device="cuda"):
+    return _cuda_rng.get_state()
+
+
+def _set_rng_state(new_state, device="cuda"):
+    _cuda_rng.set_state(new_state)
+
+
+def _manual_seed(seed):
+    _cuda_rng.manual_seed(int(seed))
+
+
+def _megatron_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    _cuda_rng.set_state(new_state)
+
+
+# --- (5) streams and events ---------------------------------------------------------------------
+
+
+class _InertEvent:
+    """CUDA event stand-in: CPU work is already ordered, so there is nothing to wait for."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end_event):
+        return 0.0
+
+
+class _InertStream:
+    """CUDA stream stand-in (megatron only needs one with num_distributed_optimizer_instances > 1)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _InertEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_STREAM = _InertStream()
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+# --- activation -----------------------------------------------------------------------------------
+
+
+def activate() -> None:
+    """Install the CPU replacements (idempotent). Refuses when CUDA is available."""
+    global _cuda_rng
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_edit.cpu_adapter must never be active when CUDA is available")
+    if _applied:
+        return
+
+    import megatron.core
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.tensor_parallel.random as mc_random
+
+    if not megatron.core.__version__.startswith(_TESTED_MEGATRON):
+        warnings.warn(
+            f"cpu_adapter was written for megatron-core {_TESTED_MEGATRON}x, "
+            f"found {megatron.core.__version__}"
+        )
+    _cuda_rng = torch.Generator()
+    cuda, cuda_random = torch.cuda, torch.cuda.random
+    try:
+        # (1) ~80 allocations use device=torch.cuda.current_device(): make that the CPU device.
+        _replace(cuda, "current_device", lambda: _CPU)
+        # Megatron-LM's initialize skips model-parallel setup with 0 devices; set_device is moot.
+        _replace(cuda, "device_count", lambda: 1)
+        _replace(cuda, "set_device", _noop)
+        # (2) device='cuda' literals (grad scaler, found_inf, clip_grads, total_num_tokens, rerun).
+        for name in _FACTORIES:
+            _replace(torch, name, _cpu_factory(getattr(torch, name)))
+        # (2) .cuda() calls (and Module.cuda(), which goes through Tensor.cuda).
+        _replace(torch.Tensor, "cuda", _tensor_cuda)
+        # (3) the distributed optimizer only accepts params whose type() is a torch.cuda.* name.
+        DO = distrib_optimizer.DistributedOptimizer
+        build = vars(DO)["_build_model_and_main_param_groups"].__func__
+        _replace(DO, "_build_model_and_main_param_groups", classmethod(_with_cuda_type_names(build)))
+        # (3) so does the non-distributed 16-bit optimizer, in its __init__.
+        F16 = optimizer.Float16OptimizerWithFloat16Params
+        _replace(F16, "__init__", _with_cuda_type_names(F16.__init__))
+        # (3) clip_grads asserts grad.type() == 'torch.cuda.FloatTensor'; patched where looked up.
+        clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+        _replace(optimizer, "clip_grad_by_total_norm_fp32", clip)
+        _replace(clip_grads, "clip_grad_by_total_norm_fp32", clip)
+        # (4) the RNG tracker saves/restores "CUDA" states: back them with a CPU generator.
+        for module in (cuda, cuda_random):
+            _replace(module, "get_rng_state", _get_rng_state)
+            _replace(module, "set_rng_state", _set_rng_state)
+            _replace(module, "manual_seed", _manual_seed)  # CPU build would queue it forever
+            _replace(module, "manual_seed_all", _manual_seed)  # also reached via torch.manual_seed
+        _replace(cuda, "default_generators", (_cuda_rng,))
+        # (4) megatron's own setter goes through torch.cuda._lazy_call, which never runs on CPU.
+        _replace(mc_random, "_set_cuda_rng_state", _megatron_set_cuda_rng_state)
+        # (5) side streams/events for num_distributed_optimizer_instances > 1: inert stand-ins.
+        _replace(cuda, "Stream", _InertStream)
+        _replace(cuda, "Event", _InertEvent)
+        _replace(cuda, "stream", lambda stream=None: contextlib.nullcontext())
+        _replace(cuda, "current_stream", lambda device=None: _STREAM)
+        _replace(cuda, "default_stream", lambda device=None: _STREAM)
+        _replace(cuda, "synchronize", _noop)
+        _replace(cuda, "empty_cache", _noop)
+    except BaseException:
+        deactivate()
+        raise

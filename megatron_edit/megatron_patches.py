@@ -1,0 +1,325 @@
+"""How EDiT attaches to megatron-core: the runtime state and the declared wrap patches.
+
+Every patch wraps a Megatron function and calls the original; while local SGD is not
+configured (``--use-local-sgd`` absent), each wrapper passes straight through.
+
+=====================================  =====================================================
+patch                                  why
+=====================================  =====================================================
+ddp-init                               register each DDP's bucket groups; reject options
+                                       that cannot work with an outer sync
+distopt-init                           build the EDiT state (:class:`LocalSGD`) of each
+                                       distributed optimizer
+bucket-start-grad-sync                 after warmup, reduce gradients inside the worker only,
+bucket-finish-grad-sync                averaged over the worker (not over all of DP)
+bucket-start-param-sync                layer-wise sync: apply a bucket group's pending outer
+                                       step just before its all-gather in the forward pass
+distopt-step-with-ready-grads          the schedule: anchor at the end of warmup, step count,
+                                       sync due
+distopt-copy-main-to-model             step-end sync: between the inner update and the copy
+                                       of main params into the model
+distopt-sharded-state-dict             complete a pending sync before state is saved
+=====================================  =====================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from contextlib import contextmanager
+from typing import Callable, List, Optional
+
+import torch
+
+from .config import ConfigError, GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig
+from .local_sgd import LocalSGD
+from .patching import Patch, PatchRegistry, VersionRange
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED = VersionRange("0.16.0", "0.17.0")
+
+_DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
+_BUCKET_GROUP = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup"
+_DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
+
+
+def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config) -> None:
+    """Reject model / DDP options that cannot work with EDiT (clear message, at start-up)."""
+    if not ddp_config.use_distributed_optimizer:
+        raise ConfigError(
+            "--use-local-sgd needs Megatron's distributed optimizer: pass "
+            "--use-distributed-optimizer (DistributedDataParallelConfig.use_distributed_optimizer"
+            "=True). Each worker is one distributed-optimizer instance: set "
+            "--num-distributed-optimizer-instances to the number of workers (the data-parallel "
+            "size gives one rank per worker, shard size 1)."
+        )
+    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "use_custom_fsdp", False):
+        raise ConfigError("--use-local-sgd does not work with Megatron-FSDP (--use-megatron-fsdp).")
+    cuda_graphs = getattr(transformer_config, "cuda_graph_impl", "none") != "none" or getattr(
+        transformer_config, "enable_cuda_graph", False
+    ) or getattr(transformer_config, "external_cuda_graph", False)
+    if cuda_graphs:
+        raise ConfigError(
+            "--use-local-sgd does not work with CUDA graphs (--cuda-graph-impl / "
+            "--enable-cuda-graph): a captured step cannot run the outer sync."
+        )
+    if getattr(transformer_config, "calculate_per_token_loss", False):
+        raise NotSupportedYet(
+            "--calculate-per-token-loss with --use-local-sgd is not supported yet: it all-reduces "
+            "token counts across every data-parallel rank each step."
+        )
+    if local_cfg.sync_mode == "layerwise" and not ddp_config.overlap_param_gather:
+        raise ConfigError(
+            "--local-sgd-sync-mode layerwise syncs each bucket just before its parameters are "
+            "gathered in the forward pass, which needs --overlap-param-gather (and "
+            "--overlap-grad-reduce); pass them, or use --local-sgd-sync-mode step_end."
+        )
+
+
+def check_optimizer_options(optimizer) -> None:
+    config = optimizer.config
+    if getattr(config, "use_precision_aware_optimizer", False):
+        raise ConfigError(
+            "--use-local-sgd does not work with --use-precision-aware-optimizer: that optimizer "
+            "keeps main params inside itself and skips the main->model copy the sync relies on."
+        )
+    if getattr(config, "overlap_param_gather_with_optimizer_step", False):
+        raise ConfigError(
+            "--use-local-sgd does not work with --overlap-param-gather-with-optimizer-step: the "
+            "all-gather would start before the outer step has run."
+        )
+    if getattr(config, "optimizer_cpu_offload", False):
+        raise NotSupportedYet("--optimizer-cpu-offload with --use-local-sgd is not supported yet.")
+    if getattr(optimizer, "grad_scaler", None) is not None:
+        raise NotSupportedYet(
+            "fp16 with loss scaling and --use-local-sgd is not supported yet: a skipped step on "
+            "one worker would desynchronise the workers' schedules; use --bf16."
+        )
+
+
+class LocalSGDRuntime:
+    """The live state behind the patches: configs and the EDiT objects of each optimizer."""
+
+    def __init__(
+        self,
+        local_sgd_config: Optional[LocalSGDConfig] = None,
+        outer_optim_config: Optional[OuterOptimizerConfig] = None,
+        gta_config: Optional[GTAConfig] = None,
+        configs_from: Optional[Callable[[], Optional[tuple]]] = None,
+    ):
+        """Either the configs, or ``configs_from``: a callable returning them (or None when
+        local SGD is off), called once when Megatron builds the first DDP (Megatron-LM parses
+        its arguments before that)."""
+        self._configs = None
+        if local_sgd_config is not None:
+            self._configs = (
+                local_sgd_config,
+                outer_optim_config or OuterOptimizerConfig(),
+                gta_config or GTAConfig(),
+            )
+        self._configs_from = configs_from
+        self._resolved = self._configs is not None
+        self.controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.group_owner: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.registered_groups: "weakref.WeakSet" = weakref.WeakSet()
+        self._local_ddp_configs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    @property
+    def configs(self) -> Optional[tuple]:
+        if not self._resolved:
+            self._configs = self._configs_from() if self._configs_from else None
+            self._resolved = True
+        return self._configs
+
+    # --- called from the wrappers -------------------------------------------------------
+    def on_ddp_init(self, ddp) -> None:
+        if self.configs is None:
+            return
+        check_megatron_options(self.configs[0], ddp.config, ddp.ddp_config)
+        if ddp.expert_parallel_bucket_groups:
+            raise NotSupportedYet("--use-local-sgd with MoE expert parameters is not supported yet.")
+        instances = ddp.ddp_config.num_distributed_optimizer_instances
+        if ddp.intra_dp_cp_group.size() * instances != ddp.dp_cp_group.size():
+            raise ConfigError(
+                f"--num-distributed-optimizer-instances={instances} (the number of EDiT workers) "
+                f"must divide the data-parallel size {ddp.dp_cp_group.size()}."
+            )
+        for group in ddp.bucket_groups:
+            self.registered_groups.add(group)
+
+    def on_optimizer_init(self, optimizer) -> None:
+        if self.configs is None:
+            return
+        check_optimizer_options(optimizer)
+        controller = LocalSGD(optimizer, *self.configs)
+        self.controllers[optimizer] = controller
+        for group in controller.group_shards:
+            self.group_owner[group] = controller
+        if torch.distributed.get_rank() == 0:
+            logger.info(
+                "megatron_edit: EDiT on a distributed optimizer with %d buckets, %d workers, "
+                "sync every %d steps after %d warmup steps (%s)",
+                len(controller.shards),
+                controller.num_workers,
+                controller.config.local_sgd_sync_interval,
+                controller.config.local_sgd_warmup_steps,
+                controller.config.sync_mode,
+            )
+
+    def controller_for_group(self, bucket_group) -> Optional[LocalSGD]:
+        controller = self.group_owner.get(bucket_group)
+        if controller is None and bucket_group in self.registered_groups:
+            raise RuntimeError(
+                "megatron_edit: this model was wrapped in DDP with --use-local-sgd, but no "
+                "Megatron DistributedOptimizer was built over it (get_megatron_optimizer with "
+                "use_distributed_optimizer=True); EDiT cannot run and will not silently fall "
+                "back to synchronous training."
+            )
+        return controller
+
+    @contextmanager
+    def worker_local_reduction(self, bucket_group, controller: LocalSGD):
+        """Run one bucket group's gradient reduction inside the worker only.
+
+        Megatron reduce-scatters over the worker, then all-reduces the shard across workers when
+        ``num_distributed_optimizer_instances > 1``. Seen through a copy of the DDP config with
+        one instance, the same code does only the first part; the pre-scaling of gradients
+        (1/DP size unless averaged in the collective) is raised to 1/worker size to match.
+        """
+        ddp_config = bucket_group.ddp_config
+        local_config = self._local_ddp_configs.get(bucket_group)
+        if local_config is None:
+            local_config = dataclasses.replace(ddp_config, num_distributed_optimizer_instances=1)
+            self._local_ddp_configs[bucket_group] = local_config
+        factors = [b.gradient_scaling_factor for b in bucket_group.buckets]
+        if not ddp_config.average_in_collective:
+            for bucket in bucket_group.buckets:
+                bucket.gradient_scaling_factor = bucket.gradient_scaling_factor * controller.num_workers
+        bucket_group.ddp_config = local_config
+        try:
+            yield
+        finally:
+            bucket_group.ddp_config = ddp_config
+            for bucket, factor in zip(bucket_group.buckets, factors):
+                bucket.gradient_scaling_factor = factor
+
+
+def _grad_sync_wrap(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]):
+    def wrap(original):
+        def wrapper(self, *args, **kwargs):
+            runtime = runtime_ref()
+            controller = runtime.controller_for_group(self) if runtime else None
+            if controller is None or not controller.grads_are_local:
+                return original(self, *args, **kwargs)
+            with runtime.worker_local_reduction(self, controller):
+                return original(self, *args, **kwargs)
+
+        return wrapper
+
+    return wrap
+
+
+def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> PatchRegistry:
+    """The patches, bound to whatever runtime ``runtime_ref()`` returns when they run."""
+    registry = PatchRegistry()
+
+    def wrap_ddp_init(original):
+        def wrapper(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            runtime = runtime_ref()
+            if runtime:
+                runtime.on_ddp_init(self)
+
+        return wrapper
+
+    def wrap_optimizer_init(original):
+        def wrapper(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            runtime = runtime_ref()
+            if runtime:
+                runtime.on_optimizer_init(self)
+
+        return wrapper
+
+    def wrap_start_param_sync(original):
+        def wrapper(self, *args, **kwargs):
+            runtime = runtime_ref()
+            controller = runtime.group_owner.get(self) if runtime else None
+            if controller is not None:
+                controller.before_param_gather(self)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    def wrap_step_with_ready_grads(original):
+        def wrapper(self, *args, **kwargs):
+            runtime = runtime_ref()
+            controller = runtime.controllers.get(self) if runtime else None
+            if controller is None:
+                return original(self, *args, **kwargs)
+            controller.begin_step()
+            ok = original(self, *args, **kwargs)
+            controller.end_step(self)
+            return ok
+
+        return wrapper
+
+    def wrap_copy_main_to_model(original):
+        def wrapper(self, *args, **kwargs):
+            runtime = runtime_ref()
+            controller = runtime.controllers.get(self) if runtime else None
+            if controller is not None:
+                controller.after_inner_update()
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    def wrap_flush_first(original):
+        def wrapper(self, *args, **kwargs):
+            runtime = runtime_ref()
+            controller = runtime.controllers.get(self) if runtime else None
+            if controller is not None:
+                controller.flush()
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    v = SUPPORTED
+    registry.add(Patch("ddp-init", f"{_DDP}.__init__", wrap_ddp_init, v,
+                       ("self", "config", "ddp_config", "module", "disable_bucketing", "pg_collection"),
+                       "register DDP bucket groups; reject options incompatible with an outer sync"))
+    registry.add(Patch("distopt-init", f"{_DISTOPT}.__init__", wrap_optimizer_init, v,
+                       ("self", "optimizer", "config", "grad_scaler", "init_state_fn", "model_chunks",
+                        "per_model_buffers", "data_parallel_group"),
+                       "build the sharded EDiT state (anchor, outer optimizer) of each optimizer"))
+    registry.add(Patch("bucket-start-grad-sync", f"{_BUCKET_GROUP}.start_grad_sync",
+                       _grad_sync_wrap(runtime_ref), v, ("self", "force_all_reduce"),
+                       "after warmup: reduce-scatter inside the worker only, averaged over it"))
+    registry.add(Patch("bucket-finish-grad-sync", f"{_BUCKET_GROUP}.finish_grad_sync",
+                       _grad_sync_wrap(runtime_ref), v, ("self", "force_all_reduce"),
+                       "after warmup: wait for the worker-local reduction"))
+    registry.add(Patch("bucket-start-param-sync", f"{_BUCKET_GROUP}.start_param_sync",
+                       wrap_start_param_sync, v, ("self", "force_sync"),
+                       "layer-wise sync: outer step of a bucket group just before its all-gather"))
+    registry.add(Patch("distopt-step-with-ready-grads", f"{_DISTOPT}.step_with_ready_grads",
+                       wrap_step_with_ready_grads, v, ("self",),
+                       "schedule: anchor after warmup, count steps, start a due sync"))
+    registry.add(Patch("distopt-copy-main-to-model", f"{_DISTOPT}._copy_main_params_to_model_params",
+                       wrap_copy_main_to_model, v, ("self",),
+                       "step-end sync between the inner update and the main->model copy"))
+    registry.add(Patch("distopt-sharded-state-dict", f"{_DISTOPT}.sharded_state_dict",
+                       wrap_flush_first, v, ("self", "model_sharded_state_dict", "is_loading"),
+                       "complete a pending layer-wise sync before state is saved"))
+    registry.add(Patch("distopt-state-dict", f"{_DISTOPT}.state_dict", wrap_flush_first, v,
+                       ("self",), "complete a pending layer-wise sync before state is saved"))
+    return registry
+
+
+def get_local_sgd(optimizer, runtime: Optional[LocalSGDRuntime]) -> List[LocalSGD]:
+    """The EDiT objects behind a Megatron optimizer (a ChainedOptimizer holds several)."""
+    if runtime is None:
+        return []
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [runtime.controllers[o] for o in optimizers if o in runtime.controllers]

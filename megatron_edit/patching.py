@@ -1,0 +1,166 @@
+"""A registry of wrap-style runtime patches on Megatron.
+
+Each :class:`Patch` is a declared object: an id, a dotted target, the megatron-core versions it
+supports, the signature it expects of the original, and a factory that wraps the original. The
+registry applies patches idempotently, keeps every original reachable (``wrapper.__wrapped__``
+and :meth:`PatchRegistry.original`), reverts them exactly, and fails loudly when the installed
+Megatron changed the target's signature instead of silently doing nothing.
+
+Nothing here knows about EDiT; :mod:`megatron_edit.megatron_patches` declares the patches.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+
+class PatchError(RuntimeError):
+    """A patch cannot be applied to the installed Megatron."""
+
+
+def _version_tuple(version: str) -> Tuple[int, ...]:
+    parts = []
+    for p in version.split("."):
+        digits = "".join(ch for ch in p if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(p):  # e.g. "1rc0": stop after the numeric prefix
+            break
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class VersionRange:
+    """Inclusive lower bound, exclusive upper bound, on megatron-core's version."""
+
+    minimum: str
+    below: str
+
+    def contains(self, version: str) -> bool:
+        v = _version_tuple(version)
+        return _version_tuple(self.minimum) <= v < _version_tuple(self.below)
+
+    def __str__(self) -> str:
+        return f">={self.minimum},<{self.below}"
+
+
+@dataclass
+class Patch:
+    """One wrap of one Megatron attribute."""
+
+    id: str
+    """Stable name, shown by ``python -m megatron_edit.patches --list``."""
+    target: str
+    """Dotted path ``module:Owner.attr`` or ``module:attr``."""
+    wrap: Callable[[Callable], Callable]
+    """Given the original, returns the replacement (which must call the original)."""
+    versions: VersionRange
+    """megatron-core versions the wrap was written and tested against."""
+    params: Tuple[str, ...]
+    """Parameter names the original must have, in order; a mismatch refuses the patch."""
+    description: str
+
+    def resolve(self) -> Tuple[object, str]:
+        module_name, _, path = self.target.partition(":")
+        owner = importlib.import_module(module_name)
+        *owners, attr = path.split(".")
+        for name in owners:
+            owner = getattr(owner, name)
+        return owner, attr
+
+
+@dataclass
+class _Applied:
+    owner: object
+    attr: str
+    raw_original: object  # as stored in owner.__dict__ (keeps staticmethod/classmethod)
+
+
+@dataclass
+class PatchRegistry:
+    patches: List[Patch] = field(default_factory=list)
+    _applied: Dict[str, _Applied] = field(default_factory=dict)
+
+    def add(self, patch: Patch) -> Patch:
+        if any(p.id == patch.id for p in self.patches):
+            raise ValueError(f"duplicate patch id {patch.id}")
+        self.patches.append(patch)
+        return patch
+
+    def is_applied(self, patch_id: Optional[str] = None) -> bool:
+        if patch_id is None:
+            return bool(self._applied)
+        return patch_id in self._applied
+
+    def check(self, version: str) -> None:
+        """Raise PatchError unless every patch supports ``version`` and finds its target."""
+        for patch in self.patches:
+            if not patch.versions.contains(version):
+                raise PatchError(
+                    f"patch {patch.id} supports megatron-core {patch.versions}, "
+                    f"but {version} is installed"
+                )
+            owner, attr = patch.resolve()
+            if not hasattr(owner, attr):
+                raise PatchError(f"patch {patch.id}: {patch.target} does not exist in {version}")
+            fn = inspect.getattr_static(owner, attr)
+            fn = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
+            fn = inspect.unwrap(fn)
+            got = tuple(inspect.signature(fn).parameters)
+            if got[: len(patch.params)] != patch.params:
+                raise PatchError(
+                    f"patch {patch.id}: {patch.target} has parameters {got}, expected "
+                    f"{patch.params}; this Megatron changed the function, refusing to patch it"
+                )
+
+    def apply(self, version: str) -> List[str]:
+        """Apply every patch not yet applied; returns the ids applied now."""
+        self.check(version)
+        done = []
+        for patch in self.patches:
+            if patch.id in self._applied:
+                continue
+            owner, attr = patch.resolve()
+            raw = inspect.getattr_static(owner, attr)
+            kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+            original = raw.__func__ if kind else raw
+            wrapper = patch.wrap(original)
+            functools.update_wrapper(wrapper, original)
+            wrapper.__wrapped__ = original
+            wrapper._megatron_edit_patch = patch.id
+            setattr(owner, attr, kind(wrapper) if kind else wrapper)
+            self._applied[patch.id] = _Applied(owner, attr, raw)
+            done.append(patch.id)
+        return done
+
+    def revert(self) -> List[str]:
+        """Restore every original, newest first; returns the ids reverted."""
+        done = []
+        for patch in reversed(self.patches):
+            applied = self._applied.pop(patch.id, None)
+            if applied is None:
+                continue
+            setattr(applied.owner, applied.attr, applied.raw_original)
+            done.append(patch.id)
+        return done
+
+    def original(self, patch_id: str) -> Callable:
+        """The unpatched function behind an applied patch."""
+        applied = self._applied[patch_id]
+        raw = applied.raw_original
+        return raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+
+    def table(self) -> List[Tuple[str, str, str, str, str]]:
+        """(id, target, versions, applied, description) per patch."""
+        return [
+            (p.id, p.target, str(p.versions), "yes" if p.id in self._applied else "no", p.description)
+            for p in self.patches
+        ]

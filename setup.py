@@ -1,0 +1,13 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_edit",
+    version="0.1.0",
+    description="EDiT / A-EDiT local SGD for Megatron-LM as runtime patches (arXiv 2412.07210)",
+    packages=find_packages(include=["megatron_edit", "megatron_edit.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned here on purpose: install it first (CPU: torch==2.13.0) so pip does not
+    # pull a CUDA build; megatron-core's partial distributed optimizer is needed.
+    install_requires=["megatron-core>=0.16.0,<0.17", "einops", "numpy"],
+    extras_require={"test": ["pytest", "pytest-timeout", "psutil"]},
+)

@@ -1,0 +1,149 @@
+"""Tiny-GPT building blocks for multi-rank tests on real megatron-core (CPU/gloo).
+
+Everything here runs inside a rank started by ``dist.run_ranks`` (so the CPU adapter is active
+and a gloo process group exists). The model is megatron's own ``GPTModel`` with the local layer
+spec: 2 layers, hidden 32, 4 heads, vocab 64, sequence 16, fp32, no dropout.
+"""
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+
+SEQ_LENGTH = 16
+VOCAB_SIZE = 64
+
+
+def init_parallel_state(tensor_model_parallel_size=1, num_distributed_optimizer_instances=1):
+    """Initialize megatron's parallel_state on the already-initialized default process group."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+    )
+
+
+def tiny_gpt_config(**overrides) -> TransformerConfig:
+    """The tiny fp32, dropout-free TransformerConfig; ``overrides`` replace any field."""
+    fields = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=False,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_tiny_gpt(seed=1234, **config_overrides) -> GPTModel:
+    """A GPTModel whose initial weights depend only on ``seed`` (needs parallel_state set up).
+
+    Seeds both the model-parallel RNG tracker and the CPU generator (on CPU, weight init draws
+    from the latter), so any rank or a world-size-1 process gets identical weights.
+    """
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    return GPTModel(
+        config=tiny_gpt_config(**config_overrides),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=SEQ_LENGTH,
+    )
+
+
+def wrap_ddp(model, **ddp_overrides) -> DistributedDataParallel:
+    """Wrap ``model`` in megatron DDP and wire its hooks into the model config the way
+    Megatron-LM's training loop does (no_sync, finalize_model_grads)."""
+    ddp_config = DistributedDataParallelConfig(**ddp_overrides)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    model.config.no_sync_func = ddp.no_sync
+    model.config.finalize_model_grads_func = finalize_model_grads
+    return ddp
+
+
+def make_batches(num_steps, num_samples, seed=0) -> torch.Tensor:
+    """Deterministic token ids ``[num_steps, num_samples, SEQ_LENGTH + 1]`` (inputs + next token).
+
+    Uses a private generator, so it neither reads nor advances the global RNG.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(
+        0, VOCAB_SIZE, (num_steps, num_samples, SEQ_LENGTH + 1), generator=generator
+    )
+
+
+def gpt_inputs(tokens) -> dict:
+    """Keyword arguments for ``GPTModel.forward`` from ``[b, SEQ_LENGTH + 1]`` token ids.
+
+    The local spec's attention is causal, so no explicit mask is needed.
+    """
+    inputs = tokens[:, :-1].contiguous()
+    position_ids = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+    return dict(
+        input_ids=inputs,
+        position_ids=position_ids,
+        attention_mask=None,
+        labels=tokens[:, 1:].contiguous(),
+    )
+
+
+def _mean_loss(per_token_loss):
+    loss = per_token_loss.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """``forward_step_func`` for ``get_forward_backward_func``: batches are token tensors.
+
+    GPTModel returns the per-token loss ``[b, s]`` when given labels; the loss function averages
+    it over the micro-batch (megatron then divides by the number of micro-batches and DDP averages
+    over data-parallel ranks, so the gradient is that of the mean over all micro-batches).
+    """
+    return model(**gpt_inputs(next(data_iterator))), _mean_loss
+
+
+def train_step(model, optimizer, micro_batches) -> float:
+    """One Megatron training step on this rank's micro-batches ``[n, b, SEQ_LENGTH + 1]``.
+
+    Mirrors Megatron-LM's ``train_step``: zero the grad buffers, forward/backward through the
+    schedule (which calls ``finalize_model_grads``), optimizer step. Returns this rank's mean loss.
+    """
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=SEQ_LENGTH,
+        micro_batch_size=micro_batches.shape[1],
+        forward_only=False,
+    )
+    update_successful, _, _ = optimizer.step()
+    assert update_successful
+    return sum(d["lm loss"].item() for d in losses) / len(losses)
+
+
+def rank_micro_batches(batch, dp_rank, dp_size, num_microbatches=1):
+    """This data-parallel rank's ``[num_microbatches, b, SEQ_LENGTH + 1]`` slice of a global batch
+    ``[num_samples, SEQ_LENGTH + 1]`` (rank r takes the r-th contiguous block of samples)."""
+    per_rank = batch.shape[0] // dp_size
+    mine = batch[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    return mine.reshape(num_microbatches, per_rank // num_microbatches, *mine.shape[1:])
+
+
+def named_params(module) -> dict:
+    """``{name: detached CPU copy}`` of a module's parameters (unwraps DDP's ``.module``)."""
+    module = getattr(module, "module", module)
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
