@@ -151,6 +151,8 @@ def _with_cuda_type_names(fn):
 
 
 # --- (4) RNG ----------------------------------------------------------------------------------------
+# Each replacement is a distinct function object: torch._dynamo keys its trace rules by object
+# identity and fails on one object reachable under names with different rules.
 
 
 def _get_rng_state(device="cuda"):
@@ -162,6 +164,10 @@ def _set_rng_state(new_state, device="cuda"):
 
 
 def _manual_seed(seed):
+    _cuda_rng.manual_seed(int(seed))
+
+
+def _manual_seed_all(seed):
     _cuda_rng.manual_seed(int(seed))
 
 
@@ -219,8 +225,13 @@ class _InertStream:
 _STREAM = _InertStream()
 
 
-def _noop(*args, **kwargs):
-    return None
+def _inert():
+    """A new do-nothing function (a distinct object per replaced name, see the RNG note)."""
+
+    def inert(*args, **kwargs):
+        return None
+
+    return inert
 
 
 # --- activation -----------------------------------------------------------------------------------
@@ -252,16 +263,17 @@ def activate() -> None:
         _replace(cuda, "current_device", lambda: _CPU)
         # Megatron-LM's initialize skips model-parallel setup with 0 devices; set_device is moot.
         _replace(cuda, "device_count", lambda: 1)
-        _replace(cuda, "set_device", _noop)
+        _replace(cuda, "set_device", _inert())
         # (2) device='cuda' literals (grad scaler, found_inf, clip_grads, total_num_tokens, rerun).
         for name in _FACTORIES:
             _replace(torch, name, _cpu_factory(getattr(torch, name)))
         # (2) .cuda() calls (and Module.cuda(), which goes through Tensor.cuda).
         _replace(torch.Tensor, "cuda", _tensor_cuda)
         # (3) the distributed optimizer only accepts params whose type() is a torch.cuda.* name.
-        DO = distrib_optimizer.DistributedOptimizer
-        build = vars(DO)["_build_model_and_main_param_groups"].__func__
-        _replace(DO, "_build_model_and_main_param_groups", classmethod(_with_cuda_type_names(build)))
+        DO, build = distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups"
+        if not isinstance(vars(DO).get(build), classmethod):
+            raise AttributeError(f"cpu_adapter: DistributedOptimizer.{build} is not a classmethod")
+        _replace(DO, build, classmethod(_with_cuda_type_names(vars(DO)[build].__func__)))
         # (3) so does the non-distributed 16-bit optimizer, in its __init__.
         F16 = optimizer.Float16OptimizerWithFloat16Params
         _replace(F16, "__init__", _with_cuda_type_names(F16.__init__))
@@ -274,7 +286,7 @@ def activate() -> None:
             _replace(module, "get_rng_state", _get_rng_state)
             _replace(module, "set_rng_state", _set_rng_state)
             _replace(module, "manual_seed", _manual_seed)  # CPU build would queue it forever
-            _replace(module, "manual_seed_all", _manual_seed)  # also reached via torch.manual_seed
+            _replace(module, "manual_seed_all", _manual_seed_all)  # torch.manual_seed calls it
         _replace(cuda, "default_generators", (_cuda_rng,))
         # (4) megatron's own setter goes through torch.cuda._lazy_call, which never runs on CPU.
         _replace(mc_random, "_set_cuda_rng_state", _megatron_set_cuda_rng_state)
@@ -284,8 +296,8 @@ def activate() -> None:
         _replace(cuda, "stream", lambda stream=None: contextlib.nullcontext())
         _replace(cuda, "current_stream", lambda device=None: _STREAM)
         _replace(cuda, "default_stream", lambda device=None: _STREAM)
-        _replace(cuda, "synchronize", _noop)
-        _replace(cuda, "empty_cache", _noop)
+        _replace(cuda, "synchronize", _inert())
+        _replace(cuda, "empty_cache", _inert())
     except BaseException:
         deactivate()
         raise

@@ -33,12 +33,7 @@ import torch
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import (
-    IndexedDataset,
-    IndexedDatasetBuilder,
-    get_bin_path,
-    get_idx_path,
-)
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 # Modules whose public names and docstrings are the same on every standard CPython 3.11 build.

@@ -125,6 +125,7 @@ class LocalSGDRuntime:
         self.group_owner: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.registered_groups: "weakref.WeakSet" = weakref.WeakSet()
         self._local_ddp_configs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._reducing_locally: "weakref.WeakSet" = weakref.WeakSet()
 
     @property
     def configs(self) -> Optional[tuple]:
@@ -188,6 +189,11 @@ class LocalSGDRuntime:
         one instance, the same code does only the first part; the pre-scaling of gradients
         (1/DP size unless averaged in the collective) is raised to 1/worker size to match.
         """
+        if bucket_group in self._reducing_locally:
+            # finish_grad_sync calls start_grad_sync itself (first batch, or no overlap): the
+            # outer call already switched this group; scaling twice would double the gradients.
+            yield
+            return
         ddp_config = bucket_group.ddp_config
         local_config = self._local_ddp_configs.get(bucket_group)
         if local_config is None:
@@ -198,9 +204,11 @@ class LocalSGDRuntime:
             for bucket in bucket_group.buckets:
                 bucket.gradient_scaling_factor = bucket.gradient_scaling_factor * controller.num_workers
         bucket_group.ddp_config = local_config
+        self._reducing_locally.add(bucket_group)
         try:
             yield
         finally:
+            self._reducing_locally.discard(bucket_group)
             bucket_group.ddp_config = ddp_config
             for bucket, factor in zip(bucket_group.buckets, factors):
                 bucket.gradient_scaling_factor = factor

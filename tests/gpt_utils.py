@@ -39,7 +39,10 @@ def tiny_gpt_config(**overrides) -> TransformerConfig:
         num_attention_heads=4,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=False,
+        # Megatron's CPU init path: the full weight is drawn from the CPU generator and this TP
+        # rank's slice kept, so init does not depend on TP size (and skips the RNG-tracker fork,
+        # which on CPU would log "CPU RNG state changed" for every layer).
+        use_cpu_initialization=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
     )
     fields.update(overrides)
@@ -100,7 +103,8 @@ def gpt_inputs(tokens) -> dict:
 
 def _mean_loss(per_token_loss):
     loss = per_token_loss.float().mean()
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss in place by the number of micro-batches
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
@@ -132,6 +136,8 @@ def train_step(model, optimizer, micro_batches) -> float:
     )
     update_successful, _, _ = optimizer.step()
     assert update_successful
+    if not losses:  # not the last pipeline stage: no loss here
+        return float("nan")
     return sum(d["lm loss"].item() for d in losses) / len(losses)
 
 

@@ -35,7 +35,7 @@ def datasets(prefix):
 def test_compiled_dataset_helpers_import():
     from megatron.core.datasets import helpers_cpp
 
-    assert hasattr(helpers_cpp, "build_sample_idx")
+    assert hasattr(helpers_cpp, "build_sample_idx_int32")
 
 
 def test_corpus_is_substantial_english_text(corpus):

@@ -1,0 +1,257 @@
+"""Training runs for the EDiT tests: real megatron-core on CPU/gloo, and the plain-PyTorch
+simulation of the algorithm they are checked against.
+
+``megatron_runs`` runs inside every rank of a ``dist.run_ranks`` job: it sets up Megatron's
+parallel state once, then trains one model per spec (EDiT when the spec has a ``local_sgd``
+config, otherwise plain Megatron with the patches removed) on the same data, and returns what
+the tests compare. ``simulate_edit`` is an independent implementation of EDiT in plain PyTorch
+(one model copy and one AdamW per worker, no Megatron optimizer, no DDP).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from gpt_utils import (
+    VOCAB_SIZE,
+    SEQ_LENGTH,
+    build_tiny_gpt,
+    gpt_inputs,
+    make_batches,
+    named_params,
+    rank_micro_batches,
+    tiny_gpt_config,
+    train_step,
+    wrap_ddp,
+)
+
+LR = 1e-2
+MICRO_BATCH = 2
+
+
+def default_spec(**overrides) -> dict:
+    spec = dict(
+        steps=8,
+        local_sgd=None,  # dict of LocalSGDConfig fields, or None for plain Megatron
+        outer=None,  # dict of OuterOptimizerConfig fields
+        instances=2,  # Megatron's num_distributed_optimizer_instances (the EDiT workers)
+        bucket_size=3000,  # small: several buckets per model
+        overlap_param_gather=True,
+        snapshot_every_step=False,
+        traffic=False,
+        data_seed=0,
+    )
+    spec.update(overrides)
+    return spec
+
+
+def _optimizer(ddp):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=True
+    )
+    return get_megatron_optimizer(config, [ddp])
+
+
+def _build(spec, tp, pp):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if pp == 1:
+        model = build_tiny_gpt()
+    else:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+        torch.manual_seed(1234)
+        model = GPTModel(
+            config=tiny_gpt_config(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32),
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=VOCAB_SIZE,
+            max_sequence_length=SEQ_LENGTH,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+        )
+    ddp = wrap_ddp(
+        model,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=spec["overlap_param_gather"],
+        num_distributed_optimizer_instances=spec["instances"],
+        bucket_size=spec["bucket_size"],
+    )
+    return ddp, _optimizer(ddp)
+
+
+class TrafficLog:
+    """Records every collective whose group spans more than one EDiT worker."""
+
+    NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+             "all_gather", "reduce_scatter", "send", "recv", "isend", "irecv", "barrier")
+
+    def __init__(self, worker_of_rank: Dict[int, int]):
+        import megatron.core.distributed.param_and_grad_buffer as pgb
+        import torch.distributed as dist
+
+        self.worker_of_rank = worker_of_rank
+        self.events: List[tuple] = []
+        self.phase = "setup"
+        self._saved = []
+        for name in self.NAMES:
+            self._wrap(dist, name)
+        for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+            self._wrap(pgb, name)
+
+    def _wrap(self, owner, name):
+        import torch.distributed as dist
+
+        original = getattr(owner, name)
+        log = self
+
+        def wrapper(*args, **kwargs):
+            group = kwargs.get("group")
+            ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+            if len({log.worker_of_rank[r] for r in ranks}) > 1 and name != "send" and name != "recv":
+                tensor = args[0] if args and torch.is_tensor(args[0]) else kwargs.get("tensor")
+                numel = tensor.numel() if torch.is_tensor(tensor) else -1
+                log.events.append((log.phase, name, tuple(ranks), numel))
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, wrapper)
+
+    def close(self):
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+
+
+def _train(rank, spec, tp, pp):
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    if spec["local_sgd"] is not None:
+        me.patch_megatron_for_local_sgd(
+            me.LocalSGDConfig(**spec["local_sgd"]),
+            me.OuterOptimizerConfig(**spec["outer"]) if spec["outer"] else None,
+        )
+    else:
+        me.unpatch_megatron_for_local_sgd()
+    ddp, optimizer = _build(spec, tp, pp)
+
+    dp = ps.get_data_parallel_world_size()
+    dp_rank = ps.get_data_parallel_rank()
+    num_mb = 2 if pp > 1 else 1
+    # data_dp: how many data-parallel ranks the data is cut for (a smaller job can replay the
+    # micro-batches of the first ranks of a larger one).
+    data_dp = spec.get("data_dp") or dp
+    batches = make_batches(spec["steps"], data_dp * MICRO_BATCH * num_mb, seed=spec["data_seed"])
+    worker_size = dp // spec["instances"]
+    traffic = None
+    if spec["traffic"]:
+        world = torch.distributed.get_world_size()
+        # Instances are contiguous blocks of the data-parallel group; map global ranks to them.
+        dp_ranks = torch.tensor([dp_rank])
+        all_dp = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+        torch.distributed.all_gather(all_dp, dp_ranks)
+        traffic = TrafficLog({r: int(all_dp[r]) // worker_size for r in range(world)})
+
+    out = dict(losses=[], snapshots={}, dp_rank=dp_rank, tp_rank=ps.get_tensor_model_parallel_rank(),
+               pp_rank=ps.get_pipeline_model_parallel_rank(), worker=dp_rank // worker_size)
+    controllers = me.get_local_sgd(optimizer)
+    for step in range(1, spec["steps"] + 1):
+        if traffic:
+            traffic.phase = f"step {step}"
+        micro = rank_micro_batches(batches[step - 1], dp_rank, data_dp, num_microbatches=num_mb)
+        out["losses"].append(train_step(ddp, optimizer, micro))
+        if traffic:
+            traffic.phase = f"after step {step}"
+        if controllers and step == spec.get("record_anchor_at_step"):
+            out["anchor"] = [s.anchor.clone() for s in controllers[0].shards]
+        if controllers and step == spec.get("record_mains_at_step"):
+            out["mains"] = [s.read_current(torch.empty(s.numel)) for s in controllers[0].shards]
+        if spec["snapshot_every_step"]:
+            ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync too
+            out["snapshots"][step] = named_params(ddp)
+    ddp.start_param_sync(force_sync=True)
+    if traffic:
+        traffic.close()
+        out["traffic"] = traffic.events
+    out["params"] = named_params(ddp)
+    if controllers:
+        c = controllers[0]
+        out["reports"] = c.drain_reports()
+        out["shard_numels"] = [s.numel for s in c.shards]
+        out["groups_per_sync"] = len(c.group_order)
+        out["state_bytes"] = c.state_bytes()
+        out["sync_group_ranks"] = (
+            None if c.sync_group.group is None else torch.distributed.get_process_group_ranks(c.sync_group.group)
+        )
+        out["anchor_devices"] = sorted({str(s.anchor.device) for s in c.shards if s.anchor is not None})
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+def megatron_runs(rank, world_size, specs, tp=1, pp=1):
+    """Set up parallel state once, then one training run per spec; returns their results."""
+    from megatron.core import parallel_state as ps
+
+    instances = {s["instances"] for s in specs}
+    assert len(instances) == 1, "one parallel layout per job"
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_distributed_optimizer_instances=instances.pop(),
+    )
+    out = dict(
+        tp_group=torch.distributed.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
+        pp_group=torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+        runs=[_train(rank, spec, tp, pp) for spec in specs],
+    )
+    out["tp_group_after"] = torch.distributed.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    out["pp_group_after"] = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    return out
+
+
+def simulate_edit(rank, world_size, spec, dp_size):
+    """EDiT in plain PyTorch: ``instances`` model copies, each with torch AdamW, fed the samples
+    of its worker's data-parallel ranks; synchronous warmup; outer optimizer on the anchor."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    cfg = spec["local_sgd"]
+    warmup, interval = cfg.get("local_sgd_warmup_steps", 0), cfg.get("local_sgd_sync_interval", 1)
+    outer_kwargs = (spec["outer"] or {}).get("outer_optim_kwargs", {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+    outer_cls = getattr(torch.optim, (spec["outer"] or {}).get("outer_optim_class", "torch.optim.SGD").split(".")[-1])
+    n = spec["instances"]
+    models = [build_tiny_gpt() for _ in range(n)]  # same seed: identical initial weights
+    inner = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0) for m in models]
+    batches = make_batches(spec["steps"], dp_size * MICRO_BATCH, seed=spec["data_seed"])
+    per_worker = batches.shape[1] // n
+    anchor, outer_opt = None, None
+
+    def loss_of(model, tokens):
+        return model(**gpt_inputs(tokens)).float().mean()
+
+    for step in range(1, spec["steps"] + 1):
+        if anchor is None and step - 1 >= warmup:
+            anchor = [p.detach().clone() for p in models[0].parameters()]
+            outer_opt = outer_cls(anchor, **outer_kwargs)
+        for w, (model, opt) in enumerate(zip(models, inner)):
+            opt.zero_grad()
+            tokens = batches[step - 1] if step <= warmup else batches[step - 1][w * per_worker : (w + 1) * per_worker]
+            loss_of(model, tokens).backward()
+            opt.step()
+        if step > warmup and (step - warmup) % interval == 0:
+            with torch.no_grad():
+                for i, a in enumerate(anchor):
+                    deltas = [a - list(m.parameters())[i] for m in models]
+                    a.grad = torch.stack(deltas).mean(0)
+                outer_opt.step()
+                for m in models:
+                    for p, a in zip(m.parameters(), anchor):
+                        p.copy_(a)
+    return [named_params(m) for m in models]
