@@ -78,8 +78,17 @@ def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_co
         )
 
 
-def check_optimizer_options(optimizer) -> None:
-    config = optimizer.config
+def check_workers(data_parallel_size: int, num_workers: int) -> None:
+    """The workers (distributed-optimizer instances) must split data parallelism evenly."""
+    if num_workers < 1 or data_parallel_size % num_workers != 0:
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances={num_workers} (the number of EDiT workers) "
+            f"must divide the data-parallel size {data_parallel_size}."
+        )
+
+
+def check_optimizer_options(config, has_grad_scaler: bool) -> None:
+    """Reject optimizer options (megatron.core OptimizerConfig) that cannot work with EDiT."""
     if getattr(config, "use_precision_aware_optimizer", False):
         raise ConfigError(
             "--use-local-sgd does not work with --use-precision-aware-optimizer: that optimizer "
@@ -92,7 +101,7 @@ def check_optimizer_options(optimizer) -> None:
         )
     if getattr(config, "optimizer_cpu_offload", False):
         raise NotSupportedYet("--optimizer-cpu-offload with --use-local-sgd is not supported yet.")
-    if getattr(optimizer, "grad_scaler", None) is not None:
+    if has_grad_scaler:
         raise NotSupportedYet(
             "fp16 with loss scaling and --use-local-sgd is not supported yet: a skipped step on "
             "one worker would desynchronise the workers' schedules; use --bf16."
@@ -141,19 +150,14 @@ class LocalSGDRuntime:
         check_megatron_options(self.configs[0], ddp.config, ddp.ddp_config)
         if ddp.expert_parallel_bucket_groups:
             raise NotSupportedYet("--use-local-sgd with MoE expert parameters is not supported yet.")
-        instances = ddp.ddp_config.num_distributed_optimizer_instances
-        if ddp.intra_dp_cp_group.size() * instances != ddp.dp_cp_group.size():
-            raise ConfigError(
-                f"--num-distributed-optimizer-instances={instances} (the number of EDiT workers) "
-                f"must divide the data-parallel size {ddp.dp_cp_group.size()}."
-            )
+        check_workers(ddp.dp_cp_group.size(), ddp.ddp_config.num_distributed_optimizer_instances)
         for group in ddp.bucket_groups:
             self.registered_groups.add(group)
 
     def on_optimizer_init(self, optimizer) -> None:
         if self.configs is None:
             return
-        check_optimizer_options(optimizer)
+        check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None)
         controller = LocalSGD(optimizer, *self.configs)
         self.controllers[optimizer] = controller
         for group in controller.group_shards:

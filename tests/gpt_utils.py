@@ -23,11 +23,19 @@ SEQ_LENGTH = 16
 VOCAB_SIZE = 64
 
 
-def init_parallel_state(tensor_model_parallel_size=1, num_distributed_optimizer_instances=1):
-    """Initialize megatron's parallel_state on the already-initialized default process group."""
+def init_parallel_state(
+    tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    num_distributed_optimizer_instances=1,
+    **kwargs,
+):
+    """Initialize megatron's parallel_state on the already-initialized default process group
+    (``kwargs`` go to ``parallel_state.initialize_model_parallel`` unchanged)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        **kwargs,
     )
 
 

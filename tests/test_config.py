@@ -1,0 +1,263 @@
+"""megatron_edit.config: every check names the option and its flag; unbuilt options refuse."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from megatron_edit.config import (
+    FLAG_NAMES,
+    ConfigError,
+    GTAConfig,
+    LocalSGDConfig,
+    NotSupportedYet,
+    OuterOptimizerConfig,
+    replace,
+    resolve_optimizer_class,
+)
+
+
+def _raises(cls, exc, field_name, **kwargs):
+    """Construct ``cls(**kwargs)``, expect ``exc`` (exactly) naming the field and its flag."""
+    with pytest.raises(ConfigError) as info:
+        cls(**kwargs)
+    assert type(info.value) is exc, f"{kwargs}: got {type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    assert field_name in message, message
+    assert FLAG_NAMES[field_name] in message, message
+    return message
+
+
+# --- LocalSGDConfig -------------------------------------------------------------------------
+
+
+def test_local_sgd_defaults():
+    cfg = LocalSGDConfig()
+    assert cfg.local_sgd_sync_interval == 1
+    assert cfg.local_sgd_warmup_steps == 0
+    assert cfg.gradient_accumulation_steps == 1
+    assert cfg.sync_mode == "layerwise"
+    assert cfg.use_async is False and cfg.skip_anomaly is False
+    assert cfg.clip_pseudo_grad is None and cfg.weight_softmax_temperature is None
+    assert cfg.cpu_offload is False
+
+
+@pytest.mark.parametrize(
+    "field_name, value",
+    [
+        ("local_sgd_sync_interval", 0),
+        ("local_sgd_sync_interval", -3),
+        ("local_sgd_sync_interval", 2.0),
+        ("local_sgd_warmup_steps", -1),
+        ("local_sgd_warmup_steps", 1.5),
+        ("gradient_accumulation_steps", 2),
+        ("gradient_accumulation_steps", 0),
+        ("local_sgd_sync_time", 0.0),
+        ("local_sgd_sync_time", -5.0),
+        ("local_sgd_sync_time", math.inf),
+        ("local_sgd_sync_time", math.nan),
+        ("min_total_global_steps", -1),
+        ("step_weight_ratio", -0.1),
+        ("step_weight_ratio", 1.5),
+        ("clip_pseudo_grad", 0.0),
+        ("clip_pseudo_grad", -1.0),
+        ("clip_pseudo_grad", math.inf),
+        ("weight_softmax_temperature", 0.0),
+        ("weight_softmax_temperature", -2.0),
+        ("ewma_alpha", 0.0),
+        ("ewma_alpha", 1.5),
+        ("ewma_warmup_steps", -1),
+        ("ewma_threshold", 0.0),
+        ("sync_mode", "bogus"),
+        ("sync_mode", "LAYERWISE"),
+    ],
+)
+def test_local_sgd_bad_value_names_option_and_flag(field_name, value):
+    message = _raises(LocalSGDConfig, ConfigError, field_name, **{field_name: value})
+    assert repr(value) in message  # the message shows what was given
+
+
+def test_sync_mode_message_lists_choices():
+    message = _raises(LocalSGDConfig, ConfigError, "sync_mode", sync_mode="async")
+    assert "layerwise" in message and "step_end" in message
+
+
+def test_gradient_accumulation_message_says_what_to_use_instead():
+    message = _raises(LocalSGDConfig, ConfigError, "gradient_accumulation_steps",
+                      gradient_accumulation_steps=4)
+    assert "--global-batch-size" in message
+
+
+@pytest.mark.parametrize(
+    "field_name, value",
+    [
+        ("use_async", True),
+        ("use_step_weight", True),
+        ("clip_pseudo_grad", 1.0),
+        ("pseudo_gradnorm_reduce", True),
+        ("weight_softmax_temperature", 0.5),
+        ("skip_anomaly", True),
+    ],
+)
+def test_unbuilt_local_sgd_options_refuse(field_name, value):
+    message = _raises(LocalSGDConfig, NotSupportedYet, field_name, **{field_name: value})
+    assert "not supported yet" in message
+
+
+def test_not_supported_yet_is_a_config_error():
+    assert issubclass(NotSupportedYet, ConfigError)
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(local_sgd_sync_interval=8, local_sgd_warmup_steps=100, sync_mode="step_end"),
+        dict(cpu_offload=True, is_debug=True, local_sgd_sync_time=1.5, step_weight_ratio=1.0),
+        dict(ewma_alpha=1.0, ewma_warmup_steps=0, ewma_threshold=0.5, min_total_global_steps=0),
+    ],
+)
+def test_valid_local_sgd_values_are_kept(changes):
+    cfg = LocalSGDConfig(**changes)
+    assert {k: getattr(cfg, k) for k in changes} == changes
+
+
+def test_replace_revalidates():
+    cfg = LocalSGDConfig(local_sgd_sync_interval=4)
+    assert replace(cfg, local_sgd_warmup_steps=3).local_sgd_warmup_steps == 3
+    with pytest.raises(ConfigError, match="--local-sgd-sync-interval"):
+        replace(cfg, local_sgd_sync_interval=0)
+
+
+def test_every_field_has_a_flag_and_every_flag_a_field():
+    fields = {
+        f.name
+        for cls in (LocalSGDConfig, OuterOptimizerConfig, GTAConfig)
+        for f in dataclasses.fields(cls)
+    }
+    assert fields == set(FLAG_NAMES)
+    assert all(flag.startswith("--") for flag in FLAG_NAMES.values())
+
+
+# --- OuterOptimizerConfig -------------------------------------------------------------------
+
+
+def test_outer_optimizer_default_is_nesterov_sgd():
+    cfg = OuterOptimizerConfig()
+    assert cfg.optimizer_class is torch.optim.SGD
+    assert cfg.outer_optim_kwargs == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    # default_factory: two configs never share (and mutate) one dict
+    assert OuterOptimizerConfig().outer_optim_kwargs is not cfg.outer_optim_kwargs
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("sgd", torch.optim.SGD),
+        ("SGD", torch.optim.SGD),
+        ("adam", torch.optim.Adam),
+        ("adamw", torch.optim.AdamW),
+        ("AdamW", torch.optim.AdamW),
+        ("torch.optim.SGD", torch.optim.SGD),
+        ("torch.optim.RMSprop", torch.optim.RMSprop),
+        (torch.optim.Adam, torch.optim.Adam),
+    ],
+)
+def test_optimizer_class_resolves(spec, expected):
+    assert resolve_optimizer_class(spec) is expected
+    cfg = OuterOptimizerConfig(outer_optim_class=spec, outer_optim_kwargs={"lr": 0.5})
+    assert cfg.optimizer_class is expected
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["bogus", "torch.optim.NoSuchOptimizer", "no_such_module.Optimizer", "", "torch.optim.",
+     "torch.nn.Linear", "torch.zeros", torch.nn.Linear, 42],
+)
+def test_bad_optimizer_class(spec):
+    message = _raises(OuterOptimizerConfig, ConfigError, "outer_optim_class",
+                      outer_optim_class=spec, outer_optim_kwargs={"lr": 1.0})
+    assert "sgd" in message or "Optimizer" in message
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"lr": -1}, "lr must be > 0"),
+        ({"lr": 0}, "lr must be > 0"),
+        ({"lr": "0.1"}, "lr must be > 0"),
+        ({"lr": math.nan}, "lr must be > 0"),
+        ({"lr": 0.7, "bogus": 1}, "bogus"),
+        ({"lr": 0.7, "momentum": -0.5}, "momentum"),
+        # torch: Nesterov needs a momentum
+        ({"lr": 0.7, "momentum": 0.0, "nesterov": True}, "Nesterov"),
+    ],
+)
+def test_bad_outer_kwargs(kwargs, fragment):
+    message = _raises(OuterOptimizerConfig, ConfigError, "outer_optim_kwargs",
+                      outer_optim_kwargs=kwargs)
+    assert "--outer-optimizer-lr" in message
+    assert fragment in message
+
+
+def test_outer_kwargs_must_be_a_dict():
+    message = _raises(OuterOptimizerConfig, ConfigError, "outer_optim_kwargs",
+                      outer_optim_kwargs=[("lr", 0.1)])
+    assert "dict" in message
+
+
+def test_sgd_kwargs_do_not_fit_adam():
+    # The default kwargs are SGD's: Adam has no momentum/nesterov, and says so at construction.
+    message = _raises(OuterOptimizerConfig, ConfigError, "outer_optim_kwargs",
+                      outer_optim_class="adam")
+    assert "Adam" in message
+
+
+def test_plain_averaging_config():
+    cfg = OuterOptimizerConfig("sgd", {"lr": 1.0})
+    assert cfg.optimizer_class is torch.optim.SGD and cfg.outer_optim_kwargs == {"lr": 1.0}
+
+
+# --- GTAConfig ------------------------------------------------------------------------------
+
+
+def test_gta_defaults():
+    cfg = GTAConfig()
+    assert (cfg.reducer, cfg.consensus_method, cfg.sparsification_method) == ("linear", None, None)
+    assert cfg.normalize is True and cfg.density == 1.0 and cfg.int8_mask is False
+
+
+@pytest.mark.parametrize(
+    "field_name, value",
+    [
+        ("reducer", "mean"),
+        ("consensus_method", "majority"),
+        ("sparsification_method", "topk"),
+        ("density", 0.0),
+        ("density", -0.5),
+        ("density", 1.5),
+    ],
+)
+def test_gta_bad_value(field_name, value):
+    message = _raises(GTAConfig, ConfigError, field_name, **{field_name: value})
+    assert repr(value) in message
+
+
+@pytest.mark.parametrize(
+    "field_name, value",
+    [("consensus_method", "sum"), ("sparsification_method", "magnitude"), ("density", 0.5)],
+)
+def test_gta_options_need_the_gta_reducer(field_name, value):
+    message = _raises(GTAConfig, ConfigError, field_name, **{field_name: value})
+    assert "gta" in message
+
+
+def test_gta_reducer_not_supported_yet():
+    message = _raises(GTAConfig, NotSupportedYet, "reducer", reducer="gta")
+    assert "not supported yet" in message
+
+
+def test_gta_flags_that_are_harmless_with_linear():
+    cfg = GTAConfig(normalize=False, int8_mask=True)
+    assert cfg.normalize is False and cfg.int8_mask is True
