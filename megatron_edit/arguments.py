@@ -19,6 +19,7 @@ from .config import (
     GTAConfig,
     LocalSGDConfig,
     OuterOptimizerConfig,
+    resolve_optimizer_class,
 )
 
 
@@ -112,8 +113,10 @@ def configs_from_args(
         is_debug=args.local_sgd_debug,
         sync_mode=args.local_sgd_sync_mode,
     )
+    import torch
+
     kwargs = {"lr": args.outer_optimizer_lr}
-    if args.outer_optimizer.lower() == "sgd":
+    if issubclass(resolve_optimizer_class(args.outer_optimizer), torch.optim.SGD):
         kwargs.update(momentum=args.outer_optimizer_momentum, nesterov=args.outer_optimizer_nesterov)
     if args.outer_optimizer_kwargs is not None:
         if not isinstance(args.outer_optimizer_kwargs, dict):

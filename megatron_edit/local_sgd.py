@@ -93,6 +93,19 @@ class SyncReport:
     seconds: float
     """Time this rank spent in EDiT code for the sync (launch, wait, outer step, copies)."""
     workers: int
+    steps_since_last: int = 0
+    """Inner steps since the previous sync (H for synchronous EDiT)."""
+    outer_lr: float = 0.0
+
+    def scalars(self) -> Dict[str, float]:
+        """Flat name -> value, for Megatron's console line and TensorBoard / W&B writers."""
+        return {
+            "local-sgd/sync-seconds": self.seconds,
+            "local-sgd/sync-bytes": float(self.payload_bytes),
+            "local-sgd/steps-since-last-sync": float(self.steps_since_last),
+            "local-sgd/outer-lr": self.outer_lr,
+            "local-sgd/workers": float(self.workers),
+        }
 
 
 @dataclass
@@ -118,6 +131,7 @@ class LocalSGD:
         self.steps_done = 0
         self.reports: List[SyncReport] = []
         self._sync: Optional[_SyncInProgress] = None
+        self._last_sync_step = self.config.local_sgd_warmup_steps
         self._in_step = False
         self._synced_in_step = False
 
@@ -263,7 +277,10 @@ class LocalSGD:
             payload_bytes=self.sync_group.counters.payload_bytes - sync.bytes_at_start,
             seconds=sync.seconds,
             workers=self.sync_group.size,
+            steps_since_last=sync.step - self._last_sync_step,
+            outer_lr=float(self.outer_optimizer.param_groups[0]["lr"]),
         )
+        self._last_sync_step = sync.step
         self.reports.append(report)
         if self.config.is_debug:
             logger.info("rank %d: %s", torch.distributed.get_rank(), report)

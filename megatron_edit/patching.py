@@ -70,10 +70,13 @@ class Patch:
 
     def resolve(self) -> Tuple[object, str]:
         module_name, _, path = self.target.partition(":")
-        owner = importlib.import_module(module_name)
         *owners, attr = path.split(".")
-        for name in owners:
-            owner = getattr(owner, name)
+        try:
+            owner = importlib.import_module(module_name)
+            for name in owners:
+                owner = getattr(owner, name)
+        except (ImportError, AttributeError) as e:
+            raise PatchError(f"patch {self.id}: cannot find {self.target} ({e})") from e
         return owner, attr
 
 
@@ -82,6 +85,7 @@ class _Applied:
     owner: object
     attr: str
     raw_original: object  # as stored in owner.__dict__ (keeps staticmethod/classmethod)
+    inherited: bool  # the original came from a base class: revert deletes instead of setting
 
 
 @dataclass
@@ -130,6 +134,7 @@ class PatchRegistry:
                 continue
             owner, attr = patch.resolve()
             raw = inspect.getattr_static(owner, attr)
+            inherited = attr not in vars(owner)
             kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
             original = raw.__func__ if kind else raw
             wrapper = patch.wrap(original)
@@ -137,7 +142,7 @@ class PatchRegistry:
             wrapper.__wrapped__ = original
             wrapper._megatron_edit_patch = patch.id
             setattr(owner, attr, kind(wrapper) if kind else wrapper)
-            self._applied[patch.id] = _Applied(owner, attr, raw)
+            self._applied[patch.id] = _Applied(owner, attr, raw, inherited)
             done.append(patch.id)
         return done
 
@@ -148,7 +153,10 @@ class PatchRegistry:
             applied = self._applied.pop(patch.id, None)
             if applied is None:
                 continue
-            setattr(applied.owner, applied.attr, applied.raw_original)
+            if applied.inherited:
+                delattr(applied.owner, applied.attr)
+            else:
+                setattr(applied.owner, applied.attr, applied.raw_original)
             done.append(patch.id)
         return done
 
