@@ -73,11 +73,28 @@ def patch_megatron_for_local_sgd(
         configs_from=None if local_sgd_config is not None else _configs_from_megatron_args,
     )
     if _Session.registry is None:
-        _Session.registry = build_registry(lambda: _Session.runtime)
+        registry = build_registry(lambda: _Session.runtime)
+        _add_training_patches(registry)
+        _Session.registry = registry
     applied = _Session.registry.apply(version)
     if applied:
         _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
     return [p.id for p in _Session.registry.patches if _Session.registry.is_applied(p.id)]
+
+
+# --- Megatron-LM's megatron.training (repository only, not on PyPI): see training_patches.py
+def _add_training_patches(registry: PatchRegistry) -> None:
+    """Flags, validation and metrics in Megatron-LM's training code, when it is importable."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        from .training_patches import add_training_patches
+
+        add_training_patches(registry, lambda: _Session.runtime)
 
 
 def unpatch_megatron_for_local_sgd() -> List[str]:

@@ -55,3 +55,31 @@ class SyncGroup:
         self.counters.payload_bytes += tensor.numel() * tensor.element_size()
         handle = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return handle if async_op else _Done()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[workers, *tensor.shape]``: every worker's ``tensor`` (blocking; small tensors)."""
+        if self.size == 1:
+            return tensor.unsqueeze(0).clone()
+        self.counters.collectives += 1
+        self.counters.payload_bytes += tensor.numel() * tensor.element_size() * self.size
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+
+class WorkerGroups:
+    """Collectives inside one worker: over its model-shard group and its tensor-parallel group.
+
+    A layer's norm on a worker sums the squares of every shard (model-shard group) and every
+    tensor-parallel slice (tensor-parallel group) of it; nothing here crosses workers.
+    """
+
+    def __init__(self, shard_group: Optional[dist.ProcessGroup], tp_group: Optional[dist.ProcessGroup]):
+        self.groups = [
+            g for g in (shard_group, tp_group) if g is not None and dist.get_world_size(g) > 1
+        ]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        for group in self.groups:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor

@@ -215,14 +215,11 @@ class LocalSGDConfig:
             raise _not_yet("use_async", "A-EDiT (time-based synchronisation)")
         if self.use_step_weight:
             raise _not_yet("use_step_weight", "step-share weighting (A-EDiT)")
-        if self.clip_pseudo_grad is not None:
-            raise _not_yet("clip_pseudo_grad", "pseudo-gradient clipping")
-        if self.pseudo_gradnorm_reduce:
-            raise _not_yet("pseudo_gradnorm_reduce", "norm-weighted averaging")
-        if self.weight_softmax_temperature is not None:
-            raise _not_yet("weight_softmax_temperature", "norm-weighted averaging")
-        if self.skip_anomaly:
-            raise _not_yet("skip_anomaly", "anomaly elimination")
+        if self.weight_softmax_temperature is not None and not self.pseudo_gradnorm_reduce:
+            raise ConfigError(
+                f"{_name('weight_softmax_temperature')}: only used with norm-weighted averaging; "
+                f"add {FLAG_NAMES['pseudo_gradnorm_reduce']}."
+            )
 
 
 # Short names accepted by --outer-optimizer.

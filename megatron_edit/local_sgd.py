@@ -1,4 +1,4 @@
-"""Synchronous EDiT on Megatron's distributed optimizer (arXiv 2412.07210, Sec. 3.1-3.2).
+"""Synchronous EDiT on Megatron's distributed optimizer (arXiv 2412.07210, Sec. 3).
 
 A *worker* is one instance of Megatron's partial distributed optimizer
 (``num_distributed_optimizer_instances`` workers). Inside a worker the ranks form the
@@ -9,9 +9,16 @@ pseudo-gradient exchange every H steps.
 
 :class:`LocalSGD` holds the EDiT state of one ``DistributedOptimizer``: per bucket, this rank's
 shard of the anchor and of the outer optimizer state (so 2 x 4 bytes x params / shard size per
-rank), and the schedule. It is attached to Megatron by :mod:`megatron_edit.megatron_patches`;
-this module only uses the objects it is given (buckets, bucket groups, main params and the
-process groups they carry), never ``parallel_state``.
+rank), the penalty's statistics, and the schedule. It is attached to Megatron by
+:mod:`megatron_edit.megatron_patches`; this module only uses the objects it is given (buckets,
+bucket groups, main params and the process groups they carry), never ``parallel_state``.
+
+One sync, per bucket shard: Delta_i = anchor - current; reduced across the sync group to one
+Delta (the mean, or with the penalty a per-layer weighted mean over the workers not excluded,
+then clipped per layer); the outer optimizer steps the anchor with Delta as its gradient; the
+main params restart from the anchor. The penalty's per-layer norms of every worker are
+exchanged once per sync (one small all-gather for all layers) before the buckets, so every rank
+of every worker takes the same decisions (:mod:`megatron_edit.penalty`).
 
 Two ways to run a sync, same numbers:
 
@@ -27,17 +34,31 @@ Two ways to run a sync, same numbers:
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
+import torch.distributed as dist
 
-from . import outer
-from .comm import SyncGroup
+from . import outer, penalty
+from .comm import SyncGroup, WorkerGroups
 from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 
 logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def layer_key(param_name: str) -> str:
+    """The layer a parameter belongs to: ``...layers.N`` for transformer layers, otherwise the
+    module that owns it (``embedding.word_embeddings``, ``output_layer``, ...)."""
+    name = param_name
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    m = _LAYER.match(name)
+    return m.group(1) if m else name.rpartition(".")[0] or name
 
 
 @dataclass
@@ -56,9 +77,15 @@ class BucketShard:
     """Each main's [start, end) inside ``bucket.param_data`` (where the model copy lives)."""
     main_is_model: bool
     """fp32 model params: the main params are views of ``bucket.param_data`` itself."""
+    segments: List[Tuple[int, int, int, bool]] = field(default_factory=list)
+    """(start, end, layer, counts_in_norm) per main: its layer, and whether it counts in that
+    layer's norm (False for a tensor-parallel duplicate on tensor-parallel rank > 0)."""
+    bucket_layers: Set[int] = field(default_factory=set)
+    """Layers of every param in the whole bucket (the same on every rank of the worker)."""
     anchor: Optional[torch.Tensor] = None
     delta: Optional[torch.Tensor] = None
     handle: Optional[object] = None
+    exchanged: bool = False
     pending: bool = False
 
     def read_current(self, out: torch.Tensor) -> torch.Tensor:
@@ -79,6 +106,15 @@ class BucketShard:
         for main, (s, e) in zip(self.mains, self.bucket_ranges):
             flat[s:e].copy_(main.view(-1))
 
+    def scale_layers(self, tensor: torch.Tensor, factors: torch.Tensor) -> None:
+        """In place: each layer's segment times its factor (0 zeroes, even NaN/Inf)."""
+        for s, e, layer, _ in self.segments:
+            f = float(factors[layer])
+            if f == 0.0:
+                tensor[s:e].zero_()
+            elif f != 1.0:
+                tensor[s:e].mul_(f)
+
 
 @dataclass
 class SyncReport:
@@ -89,23 +125,52 @@ class SyncReport:
     mode: str
     buckets: int
     payload_bytes: int
-    """Bytes this rank all-reduced across the sync group (fp32 pseudo-gradient shards)."""
+    """Bytes this rank all-reduced across the sync group (pseudo-gradients and norms)."""
     seconds: float
     """Time this rank spent in EDiT code for the sync (launch, wait, outer step, copies)."""
     workers: int
     steps_since_last: int = 0
     """Inner steps since the previous sync (H for synchronous EDiT)."""
     outer_lr: float = 0.0
+    worker: int = 0
+    """This rank's worker (its index in the sync group)."""
+    layer_names: Optional[List[str]] = None
+    norms: Optional[torch.Tensor] = None
+    """[workers, layers]: each worker's pseudo-gradient norm per layer (penalty on)."""
+    weights: Optional[torch.Tensor] = None
+    """[workers, layers]: averaging weights (0 = excluded)."""
+    excluded: Optional[torch.Tensor] = None
+    """[workers, layers] bool: excluded as anomalous."""
+    skipped: Optional[torch.Tensor] = None
+    """[layers] bool: every worker excluded, outer step skipped."""
+    clip_coef: Optional[torch.Tensor] = None
+    """[layers]: clipping factor applied to the averaged pseudo-gradient."""
 
     def scalars(self) -> Dict[str, float]:
         """Flat name -> value, for Megatron's console line and TensorBoard / W&B writers."""
-        return {
+        out = {
             "local-sgd/sync-seconds": self.seconds,
             "local-sgd/sync-bytes": float(self.payload_bytes),
             "local-sgd/steps-since-last-sync": float(self.steps_since_last),
             "local-sgd/outer-lr": self.outer_lr,
             "local-sgd/workers": float(self.workers),
         }
+        if self.norms is not None:
+            own = self.norms[self.worker]
+            out["local-sgd/pseudo-grad-norm"] = float(own.pow(2).sum().sqrt())
+            out["local-sgd/pseudo-grad-norm-max-layer"] = float(own.max())
+        if self.weights is not None:
+            out["local-sgd/weight-min"] = float(self.weights.min())
+            out["local-sgd/weight-own-mean"] = float(self.weights[self.worker].mean())
+        if self.excluded is not None:
+            out["local-sgd/excluded"] = float(self.excluded.sum())
+            out["local-sgd/excluded-workers"] = float(self.excluded.any(dim=1).sum())
+        if self.skipped is not None:
+            out["local-sgd/skipped-layers"] = float(self.skipped.sum())
+        if self.clip_coef is not None:
+            out["local-sgd/clip-coef-min"] = float(self.clip_coef.min())
+            out["local-sgd/clipped-layers"] = float((self.clip_coef < 1).sum())
+        return out
 
 
 @dataclass
@@ -113,6 +178,12 @@ class _SyncInProgress:
     step: int
     bytes_at_start: int
     seconds: float = 0.0
+    weights: Optional[torch.Tensor] = None  # [W, L] float64 CPU, None: plain mean
+    own_weights: Optional[torch.Tensor] = None  # [L]
+    norms: Optional[torch.Tensor] = None
+    excluded: Optional[torch.Tensor] = None
+    skipped: Optional[torch.Tensor] = None  # [L] bool
+    clip_coef: Dict[int, float] = field(default_factory=dict)
 
 
 class LocalSGD:
@@ -138,16 +209,29 @@ class LocalSGD:
         self.shards: List[BucketShard] = []
         self.group_shards: Dict[object, List[BucketShard]] = {}
         self.group_order: List[object] = []  # bucket groups in forward (param-gather) order
+        self.layer_names: List[str] = []
         self._build_shards(optimizer)
+        self.layer_shards: List[List[BucketShard]] = [[] for _ in self.layer_names]
+        for shard in self.shards:
+            for layer in shard.bucket_layers:
+                self.layer_shards[layer].append(shard)
 
         first_group = self.group_order[0] if self.group_order else None
         self.num_workers = optimizer.ddp_config.num_distributed_optimizer_instances
         inter = getattr(first_group, "inter_distributed_optimizer_instance_group", None)
         self.sync_group = SyncGroup(inter if self.num_workers > 1 else None)
         assert self.sync_group.size == self.num_workers, (self.sync_group.size, self.num_workers)
+        chunk = optimizer.model_chunks[0]
+        self.worker_groups = WorkerGroups(
+            shard_group=optimizer.buffers[0].data_parallel_group if optimizer.buffers else None,
+            tp_group=getattr(chunk, "tp_group", None),
+        )
 
         self.state_device = torch.device("cpu") if self.config.cpu_offload else None
         self.outer_optimizer: Optional[torch.optim.Optimizer] = None
+        c = self.config
+        self._needs_norms = c.skip_anomaly or c.pseudo_gradnorm_reduce
+        self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
 
     # ------------------------------------------------------------------ set-up
     def _build_shards(self, optimizer) -> None:
@@ -162,27 +246,45 @@ class LocalSGD:
         fp32_models = {p for g in optimizer.model_fp32_groups for p in g}
 
         bucket_to_group = {}
-        for chunk in optimizer.model_chunks:
+        layer_of: Dict[torch.nn.Parameter, str] = {}
+        tp_rank = {}
+        for index, chunk in enumerate(optimizer.model_chunks):
             groups = list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups)
             # Megatron gathers bucket groups in reverse order (buckets are built backward).
             self.group_order.extend(reversed(groups))
             for group in groups:
                 for bucket in group.buckets:
                     bucket_to_group[id(bucket)] = group
+            tp = getattr(chunk, "tp_group", None)
+            for name, param in chunk.named_parameters():
+                # Virtual pipeline chunks reuse local layer numbers: keep them apart.
+                prefix = f"chunk{index}." if len(optimizer.model_chunks) > 1 else ""
+                layer_of[param] = prefix + layer_key(name)
+                tp_rank[param] = tp.rank() if tp is not None else 0
+        # Layers of every param in this optimizer's buckets: the same list on every rank of the
+        # worker (a rank's own shard may hold no element of some layer).
+        self.layer_names = sorted(
+            {layer_of[p] for buffer in optimizer.buffers for b in buffer.buckets for p in b.params_list}
+        )
+        index_of = {name: i for i, name in enumerate(self.layer_names)}
 
         for gbuf_index, buffer in enumerate(optimizer.buffers):
             shard_size = buffer.data_parallel_group.size()
             for (dtype_key, bucket_maps) in optimizer.gbuf_ranges[gbuf_index].items():
                 for bucket_index, bucket_map in enumerate(bucket_maps):
                     bucket = buffer.buckets[bucket_index]
-                    mains, local_ranges, bucket_ranges = [], [], []
+                    mains, local_ranges, bucket_ranges, segments = [], [], [], []
                     main_is_model = True
                     for model_param, ranges in bucket_map["param_map"].items():
                         mains.append(main_of[model_param])
-                        local_ranges.append((ranges["gbuf_local"].start, ranges["gbuf_local"].end))
+                        start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
+                        local_ranges.append((start, end))
                         in_bucket = ranges["gbuf_world_in_bucket"]
                         bucket_ranges.append((in_bucket.start, in_bucket.end))
                         main_is_model &= model_param in fp32_models
+                        # A tensor-parallel duplicate (e.g. a layer norm) is counted once.
+                        counts = bool(getattr(model_param, "tensor_model_parallel", False)) or tp_rank[model_param] == 0
+                        segments.append((start, end, index_of[layer_of[model_param]], counts))
                     shard = BucketShard(
                         bucket=bucket,
                         numel=bucket.grad_data.numel() // shard_size,
@@ -190,6 +292,8 @@ class LocalSGD:
                         local_ranges=local_ranges,
                         bucket_ranges=bucket_ranges,
                         main_is_model=main_is_model,
+                        segments=segments,
+                        bucket_layers={index_of[layer_of[p]] for p in bucket.params_list},
                     )
                     self.shards.append(shard)
                     group = bucket_to_group[id(bucket)]
@@ -265,11 +369,54 @@ class LocalSGD:
     def _start_sync(self, step: int) -> None:
         assert self._sync is None
         self._sync = _SyncInProgress(step, self.sync_group.counters.payload_bytes)
+        if self._needs_norms:
+            t0 = time.perf_counter()
+            self._decide()
+            self._sync.seconds += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _delta(self, shard: BucketShard) -> torch.Tensor:
+        device = self._work_device(shard)
+        delta = shard.read_current(torch.empty(shard.numel, dtype=torch.float32, device=device))
+        return outer.pseudo_gradient(shard.anchor.to(device, non_blocking=True), delta, out=delta)
+
+    def _layer_norms(self, shards: List[BucketShard], layers: Optional[Set[int]] = None) -> torch.Tensor:
+        """[L] float64: this worker's norm of each layer over ``shards`` (``shard.delta``),
+        summed over the model-shard and tensor-parallel groups (worker-local collectives)."""
+        device = self._work_device(shards[0]) if shards else torch.device("cpu")
+        partial = torch.zeros(len(self.layer_names), dtype=torch.float64, device=device)
+        for shard in shards:
+            for s, e, layer, counts in shard.segments:
+                if counts and (layers is None or layer in layers):
+                    partial[layer] += shard.delta[s:e].double().pow(2).sum()
+        return self.worker_groups.sum(partial).sqrt().cpu()
+
+    @torch.no_grad()
+    def _decide(self) -> None:
+        """Per-layer norms of every worker (one all-gather), then the penalty's decisions."""
+        c, sync = self.config, self._sync
+        for shard in self.shards:
+            shard.delta = self._delta(shard)
+        own = self._layer_norms(self.shards)
+        norms = self.sync_group.all_gather(own.to(self._work_device(self.shards[0]))).cpu()
+        excluded = None
+        if c.skip_anomaly:
+            excluded, self.ewma = penalty.detect_anomalies(
+                norms, self.ewma, c.ewma_alpha, c.ewma_warmup_steps, c.ewma_threshold
+            )
+        temperature = c.weight_softmax_temperature if c.weight_softmax_temperature is not None else 1.0
+        sync.weights = penalty.averaging_weights(norms, excluded, c.pseudo_gradnorm_reduce, temperature)
+        sync.own_weights = sync.weights[self.sync_group.rank]
+        sync.norms, sync.excluded = norms, excluded
+        sync.skipped = penalty.skipped_layers(excluded, len(self.layer_names))
 
     def _finish_sync_if_done(self) -> None:
         if self._sync is None or any(s.pending for s in self.shards):
             return
         sync, self._sync = self._sync, None
+        clip = None
+        if self.config.clip_pseudo_grad is not None:
+            clip = torch.tensor([sync.clip_coef.get(i, 1.0) for i in range(len(self.layer_names))])
         report = SyncReport(
             step=sync.step,
             mode=self.config.sync_mode,
@@ -279,42 +426,123 @@ class LocalSGD:
             workers=self.sync_group.size,
             steps_since_last=sync.step - self._last_sync_step,
             outer_lr=float(self.outer_optimizer.param_groups[0]["lr"]),
+            worker=self.sync_group.rank,
+            layer_names=self.layer_names,
+            norms=sync.norms,
+            weights=sync.weights,
+            excluded=sync.excluded,
+            skipped=sync.skipped,
+            clip_coef=clip,
         )
         self._last_sync_step = sync.step
         self.reports.append(report)
         if self.config.is_debug:
-            logger.info("rank %d: %s", torch.distributed.get_rank(), report)
+            logger.info("rank %d: %s", dist.get_rank(), report)
 
     @torch.no_grad()
     def _launch(self, shards: List[BucketShard]) -> None:
-        """Compute the pseudo-gradients of ``shards`` and start their asynchronous exchange."""
+        """Start the asynchronous exchange of ``shards`` (each worker's weighted Delta)."""
         t0 = time.perf_counter()
         for shard in shards:
-            if shard.handle is not None:
+            if shard.handle is not None or shard.exchanged:
                 continue
-            device = self._work_device(shard)
-            delta = shard.read_current(torch.empty(shard.numel, dtype=torch.float32, device=device))
-            anchor = shard.anchor.to(device, non_blocking=True)
-            outer.pseudo_gradient(anchor, delta, out=delta)
-            shard.delta = delta
-            shard.handle = self.sync_group.all_reduce_sum(delta, async_op=True)
+            if shard.delta is None:
+                shard.delta = self._delta(shard)
+            if self._sync.own_weights is not None:
+                shard.scale_layers(shard.delta, self._sync.own_weights)
+            shard.handle = self.sync_group.all_reduce_sum(shard.delta, async_op=True)
         self._sync.seconds += time.perf_counter() - t0
 
     @torch.no_grad()
-    def _complete(self, shards: List[BucketShard], write_model: bool) -> None:
-        """Finish the exchange of ``shards``, step their anchors, restart their mains from them."""
+    def _finish_exchange(self, shards: List[BucketShard]) -> None:
+        """Wait for the exchanges: shard.delta becomes the reduced pseudo-gradient."""
         self._launch(shards)
         t0 = time.perf_counter()
         for shard in shards:
+            if shard.exchanged:
+                continue
             shard.handle.wait()
-            delta = outer.mean_from_sum(shard.delta, self.sync_group.size)
-            grad = delta.to(shard.anchor.device, non_blocking=True)
-            outer.outer_step(self.outer_optimizer, [shard.anchor], [grad])
-            shard.write_mains(shard.anchor.to(delta.device, non_blocking=True))
-            if write_model:
-                shard.write_model_shard()
-            shard.delta = shard.handle = None
-            shard.pending = False
+            shard.handle = None
+            if self._sync.weights is None:
+                outer.mean_from_sum(shard.delta, self.sync_group.size)
+            shard.exchanged = True
+        self._sync.seconds += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _ensure_clip_coefficients(self, shards: List[BucketShard]) -> None:
+        """Clip factors of the layers in ``shards``; a layer's norm needs every bucket it spans,
+        so those exchanges are completed first (the same buckets on every rank of the worker)."""
+        tau = self.config.clip_pseudo_grad
+        if tau is None:
+            return
+        coef = self._sync.clip_coef
+        needed = {layer for shard in shards for layer in shard.bucket_layers} - coef.keys()
+        if not needed:
+            return
+        spanned = {id(s): s for layer in needed for s in self.layer_shards[layer]}
+        self._finish_exchange(list(spanned.values()))
+        ready = {
+            layer
+            for layer in range(len(self.layer_names))
+            if layer not in coef and all(s.exchanged for s in self.layer_shards[layer])
+        }
+        involved = {id(s): s for layer in ready for s in self.layer_shards[layer]}
+        norms = self._layer_norms(list(involved.values()), ready)
+        factors = penalty.clip_coefficients(norms, tau)
+        for layer in ready:
+            coef[layer] = float(factors[layer])
+
+    @torch.no_grad()
+    def _apply(self, shard: BucketShard, write_model: bool) -> None:
+        """Outer step of one shard with its reduced Delta; mains restart from the anchor."""
+        sync = self._sync
+        delta = shard.delta
+        if sync.clip_coef:
+            shard.scale_layers(delta, torch.tensor([sync.clip_coef.get(i, 1.0) for i in range(len(self.layer_names))]))
+        skipped = []
+        if sync.skipped is not None:
+            skipped = [(s, e) for s, e, layer, _ in shard.segments if sync.skipped[layer]]
+        saved = self._save_segments(shard, skipped)
+        grad = delta.to(shard.anchor.device, non_blocking=True)
+        outer.outer_step(self.outer_optimizer, [shard.anchor], [grad])
+        self._restore_segments(shard, saved)
+        shard.write_mains(shard.anchor.to(delta.device, non_blocking=True))
+        if write_model:
+            shard.write_model_shard()
+        shard.delta = None
+        shard.exchanged = False
+        shard.pending = False
+
+    def _save_segments(self, shard: BucketShard, ranges) -> list:
+        """Anchor and outer-state values of skipped layers, to undo the outer step there."""
+        if not ranges:
+            return []
+        tensors = [shard.anchor] + [
+            v for v in self.outer_optimizer.state.get(shard.anchor, {}).values()
+            if torch.is_tensor(v) and v.shape == shard.anchor.shape
+        ]
+        return [(t, s, e, t[s:e].clone()) for t in tensors for s, e in ranges]
+
+    def _restore_segments(self, shard: BucketShard, saved: list) -> None:
+        state = self.outer_optimizer.state.get(shard.anchor, {})
+        for t, s, e, values in saved:
+            t[s:e].copy_(values)
+        # State created by this very step (e.g. the first momentum buffer) starts at zero there.
+        if saved:
+            saved_ids = {id(t) for t, *_ in saved}
+            for v in state.values():
+                if torch.is_tensor(v) and v.shape == shard.anchor.shape and id(v) not in saved_ids:
+                    for _, s, e, _ in saved:
+                        v[s:e].zero_()
+
+    @torch.no_grad()
+    def _complete(self, shards: List[BucketShard], write_model: bool) -> None:
+        """Finish the exchange of ``shards``, step their anchors, restart their mains."""
+        self._finish_exchange(shards)
+        t0 = time.perf_counter()
+        self._ensure_clip_coefficients(shards)
+        for shard in shards:
+            self._apply(shard, write_model)
         self._sync.seconds += time.perf_counter() - t0
         self._finish_sync_if_done()
 
@@ -326,8 +554,8 @@ class LocalSGD:
             return
         index = self.group_order.index(bucket_group)
         for later in self.group_order[index + 1 :]:
-            later_shards = self.group_shards[later]
-            if any(s.pending for s in later_shards):
+            later_shards = [s for s in self.group_shards[later] if s.pending]
+            if later_shards:
                 self._launch(later_shards)
                 break
         self._complete([s for s in shards if s.pending], write_model=True)
@@ -341,6 +569,27 @@ class LocalSGD:
     def drain_reports(self) -> List[SyncReport]:
         reports, self.reports = self.reports, []
         return reports
+
+    # ------------------------------------------------------------ state
+    def extra_state(self) -> dict:
+        """Picklable state identical on every rank (for checkpoints): counters and the anomaly
+        detector's statistics."""
+        return {
+            "steps_done": self.steps_done,
+            "last_sync_step": self._last_sync_step,
+            "layer_names": list(self.layer_names),
+            "ewma": self.ewma.state_dict(),
+        }
+
+    def load_extra_state(self, state: dict) -> None:
+        if list(state["layer_names"]) != self.layer_names:
+            raise ValueError(
+                "EDiT checkpoint state was saved for different layers: "
+                f"{state['layer_names'][:3]}... vs {self.layer_names[:3]}..."
+            )
+        self.steps_done = int(state["steps_done"])
+        self._last_sync_step = int(state["last_sync_step"])
+        self.ewma = penalty.EWMAStats.from_state_dict(state["ewma"])
 
     def state_bytes(self) -> int:
         """Bytes of EDiT state on this rank: anchor + outer optimizer state."""

@@ -167,6 +167,9 @@ def _train(rank, spec, tp, pp):
             traffic.phase = f"step {step}"
         micro = rank_micro_batches(batches[step - 1], dp_rank, data_dp, num_microbatches=num_mb)
         out["losses"].append(train_step(ddp, optimizer, micro))
+        if spec.get("faults") and controllers:
+            # The same corruption as the simulation, applied to this rank's fp32 main shards.
+            _inject_fault(spec, step, out["worker"], [m for sh in controllers[0].shards for m in sh.mains])
         if traffic:
             traffic.phase = f"after step {step}"
         if controllers and step == spec.get("record_anchor_at_step"):
@@ -177,6 +180,12 @@ def _train(rank, spec, tp, pp):
             ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync too
             out["snapshots"][step] = named_params(ddp)
     ddp.start_param_sync(force_sync=True)
+    if pp == 1:  # loss of this rank's model on a fixed held-out batch
+        ddp.eval()
+        with torch.no_grad():
+            held_out = make_batches(1, 8, seed=99)[0]
+            out["eval_loss"] = ddp(**gpt_inputs(held_out)).float().mean().item()
+        ddp.train()
     if traffic:
         traffic.close()
         out["traffic"] = traffic.events
@@ -218,8 +227,11 @@ def megatron_runs(rank, world_size, specs, tp=1, pp=1):
 
 def simulate_edit(rank, world_size, spec, dp_size):
     """EDiT in plain PyTorch: ``instances`` model copies, each with torch AdamW, fed the samples
-    of its worker's data-parallel ranks; synchronous warmup; outer optimizer on the anchor."""
+    of its worker's data-parallel ranks; synchronous warmup; per-layer penalty (norms over whole
+    parameters, decisions from megatron_edit.penalty); outer optimizer on the anchor."""
     from megatron.core import parallel_state as ps
+    from megatron_edit import penalty
+    from megatron_edit.local_sgd import layer_key
 
     ps.initialize_model_parallel()
     cfg = spec["local_sgd"]
@@ -231,7 +243,11 @@ def simulate_edit(rank, world_size, spec, dp_size):
     inner = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0) for m in models]
     batches = make_batches(spec["steps"], dp_size * MICRO_BATCH, seed=spec["data_seed"])
     per_worker = batches.shape[1] // n
-    anchor, outer_opt = None, None
+    names = [name for name, _ in models[0].named_parameters()]
+    layers = sorted({layer_key(name) for name in names})
+    layer_index = [layers.index(layer_key(name)) for name in names]
+    stats = penalty.EWMAStats.zeros(n, len(layers))
+    anchor, outer_opt, decisions = None, None, []
 
     def loss_of(model, tokens):
         return model(**gpt_inputs(tokens)).float().mean()
@@ -245,13 +261,63 @@ def simulate_edit(rank, world_size, spec, dp_size):
             tokens = batches[step - 1] if step <= warmup else batches[step - 1][w * per_worker : (w + 1) * per_worker]
             loss_of(model, tokens).backward()
             opt.step()
+            _inject_fault(spec, step, w, list(model.parameters()))
         if step > warmup and (step - warmup) % interval == 0:
             with torch.no_grad():
+                params = [list(m.parameters()) for m in models]
+                deltas = [[a - p[i] for i, a in enumerate(anchor)] for p in params]
+                norms = torch.zeros(n, len(layers), dtype=torch.float64)
+                for w in range(n):
+                    for i, d in enumerate(deltas[w]):
+                        norms[w, layer_index[i]] += d.double().pow(2).sum()
+                norms = norms.sqrt()
+                excluded = None
+                if cfg.get("skip_anomaly"):
+                    excluded, stats = penalty.detect_anomalies(
+                        norms, stats, cfg.get("ewma_alpha", 0.02), cfg.get("ewma_warmup_steps", 120),
+                        cfg.get("ewma_threshold", 3.0))
+                if cfg.get("skip_anomaly") or cfg.get("pseudo_gradnorm_reduce"):
+                    weights = penalty.averaging_weights(
+                        norms, excluded, bool(cfg.get("pseudo_gradnorm_reduce")),
+                        cfg.get("weight_softmax_temperature") or 1.0)
+                else:
+                    weights = torch.full((n, len(layers)), 1.0 / n, dtype=torch.float64)
+                avg = []
+                for i in range(len(anchor)):
+                    terms = [deltas[w][i] * weights[w, layer_index[i]].item() for w in range(n)
+                             if weights[w, layer_index[i]] != 0]
+                    avg.append(torch.stack(terms).sum(0) if terms else torch.zeros_like(anchor[i]))
+                tau = cfg.get("clip_pseudo_grad")
+                coef = torch.ones(len(layers), dtype=torch.float64)
+                if tau is not None:
+                    avg_norms = torch.zeros(len(layers), dtype=torch.float64)
+                    for i, a in enumerate(avg):
+                        avg_norms[layer_index[i]] += a.double().pow(2).sum()
+                    coef = penalty.clip_coefficients(avg_norms.sqrt(), tau)
+                skipped = penalty.skipped_layers(excluded, len(layers))
                 for i, a in enumerate(anchor):
-                    deltas = [a - list(m.parameters())[i] for m in models]
-                    a.grad = torch.stack(deltas).mean(0)
+                    a.grad = None if skipped[layer_index[i]] else avg[i] * coef[layer_index[i]].item()
                 outer_opt.step()
                 for m in models:
                     for p, a in zip(m.parameters(), anchor):
                         p.copy_(a)
-    return [named_params(m) for m in models]
+                decisions.append(dict(norms=norms, weights=weights, excluded=excluded, coef=coef))
+    return dict(params=[named_params(m) for m in models], decisions=decisions, layers=layers)
+
+
+def _inject_fault(spec, step, worker, mains):
+    """Corrupt a worker's parameters after its optimizer step (fault-injection tests).
+
+    ``spec["faults"]``: list of ``{"workers": [...], "steps": [...], "kind": "scale"|"nan",
+    "factor": f}``. ``scale`` multiplies every element by ``factor`` (the same whether applied
+    to a whole tensor or to a shard of it); ``nan`` poisons the first element of each tensor.
+    """
+    for fault in spec.get("faults", ()):
+        if worker not in fault["workers"] or step not in fault["steps"]:
+            continue
+        with torch.no_grad():
+            for p in mains:
+                if fault["kind"] == "nan":
+                    p.view(-1)[:1].fill_(float("nan"))
+                else:
+                    p.mul_(fault["factor"])

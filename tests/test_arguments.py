@@ -83,11 +83,6 @@ def test_json_kwargs_override_the_flags():
     assert outer.outer_optim_kwargs == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="package bug: configs_from_args passes --outer-optimizer-momentum/--nesterov only when "
-    "--outer-optimizer is literally 'sgd', so 'torch.optim.SGD' silently loses the momentum",
-)
 def test_dotted_sgd_path_gets_the_same_momentum_as_sgd():
     _, by_name, _ = _configs("--outer-optimizer", "sgd")
     _, by_path, _ = _configs("--outer-optimizer", "torch.optim.SGD")
@@ -150,11 +145,11 @@ LOCAL_FLAG_CASES = {
     "step_weight_ratio": (["--local-sgd-step-weight-ratio", "0.25"], 0.25),
     "local_sgd_warmup_steps": (["--local-sgd-warmup-steps", "3"], 3),
     "gradient_accumulation_steps": (["--local-sgd-gradient-accumulation-steps", "2"], ConfigError),
-    "clip_pseudo_grad": (["--local-sgd-clip-pseudo-grad", "1.0"], NotSupportedYet),
-    "pseudo_gradnorm_reduce": (["--local-sgd-pseudo-gradnorm-reduce"], NotSupportedYet),
-    "weight_softmax_temperature": (["--local-sgd-weight-softmax-temperature", "0.5"],
-                                   NotSupportedYet),
-    "skip_anomaly": (["--local-sgd-skip-anomaly"], NotSupportedYet),
+    "clip_pseudo_grad": (["--local-sgd-clip-pseudo-grad", "1.0"], 1.0),
+    "pseudo_gradnorm_reduce": (["--local-sgd-pseudo-gradnorm-reduce"], True),
+    # Only meaningful with --local-sgd-pseudo-gradnorm-reduce: alone it is refused.
+    "weight_softmax_temperature": (["--local-sgd-weight-softmax-temperature", "0.5"], ConfigError),
+    "skip_anomaly": (["--local-sgd-skip-anomaly"], True),
     "ewma_alpha": (["--local-sgd-ewma-alpha", "0.5"], 0.5),
     "ewma_warmup_steps": (["--local-sgd-ewma-warmup-steps", "7"], 7),
     "ewma_threshold": (["--local-sgd-ewma-threshold", "2.5"], 2.5),

@@ -125,15 +125,22 @@ def test_gradient_accumulation_message_says_what_to_use_instead():
     [
         ("use_async", True),
         ("use_step_weight", True),
-        ("clip_pseudo_grad", 1.0),
-        ("pseudo_gradnorm_reduce", True),
-        ("weight_softmax_temperature", 0.5),
-        ("skip_anomaly", True),
     ],
 )
 def test_unbuilt_local_sgd_options_refuse(field_name, value):
     message = _raises(LocalSGDConfig, NotSupportedYet, field_name, **{field_name: value})
     assert "not supported yet" in message
+
+
+def test_penalty_options_construct():
+    cfg = LocalSGDConfig(clip_pseudo_grad=1.0, pseudo_gradnorm_reduce=True,
+                         weight_softmax_temperature=0.5, skip_anomaly=True)
+    assert cfg.clip_pseudo_grad == 1.0 and cfg.skip_anomaly and cfg.pseudo_gradnorm_reduce
+
+
+def test_temperature_without_weighting_is_refused():
+    message = _raises(LocalSGDConfig, ConfigError, "weight_softmax_temperature", weight_softmax_temperature=0.5)
+    assert "--local-sgd-pseudo-gradnorm-reduce" in message
 
 
 def test_not_supported_yet_is_a_config_error():

@@ -34,7 +34,8 @@ def test_edit_matches_plain_pytorch_simulation_in_both_modes():
         default_spec(local_sgd=dict(EDIT, sync_mode=mode), outer=OUTER) for mode in ("layerwise", "step_end")
     ]
     results = run_ranks(megatron_runs, WORLD, specs, timeout=200)
-    (expected,) = run_ranks(simulate_edit, 1, specs[0], WORLD, timeout=120)
+    (sim,) = run_ranks(simulate_edit, 1, specs[0], WORLD, timeout=120)
+    expected = sim["params"]
     for r in results:
         layerwise, step_end = r["runs"]
         assert [rep.step for rep in layerwise["reports"]] == [5, 8]
@@ -112,7 +113,7 @@ def test_first_outer_step_excludes_warmup_displacement():
         record_anchor_at_step=4,
     )
     results = run_ranks(megatron_runs, WORLD, [spec], timeout=200)
-    (expected,) = run_ranks(simulate_edit, 1, spec, WORLD, timeout=120)
+    expected = run_ranks(simulate_edit, 1, spec, WORLD, timeout=120)[0]["params"]
     for r in results:
         run = r["runs"][0]
         assert [rep.step for rep in run["reports"]] == [5]

@@ -1,0 +1,149 @@
+"""Run an unmodified Megatron-LM training script with EDiT's runtime patches.
+
+::
+
+    python -m megatron_edit.launch [launcher options] pretrain_gpt.py <Megatron args> --use-local-sgd ...
+    torchrun --nproc_per_node 8 -m megatron_edit.launch pretrain_gpt.py ...
+
+Per process: patch Megatron (``patch_megatron_for_local_sgd()``: megatron-core for the algorithm,
+``megatron.training`` for the flags, their validation and the metrics in the log), activate the
+CPU adapters when there is no GPU, then run the script as ``__main__`` with ``sys.argv`` set to
+the script and its arguments. The same thing by hand, at the top of a script::
+
+    from megatron_edit import patch_megatron_for_local_sgd
+    patch_megatron_for_local_sgd()
+
+The script's directory goes on ``sys.path`` *after* the installed packages, so ``megatron.core``
+is the installed megatron-core that megatron_edit was checked against and ``megatron.training``
+(not on PyPI) comes from the script's Megatron-LM checkout; both must be the same release
+(refused otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import runpy
+import sys
+from typing import List, Optional
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_edit.launch",
+        description="Run a Megatron-LM training script (e.g. pretrain_gpt.py) with EDiT's "
+        "runtime patches. Options after the script go to the script; the EDiT flags "
+        "(--use-local-sgd, --local-sgd-sync-interval, ...) are among them.",
+    )
+    device = parser.add_mutually_exclusive_group()
+    device.add_argument(
+        "--cpu", action="store_true",
+        help="Run on CPU over gloo (megatron_edit.cpu_adapter + cpu_training_adapter). Default "
+             "when CUDA is not available; refused when it is.",
+    )
+    device.add_argument("--gpu", action="store_true", help="Require CUDA (no CPU fallback).")
+    parser.add_argument(
+        "--no-runtime-patches", action="store_true",
+        help="Do not patch Megatron (a fork with patches/ applied integrates EDiT itself); "
+             "only the device set-up is done.",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU only: torch threads per process (default: cores / local processes, at least 1).",
+    )
+    parser.add_argument("script", help="The training script, e.g. <Megatron-LM>/pretrain_gpt.py.")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments of the script.")
+    return parser
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _use_cpu(opts) -> bool:
+    import torch
+
+    if opts.cpu and torch.cuda.is_available():
+        raise SystemExit("megatron_edit.launch: --cpu given but CUDA is available; drop --cpu.")
+    if opts.gpu and not torch.cuda.is_available():
+        raise SystemExit("megatron_edit.launch: --gpu given but CUDA is not available.")
+    return opts.cpu or not torch.cuda.is_available()
+
+
+def _check_backend(script_args: List[str]) -> None:
+    backend = "nccl"  # Megatron's default
+    for i, arg in enumerate(script_args):
+        if arg == "--distributed-backend" and i + 1 < len(script_args):
+            backend = script_args[i + 1]
+        elif arg.startswith("--distributed-backend="):
+            backend = arg.split("=", 1)[1]
+    if backend != "gloo":
+        raise SystemExit(
+            "megatron_edit.launch: on CPU pass --distributed-backend gloo to the script "
+            "(NCCL needs GPUs)."
+        )
+
+
+def _checkout_version(script_dir: str) -> Optional[str]:
+    path = os.path.join(script_dir, "megatron", "core", "package_info.py")
+    try:
+        text = open(path).read()
+    except OSError:
+        return None
+    parts = [re.search(rf"^{name}\s*=\s*(\d+)", text, re.M) for name in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(p.group(1) for p in parts) if all(parts) else None
+
+
+def _set_up_path(script: str) -> None:
+    """Script directory after site-packages; refuse a checkout of another release."""
+    script_dir = os.path.dirname(os.path.abspath(script))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != script_dir]
+    sys.path.append(script_dir)
+    import megatron.core
+
+    installed = megatron.core.__version__
+    checkout = _checkout_version(script_dir)
+    if checkout is not None and checkout != installed:
+        raise SystemExit(
+            f"megatron_edit.launch: {script_dir} is Megatron-LM with megatron-core {checkout}, but "
+            f"megatron-core {installed} is installed; check out the matching tag "
+            f"(core_v{installed}) or install megatron-core=={checkout}."
+        )
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    opts = build_parser().parse_args(argv)
+    if not os.path.isfile(opts.script):
+        raise SystemExit(f"megatron_edit.launch: no such script: {opts.script}")
+    cpu = _use_cpu(opts)
+    if cpu:
+        _check_backend(opts.script_args)
+        import torch
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // local))
+    _set_up_path(opts.script)
+    if cpu:
+        from . import cpu_training_adapter
+
+        cpu_training_adapter.activate()
+    if not opts.no_runtime_patches:
+        from .api import patch_megatron_for_local_sgd
+
+        patch_megatron_for_local_sgd()
+    if _rank0():
+        print(
+            f"megatron_edit.launch: {opts.script} on {'CPU (gloo)' if cpu else 'GPU'}"
+            f"{'' if opts.no_runtime_patches else ', EDiT runtime patches applied'}",
+            flush=True,
+        )
+    sys.argv = [opts.script, *opts.script_args]
+    runpy.run_path(opts.script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
