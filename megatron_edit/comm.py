@@ -78,6 +78,7 @@ class WorkerGroups:
         self.groups = [
             g for g in (shard_group, tp_group) if g is not None and dist.get_world_size(g) > 1
         ]
+        self.shard_rank = 0 if shard_group is None else dist.get_rank(shard_group)
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         for group in self.groups:

@@ -345,13 +345,19 @@ class GTAConfig:
         _require(
             0.0 < self.density <= 1.0, "density", f"must be in (0, 1] (got {self.density!r})."
         )
-        if self.reducer == "gta":
-            raise _not_yet("reducer", "the GTA reducer")
-        for name in ("consensus_method", "sparsification_method"):
-            if getattr(self, name) is not None:
-                raise ConfigError(f"{_name(name)}: only used with reducer='gta' (--local-sgd-reducer gta).")
-        if self.density != 1.0:
-            raise ConfigError(f"{_name('density')}: only used with reducer='gta'.")
+        if self.reducer != "gta":
+            for name in ("consensus_method", "sparsification_method"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{_name(name)}: only used with reducer='gta' (--local-sgd-reducer gta).")
+            if self.density != 1.0:
+                raise ConfigError(f"{_name('density')}: only used with reducer='gta'.")
+            if self.int8_mask:
+                raise ConfigError(f"{_name('int8_mask')}: only used with reducer='gta'.")
+        elif self.density < 1.0 and self.sparsification_method is None:
+            raise ConfigError(
+                f"{_name('density')}: density < 1 needs a sparsification method "
+                f"({FLAG_NAMES['sparsification_method']} magnitude|random|rescaled_random)."
+            )
 
 
 def replace(cfg, **changes):

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from . import outer, penalty
+from . import gta, outer, penalty
 from .comm import SyncGroup, WorkerGroups
 from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 
@@ -85,6 +85,7 @@ class BucketShard:
     anchor: Optional[torch.Tensor] = None
     delta: Optional[torch.Tensor] = None
     handle: Optional[object] = None
+    consensus: Optional[torch.Tensor] = None  # GTA: the consensus message being all-reduced
     exchanged: bool = False
     pending: bool = False
 
@@ -231,6 +232,7 @@ class LocalSGD:
         self.outer_optimizer: Optional[torch.optim.Optimizer] = None
         c = self.config
         self._needs_norms = c.skip_anomaly or c.pseudo_gradnorm_reduce
+        self._gta = self.gta_config.reducer == "gta"
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
 
     # ------------------------------------------------------------------ set-up
@@ -373,6 +375,10 @@ class LocalSGD:
             t0 = time.perf_counter()
             self._decide()
             self._sync.seconds += time.perf_counter() - t0
+        elif self._gta:  # GTA merges weighted entries itself: plain mean = uniform weights
+            W, L = self.sync_group.size, len(self.layer_names)
+            self._sync.weights = torch.full((W, L), 1.0 / W, dtype=torch.float64)
+            self._sync.own_weights = self._sync.weights[self.sync_group.rank]
 
     @torch.no_grad()
     def _delta(self, shard: BucketShard) -> torch.Tensor:
@@ -448,10 +454,48 @@ class LocalSGD:
                 continue
             if shard.delta is None:
                 shard.delta = self._delta(shard)
+            if self._gta:
+                self._gta_launch(shard)
+                continue
             if self._sync.own_weights is not None:
                 shard.scale_layers(shard.delta, self._sync.own_weights)
             shard.handle = self.sync_group.all_reduce_sum(shard.delta, async_op=True)
         self._sync.seconds += time.perf_counter() - t0
+
+    def _gta_launch(self, shard: BucketShard) -> None:
+        """GTA phase 1: sparsify, weight, start the consensus all-reduce (if any)."""
+        g = self.gta_config
+        generator = None
+        if g.sparsification_method in ("random", "rescaled_random"):
+            # Deterministic per (sync, worker, shard): reproducible and resumable.
+            seed = (self._sync.step * 1_000_003 + self.sync_group.rank * 10_007
+                    + self.worker_groups.shard_rank * 101 + self.shards.index(shard))
+            generator = torch.Generator().manual_seed(seed)
+        gta.sparsify(shard.delta, shard.segments, g.density, g.sparsification_method, generator)
+        shard.scale_layers(shard.delta, self._sync.own_weights)
+        if g.consensus_method is None:
+            self._gta_merge_launch(shard, None)
+            return
+        shard.consensus = gta.consensus_message(shard.delta, g.consensus_method, g.int8_mask)
+        shard.handle = self.sync_group.all_reduce_sum(shard.consensus, async_op=True)
+
+    def _gta_merge_launch(self, shard: BucketShard, consensus: Optional[torch.Tensor]) -> None:
+        """GTA phase 2: keep the agreeing entries; all-reduce them and who kept them."""
+        g = self.gta_config
+        gta.agree(shard.delta, consensus)
+        shard.consensus = None
+        if g.normalize:
+            # The mask must be read before the in-place all-reduce of the entries starts.
+            if g.int8_mask:
+                mask = gta.encode_mask_bits(shard.delta, self.sync_group.rank, self.sync_group.size)
+            else:
+                mask = (shard.delta != 0).to(torch.float32)
+                shard.scale_layers(mask, self._sync.own_weights)
+            shard.consensus = mask  # reused slot: the mask travelling with phase 2
+        handles = [self.sync_group.all_reduce_sum(shard.delta, async_op=True)]
+        if shard.consensus is not None:
+            handles.append(self.sync_group.all_reduce_sum(shard.consensus, async_op=True))
+        shard.handle = handles
 
     @torch.no_grad()
     def _finish_exchange(self, shards: List[BucketShard]) -> None:
@@ -461,12 +505,32 @@ class LocalSGD:
         for shard in shards:
             if shard.exchanged:
                 continue
-            shard.handle.wait()
-            shard.handle = None
-            if self._sync.weights is None:
-                outer.mean_from_sum(shard.delta, self.sync_group.size)
+            if self._gta:
+                self._gta_finish(shard)
+            else:
+                shard.handle.wait()
+                shard.handle = None
+                if self._sync.weights is None:
+                    outer.mean_from_sum(shard.delta, self.sync_group.size)
             shard.exchanged = True
         self._sync.seconds += time.perf_counter() - t0
+
+    def _gta_finish(self, shard: BucketShard) -> None:
+        if not isinstance(shard.handle, list):  # phase 1 (consensus) still to finish
+            shard.handle.wait()
+            self._gta_merge_launch(shard, shard.consensus)
+        for handle in shard.handle:
+            handle.wait()
+        shard.handle = None
+        denominator = None
+        if self.gta_config.normalize:
+            denominator = shard.consensus
+            if self.gta_config.int8_mask:
+                denominator = gta.decode_denominator(
+                    shard.consensus, shard.segments, self._sync.weights, torch.empty_like(shard.delta)
+                )
+        gta.merge(shard.delta, denominator)
+        shard.consensus = None
 
     @torch.no_grad()
     def _ensure_clip_coefficients(self, shards: List[BucketShard]) -> None:

@@ -136,7 +136,8 @@ def _train(rank, spec, tp, pp):
     if spec["local_sgd"] is not None:
         me.patch_megatron_for_local_sgd(
             me.LocalSGDConfig(**spec["local_sgd"]),
-            me.OuterOptimizerConfig(**spec["outer"]) if spec["outer"] else None,
+            me.OuterOptimizerConfig(**spec["outer"]) if spec["outer"] else me.OuterOptimizerConfig(),
+            me.GTAConfig(**spec["gta"]) if spec.get("gta") else None,
         )
     else:
         me.unpatch_megatron_for_local_sgd()
@@ -172,6 +173,12 @@ def _train(rank, spec, tp, pp):
             _inject_fault(spec, step, out["worker"], [m for sh in controllers[0].shards for m in sh.mains])
         if traffic:
             traffic.phase = f"after step {step}"
+        if step == spec.get("anchor_params_at_step"):
+            out["anchor_params"] = named_params(ddp)
+        if step == spec.get("presync_params_at_step"):
+            # With shard size 1 a pending layer-wise sync has not touched the model yet: these
+            # are the worker's own parameters after its inner step, before the sync.
+            out["presync"] = named_params(ddp)
         if controllers and step == spec.get("record_anchor_at_step"):
             out["anchor"] = [s.anchor.clone() for s in controllers[0].shards]
         if controllers and step == spec.get("record_mains_at_step"):
@@ -282,11 +289,10 @@ def simulate_edit(rank, world_size, spec, dp_size):
                         cfg.get("weight_softmax_temperature") or 1.0)
                 else:
                     weights = torch.full((n, len(layers)), 1.0 / n, dtype=torch.float64)
-                avg = []
-                for i in range(len(anchor)):
-                    terms = [deltas[w][i] * weights[w, layer_index[i]].item() for w in range(n)
-                             if weights[w, layer_index[i]] != 0]
-                    avg.append(torch.stack(terms).sum(0) if terms else torch.zeros_like(anchor[i]))
+                if spec.get("gta"):
+                    avg = simulate_gta(spec["gta"], deltas, weights, layer_index)
+                else:
+                    avg = [_weighted_sum(deltas, weights, layer_index, i, anchor[i]) for i in range(len(anchor))]
                 tau = cfg.get("clip_pseudo_grad")
                 coef = torch.ones(len(layers), dtype=torch.float64)
                 if tau is not None:
@@ -303,6 +309,45 @@ def simulate_edit(rank, world_size, spec, dp_size):
                         p.copy_(a)
                 decisions.append(dict(norms=norms, weights=weights, excluded=excluded, coef=coef))
     return dict(params=[named_params(m) for m in models], decisions=decisions, layers=layers)
+
+
+def _weighted_sum(deltas, weights, layer_index, i, like):
+    terms = [d[i] * weights[w, layer_index[i]].item() for w, d in enumerate(deltas) if weights[w, layer_index[i]] != 0]
+    return torch.stack(terms).sum(0) if terms else torch.zeros_like(like)
+
+
+def simulate_gta(g, deltas, weights, layer_index):
+    """GTA on whole parameters (= the shards when a worker is one rank): magnitude
+    sparsification per parameter, consensus, normalized mean of the agreeing entries.
+    ``deltas[w][i]``: worker w's pseudo-gradient of parameter i; ``weights[w, layer]``."""
+    import math
+
+    n = len(deltas)
+    avg = []
+    for i in range(len(deltas[0])):
+        ws = [weights[w, layer_index[i]].item() for w in range(n)]
+        parts = []
+        for w in range(n):
+            d = deltas[w][i].flatten().clone()
+            if g.get("sparsification_method") == "magnitude" and g.get("density", 1.0) < 1:
+                k = max(1, math.ceil(g["density"] * d.numel()))
+                keep = torch.zeros_like(d, dtype=torch.bool)
+                keep[d.abs().topk(k).indices] = True
+                d[~keep] = 0
+            parts.append(d * ws[w])
+        if g.get("consensus_method") == "sum":
+            majority = torch.sign(torch.stack(parts).sum(0))
+        elif g.get("consensus_method") == "count":
+            majority = torch.sign(torch.stack([torch.sign(p) for p in parts]).sum(0))
+        else:
+            majority = None
+        kept = [p.masked_fill(torch.sign(p) != majority, 0.0) if majority is not None else p for p in parts]
+        num = torch.stack(kept).sum(0)
+        if g.get("normalize", True):
+            den = sum((k != 0).to(num.dtype) * ws[w] for w, k in enumerate(kept))
+            num = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+        avg.append(num.view_as(deltas[0][i]))
+    return avg
 
 
 def _inject_fault(spec, step, worker, mains):

@@ -195,9 +195,12 @@ def test_each_flag_reaches_its_field(field_name):
 
 
 def test_gta_flags_reach_their_fields():
-    _, _, gta = _configs("--no-gta-normalize", "--gta-int8-mask")
-    assert gta.normalize is False and gta.int8_mask is True
-    with pytest.raises(NotSupportedYet, match="--local-sgd-reducer"):
-        _configs("--local-sgd-reducer", "gta")
+    _, _, gta = _configs("--local-sgd-reducer", "gta", "--no-gta-normalize", "--gta-int8-mask",
+                         "--gta-consensus-method", "count", "--gta-sparsification-method", "random",
+                         "--gta-density", "0.25")
+    assert (gta.reducer, gta.normalize, gta.int8_mask) == ("gta", False, True)
+    assert (gta.consensus_method, gta.sparsification_method, gta.density) == ("count", "random", 0.25)
+    with pytest.raises(ConfigError, match="--gta-int8-mask"):
+        _configs("--gta-int8-mask")
     with pytest.raises(ConfigError, match="--gta-sparsification-method"):
         _configs("--gta-sparsification-method", "magnitude")

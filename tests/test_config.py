@@ -292,11 +292,17 @@ def test_gta_options_need_the_gta_reducer(field_name, value):
     assert "gta" in message
 
 
-def test_gta_reducer_not_supported_yet():
-    message = _raises(GTAConfig, NotSupportedYet, "reducer", reducer="gta")
-    assert "not supported yet" in message
+def test_gta_reducer_constructs_with_its_options():
+    cfg = GTAConfig(reducer="gta", consensus_method="count", sparsification_method="random",
+                    density=0.3, int8_mask=True, normalize=False)
+    assert cfg.density == 0.3 and cfg.int8_mask
 
 
-def test_gta_flags_that_are_harmless_with_linear():
-    cfg = GTAConfig(normalize=False, int8_mask=True)
-    assert cfg.normalize is False and cfg.int8_mask is True
+def test_gta_only_options_are_refused_with_linear():
+    assert "--gta-int8-mask" in _raises(GTAConfig, ConfigError, "int8_mask", int8_mask=True)
+    assert GTAConfig(normalize=False).normalize is False  # harmless: the mean ignores it
+
+
+def test_density_below_one_needs_a_sparsification_method():
+    message = _raises(GTAConfig, ConfigError, "density", reducer="gta", density=0.5)
+    assert "--gta-sparsification-method" in message
