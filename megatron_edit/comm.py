@@ -56,6 +56,16 @@ class SyncGroup:
         handle = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         return handle if async_op else _Done()
 
+    def all_reduce_max_everywhere(self, tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        """MAX over ``group`` (every rank of every worker; None = the default group), blocking,
+        counted as traffic across workers. Used once per A-EDiT sync for the schedule."""
+        if dist.get_world_size(group) == 1:
+            return tensor
+        self.counters.collectives += 1
+        self.counters.payload_bytes += tensor.numel() * tensor.element_size()
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return tensor
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[workers, *tensor.shape]``: every worker's ``tensor`` (blocking; small tensors)."""
         if self.size == 1:

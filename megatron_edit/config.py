@@ -211,10 +211,11 @@ class LocalSGDConfig:
             f"must be one of {SYNC_MODES} (got {self.sync_mode!r}).",
         )
         # Valid, but not built in this version: refuse rather than ignore.
-        if self.use_async:
-            raise _not_yet("use_async", "A-EDiT (time-based synchronisation)")
-        if self.use_step_weight:
-            raise _not_yet("use_step_weight", "step-share weighting (A-EDiT)")
+        if self.use_step_weight and not self.use_async:
+            raise ConfigError(
+                f"{_name('use_step_weight')}: step weights only make sense when workers take "
+                f"different numbers of steps; add {FLAG_NAMES['use_async']}."
+            )
         if self.weight_softmax_temperature is not None and not self.pseudo_gradnorm_reduce:
             raise ConfigError(
                 f"{_name('weight_softmax_temperature')}: only used with norm-weighted averaging; "

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from . import gta, outer, penalty
+from . import asynchronous, gta, outer, penalty
 from .comm import SyncGroup, WorkerGroups
 from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 
@@ -146,6 +146,12 @@ class SyncReport:
     """[layers] bool: every worker excluded, outer step skipped."""
     clip_coef: Optional[torch.Tensor] = None
     """[layers]: clipping factor applied to the averaged pseudo-gradient."""
+    skipped_sync: bool = False
+    """A-EDiT: all workers together took fewer than min_total_global_steps: no exchange."""
+    worker_steps: Optional[torch.Tensor] = None
+    """A-EDiT: [workers] steps each worker took since the previous sync."""
+    worker_seconds: Optional[torch.Tensor] = None
+    """A-EDiT: [workers] seconds each worker trained since the previous sync."""
 
     def scalars(self) -> Dict[str, float]:
         """Flat name -> value, for Megatron's console line and TensorBoard / W&B writers."""
@@ -171,6 +177,10 @@ class SyncReport:
         if self.clip_coef is not None:
             out["local-sgd/clip-coef-min"] = float(self.clip_coef.min())
             out["local-sgd/clipped-layers"] = float((self.clip_coef < 1).sum())
+        if self.worker_steps is not None:
+            out["local-sgd/skipped-sync"] = float(self.skipped_sync)
+            out["local-sgd/worker-steps-min"] = float(self.worker_steps.min())
+            out["local-sgd/worker-steps-max"] = float(self.worker_steps.max())
         return out
 
 
@@ -185,6 +195,9 @@ class _SyncInProgress:
     excluded: Optional[torch.Tensor] = None
     skipped: Optional[torch.Tensor] = None  # [L] bool
     clip_coef: Dict[int, float] = field(default_factory=dict)
+    worker_steps: Optional[torch.Tensor] = None  # A-EDiT: [W]
+    worker_seconds: Optional[torch.Tensor] = None
+    skipped_sync: bool = False
 
 
 class LocalSGD:
@@ -196,8 +209,15 @@ class LocalSGD:
         local_sgd_config: LocalSGDConfig,
         outer_optim_config: OuterOptimizerConfig,
         gta_config: Optional[GTAConfig] = None,
+        schedule_group: Optional[dist.ProcessGroup] = None,
     ):
+        """``schedule_group``: every rank of every worker (default: the world group); A-EDiT
+        agrees on its schedule over it once per sync."""
         self.config = local_sgd_config
+        self.schedule_group = schedule_group
+        self.clock = time.monotonic  # A-EDiT's float64 clock; injectable for tests
+        self._next_sync_at: Optional[int] = None
+        self._interval_start: Optional[float] = None
         self.outer_config = outer_optim_config
         self.gta_config = gta_config or GTAConfig()
         self.steps_done = 0
@@ -322,6 +342,8 @@ class LocalSGD:
             anchors.append(anchor)
         cls = self.outer_config.optimizer_class
         self.outer_optimizer = cls(anchors, **self.outer_config.outer_optim_kwargs)
+        if self.config.use_async:
+            self._next_sync_at = self.steps_done + asynchronous.first_interval(self.config.local_sgd_sync_interval)
 
     # ------------------------------------------------------------ schedule
     @property
@@ -331,6 +353,8 @@ class LocalSGD:
 
     def _sync_due(self, steps_done: int) -> bool:
         c = self.config
+        if c.use_async:
+            return self._next_sync_at is not None and steps_done == self._next_sync_at
         return outer.is_sync_step(steps_done, c.local_sgd_warmup_steps, c.local_sgd_sync_interval)
 
     def begin_step(self) -> None:
@@ -338,6 +362,10 @@ class LocalSGD:
         self.flush()  # a layer-wise sync must be complete before main params change again
         if self.outer_optimizer is None and self.steps_done >= self.config.local_sgd_warmup_steps:
             self.capture_anchor()
+        if self.config.use_async and self._interval_start is None and self.steps_done >= self.config.local_sgd_warmup_steps:
+            # Without warmup the first interval's clock starts inside step 1 (its forward and
+            # backward are not timed): only the first plan is slightly optimistic.
+            self._interval_start = self.clock()
         self._in_step = True
         self._synced_in_step = False
 
@@ -348,37 +376,70 @@ class LocalSGD:
             and self.config.sync_mode == "step_end"
             and self._sync_due(self.steps_done + 1)
         ):
-            self._start_sync(self.steps_done + 1)
-            self._complete(self.shards, write_model=False)
+            if self._start_sync(self.steps_done + 1):
+                self._complete(self.shards, write_model=False)
             self._synced_in_step = True
 
     def end_step(self, optimizer) -> None:
         """After the optimizer step: count it, and schedule the layer-wise sync if due."""
         self._in_step = False
         self.steps_done += 1
+        if self.config.use_async and self.steps_done == self.config.local_sgd_warmup_steps:
+            self._interval_start = self.clock()  # local training starts now
         if not self._sync_due(self.steps_done):
             return
         if self.config.sync_mode == "step_end":
             assert self._synced_in_step, "step-end sync did not run inside the optimizer step"
             return
-        self._start_sync(self.steps_done)
+        if not self._start_sync(self.steps_done):
+            return
         for shard in self.shards:
             shard.pending = True
         if self.group_order:
             self._launch(self.group_shards[self.group_order[0]])
 
     # ------------------------------------------------------------ the sync
-    def _start_sync(self, step: int) -> None:
+    def _start_sync(self, step: int) -> bool:
+        """Begin the sync due after ``step``; False when A-EDiT skips it (no exchange)."""
         assert self._sync is None
         self._sync = _SyncInProgress(step, self.sync_group.counters.payload_bytes)
+        if self.config.use_async:
+            self._plan_async(step)
+            if self._sync.skipped_sync:
+                self._finish_sync_if_done()
+                return False
         if self._needs_norms:
             t0 = time.perf_counter()
             self._decide()
             self._sync.seconds += time.perf_counter() - t0
-        elif self._gta:  # GTA merges weighted entries itself: plain mean = uniform weights
+        elif self._gta or self.config.use_step_weight:  # explicit weights: start from the mean
             W, L = self.sync_group.size, len(self.layer_names)
-            self._sync.weights = torch.full((W, L), 1.0 / W, dtype=torch.float64)
-            self._sync.own_weights = self._sync.weights[self.sync_group.rank]
+            self._set_weights(torch.full((W, L), 1.0 / W, dtype=torch.float64), None)
+        return True
+
+    def _set_weights(self, weights: torch.Tensor, excluded: Optional[torch.Tensor]) -> None:
+        c = self.config
+        if c.use_step_weight:
+            if excluded is None:
+                excluded = torch.zeros_like(weights, dtype=torch.bool)
+            weights = asynchronous.blend_step_weights(weights, self._sync.worker_steps, excluded, c.step_weight_ratio)
+        self._sync.weights = weights
+        self._sync.own_weights = weights[self.sync_group.rank]
+
+    def _plan_async(self, step: int) -> None:
+        """A-EDiT: one small all-reduce over every rank -> identical schedule everywhere."""
+        c, sync = self.config, self._sync
+        message = asynchronous.schedule_message(
+            self.sync_group.size, self.sync_group.rank, step - self._last_sync_step, self.clock() - self._interval_start
+        )
+        device = self._work_device(self.shards[0]) if self.shards else torch.device("cpu")
+        message = self.sync_group.all_reduce_max_everywhere(message.to(device), self.schedule_group).cpu()
+        steps, seconds = asynchronous.read_schedule(message)
+        sync.worker_steps, sync.worker_seconds = steps, seconds
+        sync.skipped_sync = asynchronous.skip_sync(steps, c.min_total_global_steps)
+        plan = asynchronous.plan_next_interval(steps, seconds, c.local_sgd_sync_time)
+        self._next_sync_at = step + int(plan[self.sync_group.rank])
+        self._interval_start = self.clock()
 
     @torch.no_grad()
     def _delta(self, shard: BucketShard) -> torch.Tensor:
@@ -411,8 +472,7 @@ class LocalSGD:
                 norms, self.ewma, c.ewma_alpha, c.ewma_warmup_steps, c.ewma_threshold
             )
         temperature = c.weight_softmax_temperature if c.weight_softmax_temperature is not None else 1.0
-        sync.weights = penalty.averaging_weights(norms, excluded, c.pseudo_gradnorm_reduce, temperature)
-        sync.own_weights = sync.weights[self.sync_group.rank]
+        self._set_weights(penalty.averaging_weights(norms, excluded, c.pseudo_gradnorm_reduce, temperature), excluded)
         sync.norms, sync.excluded = norms, excluded
         sync.skipped = penalty.skipped_layers(excluded, len(self.layer_names))
 
@@ -439,6 +499,9 @@ class LocalSGD:
             excluded=sync.excluded,
             skipped=sync.skipped,
             clip_coef=clip,
+            skipped_sync=sync.skipped_sync,
+            worker_steps=sync.worker_steps,
+            worker_seconds=sync.worker_seconds,
         )
         self._last_sync_step = sync.step
         self.reports.append(report)
@@ -630,6 +693,11 @@ class LocalSGD:
         if pending:
             self._complete(pending, write_model=True)
 
+    @property
+    def sync_in_progress(self) -> bool:
+        """A layer-wise sync is pending: it completes in the next forward pass (or a flush)."""
+        return self._sync is not None
+
     def drain_reports(self) -> List[SyncReport]:
         reports, self.reports = self.reports, []
         return reports
@@ -643,6 +711,9 @@ class LocalSGD:
             "last_sync_step": self._last_sync_step,
             "layer_names": list(self.layer_names),
             "ewma": self.ewma.state_dict(),
+            # A-EDiT: the planned next sync; the clock restarts on resume (elapsed time while
+            # the job was down is not training time).
+            "next_sync_at": self._next_sync_at,
         }
 
     def load_extra_state(self, state: dict) -> None:
@@ -654,6 +725,9 @@ class LocalSGD:
         self.steps_done = int(state["steps_done"])
         self._last_sync_step = int(state["last_sync_step"])
         self.ewma = penalty.EWMAStats.from_state_dict(state["ewma"])
+        self._next_sync_at = state.get("next_sync_at")
+        if self._next_sync_at is not None:
+            self._interval_start = self.clock()
 
     def state_bytes(self) -> int:
         """Bytes of EDiT state on this rank: anchor + outer optimizer state."""

@@ -366,3 +366,42 @@ def _inject_fault(spec, step, worker, mains):
                     p.view(-1)[:1].fill_(float("nan"))
                 else:
                     p.mul_(fault["factor"])
+
+
+def async_runs(rank, world_size, spec):
+    """A-EDiT: every worker trains at its own pace until it has done ``spec["syncs"]`` syncs.
+
+    ``spec["seconds_per_step"][w]``: a fake clock advancing that much per step of worker w
+    (deterministic schedule), or None for the real clock with ``spec["sleep"][w]`` seconds of
+    extra work per step (a straggler)."""
+    import time as _time
+
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=spec["instances"])
+    me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**spec["local_sgd"]), me.OuterOptimizerConfig(**spec["outer"]))
+    ddp, optimizer = _build(spec, 1, 1)
+    (controller,) = me.get_local_sgd(optimizer)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    worker = dp_rank // (dp // spec["instances"])
+    fake = spec.get("seconds_per_step")
+    now = [0.0]
+    if fake:
+        controller.clock = lambda: now[0]
+    batches = make_batches(spec["max_steps"], dp * MICRO_BATCH, seed=0)
+    reports, steps, t0 = [], 0, _time.monotonic()
+    while len(reports) + controller.sync_in_progress < spec["syncs"]:
+        assert steps < spec["max_steps"], "never reached the expected number of syncs"
+        steps += 1
+        if spec.get("sleep"):
+            _time.sleep(spec["sleep"][worker])
+        train_step(ddp, optimizer, rank_micro_batches(batches[steps - 1], dp_rank, dp))
+        if fake:
+            now[0] += fake[worker]
+        reports += controller.drain_reports()
+    ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync
+    reports += controller.drain_reports()
+    me.unpatch_megatron_for_local_sgd()
+    return dict(worker=worker, steps=steps, reports=reports, params=named_params(ddp),
+                seconds=_time.monotonic() - t0)

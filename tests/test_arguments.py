@@ -137,11 +137,12 @@ def test_argparse_rejects_malformed_values(capsys):
 # Field -> (argv setting it to a non-default value, the value it must then have). Fields whose
 # behaviour is not built yet must reach the config and be refused there, naming the field.
 LOCAL_FLAG_CASES = {
-    "use_async": (["--local-sgd-async"], NotSupportedYet),
+    "use_async": (["--local-sgd-async"], True),
     "local_sgd_sync_interval": (["--local-sgd-sync-interval", "7"], 7),
     "local_sgd_sync_time": (["--local-sgd-sync-time", "30"], 30.0),
     "min_total_global_steps": (["--local-sgd-min-total-global-steps", "5"], 5),
-    "use_step_weight": (["--local-sgd-use-step-weight"], NotSupportedYet),
+    # Only meaningful with --local-sgd-async: alone it is refused.
+    "use_step_weight": (["--local-sgd-use-step-weight"], ConfigError),
     "step_weight_ratio": (["--local-sgd-step-weight-ratio", "0.25"], 0.25),
     "local_sgd_warmup_steps": (["--local-sgd-warmup-steps", "3"], 3),
     "gradient_accumulation_steps": (["--local-sgd-gradient-accumulation-steps", "2"], ConfigError),

@@ -120,16 +120,11 @@ def test_gradient_accumulation_message_says_what_to_use_instead():
     assert "--global-batch-size" in message
 
 
-@pytest.mark.parametrize(
-    "field_name, value",
-    [
-        ("use_async", True),
-        ("use_step_weight", True),
-    ],
-)
-def test_unbuilt_local_sgd_options_refuse(field_name, value):
-    message = _raises(LocalSGDConfig, NotSupportedYet, field_name, **{field_name: value})
-    assert "not supported yet" in message
+def test_async_options_construct_and_step_weight_needs_async():
+    cfg = LocalSGDConfig(use_async=True, use_step_weight=True, local_sgd_sync_time=30.0)
+    assert cfg.use_async and cfg.use_step_weight
+    message = _raises(LocalSGDConfig, ConfigError, "use_step_weight", use_step_weight=True)
+    assert "--local-sgd-async" in message
 
 
 def test_penalty_options_construct():

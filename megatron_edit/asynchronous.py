@@ -1,0 +1,66 @@
+"""A-EDiT's time-based schedule (arXiv 2412.07210, Sec. 3.4), as pure functions.
+
+Workers of different speeds train for the same wall-clock time between syncs, so fast workers
+take more steps. The schedule needs no per-step communication: at each sync (a rendezvous of
+all workers anyway) every rank contributes its worker's steps and elapsed seconds (float64) since
+the previous sync to one small all-reduce over all ranks; from those identical numbers every
+rank of every worker plans each worker's next sync as a number of its own steps,
+``round(sync_time * steps / seconds)``. The decision to sync is therefore the same on every
+tensor-, pipeline- and shard-rank of every worker, and the collectives cannot deadlock. A sync
+at which all workers together took fewer than ``min_total_global_steps`` steps is skipped (no
+exchange; the workers keep training from their own parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+
+def schedule_message(workers: int, worker: int, steps: int, seconds: float) -> torch.Tensor:
+    """This rank's contribution: its worker's slot filled, others 0 (all-reduce with MAX)."""
+    message = torch.zeros(2, workers, dtype=torch.float64)
+    message[0, worker] = steps
+    message[1, worker] = seconds
+    return message
+
+
+def plan_next_interval(
+    steps: torch.Tensor, seconds: torch.Tensor, sync_time: float, max_steps: int = 1_000_000
+) -> torch.Tensor:
+    """Steps each worker takes until the next sync: its measured rate times ``sync_time``
+    (at least 1). ``steps``/``seconds``: per worker, since the previous sync."""
+    rate = steps.to(torch.float64) / seconds.to(torch.float64).clamp_min(1e-9)
+    return torch.clamp(torch.round(rate * sync_time), 1, max_steps).to(torch.int64)
+
+
+def skip_sync(steps: torch.Tensor, min_total_global_steps: int) -> bool:
+    """Skip the exchange when all workers together took too few steps since the last sync."""
+    return int(steps.sum()) < min_total_global_steps
+
+
+def blend_step_weights(
+    weights: torch.Tensor, steps: torch.Tensor, excluded: torch.Tensor, ratio: float
+) -> torch.Tensor:
+    """``(1 - ratio) * weights + ratio * step share``, per layer over the workers not excluded.
+
+    ``weights`` [W, L] (columns sum to 1 over included workers), ``steps`` [W],
+    ``excluded`` [W, L] bool. A column where every worker is excluded stays 0.
+    """
+    keep = ~excluded
+    share = steps.to(torch.float64).unsqueeze(1) * keep
+    total = share.sum(dim=0, keepdim=True)
+    share = torch.where(total > 0, share / total.clamp_min(1e-300), torch.zeros_like(share))
+    return (1 - ratio) * weights + ratio * share
+
+
+def first_interval(sync_interval: int) -> int:
+    """Before any speed is measured, the first interval after warmup is ``sync_interval`` steps
+    for every worker (warmup steps run in lockstep and say nothing about local speed)."""
+    return max(1, sync_interval)
+
+
+def read_schedule(reduced: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(steps [W], seconds [W]) from the reduced message."""
+    return reduced[0], reduced[1]
