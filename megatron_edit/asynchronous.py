@@ -5,10 +5,11 @@ take more steps. The schedule needs no per-step communication: at each sync (a r
 all workers anyway) every rank contributes its worker's steps and elapsed seconds (float64) since
 the previous sync to one small all-reduce over all ranks; from those identical numbers every
 rank of every worker plans each worker's next sync as a number of its own steps,
-``round(sync_time * steps / seconds)``. The decision to sync is therefore the same on every
+``round(sync_time * steps / seconds)`` from the latest interval. The decision to sync is therefore the same on every
 tensor-, pipeline- and shard-rank of every worker, and the collectives cannot deadlock. A sync
-at which all workers together took fewer than ``min_total_global_steps`` steps is skipped (no
-exchange; the workers keep training from their own parameters).
+at which all workers together took fewer than ``min_total_global_steps`` steps since the last
+real exchange is skipped (no exchange; the workers keep training from their own parameters and
+the count keeps accumulating).
 """
 
 from __future__ import annotations
@@ -18,11 +19,17 @@ from typing import Tuple
 import torch
 
 
-def schedule_message(workers: int, worker: int, steps: int, seconds: float) -> torch.Tensor:
-    """This rank's contribution: its worker's slot filled, others 0 (all-reduce with MAX)."""
-    message = torch.zeros(2, workers, dtype=torch.float64)
-    message[0, worker] = steps
-    message[1, worker] = seconds
+def schedule_message(
+    workers: int, worker: int, steps_since_exchange: int, interval_steps: int, interval_seconds: float
+) -> torch.Tensor:
+    """This rank's contribution, its worker's column filled, others 0 (all-reduce with MAX):
+    steps since the last real exchange (for the min-steps skip and the step weights, which
+    accumulate across skipped syncs), and the steps and seconds of the latest interval (the
+    speed estimate)."""
+    message = torch.zeros(3, workers, dtype=torch.float64)
+    message[0, worker] = steps_since_exchange
+    message[1, worker] = interval_steps
+    message[2, worker] = interval_seconds
     return message
 
 
@@ -61,6 +68,6 @@ def first_interval(sync_interval: int) -> int:
     return max(1, sync_interval)
 
 
-def read_schedule(reduced: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(steps [W], seconds [W]) from the reduced message."""
-    return reduced[0], reduced[1]
+def read_schedule(reduced: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(steps since the last exchange [W], interval steps [W], interval seconds [W])."""
+    return reduced[0], reduced[1], reduced[2]

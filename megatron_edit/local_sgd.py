@@ -149,9 +149,9 @@ class SyncReport:
     skipped_sync: bool = False
     """A-EDiT: all workers together took fewer than min_total_global_steps: no exchange."""
     worker_steps: Optional[torch.Tensor] = None
-    """A-EDiT: [workers] steps each worker took since the previous sync."""
+    """A-EDiT: [workers] steps each worker took since the last real exchange."""
     worker_seconds: Optional[torch.Tensor] = None
-    """A-EDiT: [workers] seconds each worker trained since the previous sync."""
+    """A-EDiT: [workers] seconds of the latest interval (since the previous planned sync)."""
 
     def scalars(self) -> Dict[str, float]:
         """Flat name -> value, for Megatron's console line and TensorBoard / W&B writers."""
@@ -218,6 +218,7 @@ class LocalSGD:
         self.clock = time.monotonic  # A-EDiT's float64 clock; injectable for tests
         self._next_sync_at: Optional[int] = None
         self._interval_start: Optional[float] = None
+        self._interval_start_step = 0
         self.outer_config = outer_optim_config
         self.gta_config = gta_config or GTAConfig()
         self.steps_done = 0
@@ -365,7 +366,7 @@ class LocalSGD:
         if self.config.use_async and self._interval_start is None and self.steps_done >= self.config.local_sgd_warmup_steps:
             # Without warmup the first interval's clock starts inside step 1 (its forward and
             # backward are not timed): only the first plan is slightly optimistic.
-            self._interval_start = self.clock()
+            self._interval_start, self._interval_start_step = self.clock(), self.steps_done
         self._in_step = True
         self._synced_in_step = False
 
@@ -380,12 +381,12 @@ class LocalSGD:
                 self._complete(self.shards, write_model=False)
             self._synced_in_step = True
 
-    def end_step(self, optimizer) -> None:
+    def end_step(self) -> None:
         """After the optimizer step: count it, and schedule the layer-wise sync if due."""
         self._in_step = False
         self.steps_done += 1
         if self.config.use_async and self.steps_done == self.config.local_sgd_warmup_steps:
-            self._interval_start = self.clock()  # local training starts now
+            self._interval_start, self._interval_start_step = self.clock(), self.steps_done
         if not self._sync_due(self.steps_done):
             return
         if self.config.sync_mode == "step_end":
@@ -430,16 +431,20 @@ class LocalSGD:
         """A-EDiT: one small all-reduce over every rank -> identical schedule everywhere."""
         c, sync = self.config, self._sync
         message = asynchronous.schedule_message(
-            self.sync_group.size, self.sync_group.rank, step - self._last_sync_step, self.clock() - self._interval_start
+            self.sync_group.size,
+            self.sync_group.rank,
+            step - self._last_sync_step,
+            step - self._interval_start_step,
+            self.clock() - self._interval_start,
         )
         device = self._work_device(self.shards[0]) if self.shards else torch.device("cpu")
         message = self.sync_group.all_reduce_max_everywhere(message.to(device), self.schedule_group).cpu()
-        steps, seconds = asynchronous.read_schedule(message)
-        sync.worker_steps, sync.worker_seconds = steps, seconds
+        steps, interval_steps, interval_seconds = asynchronous.read_schedule(message)
+        sync.worker_steps, sync.worker_seconds = steps, interval_seconds
         sync.skipped_sync = asynchronous.skip_sync(steps, c.min_total_global_steps)
-        plan = asynchronous.plan_next_interval(steps, seconds, c.local_sgd_sync_time)
+        plan = asynchronous.plan_next_interval(interval_steps, interval_seconds, c.local_sgd_sync_time)
         self._next_sync_at = step + int(plan[self.sync_group.rank])
-        self._interval_start = self.clock()
+        self._interval_start, self._interval_start_step = self.clock(), step
 
     @torch.no_grad()
     def _delta(self, shard: BucketShard) -> torch.Tensor:
@@ -503,7 +508,8 @@ class LocalSGD:
             worker_steps=sync.worker_steps,
             worker_seconds=sync.worker_seconds,
         )
-        self._last_sync_step = sync.step
+        if not sync.skipped_sync:  # a skipped sync exchanged nothing: keep counting from the last one
+            self._last_sync_step = sync.step
         self.reports.append(report)
         if self.config.is_debug:
             logger.info("rank %d: %s", dist.get_rank(), report)

@@ -273,7 +273,7 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
                 return original(self, *args, **kwargs)
             controller.begin_step()
             ok = original(self, *args, **kwargs)
-            controller.end_step(self)
+            controller.end_step()
             return ok
 
         return wrapper

@@ -24,8 +24,8 @@ def test_plan_skip_and_step_weights_on_known_inputs():
     weights[:, 2] = torch.tensor([0.0, 1.0], dtype=F64)
     blended = asynchronous.blend_step_weights(weights, torch.tensor([4.0, 16.0]), excluded, 0.5)
     assert torch.allclose(blended[:, 2], torch.tensor([0.0, 1.0], dtype=F64))
-    message = asynchronous.schedule_message(3, 1, 7, 2.5)
-    assert message.dtype == F64 and message.tolist() == [[0, 7, 0], [0, 2.5, 0]]
+    message = asynchronous.schedule_message(3, 1, 9, 7, 2.5)
+    assert message.dtype == F64 and message.tolist() == [[0, 9, 0], [0, 7, 0], [0, 2.5, 0]]
 
 
 @pytest.mark.timeout(240)
@@ -48,10 +48,12 @@ def test_fake_clock_schedule_skip_and_step_weights_are_exact_and_identical_every
         assert [rep.skipped_sync for rep in r["reports"]] == [True, False, False]
         assert r["reports"][0].worker_steps.tolist() == [2, 2]
         assert r["reports"][0].worker_seconds.tolist() == [2.0, 0.5]
-        assert r["reports"][0].payload_bytes == 2 * 2 * 8  # only the schedule: 2 x W float64
-        assert r["reports"][1].worker_steps.tolist() == [4, 16]
+        assert r["reports"][0].payload_bytes == 3 * 2 * 8  # only the schedule: 3 x W float64
+        assert r["reports"][1].worker_steps.tolist() == [6, 18]  # since the anchor (skip in between)
         assert r["reports"][1].worker_seconds.tolist() == [4.0, 4.0]
-        assert torch.allclose(r["reports"][1].weights[:, 0], torch.tensor([0.35, 0.65], dtype=F64))
+        assert r["reports"][2].worker_steps.tolist() == [4, 16]
+        # 0.5 * 0.5 + 0.5 * 6 / 24 = 0.375
+        assert torch.allclose(r["reports"][1].weights[:, 0], torch.tensor([0.375, 0.625], dtype=F64))
     for rep_a, rep_b in zip(results[0]["reports"], results[3]["reports"]):  # two workers agree
         assert torch.equal(rep_a.worker_steps, rep_b.worker_steps) and rep_a.skipped_sync == rep_b.skipped_sync
     _assert_params_equal(results[0]["params"], results[2]["params"], "replicas after the last sync")
