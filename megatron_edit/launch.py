@@ -122,14 +122,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     cpu = _use_cpu(opts)
     if cpu:
         _check_backend(opts.script_args)
+        from . import cpu_training_adapter
+
+        cpu_training_adapter.prepare_environment()  # before megatron is imported
         import torch
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // local))
     _set_up_path(opts.script)
     if cpu:
-        from . import cpu_training_adapter
-
         cpu_training_adapter.activate()
     if not opts.no_runtime_patches:
         from .api import patch_megatron_for_local_sgd

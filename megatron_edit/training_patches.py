@@ -134,16 +134,27 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
         raise NotSupportedYet("--use-local-sgd with MoE (--num-experts) is not supported yet.")
     interval = getattr(args, "check_weight_hash_across_dp_replicas_interval", None)
     if interval is not None:
-        # Replicas are identical only at sync steps (and during warmup): every checked
-        # iteration must be one of them.
+        # Replicas are identical only during warmup and right after a sync: every iteration
+        # Megatron checks must be one of those. It checks every `interval` iterations and once
+        # at the start of training, i.e. at the iteration of the checkpoint it resumed from.
         h, w = local.local_sgd_sync_interval, local.local_sgd_warmup_steps
-        if local.use_async or interval % h != 0 or w % h != 0:
+        aligned = lambda n: n is None or n % h == 0  # noqa: E731
+        checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
+        if (
+            local.use_async
+            or not aligned(interval)
+            or not aligned(w)
+            or (checkpoints and not (aligned(getattr(args, "save_interval", None))
+                                     and aligned(getattr(args, "exit_interval", None))))
+        ):
             raise ConfigError(
                 f"--check-weight-hash-across-dp-replicas-interval={interval} with --use-local-sgd: "
                 "data-parallel replicas differ between syncs by design, so they can only be "
                 "compared right after a sync. Use an interval that is a multiple of "
-                f"--local-sgd-sync-interval ({h}) with --local-sgd-warmup-steps ({w}) a multiple "
-                "of it too (synchronous EDiT only), or drop the flag."
+                f"--local-sgd-sync-interval ({h}), with --local-sgd-warmup-steps ({w}) and, when "
+                "saving or loading checkpoints, --save-interval and --exit-interval multiples of "
+                "it too (Megatron checks again when training resumes); synchronous EDiT only. Or "
+                "drop the flag."
             )
 
 

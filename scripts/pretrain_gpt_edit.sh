@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Megatron-LM's pretrain_gpt.py with EDiT on one node (torchrun), through megatron_edit.launch.
+#
+#   MEGATRON_LM_DIR=/path/to/Megatron-LM SIZE=1b WORKERS=2 bash scripts/pretrain_gpt_edit.sh [extra Megatron args]
+#
+# One node has no slow link to save, so this is for trying EDiT out (WORKERS=2: two workers of
+# half the GPUs each) and for checking a configuration before going multi-node. On a machine
+# without a GPU, DEVICE=cpu SIZE=tiny NPROC=4 runs the tiny model over gloo (about 20 s).
+# Environment variables and the reasoning behind the defaults: scripts/edit_flags.sh.
+# Megatron-LM's checkout must be at the tag of the installed megatron-core (core_v0.16.1).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+: "${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1}"
+PYTHON=${PYTHON:-python}
+if [ "${DEVICE:-gpu}" = cpu ]; then NPROC=${NPROC:-4}; else NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}; fi
+WORKERS=${WORKERS:-2}
+source "$HERE/edit_flags.sh"
+
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
+  -m megatron_edit.launch "$MEGATRON_LM_DIR/pretrain_gpt.py" \
+  "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${DEVICE_ARGS[@]}" "${EDIT_ARGS[@]}" "$@"
