@@ -10,4 +10,4 @@ python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q torch==2.13.0
 "$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE" -e ".[test]"
-"$VENV/bin/python" -c "import torch, megatron.core, megatron_edit; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| megatron_edit', megatron_edit.__version__)"
+"$VENV/bin/python" -W ignore -c "import torch, megatron.core, megatron_edit; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| megatron_edit', megatron_edit.__version__)"
