@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import List, Optional
 
 from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from .local_sgd import LocalSGD
 from .megatron_patches import SUPPORTED, LocalSGDRuntime, build_registry, get_local_sgd as _get
 from .patching import PatchError, PatchRegistry
+from .checkpointing import add_checkpoint_patches
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +24,16 @@ class _Session:
 
     runtime: Optional[LocalSGDRuntime] = None
     registry: Optional[PatchRegistry] = None
+
+
+def build_full_registry(runtime_ref) -> PatchRegistry:
+    """Every patch, in application order: the EDiT patches, the checkpoint patches
+    (:mod:`megatron_edit.checkpointing`: EDiT state in torch_dist checkpoints), and Megatron-LM's
+    training patches when ``megatron.training`` is importable (it is not on PyPI)."""
+    registry = build_registry(runtime_ref)
+    add_checkpoint_patches(registry, runtime_ref)
+    _add_training_patches(registry, runtime_ref)
+    return registry
 
 
 def megatron_core_version() -> str:
@@ -73,9 +85,7 @@ def patch_megatron_for_local_sgd(
         configs_from=None if local_sgd_config is not None else _configs_from_megatron_args,
     )
     if _Session.registry is None:
-        registry = build_registry(lambda: _Session.runtime)
-        _add_training_patches(registry)
-        _Session.registry = registry
+        _Session.registry = build_full_registry(lambda: _Session.runtime)
     applied = _Session.registry.apply(version)
     if applied:
         _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
@@ -83,7 +93,7 @@ def patch_megatron_for_local_sgd(
 
 
 # --- Megatron-LM's megatron.training (repository only, not on PyPI): see training_patches.py
-def _add_training_patches(registry: PatchRegistry) -> None:
+def _add_training_patches(registry: PatchRegistry, runtime_ref) -> None:
     """Flags, validation and metrics in Megatron-LM's training code, when it is importable."""
     import importlib.util
 
@@ -94,7 +104,7 @@ def _add_training_patches(registry: PatchRegistry) -> None:
     if found:
         from .training_patches import add_training_patches
 
-        add_training_patches(registry, lambda: _Session.runtime)
+        add_training_patches(registry, runtime_ref)
 
 
 def unpatch_megatron_for_local_sgd() -> List[str]:
@@ -116,5 +126,7 @@ def get_local_sgd(optimizer) -> List[LocalSGD]:
 def _log_rank0(message: str) -> None:
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    # Before init_process_group (a launcher patches first), torchrun's RANK says who is rank 0.
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         logger.info(message)

@@ -18,8 +18,11 @@ distopt-step-with-ready-grads          the schedule: anchor at the end of warmup
                                        sync due
 distopt-copy-main-to-model             step-end sync: between the inner update and the copy
                                        of main params into the model
-distopt-sharded-state-dict             complete a pending sync before state is saved
 =====================================  =====================================================
+
+Checkpoint patches (EDiT state in torch_dist checkpoints, 0.16.1 load fixes) are declared in
+:mod:`megatron_edit.checkpointing`; Megatron-LM training patches in
+:mod:`megatron_edit.training_patches`.
 """
 
 from __future__ import annotations
@@ -288,16 +291,6 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
 
         return wrapper
 
-    def wrap_flush_first(original):
-        def wrapper(self, *args, **kwargs):
-            runtime = runtime_ref()
-            controller = runtime.controllers.get(self) if runtime else None
-            if controller is not None:
-                controller.flush()
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
     v = SUPPORTED
     registry.add(Patch("ddp-init", f"{_DDP}.__init__", wrap_ddp_init, v,
                        ("self", "config", "ddp_config", "module", "disable_bucketing", "pg_collection"),
@@ -321,11 +314,6 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
     registry.add(Patch("distopt-copy-main-to-model", f"{_DISTOPT}._copy_main_params_to_model_params",
                        wrap_copy_main_to_model, v, ("self",),
                        "step-end sync between the inner update and the main->model copy"))
-    registry.add(Patch("distopt-sharded-state-dict", f"{_DISTOPT}.sharded_state_dict",
-                       wrap_flush_first, v, ("self", "model_sharded_state_dict", "is_loading"),
-                       "complete a pending layer-wise sync before state is saved"))
-    registry.add(Patch("distopt-state-dict", f"{_DISTOPT}.state_dict", wrap_flush_first, v,
-                       ("self",), "complete a pending layer-wise sync before state is saved"))
     return registry
 
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from .api import _Session, megatron_core_version
-from .megatron_patches import build_registry
+from .api import _Session, build_full_registry, megatron_core_version
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_edit.patches")
     parser.add_argument("--list", action="store_true", help="list the patches and their versions")
     args = parser.parse_args(argv)
-    registry = _Session.registry or build_registry(lambda: None)
+    registry = _Session.registry or build_full_registry(lambda: None)
     version = megatron_core_version()
     print(f"megatron-core {version} installed")
     for pid, target, versions, applied, description in registry.table():

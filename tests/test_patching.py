@@ -17,12 +17,13 @@ from megatron_edit import (
     patch_megatron_for_local_sgd,
     unpatch_megatron_for_local_sgd,
 )
+from megatron_edit.api import build_full_registry
 from megatron_edit.megatron_patches import SUPPORTED, build_registry
 from megatron_edit.patches import main as list_patches
 from megatron_edit.patching import Patch, PatchRegistry, VersionRange
 
 INSTALLED = api.megatron_core_version()
-PATCHES = build_registry(lambda: None).patches
+PATCHES = build_full_registry(lambda: None).patches
 EXPECTED_IDS = [p.id for p in PATCHES]
 
 # Targets the brief names explicitly: a missing one means the registry lost a patch.
