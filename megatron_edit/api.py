@@ -53,7 +53,11 @@ def _configs_from_megatron_args():
             "patch_megatron_for_local_sgd() was called without configs and megatron.training is "
             "not importable: with megatron-core alone pass local_sgd_config=LocalSGDConfig(...)."
         ) from None
-    return configs_from_args(get_args())
+    args = get_args()
+    if _Session.runtime is not None:
+        # A-EDiT ends with a sync at the last iteration on every worker (see asynchronous.py).
+        _Session.runtime.final_step = getattr(args, "train_iters", None)
+    return configs_from_args(args)
 
 
 def patch_megatron_for_local_sgd(

@@ -20,17 +20,36 @@ import torch
 
 
 def schedule_message(
-    workers: int, worker: int, steps_since_exchange: int, interval_steps: int, interval_seconds: float
+    workers: int,
+    worker: int,
+    steps_since_exchange: int,
+    interval_steps: int,
+    interval_seconds: float,
+    step: int = 0,
 ) -> torch.Tensor:
     """This rank's contribution, its worker's column filled, others 0 (all-reduce with MAX):
     steps since the last real exchange (for the min-steps skip and the step weights, which
-    accumulate across skipped syncs), and the steps and seconds of the latest interval (the
-    speed estimate)."""
-    message = torch.zeros(3, workers, dtype=torch.float64)
+    accumulate across skipped syncs), the steps and seconds of the latest interval (the speed
+    estimate), and the worker's step count (for the final sync)."""
+    message = torch.zeros(4, workers, dtype=torch.float64)
     message[0, worker] = steps_since_exchange
     message[1, worker] = interval_steps
     message[2, worker] = interval_seconds
+    message[3, worker] = step
     return message
+
+
+def next_sync_steps(
+    steps: torch.Tensor, plan: torch.Tensor, final_step: "int | None"
+) -> torch.Tensor:
+    """[W] the step at which each worker syncs next. When any worker would pass the run's last
+    step before its next sync, that sync is the final one and every worker takes it at the last
+    step, so all workers end together at a sync (with identical models) instead of one waiting
+    for a sync the others never reach."""
+    nxt = steps.to(torch.int64) + plan
+    if final_step is not None and bool((nxt >= final_step).any()):
+        nxt = torch.full_like(nxt, final_step)
+    return nxt
 
 
 def plan_next_interval(
@@ -68,6 +87,6 @@ def first_interval(sync_interval: int) -> int:
     return max(1, sync_interval)
 
 
-def read_schedule(reduced: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(steps since the last exchange [W], interval steps [W], interval seconds [W])."""
-    return reduced[0], reduced[1], reduced[2]
+def read_schedule(reduced: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(steps since the last exchange, interval steps, interval seconds, step counts), each [W]."""
+    return reduced[0], reduced[1], reduced[2], reduced[3]

@@ -216,6 +216,9 @@ class LocalSGD:
         self.config = local_sgd_config
         self.schedule_group = schedule_group
         self.clock = time.monotonic  # A-EDiT's float64 clock; injectable for tests
+        # The run's last optimizer step when known (Megatron-LM: --train-iters): A-EDiT then
+        # ends with a sync there on every worker.
+        self.final_step: Optional[int] = None
         self._next_sync_at: Optional[int] = None
         self._interval_start: Optional[float] = None
         self._interval_start_step = 0
@@ -344,7 +347,8 @@ class LocalSGD:
         cls = self.outer_config.optimizer_class
         self.outer_optimizer = cls(anchors, **self.outer_config.outer_optim_kwargs)
         if self.config.use_async:
-            self._next_sync_at = self.steps_done + asynchronous.first_interval(self.config.local_sgd_sync_interval)
+            first = self.steps_done + asynchronous.first_interval(self.config.local_sgd_sync_interval)
+            self._next_sync_at = first if self.final_step is None else min(first, self.final_step)
 
     # ------------------------------------------------------------ schedule
     @property
@@ -436,14 +440,18 @@ class LocalSGD:
             step - self._last_sync_step,
             step - self._interval_start_step,
             self.clock() - self._interval_start,
+            step,
         )
         device = self._work_device(self.shards[0]) if self.shards else torch.device("cpu")
         message = self.sync_group.all_reduce_max_everywhere(message.to(device), self.schedule_group).cpu()
-        steps, interval_steps, interval_seconds = asynchronous.read_schedule(message)
+        steps, interval_steps, interval_seconds, step_counts = asynchronous.read_schedule(message)
         sync.worker_steps, sync.worker_seconds = steps, interval_seconds
-        sync.skipped_sync = asynchronous.skip_sync(steps, c.min_total_global_steps)
+        final = self.final_step is not None and step >= self.final_step
+        # The run's last sync is never skipped: the workers end with identical models.
+        sync.skipped_sync = not final and asynchronous.skip_sync(steps, c.min_total_global_steps)
         plan = asynchronous.plan_next_interval(interval_steps, interval_seconds, c.local_sgd_sync_time)
-        self._next_sync_at = step + int(plan[self.sync_group.rank])
+        nxt = asynchronous.next_sync_steps(step_counts, plan, self.final_step)
+        self._next_sync_at = None if final else int(nxt[self.sync_group.rank])
         self._interval_start, self._interval_start_step = self.clock(), step
 
     @torch.no_grad()

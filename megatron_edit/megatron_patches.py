@@ -133,6 +133,7 @@ class LocalSGDRuntime:
             )
         self._configs_from = configs_from
         self._resolved = self._configs is not None
+        self.final_step: Optional[int] = None  # the run's last step, when known (A-EDiT)
         self.controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.group_owner: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.registered_groups: "weakref.WeakSet" = weakref.WeakSet()
@@ -162,6 +163,7 @@ class LocalSGDRuntime:
             return
         check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None)
         controller = LocalSGD(optimizer, *self.configs)
+        controller.final_step = self.final_step
         self.controllers[optimizer] = controller
         for group in controller.group_shards:
             self.group_owner[group] = controller

@@ -12,13 +12,18 @@ plain functions that both routes call, so the logic lives in one place:
   ``check_workers``, ``check_optimizer_options``), plus the options only Megatron-LM has.
 * :class:`SyncMetrics`: each sync's figures (``SyncReport.scalars()``, every key, so new ones
   flow through) on Megatron's console line and in TensorBoard / W&B through Megatron's writers.
+* :class:`WorkerLocalCollectives`: nothing crosses the sync group between syncs. Megatron-LM's
+  per-step collectives over all data-parallel ranks (logged loss, params norm, timers, the
+  rerun state machine's vote, the signal check) are kept inside the worker; the options whose
+  collectives cannot be are refused by :func:`validate_local_sgd_args`.
 
 Runtime route: :func:`add_training_patches` declares wrap patches on the names Megatron-LM looks
 up (``parse_args`` / ``validate_args`` in ``megatron.training.arguments`` and ``.initialize``,
 ``training_log`` and ``print_rank_last`` in ``megatron.training.training``). Fork route: the
 files in ``patches/`` call the same functions from Megatron-LM's source and set
 ``MEGATRON_EDIT_NATIVE = True`` in each module they edit; the runtime patches of such a module
-then stand aside.
+then stand aside. The ``worker-local-*`` patches apply on both routes (the fork does not make
+those calls itself).
 
 Names Megatron-LM binds at import (``DDP``, ``get_megatron_optimizer``, ``finalize_model_grads``,
 the checkpoint functions) need no patch by name: the core patches wrap methods of the classes
@@ -26,7 +31,8 @@ those names refer to, so ``isinstance(model, DDP)`` holds and the bound names st
 objects (:func:`check_import_bindings` verifies it).
 
 Metrics are per rank and come from the rank that logs (Megatron's last rank): bytes and seconds
-are that rank's share of the sync. Nothing here communicates.
+are that rank's share of the sync; with local SGD, Megatron's own figures on that line (loss,
+params norm, timers) are that rank's worker's.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -47,6 +55,7 @@ from .megatron_patches import (
     check_optimizer_options,
     check_workers,
 )
+from .outer import is_sync_step
 from .patching import Patch, PatchRegistry
 
 logger = logging.getLogger(__name__)
@@ -132,6 +141,7 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
         raise ConfigError("--use-local-sgd does not work with --use-torch-fsdp2.")
     if getattr(args, "num_experts", None):
         raise NotSupportedYet("--use-local-sgd with MoE (--num-experts) is not supported yet.")
+    _check_cross_worker_options(local, args)
     interval = getattr(args, "check_weight_hash_across_dp_replicas_interval", None)
     if interval is not None:
         # Replicas are identical only during warmup and right after a sync: every iteration
@@ -156,6 +166,70 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
                 "it too (Megatron checks again when training resumes); synchronous EDiT only. Or "
                 "drop the flag."
             )
+
+
+_BETWEEN_SYNCS = (
+    "a collective across all ranks between syncs: a barrier that holds every EDiT worker to the "
+    "slowest one, which local SGD exists to avoid"
+)
+
+
+def _check_cross_worker_options(local, args: argparse.Namespace) -> None:
+    """Megatron-LM options whose collectives across workers cannot be kept inside one (see
+    :class:`WorkerLocalCollectives` for those that are)."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    if get("exit_duration_in_mins"):
+        raise ConfigError(
+            "--exit-duration-in-mins with --use-local-sgd: Megatron all-reduces its elapsed-time "
+            f"check over all ranks after every iteration, {_BETWEEN_SYNCS}. Use "
+            "--exit-signal-handler (with local SGD it is checked at syncs), or --exit-interval / "
+            "--train-iters."
+        )
+    if get("exit_signal_handler") and local.use_async:
+        raise ConfigError(
+            "--exit-signal-handler with --local-sgd-async: Megatron checks for the signal with an "
+            "all-gather over all ranks, and A-EDiT workers never finish an iteration together "
+            "(they sync at different iterations), so there is no step to check it at. Use "
+            "--exit-interval / --train-iters."
+        )
+    if local.use_async:
+        if get("train_iters") is None:
+            raise ConfigError(
+                "--local-sgd-async needs --train-iters (not --train-samples): A-EDiT workers take "
+                "different numbers of iterations and must all end at one final sync, placed at "
+                "the last iteration."
+            )
+        for flag in ("save_interval", "exit_interval"):
+            if get(flag):
+                raise ConfigError(
+                    f"--{flag.replace('_', '-')} with --local-sgd-async: A-EDiT workers reach a given "
+                    "iteration at different times (and between different syncs), so a checkpoint "
+                    "or exit there would wait on collectives some workers never join. Save at the "
+                    "end of training (--save without --save-interval) or use synchronous EDiT."
+                )
+    if get("log_straggler"):
+        raise ConfigError(
+            "--log-straggler with --use-local-sgd: the straggler detector broadcasts and gathers "
+            f"over all ranks at every --log-interval, {_BETWEEN_SYNCS}. Drop the flag (the "
+            "local-sgd metrics show each sync's time)."
+        )
+    if get("log_energy"):
+        raise ConfigError(
+            "--log-energy with --use-local-sgd: the energy monitor all-reduces over all ranks at "
+            f"every --log-interval, {_BETWEEN_SYNCS}. Drop the flag."
+        )
+    if get("rerun_mode") == "report_stats":
+        raise ConfigError(
+            "--rerun-mode report_stats with --use-local-sgd: it re-runs every iteration and "
+            f"gathers its statistics from all ranks every few iterations, {_BETWEEN_SYNCS}. Use "
+            "--rerun-mode validate_results (its per-step vote is taken inside each worker) or "
+            "disabled."
+        )
+    if get("adlr_autoresume"):
+        raise ConfigError(
+            "--adlr-autoresume with --use-local-sgd: its termination check is a barrier over all "
+            f"ranks every --adlr-autoresume-interval iterations, {_BETWEEN_SYNCS}. Drop the flag."
+        )
 
 
 # --------------------------------------------------------------------------- metrics
@@ -327,7 +401,9 @@ def add_training_patches(
 ) -> List[str]:
     """Declare the patches on Megatron-LM's ``megatron.training``; returns their ids.
 
-    Modules of a fork with the native integration (``MEGATRON_EDIT_NATIVE``) get none.
+    Modules of a fork with the native integration (``MEGATRON_EDIT_NATIVE``) get none of the
+    ``lm-*`` patches; the ``worker-local-*`` ones (:func:`add_worker_local_patches`) apply on
+    both routes.
     """
     state = _TrainingLogState()
     added: List[str] = []
@@ -407,7 +483,248 @@ def add_training_patches(
                   "EDiT sync metrics to TensorBoard / W&B at Megatron's intervals"))
         add(Patch("lm-print-rank-last", f"{_TRAINING}:print_rank_last", wrap_print_rank_last, v,
                   ("message",), "EDiT sync metrics on training_log's console line"))
+    added += add_worker_local_patches(registry, runtime_ref)
     return added
+
+
+# --------------------------------------------------------------------------- worker-local collectives
+_PS = "megatron.core.parallel_state"
+_TIMERS = "megatron.core.timers"
+_RERUN = "megatron.core.rerun_state_machine"
+_SIGNALS = "megatron.training.dist_signal_handler"
+
+
+class WorkerLocalCollectives:
+    """Megatron-LM's per-step collectives across data-parallel ranks, kept inside the EDiT worker.
+
+    Between syncs EDiT workers share nothing, but Megatron-LM's training loop still reduces
+    figures over every data-parallel rank, or every rank, each step or log interval. Each such
+    collective is a barrier across workers: it holds every worker to the slowest one, and with
+    A-EDiT (workers reach a given iteration at different times, and their k-th sync at different
+    iterations) it can deadlock. While local SGD trains (its optimizer exists):
+
+    * **Reporting regions.** Inside Megatron-LM's ``train_step`` (the logged training loss; the
+      MTP loss tracker's and QK-clip's groups are taken there too), ``evaluate`` (validation
+      loss) and ``calc_params_l2_norm`` (``--log-params-norm``), ``parallel_state.
+      get_data_parallel_group`` hands out the worker's data-parallel group for the full one
+      (with context parallelism; without it only when the context-parallel size is 1, where
+      the two are the same ranks). Those functions use the group only to average figures for
+      the log: the figures become the worker's own. Gradients are untouched (DDP and the
+      distributed optimizer keep the groups they were built with).
+    * **Timers.** The barriers of Megatron's ``Timers`` (``--timing-log-level`` >= 1 with
+      ``--barrier-with-L1-time``, Megatron's default; the interval timer at every log line) and
+      the gather behind their console / TensorBoard report span the worker's ranks (its
+      distributed-optimizer instance, TP/PP included) instead of the world: the min / max
+      reported are over the logging rank's worker.
+    * **Rerun state machine** (``--rerun-mode validate_results``, Megatron's default): its
+      per-step vote on re-running the step is taken inside the worker once gradients are
+      worker-local (after warmup; during warmup a re-run redoes the cross-worker gradient
+      reduction, so every worker must vote). An outcome that would save a checkpoint and exit
+      on one worker only (a checkpoint needs every worker) raises instead of hanging the job.
+    * **Signal handler** (``--exit-signal-handler``): its check, an all-gather over the world,
+      runs only after steps where the workers meet anyway (synchronous warmup steps and syncs);
+      a signal is acted on at the next of them.
+
+    What cannot be kept inside the worker is refused in :func:`validate_local_sgd_args`.
+    """
+
+    def __init__(self, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]):
+        self.runtime_ref = runtime_ref
+        self._local = threading.local()
+
+    # ------------------------------------------------------------ state
+    def controllers(self) -> list:
+        """The EDiT objects of the running optimizer; empty while local SGD is off or the
+        optimizer is not built yet (start-up collectives stay as Megatron has them)."""
+        runtime = self.runtime_ref()
+        return list(runtime.controllers.values()) if runtime is not None else []
+
+    @contextmanager
+    def reporting(self):
+        """A region whose data-parallel reductions only feed the log."""
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+
+    def in_reporting(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+    def grads_are_local(self) -> bool:
+        controllers = self.controllers()
+        return bool(controllers) and all(c.grads_are_local for c in controllers)
+
+    def workers_meet(self) -> bool:
+        """Whether the step just taken was one all workers take together: a synchronous warmup
+        step or one a sync was due after. Never known in advance with A-EDiT."""
+        controllers = self.controllers()
+        if not controllers or controllers[0].config.use_async:
+            return False
+        c, steps = controllers[0].config, controllers[0].steps_done
+        return steps <= c.local_sgd_warmup_steps or is_sync_step(
+            steps, c.local_sgd_warmup_steps, c.local_sgd_sync_interval
+        )
+
+    @staticmethod
+    def worker_group():
+        """All ranks of this worker: Megatron's intra distributed-optimizer instance group."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_intra_distributed_optimizer_instance_group(check_initialized=False)
+
+    # ------------------------------------------------------------ wrappers
+    def wrap_reporting_region(self, original):
+        def region(*args, **kwargs):
+            if not self.controllers():
+                return original(*args, **kwargs)
+            with self.reporting():
+                return original(*args, **kwargs)
+
+        return region
+
+    def wrap_get_data_parallel_group(self, original):
+        def get_data_parallel_group(
+            with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False
+        ):
+            if (
+                self.in_reporting()
+                and not partial_data_parallel
+                and not independent_all_gather
+                and (with_context_parallel or _context_parallel_size() == 1)
+            ):
+                return original(with_context_parallel=True, partial_data_parallel=True)
+            return original(with_context_parallel, partial_data_parallel, independent_all_gather)
+
+        return get_data_parallel_group
+
+    def wrap_timers_call(self, original):
+        def __call__(timers, name, log_level=None):
+            timer = original(timers, name, log_level)
+            if hasattr(timer, "set_barrier_group"):  # a real Timer, not the DummyTimer
+                # Megatron never sets a timer's barrier group itself (None: the world).
+                timer.set_barrier_group(self.worker_group() if self.controllers() else None)
+            return timer
+
+        return __call__
+
+    def wrap_timers_all_gather(self, original):
+        import torch.distributed as dist
+
+        def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+            worker = self.worker_group() if group is None and self.controllers() else None
+            if worker is None or async_op:
+                return original(output_tensor, input_tensor, group, async_op)
+            # Timers gather one row per rank of the world (zeros except their own). Gather the
+            # worker's rows only; the others stay zero, which Timers reads as "no timing".
+            ranks = dist.get_process_group_ranks(worker)
+            rows = output_tensor.view(dist.get_world_size(), -1)
+            gathered = rows.new_zeros((len(ranks), rows.shape[1]))
+            original(gathered.view(-1), input_tensor, worker, False)
+            rows[ranks] = gathered
+            return None
+
+        return all_gather_into_tensor
+
+    def _rerun_is_local(self, machine) -> bool:
+        from megatron.core.rerun_state_machine import RerunState
+
+        return self.grads_are_local() and machine.state in (
+            RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE, RerunState.WILL_RERUN_FROM_CHECKPOINT
+        )
+
+    def wrap_rerun_reduce_any(self, original):
+        import torch
+
+        def _reduce_any(machine, value):
+            if not self._rerun_is_local(machine):
+                return original(machine, value)
+            # The same vote as Megatron's (any rank True -> True), over the worker's ranks.
+            values = value if isinstance(value, list) else [value]
+            flags = torch.tensor(values, dtype=torch.int32, device=torch.cuda.current_device())
+            torch.distributed.all_reduce(flags, group=self.worker_group())
+            votes = tuple(int(x) > 0 for x in flags.tolist())
+            return votes if isinstance(value, list) else votes[0]
+
+        return _reduce_any
+
+    def wrap_rerun_should_checkpoint_and_exit(self, original):
+        def should_checkpoint_and_exit(machine):
+            local = self._rerun_is_local(machine)
+            should_checkpoint, should_exit, exit_code = original(machine)
+            if local and (should_checkpoint or should_exit):
+                raise RuntimeError(
+                    f"megatron_edit: Megatron's rerun state machine asks this worker to "
+                    f"{'save a checkpoint and ' if should_checkpoint else ''}stop (exit code "
+                    f"{exit_code}) after re-running iteration {machine.current_iteration}. With "
+                    "--use-local-sgd the re-run vote is taken inside the worker (a vote across "
+                    "workers would be a barrier every step), but a checkpoint and a clean exit "
+                    "need every worker, so the job stops here instead; resume from the latest "
+                    "checkpoint. The log above says what failed validation."
+                )
+            return should_checkpoint, should_exit, exit_code
+
+        return should_checkpoint_and_exit
+
+    def wrap_signals_received(self, original):
+        def signals_received(handler):
+            controllers = self.controllers()
+            if controllers and not controllers[0].config.use_async and not self.workers_meet():
+                return []  # checked (all ranks together) after the next warmup step or sync
+            return original(handler)
+
+        return signals_received
+
+
+def _context_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_world_size()
+
+
+def add_worker_local_patches(
+    registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
+) -> List[str]:
+    """Declare the :class:`WorkerLocalCollectives` patches; returns their ids. Applied on both
+    routes: the fork in ``patches/`` does not make these calls itself."""
+    wl = WorkerLocalCollectives(runtime_ref)
+    v = SUPPORTED
+    patches = [
+        Patch("worker-local-train-step", f"{_TRAINING}:train_step", wl.wrap_reporting_region, v,
+              ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler",
+               "config", "forward_backward_func", "iteration"),
+              "the logged training loss is averaged over the worker, not all data-parallel ranks"),
+        Patch("worker-local-evaluate", f"{_TRAINING}:evaluate", wl.wrap_reporting_region, v,
+              ("forward_step_func", "data_iterator", "model", "process_non_loss_data_func",
+               "config", "verbose", "non_loss_data_func", "eval_iters"),
+              "the validation loss is averaged over the worker"),
+        Patch("worker-local-params-norm", f"{_TRAINING}:calc_params_l2_norm",
+              wl.wrap_reporting_region, v, ("model", "force_create_fp32_copy"),
+              "--log-params-norm: the norm of the worker's model"),
+        Patch("worker-local-dp-group", f"{_PS}:get_data_parallel_group",
+              wl.wrap_get_data_parallel_group, v,
+              ("with_context_parallel", "partial_data_parallel", "independent_all_gather"),
+              "inside those three: the worker's data-parallel group for the full one"),
+        Patch("worker-local-timer-barrier", f"{_TIMERS}:Timers.__call__", wl.wrap_timers_call, v,
+              ("self", "name", "log_level"), "timer barriers span the worker, not the world"),
+        Patch("worker-local-timers-gather", f"{_TIMERS}:dist_all_gather_func",
+              wl.wrap_timers_all_gather, v,
+              ("output_tensor", "input_tensor", "group", "async_op"),
+              "timer reports gather the worker's timings, not the world's"),
+        Patch("worker-local-rerun-vote", f"{_RERUN}:RerunStateMachine._reduce_any",
+              wl.wrap_rerun_reduce_any, v, ("self", "value"),
+              "after warmup, the per-step re-run vote is taken inside the worker"),
+        Patch("worker-local-rerun-exit", f"{_RERUN}:RerunStateMachine.should_checkpoint_and_exit",
+              wl.wrap_rerun_should_checkpoint_and_exit, v, ("self",),
+              "a worker-local re-run verdict that needs a checkpoint raises instead of hanging"),
+        Patch("worker-local-signal-check", f"{_SIGNALS}:DistributedSignalHandler.signals_received",
+              wl.wrap_signals_received, v, ("self",),
+              "--exit-signal-handler: checked after warmup steps and syncs only"),
+    ]
+    for patch in patches:
+        registry.add(patch)
+    return [p.id for p in patches]
 
 
 def check_import_bindings() -> Dict[str, bool]:

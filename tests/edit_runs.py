@@ -383,6 +383,7 @@ def async_runs(rank, world_size, spec):
     me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**spec["local_sgd"]), me.OuterOptimizerConfig(**spec["outer"]))
     ddp, optimizer = _build(spec, 1, 1)
     (controller,) = me.get_local_sgd(optimizer)
+    controller.final_step = spec.get("final_step")
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     worker = dp_rank // (dp // spec["instances"])
     fake = spec.get("seconds_per_step")

@@ -24,8 +24,13 @@ def test_plan_skip_and_step_weights_on_known_inputs():
     weights[:, 2] = torch.tensor([0.0, 1.0], dtype=F64)
     blended = asynchronous.blend_step_weights(weights, torch.tensor([4.0, 16.0]), excluded, 0.5)
     assert torch.allclose(blended[:, 2], torch.tensor([0.0, 1.0], dtype=F64))
-    message = asynchronous.schedule_message(3, 1, 9, 7, 2.5)
-    assert message.dtype == F64 and message.tolist() == [[0, 9, 0], [0, 7, 0], [0, 2.5, 0]]
+    message = asynchronous.schedule_message(3, 1, 9, 7, 2.5, 40)
+    assert message.dtype == F64 and message.tolist() == [[0, 9, 0], [0, 7, 0], [0, 2.5, 0], [0, 40, 0]]
+    nxt = asynchronous.next_sync_steps(torch.tensor([7.0, 19.0]), torch.tensor([4, 16]), None)
+    assert nxt.tolist() == [11, 35]
+    # Worker 1 would pass the last step (20) before its next sync: everybody's last sync is at 20.
+    assert asynchronous.next_sync_steps(torch.tensor([7.0, 19.0]), torch.tensor([4, 16]), 20).tolist() == [20, 20]
+    assert asynchronous.next_sync_steps(torch.tensor([3.0, 3.0]), torch.tensor([4, 16]), 20).tolist() == [7, 19]
 
 
 @pytest.mark.timeout(240)
@@ -48,7 +53,7 @@ def test_fake_clock_schedule_skip_and_step_weights_are_exact_and_identical_every
         assert [rep.skipped_sync for rep in r["reports"]] == [True, False, False]
         assert r["reports"][0].worker_steps.tolist() == [2, 2]
         assert r["reports"][0].worker_seconds.tolist() == [2.0, 0.5]
-        assert r["reports"][0].payload_bytes == 3 * 2 * 8  # only the schedule: 3 x W float64
+        assert r["reports"][0].payload_bytes == 4 * 2 * 8  # only the schedule: 4 x W float64
         assert r["reports"][1].worker_steps.tolist() == [6, 18]  # since the anchor (skip in between)
         assert r["reports"][1].worker_seconds.tolist() == [4.0, 4.0]
         assert r["reports"][2].worker_steps.tolist() == [4, 16]
@@ -57,6 +62,23 @@ def test_fake_clock_schedule_skip_and_step_weights_are_exact_and_identical_every
     for rep_a, rep_b in zip(results[0]["reports"], results[3]["reports"]):  # two workers agree
         assert torch.equal(rep_a.worker_steps, rep_b.worker_steps) and rep_a.skipped_sync == rep_b.skipped_sync
     _assert_params_equal(results[0]["params"], results[2]["params"], "replicas after the last sync")
+
+
+@pytest.mark.timeout(240)
+def test_run_ends_with_one_final_sync_on_every_worker():
+    """With the run's last step known (Megatron-LM's --train-iters = 20), the sync that would
+    take worker 1 past it becomes the final one, at step 20 for every worker: both end at a
+    sync with identical models (without it the slow worker's next sync would never come)."""
+    spec = default_spec(
+        local_sgd=dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1,
+                       min_total_global_steps=10, sync_mode="step_end"),
+        outer=OUTER, seconds_per_step=[1.0, 0.25], syncs=3, max_steps=64, final_step=20,
+    )
+    results = run_ranks(async_runs, 4, spec, timeout=200)
+    for r in results:
+        assert [rep.step for rep in r["reports"]] == ([3, 7, 20] if r["worker"] == 0 else [3, 19, 20])
+        assert r["steps"] == 20
+    _assert_params_equal(results[0]["params"], results[2]["params"], "replicas after the final sync")
 
 
 @pytest.mark.timeout(180)
