@@ -8,6 +8,6 @@ setup(
     python_requires=">=3.10",
     # torch is not pinned here on purpose: install it first (CPU: torch==2.13.0) so pip does not
     # pull a CUDA build; megatron-core's partial distributed optimizer is needed.
-    install_requires=["megatron-core>=0.16.0,<0.17", "einops", "numpy", "psutil"],
+    install_requires=["megatron-core>=0.12.0,<0.17", "einops", "numpy", "psutil"],
     extras_require={"test": ["pytest", "pytest-timeout", "psutil"]},
 )

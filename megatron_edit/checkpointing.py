@@ -107,12 +107,17 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from . import compat
 from .config import NotSupportedYet
 from .patching import Patch, PatchRegistry, VersionRange
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED = VersionRange("0.16.0", "0.17.0")
+"""megatron-core versions whose checkpoints carry the EDiT state (the patches below)."""
+NOT_YET = VersionRange(compat.SUPPORTED.minimum, SUPPORTED.minimum)
+"""Releases megatron_edit trains on but cannot checkpoint EDiT with yet: saving or loading the
+optimizer of an EDiT run is refused there (never a checkpoint that silently lacks EDiT state)."""
 TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.17.0")
 """megatron-core versions whose distributed optimizer needs the torch-Adam load fixes."""
 FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.17.0")
@@ -814,6 +819,31 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
 
         return wrap
 
+    def refuse_before_support(what):
+        def wrap(original):
+            def wrapper(self, *args, **kwargs):
+                if controller_of(self) is not None:
+                    from .api import megatron_core_version
+
+                    raise NotSupportedYet(
+                        f"megatron_edit: {what} of a local-SGD optimizer needs megatron-core "
+                        f"{SUPPORTED} (EDiT state in torch_dist checkpoints); megatron-core "
+                        f"{megatron_core_version()} is installed. Checkpointing EDiT on it is not "
+                        f"supported yet: upgrade megatron-core, or train without saving the optimizer."
+                    )
+                return original(self, *args, **kwargs)
+
+            return wrapper
+
+        return wrap
+
+    for method, what in (("state_dict", "saving the state"), ("sharded_state_dict", "saving or loading the state"),
+                         ("load_state_dict", "loading the state")):
+        target = f"{_DISTOPT}.{method}"
+        registry.add(Patch(f"ckpt-not-yet-{method.replace('_', '-')}", target, refuse_before_support(what),
+                           NOT_YET, compat.params(target),
+                           "before 0.16: refuse to checkpoint EDiT (its state would be missing)"))
+
     v = SUPPORTED
     registry.add(Patch("ckpt-distopt-state-dict", f"{_DISTOPT}.state_dict", wrap_state_dict, v, ("self",),
                        "complete a pending sync; 0.16.1 w/o apex/TE: zero Adam state before 'step' is read"))
@@ -838,7 +868,8 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
     for owner, name in ((_DISTOPT, "distopt"), (_CHAINED, "chained")):
         for method in ("save_parameter_state", "load_parameter_state"):
             registry.add(Patch(f"ckpt-refuse-legacy-{name}-{method.split('_')[0]}", f"{owner}.{method}",
-                               refuse_legacy(f"--ckpt-format torch ({method})"), v, ("self", "filename"),
+                               refuse_legacy(f"--ckpt-format torch ({method})"), compat.SUPPORTED,
+                               ("self", "filename"),
                                "refuse the legacy torch checkpoint format with local SGD"))
     return registry
 

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on CPU over gloo, for the CPU demo and the multi-rank tests.
+"""Run megatron-core (0.12 - 0.16) on CPU over gloo, for the CPU demo and the multi-rank tests.
 
 Why this exists: megatron-core assumes CUDA everywhere (buffers allocated on
 ``torch.cuda.current_device()``, ``device='cuda'`` literals, CUDA type-name checks, the CUDA RNG
@@ -14,6 +14,11 @@ Usage (per rank, before building anything megatron)::
     torch.set_num_threads(1)   # several ranks share a few cores
     cpu_adapter.activate()
     torch.distributed.init_process_group("gloo")
+
+Release-specific: megatron-core 0.12.x calls its FP8 shard-quantization helper from
+``DistributedOptimizer._copy_main_params_to_model_params`` on every step, and without
+transformer-engine that helper raises even when there is no FP8 parameter; the adapter gives
+it 0.13's behaviour (nothing to do for an empty list, still an error otherwise).
 
 Every replaced attribute is recorded; :func:`deactivate` puts the originals back exactly, so
 tests can activate and deactivate in one process. No imports from the rest of ``megatron_edit``.
@@ -33,7 +38,9 @@ import torch
 
 __all__ = ["activate", "deactivate", "is_active"]
 
-_TESTED_MEGATRON = "0.16."
+# Minor releases the adapter was checked against (megatron_edit.compat.TESTED lists the patch
+# releases; this module imports nothing else from megatron_edit).
+_TESTED_MEGATRON = ("0.12.", "0.13.", "0.14.", "0.15.", "0.16.")
 _CPU = torch.device("cpu")
 _MISSING = object()
 
@@ -234,6 +241,26 @@ def _inert():
     return inert
 
 
+# --- (6) megatron-core 0.12.x without transformer-engine -------------------------------------------
+
+
+def _release(version: str) -> tuple:
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2])
+
+
+def _quantize_no_fp8_params(original):
+    """0.12.x's no-transformer-engine ``_quantize_param_shard_impl`` raises unconditionally;
+    0.13 returns when there are no FP8 params. Same here; anything else still raises."""
+
+    @functools.wraps(original)
+    def quantize(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return original(model_params, *args, **kwargs)
+
+    return quantize
+
+
 # --- activation -----------------------------------------------------------------------------------
 
 
@@ -251,10 +278,11 @@ def activate() -> None:
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.tensor_parallel.random as mc_random
 
-    if not megatron.core.__version__.startswith(_TESTED_MEGATRON):
+    version = megatron.core.__version__
+    if not version.startswith(_TESTED_MEGATRON):
         warnings.warn(
-            f"cpu_adapter was written for megatron-core {_TESTED_MEGATRON}x, "
-            f"found {megatron.core.__version__}"
+            f"cpu_adapter was checked with megatron-core {', '.join(v + 'x' for v in _TESTED_MEGATRON)}; "
+            f"found {version}"
         )
     _cuda_rng = torch.Generator()
     cuda, cuda_random = torch.cuda, torch.cuda.random
@@ -298,6 +326,13 @@ def activate() -> None:
         _replace(cuda, "default_stream", lambda device=None: _STREAM)
         _replace(cuda, "synchronize", _inert())
         _replace(cuda, "empty_cache", _inert())
+        # (6) 0.12.x: the FP8 helper the distributed optimizer calls every step.
+        if (0, 12) <= _release(version) < (0, 13):
+            import megatron.core.fp8_utils as fp8_utils
+
+            if not fp8_utils.HAVE_TE:
+                impl = fp8_utils._quantize_param_shard_impl
+                _replace(fp8_utils, "_quantize_param_shard_impl", _quantize_no_fp8_params(impl))
     except BaseException:
         deactivate()
         raise

@@ -34,7 +34,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
-from megatron.core.tokenizers import MegatronTokenizerBase
+from .compat import tokenizer_base
 
 # Modules whose public names and docstrings are the same on every standard CPython 3.11 build.
 # Left out on purpose: modules whose public names differ between platforms (os, subprocess,
@@ -193,7 +193,7 @@ def decode(ids: Sequence[int]) -> str:
     return DOCUMENT_SEPARATOR.join(pieces)
 
 
-class ByteTokenizer(MegatronTokenizerBase):
+class ByteTokenizer(tokenizer_base()):
     """The byte tokenizer as the object `GPTDatasetConfig.tokenizer` expects.
 
     megatron-core's GPT dataset reads `vocab_size` (token dtype), `eod` (position ids and loss

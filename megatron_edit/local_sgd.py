@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from . import asynchronous, gta, outer, penalty
+from . import asynchronous, compat, gta, outer, penalty
 from .comm import SyncGroup, WorkerGroups
 from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 
@@ -243,13 +243,13 @@ class LocalSGD:
 
         first_group = self.group_order[0] if self.group_order else None
         self.num_workers = optimizer.ddp_config.num_distributed_optimizer_instances
-        inter = getattr(first_group, "inter_distributed_optimizer_instance_group", None)
+        inter = compat.inter_instance_group(first_group)
         self.sync_group = SyncGroup(inter if self.num_workers > 1 else None)
         assert self.sync_group.size == self.num_workers, (self.sync_group.size, self.num_workers)
         chunk = optimizer.model_chunks[0]
         self.worker_groups = WorkerGroups(
             shard_group=optimizer.buffers[0].data_parallel_group if optimizer.buffers else None,
-            tp_group=getattr(chunk, "tp_group", None),
+            tp_group=compat.tensor_parallel_group(chunk),
         )
 
         self.state_device = torch.device("cpu") if self.config.cpu_offload else None
@@ -281,7 +281,7 @@ class LocalSGD:
             for group in groups:
                 for bucket in group.buckets:
                     bucket_to_group[id(bucket)] = group
-            tp = getattr(chunk, "tp_group", None)
+            tp = compat.tensor_parallel_group(chunk)
             for name, param in chunk.named_parameters():
                 # Virtual pipeline chunks reuse local layer numbers: keep them apart.
                 prefix = f"chunk{index}." if len(optimizer.model_chunks) > 1 else ""

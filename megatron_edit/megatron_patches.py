@@ -18,6 +18,8 @@ distopt-step-with-ready-grads          the schedule: anchor at the end of warmup
                                        sync due
 distopt-copy-main-to-model             step-end sync: between the inner update and the copy
                                        of main params into the model
+distopt-grad-stats-group               gradient norm and zero count reduced inside the worker
+                                       (megatron-core 0.12.x reduces them over all ranks)
 =====================================  =====================================================
 
 Checkpoint patches (EDiT state in torch_dist checkpoints, 0.16.1 load fixes) are declared in
@@ -35,13 +37,14 @@ from typing import Callable, List, Optional
 
 import torch
 
+from . import compat
 from .config import ConfigError, GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig
 from .local_sgd import LocalSGD
 from .patching import Patch, PatchRegistry, VersionRange
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = VersionRange("0.16.0", "0.17.0")
+SUPPORTED = compat.SUPPORTED
 
 _DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
 _BUCKET_GROUP = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup"
@@ -58,12 +61,9 @@ def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_co
             "--num-distributed-optimizer-instances to the number of workers (the data-parallel "
             "size gives one rank per worker, shard size 1)."
         )
-    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "use_custom_fsdp", False):
+    if compat.uses_megatron_fsdp(ddp_config):
         raise ConfigError("--use-local-sgd does not work with Megatron-FSDP (--use-megatron-fsdp).")
-    cuda_graphs = getattr(transformer_config, "cuda_graph_impl", "none") != "none" or getattr(
-        transformer_config, "enable_cuda_graph", False
-    ) or getattr(transformer_config, "external_cuda_graph", False)
-    if cuda_graphs:
+    if compat.uses_cuda_graphs(transformer_config):
         raise ConfigError(
             "--use-local-sgd does not work with CUDA graphs (--cuda-graph-impl / "
             "--enable-cuda-graph): a captured step cannot run the outer sync."
@@ -139,6 +139,8 @@ class LocalSGDRuntime:
         self.registered_groups: "weakref.WeakSet" = weakref.WeakSet()
         self._local_ddp_configs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._reducing_locally: "weakref.WeakSet" = weakref.WeakSet()
+        # optimizer -> all ranks of its worker, where gradient statistics are reduced
+        self.grad_stats_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     @property
     def configs(self) -> Optional[tuple]:
@@ -154,7 +156,9 @@ class LocalSGDRuntime:
         check_megatron_options(self.configs[0], ddp.config, ddp.ddp_config)
         if ddp.expert_parallel_bucket_groups:
             raise NotSupportedYet("--use-local-sgd with MoE expert parameters is not supported yet.")
-        check_workers(ddp.dp_cp_group.size(), ddp.ddp_config.num_distributed_optimizer_instances)
+        check_workers(
+            compat.data_parallel_group(ddp).size(), ddp.ddp_config.num_distributed_optimizer_instances
+        )
         for group in ddp.bucket_groups:
             self.registered_groups.add(group)
 
@@ -165,6 +169,10 @@ class LocalSGDRuntime:
         controller = LocalSGD(optimizer, *self.configs)
         controller.final_step = self.final_step
         self.controllers[optimizer] = controller
+        # A collective on megatron-core 0.12.x (builds the group): every rank builds optimizers.
+        worker = compat.instance_group(controller.sync_group.group)
+        if worker is not None:
+            self.grad_stats_groups[optimizer] = worker
         for group in controller.group_shards:
             self.group_owner[group] = controller
         if torch.distributed.get_rank() == 0:
@@ -293,29 +301,39 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
 
         return wrapper
 
+    def wrap_grad_stats_group(original):
+        def wrapper(self, *args, **kwargs):
+            group = original(self, *args, **kwargs)
+            runtime = runtime_ref()
+            worker = runtime.grad_stats_groups.get(self) if runtime else None
+            # None means all ranks (megatron-core 0.12.x always; later releases when the
+            # optimizer was not built by get_megatron_optimizer): that would cross workers.
+            return worker if group is None and worker is not None else group
+
+        return wrapper
+
     v = SUPPORTED
-    registry.add(Patch("ddp-init", f"{_DDP}.__init__", wrap_ddp_init, v,
-                       ("self", "config", "ddp_config", "module", "disable_bucketing", "pg_collection"),
-                       "register DDP bucket groups; reject options incompatible with an outer sync"))
-    registry.add(Patch("distopt-init", f"{_DISTOPT}.__init__", wrap_optimizer_init, v,
-                       ("self", "optimizer", "config", "grad_scaler", "init_state_fn", "model_chunks",
-                        "per_model_buffers", "data_parallel_group"),
-                       "build the sharded EDiT state (anchor, outer optimizer) of each optimizer"))
-    registry.add(Patch("bucket-start-grad-sync", f"{_BUCKET_GROUP}.start_grad_sync",
-                       _grad_sync_wrap(runtime_ref), v, ("self", "force_all_reduce"),
-                       "after warmup: reduce-scatter inside the worker only, averaged over it"))
-    registry.add(Patch("bucket-finish-grad-sync", f"{_BUCKET_GROUP}.finish_grad_sync",
-                       _grad_sync_wrap(runtime_ref), v, ("self", "force_all_reduce"),
-                       "after warmup: wait for the worker-local reduction"))
-    registry.add(Patch("bucket-start-param-sync", f"{_BUCKET_GROUP}.start_param_sync",
-                       wrap_start_param_sync, v, ("self", "force_sync"),
-                       "layer-wise sync: outer step of a bucket group just before its all-gather"))
-    registry.add(Patch("distopt-step-with-ready-grads", f"{_DISTOPT}.step_with_ready_grads",
-                       wrap_step_with_ready_grads, v, ("self",),
-                       "schedule: anchor after warmup, count steps, start a due sync"))
-    registry.add(Patch("distopt-copy-main-to-model", f"{_DISTOPT}._copy_main_params_to_model_params",
-                       wrap_copy_main_to_model, v, ("self",),
-                       "step-end sync between the inner update and the main->model copy"))
+
+    def add(pid, target, wrap, description):
+        # The parameters each target has on the installed release: megatron_edit.compat.
+        registry.add(Patch(pid, target, wrap, v, compat.params(target), description))
+
+    add("ddp-init", f"{_DDP}.__init__", wrap_ddp_init,
+        "register DDP bucket groups; reject options incompatible with an outer sync")
+    add("distopt-init", f"{_DISTOPT}.__init__", wrap_optimizer_init,
+        "build the sharded EDiT state (anchor, outer optimizer) of each optimizer")
+    add("bucket-start-grad-sync", f"{_BUCKET_GROUP}.start_grad_sync", _grad_sync_wrap(runtime_ref),
+        "after warmup: reduce-scatter inside the worker only, averaged over it")
+    add("bucket-finish-grad-sync", f"{_BUCKET_GROUP}.finish_grad_sync", _grad_sync_wrap(runtime_ref),
+        "after warmup: wait for the worker-local reduction")
+    add("bucket-start-param-sync", f"{_BUCKET_GROUP}.start_param_sync", wrap_start_param_sync,
+        "layer-wise sync: outer step of a bucket group just before its all-gather")
+    add("distopt-step-with-ready-grads", f"{_DISTOPT}.step_with_ready_grads", wrap_step_with_ready_grads,
+        "schedule: anchor after warmup, count steps, start a due sync")
+    add("distopt-copy-main-to-model", f"{_DISTOPT}._copy_main_params_to_model_params", wrap_copy_main_to_model,
+        "step-end sync between the inner update and the main->model copy")
+    add("distopt-grad-stats-group", f"{_DISTOPT}.get_grad_stats_parallel_group", wrap_grad_stats_group,
+        "gradient norm / zero count inside the worker, never across workers (0.12.x: all ranks)")
     return registry
 
 

@@ -1,10 +1,13 @@
 """A registry of wrap-style runtime patches on Megatron.
 
 Each :class:`Patch` is a declared object: an id, a dotted target, the megatron-core versions it
-supports, the signature it expects of the original, and a factory that wraps the original. The
-registry applies patches idempotently, keeps every original reachable (``wrapper.__wrapped__``
-and :meth:`PatchRegistry.original`), reverts them exactly, and fails loudly when the installed
-Megatron changed the target's signature instead of silently doing nothing.
+applies to, the signature it expects of the original, and a factory that wraps the original. The
+registry applies the patches for the installed version idempotently (a patch written for other
+releases is not applied: a release-specific fix, or one of several variants of a patch), keeps
+every original reachable (``wrapper.__wrapped__`` and :meth:`PatchRegistry.original`), reverts
+them exactly, and fails loudly when the installed Megatron changed the target's signature
+instead of silently doing nothing. Whether megatron_edit supports a release at all is decided
+before the registry is used (:mod:`megatron_edit.compat`).
 
 Nothing here knows about EDiT; :mod:`megatron_edit.megatron_patches` declares the patches.
 """
@@ -63,7 +66,8 @@ class Patch:
     wrap: Callable[[Callable], Callable]
     """Given the original, returns the replacement (which must call the original)."""
     versions: VersionRange
-    """megatron-core versions the wrap was written and tested against."""
+    """megatron-core versions the wrap applies to (written and tested against); on others it is
+    not applied."""
     params: Tuple[str, ...]
     """Parameter names the original must have, in order; a mismatch refuses the patch."""
     description: str
@@ -104,14 +108,14 @@ class PatchRegistry:
             return bool(self._applied)
         return patch_id in self._applied
 
+    def applicable(self, version: str) -> List[Patch]:
+        """The patches that apply to ``version``, in declaration order."""
+        return [p for p in self.patches if p.versions.contains(version)]
+
     def check(self, version: str) -> None:
-        """Raise PatchError unless every patch supports ``version`` and finds its target."""
-        for patch in self.patches:
-            if not patch.versions.contains(version):
-                raise PatchError(
-                    f"patch {patch.id} supports megatron-core {patch.versions}, "
-                    f"but {version} is installed"
-                )
+        """Raise PatchError unless every patch that applies to ``version`` finds its target with
+        the parameters it expects."""
+        for patch in self.applicable(version):
             owner, attr = patch.resolve()
             if not hasattr(owner, attr):
                 raise PatchError(f"patch {patch.id}: {patch.target} does not exist in {version}")
@@ -126,10 +130,10 @@ class PatchRegistry:
                 )
 
     def apply(self, version: str) -> List[str]:
-        """Apply every patch not yet applied; returns the ids applied now."""
+        """Apply every patch for ``version`` not yet applied; returns the ids applied now."""
         self.check(version)
         done = []
-        for patch in self.patches:
+        for patch in self.applicable(version):
             if patch.id in self._applied:
                 continue
             owner, attr = patch.resolve()

@@ -47,9 +47,12 @@ from types import SimpleNamespace
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from .arguments import configs_from_args, local_sgd_args_provider
+from .patching import VersionRange
+
+# Megatron-LM's training code is tested at tag core_v0.16.1 only (megatron-core's range is wider).
+TRAINING_SUPPORTED = VersionRange("0.16.0", "0.17.0")
 from .config import ConfigError, NotSupportedYet
 from .megatron_patches import (
-    SUPPORTED,
     LocalSGDRuntime,
     check_megatron_options,
     check_optimizer_options,
@@ -464,7 +467,7 @@ def add_training_patches(
 
         return print_rank_last
 
-    v = SUPPORTED
+    v = TRAINING_SUPPORTED
     if not is_native(_ARGS):
         for module in (_ARGS, _INIT):  # initialize binds both names at import
             where = module.rsplit(".", 1)[1]
@@ -689,7 +692,7 @@ def add_worker_local_patches(
     """Declare the :class:`WorkerLocalCollectives` patches; returns their ids. Applied on both
     routes: the fork in ``patches/`` does not make these calls itself."""
     wl = WorkerLocalCollectives(runtime_ref)
-    v = SUPPORTED
+    v = TRAINING_SUPPORTED
     patches = [
         Patch("worker-local-train-step", f"{_TRAINING}:train_step", wl.wrap_reporting_region, v,
               ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler",

@@ -134,7 +134,8 @@ def evaluate(args, ddp, valid_ds):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync, gathers params
-    intra = ps.get_intra_distributed_optimizer_instance_group() if args.workers > 1 else ps.get_data_parallel_group()
+    # The data-parallel ranks of this worker (every megatron-core release since 0.12 has it).
+    intra = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     rank_in_worker, worker_size = intra.rank(), intra.size()
     n = args.eval_samples // (worker_size * args.micro_batch_size)
     it = data.batch_iterator(valid_ds, args.micro_batch_size, start=rank_in_worker, stride=worker_size)
@@ -164,7 +165,8 @@ def train(args, use_local_sgd, datasets):
     ddp, optimizer, scheduler = build(args, use_local_sgd)
     controllers = megatron_edit.get_local_sgd(optimizer)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    intra = ps.get_intra_distributed_optimizer_instance_group() if args.workers > 1 else ps.get_data_parallel_group()
+    # The data-parallel ranks of this worker (every megatron-core release since 0.12 has it).
+    intra = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     worker = dp_rank // intra.size()
     it = data.batch_iterator(train_ds, args.micro_batch_size, start=dp_rank, stride=dp)
     name = "EDiT" if use_local_sgd else "synchronous"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dist import run_ranks
+from megatron_edit import compat
 
 WORLD_SIZE = 4
 NUM_STEPS = 3
@@ -62,7 +63,8 @@ def _train_megatron(rank, world_size, use_distributed_optimizer, instances):
     if use_distributed_optimizer:
         # overlap_param_gather defers the all-gather of updated shards to the next forward.
         model.start_param_sync(force_sync=True)
-    intra = parallel_state.get_intra_distributed_optimizer_instance_group()
+    # The ranks sharding one instance (every megatron-core release has this getter).
+    intra = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
     return dict(
         params=gpt_utils.named_params(model),
         losses=losses,
@@ -96,10 +98,19 @@ def reference():
     return run_ranks(_train_reference, 1, timeout=150)[0]
 
 
+# megatron-core 0.12.x's distributed optimizer reduces the gradient norm over all ranks: with 2
+# instances it is sqrt(2) too large and clipping differs (Megatron's own defect; under EDiT the
+# distopt-grad-stats-group patch fixes it, see tests/test_compat.py).
+_NORM_OVER_ALL_RANKS = pytest.mark.xfail(
+    not compat.grad_stats_reduced_per_instance(), strict=True,
+    reason="megatron-core 0.12.x reduces the partial distributed optimizer's grad norm over all ranks",
+)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "use_distributed_optimizer, instances",
-    [(True, 2), (True, 1), (False, 1)],
+    [pytest.param(True, 2, marks=_NORM_OVER_ALL_RANKS), (True, 1), (False, 1)],
     ids=["distopt-2-instances", "distopt-1-instance", "plain-ddp"],
 )
 def test_megatron_matches_plain_pytorch(reference, use_distributed_optimizer, instances):
@@ -192,14 +203,25 @@ def test_activate_deactivate_restores_exactly():
 
 
 @pytest.mark.timeout(60)
-def test_rng_tracker_runs_on_cpu_backed_state():
+def test_rng_tracker_runs_on_cpu_backed_state(monkeypatch):
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
     from megatron_edit import cpu_adapter
+    from megatron_edit.compat import call_kwargs
 
     try:
         cpu_adapter.activate()
         cpu_state = torch.get_rng_state()
-        model_parallel_cuda_manual_seed(7, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+        # Ranks given explicitly (0.13+) so that no parallel_state is needed; 0.12 only reads
+        # them from parallel_state, so this test sets them there (rank 0, restored after).
+        ranks = call_kwargs(model_parallel_cuda_manual_seed, tp_rank=0, ep_rank=0, etp_rank=0,
+                            force_reset_rng=True)
+        if not ranks:
+            from megatron.core import parallel_state
+
+            monkeypatch.setattr(parallel_state, "_MPU_TENSOR_MODEL_PARALLEL_RANK", 0)
+            monkeypatch.setattr(parallel_state, "_MPU_EXPERT_MODEL_PARALLEL_RANK", 0)
+            monkeypatch.setattr(parallel_state, "_MPU_EXPERT_TENSOR_PARALLEL_RANK", 0)
+        model_parallel_cuda_manual_seed(7, **ranks)
         outside = torch.cuda.get_rng_state()
         tracker = get_cuda_rng_tracker()
         with tracker.fork():
@@ -221,3 +243,30 @@ def test_activate_refuses_when_cuda_is_available(monkeypatch):
     assert not cpu_adapter.is_active()
     monkeypatch.undo()
     assert _changed(before, _snapshot()) == []
+
+
+def _fp8_helper_needs_fixing():
+    """megatron-core 0.12.x without transformer-engine: its FP8 helper raises on no FP8 params."""
+    if compat.version_at_least("0.13.0"):
+        return False
+    import megatron.core.fp8_utils as fp8_utils
+
+    return not fp8_utils.HAVE_TE
+
+
+@pytest.mark.skipif(not _fp8_helper_needs_fixing(), reason="only megatron-core 0.12.x without TE")
+def test_fp8_helper_accepts_no_fp8_params_on_0_12():
+    import megatron.core.fp8_utils as fp8_utils
+    from megatron_edit import cpu_adapter
+
+    original = vars(fp8_utils)["_quantize_param_shard_impl"]
+    with pytest.raises(RuntimeError, match="Transformer Engine"):
+        fp8_utils.quantize_param_shard([], [], [], None)  # the defect the adapter works around
+    try:
+        cpu_adapter.activate()
+        assert fp8_utils.quantize_param_shard([], [], [], None) is None
+        with pytest.raises(RuntimeError, match="Transformer Engine"):  # real FP8 params: still an error
+            fp8_utils.quantize_param_shard([torch.zeros(1)], [torch.zeros(1)], [0], None)
+    finally:
+        cpu_adapter.deactivate()
+    assert vars(fp8_utils)["_quantize_param_shard_impl"] is original

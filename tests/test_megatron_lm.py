@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_edit import launch
+from megatron_edit.api import megatron_core_version
 from megatron_edit.config import ConfigError, NotSupportedYet
 from megatron_edit.training_patches import (
     SyncMetrics,
@@ -98,11 +99,12 @@ def test_launcher_on_cpu_requires_gloo():
 def test_launcher_refuses_a_checkout_of_another_release(tmp_path, monkeypatch):
     info = tmp_path / "megatron" / "core" / "package_info.py"
     info.parent.mkdir(parents=True)
-    info.write_text("MAJOR = 0\nMINOR = 15\nPATCH = 2\n")
+    info.write_text("MAJOR = 0\nMINOR = 11\nPATCH = 0\n")  # never the installed release
     (tmp_path / "pretrain_gpt.py").write_text("")
-    assert launch._checkout_version(str(tmp_path)) == "0.15.2"
+    assert launch._checkout_version(str(tmp_path)) == "0.11.0"
     monkeypatch.setattr(sys, "path", list(sys.path))
-    with pytest.raises(SystemExit, match=r"megatron-core 0\.15\.2.*core_v0\.16"):
+    installed = re.escape(megatron_core_version())
+    with pytest.raises(SystemExit, match=rf"megatron-core 0\.11\.0.*core_v{installed}"):
         launch._set_up_path(str(tmp_path / "pretrain_gpt.py"))
     # After site-packages: the installed megatron.core wins over the checkout's copy.
     site = max(i for i, p in enumerate(sys.path) if p.endswith("site-packages"))

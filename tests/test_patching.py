@@ -20,10 +20,11 @@ from megatron_edit import (
 from megatron_edit.api import build_full_registry
 from megatron_edit.megatron_patches import SUPPORTED, build_registry
 from megatron_edit.patches import main as list_patches
-from megatron_edit.patching import Patch, PatchRegistry, VersionRange
+from megatron_edit.patching import Patch, PatchRegistry, VersionRange, _version_tuple as _vt
 
 INSTALLED = api.megatron_core_version()
-PATCHES = build_full_registry(lambda: None).patches
+ALL_PATCHES = build_full_registry(lambda: None).patches
+PATCHES = [p for p in ALL_PATCHES if p.versions.contains(INSTALLED)]  # those for this release
 EXPECTED_IDS = [p.id for p in PATCHES]
 
 # Targets the brief names explicitly: a missing one means the registry lost a patch.
@@ -60,7 +61,22 @@ def test_registry_declares_the_patches():
     targets = {p.target for p in PATCHES}
     assert MUST_PATCH <= targets
     assert len(EXPECTED_IDS) == len(set(EXPECTED_IDS)) == len(targets)
-    assert all(p.versions.contains(INSTALLED) for p in PATCHES)
+    assert len({p.id for p in ALL_PATCHES}) == len(ALL_PATCHES)
+    # every patch is for releases megatron_edit supports
+    from megatron_edit import compat
+
+    for p in ALL_PATCHES:
+        assert compat.SUPPORTED.contains(p.versions.minimum), p.id
+        assert _vt(p.versions.below) <= _vt(compat.SUPPORTED.below), p.id
+
+
+def test_core_patch_signatures_come_from_compat():
+    """One table of Megatron signatures per release: megatron_edit.compat.SIGNATURES."""
+    from megatron_edit import compat
+
+    for patch in build_registry(lambda: None).patches:
+        assert patch.params == compat.params(patch.target, INSTALLED), patch.id
+        assert patch.versions == compat.SUPPORTED, patch.id
 
 
 def test_patch_applies_every_patch(originals):
@@ -122,30 +138,31 @@ def test_outer_config_without_local_config_is_refused(originals):
     assert _installed() == originals
 
 
-@pytest.mark.parametrize("version", ["0.9.0", "0.17.0", "0.15.3", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.9.0", "0.11.0", "0.17.0", "1.0.0"])
 def test_unsupported_version_is_refused(originals, monkeypatch, version):
     monkeypatch.setattr(api, "megatron_core_version", lambda: version)
     with pytest.raises(UnsupportedMegatronVersion) as info:
         patch_megatron_for_local_sgd(LocalSGDConfig())
     message = str(info.value)
     assert f"megatron-core {version} is installed" in message
-    assert "supports megatron-core >=0.16.0,<0.17.0" in message
+    assert "supports megatron-core >=0.12.0,<0.17.0" in message
     assert isinstance(info.value, PatchError)
     assert _installed() == originals
     assert not is_patched() and api._Session.runtime is None
 
 
 def test_supported_range():
-    assert str(SUPPORTED) == ">=0.16.0,<0.17.0"
-    for version in ("0.16.0", "0.16.1", "0.16.9", "0.16.1rc0"):
+    assert str(SUPPORTED) == ">=0.12.0,<0.17.0"
+    for version in ("0.12.0", "0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.0", "0.16.1", "0.16.1rc0"):
         assert SUPPORTED.contains(version), version
-    for version in ("0.15.9", "0.17.0", "0.17.0rc1", "0.9.0", "1.16.0"):
+    for version in ("0.11.0", "0.11.9", "0.17.0", "0.17.0rc1", "0.9.0", "1.16.0"):
         assert not SUPPORTED.contains(version), version
 
 
 # --- the registry on its own -----------------------------------------------------------------
 
 _START_GRAD_SYNC = next(p for p in PATCHES if p.id == "bucket-start-grad-sync")
+_START_PARAM_SYNC = next(p for p in PATCHES if p.id == "bucket-start-param-sync")  # same on all releases
 _DDP_INIT = next(p for p in PATCHES if p.id == "ddp-init")
 
 
@@ -177,21 +194,22 @@ def test_signature_mismatch_refuses_and_patches_nothing(originals):
 
 
 def test_renamed_parameter_refuses():
-    registry = PatchRegistry([_copy(_START_GRAD_SYNC, params=("self", "force"))])
-    with pytest.raises(PatchError, match="force_all_reduce"):
+    registry = PatchRegistry([_copy(_START_PARAM_SYNC, params=("self", "force"))])
+    with pytest.raises(PatchError, match="force_sync"):
         registry.check(INSTALLED)
 
 
-def test_version_outside_the_patch_range_refuses(originals):
+def test_patch_for_other_releases_is_not_applied(originals):
+    """A patch declared for other releases (a release-specific fix, or another release's variant
+    of a patch) is left out, and its signature is not checked; the rest applies."""
     registry = PatchRegistry()
     registry.add(_copy(_DDP_INIT))
-    registry.add(_copy(_START_GRAD_SYNC, versions=VersionRange("0.12.0", "0.13.0")))
-    with pytest.raises(PatchError) as info:
-        registry.apply(INSTALLED)
-    message = str(info.value)
-    assert "bucket-start-grad-sync" in message
-    assert ">=0.12.0,<0.13.0" in message and INSTALLED in message
-    assert not registry.is_applied()
+    registry.add(_copy(_START_GRAD_SYNC, versions=VersionRange("0.11.0", "0.12.0"), params=("bogus",)))
+    assert [p.id for p in registry.applicable(INSTALLED)] == [_DDP_INIT.id]
+    assert registry.apply(INSTALLED) == [_DDP_INIT.id]
+    assert registry.is_applied(_DDP_INIT.id) and not registry.is_applied(_START_GRAD_SYNC.id)
+    assert _installed()[_START_GRAD_SYNC.target] is originals[_START_GRAD_SYNC.target]
+    assert registry.revert() == [_DDP_INIT.id]
     assert _installed() == originals
 
 
@@ -301,8 +319,11 @@ def test_list_names_every_patch(originals, capsys):
     assert f"megatron-core {INSTALLED} installed" in out
     for patch in PATCHES:
         line = next(ln for ln in out.splitlines() if ln.startswith(patch.id + " "))
-        assert "applied=no" in line and patch.target in line and "supported" in line
-        assert "UNSUPPORTED" not in line
+        assert "applied=no" in line and patch.target in line and " applies " in line
+    for patch in ALL_PATCHES:
+        if patch not in PATCHES:
+            line = next(ln for ln in out.splitlines() if ln.startswith(patch.id + " "))
+            assert " n/a " in line and "applied=no" in line
     patch_megatron_for_local_sgd(LocalSGDConfig())
     list_patches(["--list"])
     out = capsys.readouterr().out
