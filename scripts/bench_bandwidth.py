@@ -1,6 +1,8 @@
 """Bandwidth benchmark: tokens/s over bandwidth-limited links between workers, on one machine.
 
-    sudo python scripts/bench_bandwidth.py [--rates none 1gbit 100mbit] [--workers 2] [--procs-per-worker 2]
+    # as root (network namespaces, tc):
+    .venv/bin/python scripts/bench_bandwidth.py [--rates none 1gbit 100mbit] [--repeats 5]
+    .venv/bin/python scripts/bench_bandwidth.py --workers 4 --procs-per-worker 1   # through a bridge
 
 For each rate, scripts/netns_cluster.sh puts each worker's ranks in its own network namespace,
 joins the workers by veth links (through a bridge for more than two) limited by tc's
@@ -42,7 +44,7 @@ def parse_args(argv=None):
     parser.add_argument("--interval", type=int, default=8, help="H of EDiT")
     parser.add_argument("--syncs", type=int, default=3, help="syncs per timed EDiT / A-EDiT run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="interleaved repetitions of every run; the median is reported")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -179,13 +181,6 @@ def inner(own, rest):
 
 
 # ------------------------------------------------------------------ the driver
-def rate_bits(rate: str) -> float:
-    if rate == "none":
-        return float("inf")
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
-    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-
-
 def driver(own, rest):
     sys.path.insert(0, HERE)
     import bench_common as bc

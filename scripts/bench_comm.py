@@ -94,7 +94,7 @@ def main():
 def report(args, results):
     n = args.bench_steps
     base = results[0]["total"] / n
-    rows, md_rows = [], []
+    rows = []
     for r in results:
         per_step = r["total"] / n
         shard_part = r["shard_bytes"] * r["syncs"] / n if r["h"] else per_step

@@ -1,6 +1,6 @@
 """Overhead benchmark: the patch's cost on steps that do not sync, against unpatched Megatron.
 
-    torchrun --nproc_per_node 4 scripts/bench_overhead.py [--reps 5] [--steps 20]
+    torchrun --nproc_per_node 4 scripts/bench_overhead.py [--reps 7] [--steps 30]
 
 The same model, data and Megatron configuration are trained patched (EDiT, no warmup, H larger
 than the run so no sync happens: every timed step is an ordinary local step) and unpatched, in

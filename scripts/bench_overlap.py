@@ -1,6 +1,6 @@
 """Overlap benchmark: what a sync costs in step time, step-end against layer-wise.
 
-    torchrun --nproc_per_node 4 scripts/bench_overlap.py [--interval 4] [--syncs 8]
+    torchrun --nproc_per_node 4 scripts/bench_overlap.py [--interval 4] [--syncs 12]
     # over bandwidth-limited links (see scripts/netns_cluster.sh):
     bash scripts/netns_cluster.sh --workers 2 --rate 100mbit -- scripts/bench_overlap.py
 
