@@ -320,7 +320,12 @@ def probe(tmp_path_factory):
         # 4 nodes x 8 GPUs, one worker per node.
         "sizes": {size: [_script_flags(size, 4), 32] for size in ("350m", "1b", "3b", "7b")},
     }
-    path = tmp_path_factory.mktemp("probe") / "spec.json"
+    return run_probe(spec, tmp_path_factory.mktemp("probe"))
+
+
+def run_probe(spec: dict, directory) -> dict:
+    """Run tests/megatron_lm_probe.py (Megatron's real parser and validate_args) on ``spec``."""
+    path = directory / "spec.json"
     path.write_text(json.dumps(spec))
     proc = subprocess.run(
         [sys.executable, str(REPO / "tests" / "megatron_lm_probe.py"), str(CHECKOUT), str(path)],

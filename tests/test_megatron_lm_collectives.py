@@ -22,6 +22,7 @@ import pytest
 from megatron_edit.config import ConfigError
 from megatron_edit.training_patches import WorkerLocalCollectives, validate_local_sgd_args
 from test_megatron_lm import (
+    run_probe,
     CHECKOUT,
     EDIT,
     H,
@@ -179,15 +180,7 @@ def probe_cases(tmp_path_factory):
         },
         "sizes": {},
     }
-    path = tmp_path_factory.mktemp("probe") / "spec.json"
-    path.write_text(json.dumps(spec))
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "megatron_lm_probe.py"), str(CHECKOUT), str(path)],
-        env=_env(), capture_output=True, text=True, timeout=300,
-    )
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("PROBE-RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1][len("PROBE-RESULT "):])
+    return run_probe(spec, tmp_path_factory.mktemp("probe"))
 
 
 @needs_checkout
