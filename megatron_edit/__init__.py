@@ -10,6 +10,12 @@ optimizer. Typical use with megatron-core alone::
 
 With Megatron-LM's ``pretrain``: call ``patch_megatron_for_local_sgd()`` without configs and
 add the flags with ``local_sgd_args_provider``.
+
+The layers, each importing only those before it: :mod:`.config` and :mod:`.arguments`
+(configuration); :mod:`.algorithm` (pure math); :mod:`.exchange` (the collectives of a sync,
+over groups passed in); :mod:`.mcore` (the attachment to megatron-core); :mod:`.cpu` (running on
+CPU, demo data); :mod:`.training` (Megatron-LM's training code); and the entry points
+:mod:`.api`, :mod:`.launch` and :mod:`.patches`.
 """
 
 from .api import (
@@ -22,9 +28,10 @@ from .api import (
 )
 from .arguments import configs_from_args, local_sgd_args_provider
 from .config import ConfigError, GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig
-from .local_sgd import LocalSGD, SyncReport
-from .megatron_patches import SUPPORTED as SUPPORTED_MEGATRON_CORE
-from .patching import PatchError
+from .exchange.report import SyncReport
+from .mcore.compat import SUPPORTED as SUPPORTED_MEGATRON_CORE
+from .mcore.controller import LocalSGD
+from .mcore.patching import PatchError
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,9 @@
-"""Patch and unpatch Megatron for local SGD: the package's entry points."""
+"""Patch and unpatch Megatron for local SGD: the package's entry points.
+
+Composes the patch registry from the layers below (:mod:`megatron_edit.mcore` for
+megatron-core, :mod:`megatron_edit.training` for Megatron-LM's training code when it is
+importable) and opens the process's patch session (:mod:`megatron_edit.mcore.session`).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,13 @@ import os
 from typing import List, Optional
 
 from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
-from .local_sgd import LocalSGD
-from .megatron_patches import SUPPORTED, LocalSGDRuntime, build_registry, get_local_sgd as _get
-from .patching import PatchError, PatchRegistry
-from .checkpointing import add_checkpoint_patches
+from .mcore.checkpoint_patches import add_checkpoint_patches
+from .mcore.compat import SUPPORTED, megatron_core_version
+from .mcore.controller import LocalSGD
+from .mcore.patches import build_registry
+from .mcore.patching import PatchError, PatchRegistry
+from .mcore.runtime import LocalSGDRuntime, get_local_sgd as _get
+from .mcore.session import SESSION
 
 logger = logging.getLogger(__name__)
 
@@ -19,27 +27,15 @@ class UnsupportedMegatronVersion(PatchError):
     """The installed megatron-core is outside the range megatron_edit supports."""
 
 
-class _Session:
-    """The one active patch session of this process (patching is process-global by nature)."""
-
-    runtime: Optional[LocalSGDRuntime] = None
-    registry: Optional[PatchRegistry] = None
-
-
 def build_full_registry(runtime_ref) -> PatchRegistry:
     """Every patch, in application order: the EDiT patches, the checkpoint patches
-    (:mod:`megatron_edit.checkpointing`: EDiT state in torch_dist checkpoints), and Megatron-LM's
-    training patches when ``megatron.training`` is importable (it is not on PyPI)."""
+    (:mod:`megatron_edit.mcore.checkpoint`: EDiT state in torch_dist checkpoints), and
+    Megatron-LM's training patches when ``megatron.training`` is importable (it is not on
+    PyPI)."""
     registry = build_registry(runtime_ref)
     add_checkpoint_patches(registry, runtime_ref)
     _add_training_patches(registry, runtime_ref)
     return registry
-
-
-def megatron_core_version() -> str:
-    from megatron.core import package_info
-
-    return package_info.__version__
 
 
 def _configs_from_megatron_args():
@@ -54,9 +50,9 @@ def _configs_from_megatron_args():
             "not importable: with megatron-core alone pass local_sgd_config=LocalSGDConfig(...)."
         ) from None
     args = get_args()
-    if _Session.runtime is not None:
+    if SESSION.runtime is not None:
         # A-EDiT ends with a sync at the last iteration on every worker (see asynchronous.py).
-        _Session.runtime.final_step = getattr(args, "train_iters", None)
+        SESSION.runtime.final_step = getattr(args, "train_iters", None)
     return configs_from_args(args)
 
 
@@ -82,21 +78,20 @@ def patch_megatron_for_local_sgd(
         )
     if local_sgd_config is None and (outer_optim_config or gta_config):
         raise ValueError("pass local_sgd_config too when passing outer_optim_config / gta_config")
-    _Session.runtime = LocalSGDRuntime(
+    SESSION.runtime = LocalSGDRuntime(
         local_sgd_config,
         outer_optim_config,
         gta_config,
         configs_from=None if local_sgd_config is not None else _configs_from_megatron_args,
     )
-    if _Session.registry is None:
-        _Session.registry = build_full_registry(lambda: _Session.runtime)
-    applied = _Session.registry.apply(version)
+    if SESSION.registry is None:
+        SESSION.registry = build_full_registry(lambda: SESSION.runtime)
+    applied = SESSION.registry.apply(version)
     if applied:
         _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
-    return [p.id for p in _Session.registry.patches if _Session.registry.is_applied(p.id)]
+    return [p.id for p in SESSION.registry.patches if SESSION.registry.is_applied(p.id)]
 
 
-# --- Megatron-LM's megatron.training (repository only, not on PyPI): see training_patches.py
 def _add_training_patches(registry: PatchRegistry, runtime_ref) -> None:
     """Flags, validation and metrics in Megatron-LM's training code, when it is importable."""
     import importlib.util
@@ -106,25 +101,25 @@ def _add_training_patches(registry: PatchRegistry, runtime_ref) -> None:
     except (ImportError, ValueError):
         found = False
     if found:
-        from .training_patches import add_training_patches
+        from .training.patches import add_training_patches
 
         add_training_patches(registry, runtime_ref)
 
 
 def unpatch_megatron_for_local_sgd() -> List[str]:
     """Restore every patched Megatron function; returns the ids reverted."""
-    reverted = _Session.registry.revert() if _Session.registry else []
-    _Session.runtime = None
+    reverted = SESSION.registry.revert() if SESSION.registry else []
+    SESSION.runtime = None
     return reverted
 
 
 def is_patched() -> bool:
-    return _Session.registry is not None and _Session.registry.is_applied()
+    return SESSION.registry is not None and SESSION.registry.is_applied()
 
 
 def get_local_sgd(optimizer) -> List[LocalSGD]:
     """The EDiT state objects of a Megatron optimizer (one per distributed optimizer inside)."""
-    return _get(optimizer, _Session.runtime)
+    return _get(optimizer, SESSION.runtime)
 
 
 def _log_rank0(message: str) -> None:

@@ -68,13 +68,6 @@ def _require(cond: bool, field_name: str, msg: str) -> None:
         raise ConfigError(f"{_name(field_name)}: {msg}")
 
 
-def _not_yet(field_name: str, what: str) -> NotSupportedYet:
-    return NotSupportedYet(
-        f"{_name(field_name)}: {what} is not supported yet in megatron_edit; "
-        f"leave it at its default."
-    )
-
-
 SYNC_MODES = ("layerwise", "step_end")
 
 

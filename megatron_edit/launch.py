@@ -122,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     cpu = _use_cpu(opts)
     if cpu:
         _check_backend(opts.script_args)
-        from . import cpu_training_adapter
+        from .cpu import training_adapter as cpu_training_adapter
 
         cpu_training_adapter.prepare_environment()  # before megatron is imported
         import torch

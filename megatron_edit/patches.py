@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from . import compat
-from .api import _Session, build_full_registry, megatron_core_version
+from .api import build_full_registry
+from .mcore import compat
+from .mcore.compat import megatron_core_version
+from .mcore.session import SESSION
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_edit.patches")
     parser.add_argument("--list", action="store_true", help="list the patches and their versions")
-    args = parser.parse_args(argv)
+    parser.parse_args(argv)
     version = megatron_core_version()
     print(f"megatron-core {version} installed")
     if not compat.is_supported(version):
         print(f"megatron_edit supports megatron-core {compat.SUPPORTED}: nothing would be patched")
         return 1
-    registry = _Session.registry or build_full_registry(lambda: None)
+    registry = SESSION.registry or build_full_registry(lambda: None)
     for pid, target, versions, applied, description in registry.table():
         ok = "applies" if registry.patches[[p.id for p in registry.patches].index(pid)].versions.contains(version) else "n/a"
         print(f"{pid:32s} {versions:16s} {ok:11s} applied={applied:3s} {target}\n    {description}")

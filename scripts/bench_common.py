@@ -134,7 +134,7 @@ class TrafficCounter:
     """Counts every collective whose group spans more than one worker, by wrapping
     ``torch.distributed`` and the two functions megatron-core's buckets bound at import.
 
-    Payload convention (the one ``megatron_edit.comm.SyncGroup`` uses): all-reduce and broadcast
+    Payload convention (the one ``megatron_edit.exchange.groups.SyncGroup`` uses): all-reduce and broadcast
     count the tensor; all-gather counts its output (every worker's part); reduce-scatter its
     input. These are the bytes handed to the collective, not what gloo puts on the wire (a ring
     all-reduce over n peers sends 2(n-1)/n times the tensor per rank, plus headers).

@@ -64,7 +64,7 @@ def run_args_for(args, name):
 
 def bad_batch(batch, generator):
     """Uniformly random tokens in place of the text: a well-formed sequence of noise."""
-    from megatron_edit import data
+    from megatron_edit.cpu import data
 
     seq = torch.randint(0, data.VOCAB_SIZE - 1, (batch["tokens"].shape[0], batch["tokens"].shape[1] + 1),
                         generator=generator)

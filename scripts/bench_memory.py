@@ -65,7 +65,7 @@ def megatron_bytes(ddp, optimizer) -> dict:
 def edit_bytes(controllers, offload: bool) -> dict:
     """EDiT state per rank, and where it lives (checked against the setting)."""
     total = sum(c.state_bytes() for c in controllers)
-    expected = "cpu" if offload else str(controllers[0]._work_device(controllers[0].shards[0]).type)
+    expected = "cpu" if offload else str(controllers[0].shards[0].device.type)
     devices = {s.anchor.device.type for c in controllers for s in c.shards}
     for c in controllers:
         for state in c.outer_optimizer.state.values():

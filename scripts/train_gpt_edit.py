@@ -6,7 +6,7 @@
 Real Megatron parts throughout: GPTModel, DistributedDataParallel with the (partial) distributed
 optimizer, get_megatron_optimizer, OptimizerParamScheduler, the forward/backward schedule and
 megatron-core's GPTDataset over an indexed dataset built from text that ships with Python
-(megatron_edit.data). megatron_edit.cpu_adapter lets megatron-core run without CUDA.
+(megatron_edit.cpu.data). megatron_edit.cpu.adapter lets megatron-core run without CUDA.
 
 Each worker (one distributed-optimizer instance) trains on its own slice of every global batch.
 Per step, rank 0 prints its worker's loss; after each sync it prints the bytes this rank sent
@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 import megatron_edit  # noqa: E402
-from megatron_edit import cpu_adapter, data  # noqa: E402
+from megatron_edit.cpu import adapter as cpu_adapter, data  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -1,14 +1,20 @@
-"""Shared pytest setup: the repository root on sys.path (spawned ranks inherit it), a `slow` marker.
+"""Shared pytest setup: the repository root and tests/ on sys.path (spawned ranks inherit it),
+the `slow` and `cuda` markers.
 
-Multi-rank tests use tests/dist.py's run_ranks and carry a pytest-timeout mark.
+The test folders mirror the package's layers (algorithm/, exchange/, mcore/, training/, cpu/);
+the helpers every layer's tests share (dist.py: multi-rank runs; gpt_utils.py, edit_runs.py:
+tiny megatron-core GPT runs) sit in tests/ itself. Multi-rank tests use dist.run_ranks and carry
+a pytest-timeout mark.
 """
 
 import sys
 from pathlib import Path
 
 _ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+_TESTS = str(Path(__file__).resolve().parent)
+for _path in (_TESTS, _ROOT):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 def pytest_configure(config):

@@ -2,7 +2,7 @@
 
 ``run_ranks(fn, world_size, *args, **kwargs)`` starts one process per rank. Each sets the usual
 torch.distributed environment, limits itself to one thread, activates
-:mod:`megatron_edit.cpu_adapter`, joins a gloo process group, runs
+:mod:`megatron_edit.cpu.adapter`, joins a gloo process group, runs
 ``fn(rank, world_size, *args, **kwargs)`` and sends the (picklable) return value back. The parent
 returns the values in rank order, or kills every child and raises with the failing rank's
 traceback as soon as one rank fails, dies, or the timeout passes, so a hung collective cannot
@@ -32,7 +32,7 @@ _PRELOAD = [
     "megatron.core.models.gpt",
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
-    "megatron_edit.cpu_adapter",
+    "megatron_edit.cpu.adapter",
 ]
 
 
@@ -60,7 +60,7 @@ def _worker(rank, world_size, port, timeout, fn, args, kwargs, results):
         import torch
 
         torch.set_num_threads(1)  # ranks share the machine's few cores
-        from megatron_edit import cpu_adapter
+        from megatron_edit.cpu import adapter as cpu_adapter
 
         cpu_adapter.activate()
         # The process-group timeout makes a stuck collective fail in the child too.

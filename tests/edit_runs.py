@@ -10,7 +10,7 @@ the tests compare. ``simulate_edit`` is an independent implementation of EDiT in
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -235,10 +235,10 @@ def megatron_runs(rank, world_size, specs, tp=1, pp=1):
 def simulate_edit(rank, world_size, spec, dp_size):
     """EDiT in plain PyTorch: ``instances`` model copies, each with torch AdamW, fed the samples
     of its worker's data-parallel ranks; synchronous warmup; per-layer penalty (norms over whole
-    parameters, decisions from megatron_edit.penalty); outer optimizer on the anchor."""
+    parameters, decisions from megatron_edit.algorithm.penalty); outer optimizer on the anchor."""
     from megatron.core import parallel_state as ps
-    from megatron_edit import penalty
-    from megatron_edit.local_sgd import layer_key
+    from megatron_edit.algorithm import penalty
+    from megatron_edit.mcore.shards import layer_key
 
     ps.initialize_model_parallel()
     cfg = spec["local_sgd"]

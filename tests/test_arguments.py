@@ -12,7 +12,6 @@ from megatron_edit.config import (
     ConfigError,
     GTAConfig,
     LocalSGDConfig,
-    NotSupportedYet,
     OuterOptimizerConfig,
 )
 

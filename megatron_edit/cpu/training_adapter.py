@@ -1,0 +1,146 @@
+"""Run Megatron-LM's training code (``megatron.training``, ``pretrain_gpt.py``) on CPU over gloo.
+
+CPU / gloo only, for the end-to-end tests and for trying the ``pretrain_gpt.py`` route on a
+machine without a GPU. It must never be active on a GPU run: :func:`activate` refuses when
+``torch.cuda.is_available()``.
+
+:mod:`megatron_edit.cpu_adapter` already makes megatron-core run on CPU (device, RNG, streams,
+type names; it also reports one CUDA device, which Megatron-LM's ``initialize`` needs to set up
+model parallelism and seeds). On top of that, Megatron-LM's training code needs:
+
+* ``initialize_megatron(allow_no_cuda=True)``: otherwise it asserts "Megatron requires CUDA".
+  Wrapped where it is looked up (``megatron.training.training`` and ``.initialize``).
+* ``fused_kernels.load``: builds CUDA kernels with nvcc; there is nothing to build on CPU.
+* ``compile_helpers``: runs ``make`` for the dataset index helpers; skipped when the compiled
+  ``helpers_cpp`` is importable (the megatron-core wheel ships it; a source checkout does not,
+  and then ``make`` runs as usual, which needs a compiler and pybind11).
+* ``get_device_arch_version`` (called with TP or CP > 1 in ``validate_args``): there is no device
+  to query; reported as 0 (pre-Blackwell), so Megatron expects ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
+  which :func:`prepare_environment` sets (it also turns ``torch.compile`` off, see there).
+
+Also needed, outside this module: ``psutil`` installed (the async checkpoint writer dies
+without it and the run hangs), and Megatron-LM's own Python dependencies (see
+``scripts/requirements-megatron-lm.txt``).
+
+Every replacement is a declared :class:`~megatron_edit.patching.Patch`; :func:`deactivate` undoes
+them (and :func:`megatron_edit.cpu_adapter.deactivate` the megatron-core part).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import List, Optional
+
+import torch
+
+from . import adapter as cpu_adapter
+from ..mcore.patching import Patch, PatchRegistry, VersionRange
+
+__all__ = ["activate", "deactivate", "is_active"]
+
+# Written against Megatron-LM core_v0.16.1 (its megatron-core is 0.16.1).
+SUPPORTED = VersionRange("0.16.0", "0.17.0")
+
+_registry: Optional[PatchRegistry] = None
+
+
+def is_active() -> bool:
+    return _registry is not None and _registry.is_applied()
+
+
+def _allow_no_cuda(original):
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        if len(args) > 3:  # (extra_args_provider, args_defaults, ignore_unknown_args, allow_no_cuda)
+            args = args[:3] + args[4:]
+        return original(*args, **kwargs)
+
+    return initialize_megatron
+
+
+def _no_fused_kernels(original):
+    def load(args):
+        return None  # CUDA kernels; nothing to build or load on CPU
+
+    return load
+
+
+def _helpers_if_missing(original):
+    def compile_helpers():
+        # The wheel ships the compiled helpers; `make` would rebuild them in site-packages.
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+            return None
+        return original()
+
+    return compile_helpers
+
+
+def _no_device_arch(original):
+    def get_device_arch_version():
+        return 0  # no GPU: behave as a pre-Blackwell device (CUDA_DEVICE_MAX_CONNECTIONS=1)
+
+    return get_device_arch_version
+
+
+def _build_registry() -> PatchRegistry:
+    registry = PatchRegistry()
+    init_params = ("extra_args_provider", "args_defaults", "ignore_unknown_args", "allow_no_cuda")
+    for where in ("training", "initialize"):
+        registry.add(Patch(
+            f"cpu-initialize-megatron-{where}", f"megatron.training.{where}:initialize_megatron",
+            _allow_no_cuda, SUPPORTED, init_params,
+            "CPU: initialize_megatron(allow_no_cuda=True)"))
+    registry.add(Patch(
+        "cpu-fused-kernels", "megatron.legacy.fused_kernels:load", _no_fused_kernels, SUPPORTED,
+        ("args",), "CPU: no CUDA kernels to build"))
+    registry.add(Patch(
+        "cpu-compile-helpers", "megatron.core.datasets.utils:compile_helpers", _helpers_if_missing,
+        SUPPORTED, (), "CPU: skip make when the compiled dataset helpers are importable"))
+    registry.add(Patch(
+        "cpu-device-arch", "megatron.training.arguments:get_device_arch_version", _no_device_arch,
+        SUPPORTED, (), "CPU: no device to query; report a pre-Blackwell architecture"))
+    return registry
+
+
+def prepare_environment() -> None:
+    """Environment for a CPU run; call before megatron is imported (``activate`` calls it too).
+
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``: what Megatron expects of a pre-Blackwell device.
+    ``TORCH_COMPILE_DISABLE=1``: Megatron's fused bias-GeLU / bias-dropout-add are
+    ``torch.compile``d and warmed up at start-up; on CPU, compiling them costs each rank seconds
+    of its few cores (a 4-rank tiny run: 54 s -> 23 s wall) for no gain. Both only when unset.
+    """
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    dynamo_config = sys.modules.get("torch._dynamo.config")
+    if dynamo_config is not None and os.environ["TORCH_COMPILE_DISABLE"] == "1":
+        dynamo_config.disable = True  # already imported: the variable was read before
+
+
+def activate() -> List[str]:
+    """Make Megatron-LM's training code run on CPU (idempotent); returns the patch ids applied.
+
+    Activates :mod:`megatron_edit.cpu_adapter` too. Refuses when CUDA is available.
+    """
+    global _registry
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "megatron_edit.cpu_training_adapter must never be active when CUDA is available"
+        )
+    prepare_environment()
+    cpu_adapter.activate()
+    from megatron.core import package_info
+
+    if _registry is None:
+        _registry = _build_registry()
+    return _registry.apply(package_info.__version__)
+
+
+def deactivate() -> None:
+    """Undo :func:`activate` (both adapters; the environment variables stay). A no-op when not
+    active."""
+    if _registry is not None:
+        _registry.revert()
+    cpu_adapter.deactivate()

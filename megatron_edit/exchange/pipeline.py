@@ -1,0 +1,384 @@
+"""One outer synchronisation of EDiT (arXiv 2412.07210, Sec. 3), bucket group by bucket group.
+
+Per shard: Delta_i = anchor - current; reduced across the sync group to one Delta (the mean, or
+with the pseudo-gradient penalty a per-layer weighted mean over the workers not excluded, then
+clipped per layer; or the GTA reducer); the outer optimizer steps the anchor with Delta as its
+gradient; the main params (and the model's 16-bit copy) restart from the anchor.
+
+The penalty's per-layer norms of every worker are exchanged once per sync (one small all-gather
+for all layers) before any bucket, so every rank of every worker takes the same decisions
+(:mod:`megatron_edit.algorithm.penalty`).
+
+A sync runs in phases that a caller can spread over time:
+
+* :meth:`OuterSync.start` takes the decisions (and is where A-EDiT's skip lands);
+* :meth:`OuterSync.launch` starts the asynchronous exchange of some shards;
+* :meth:`OuterSync.complete` waits for their exchange, applies the outer step, writes the
+  parameters; the sync ends when no shard is pending.
+
+Layer-wise mode (:meth:`mark_pending`, :meth:`complete_group`): after the optimizer step every
+shard is pending and the first bucket group's exchange is launched; just before a group's
+parameters are gathered for the next forward pass its exchange is completed, after launching
+the next pending group's, so one exchange is in flight while layers compute. Step-end mode:
+:meth:`complete` of every shard at once.
+
+The collectives go through ``sync_group`` and ``worker_groups``
+(:mod:`megatron_edit.exchange.groups`, or fakes with the same methods).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Set
+
+import torch
+
+from ..algorithm import asynchronous, gta, outer, penalty
+from ..config import GTAConfig, LocalSGDConfig
+from .outer_state import OuterState
+from .report import SyncReport
+from .shard import BucketShard
+
+
+@dataclass
+class _SyncInProgress:
+    step: int
+    steps_since_last: int
+    bytes_at_start: int
+    seconds: float = 0.0
+    weights: Optional[torch.Tensor] = None  # [W, L] float64 CPU, None: plain mean
+    own_weights: Optional[torch.Tensor] = None  # [L]
+    norms: Optional[torch.Tensor] = None
+    excluded: Optional[torch.Tensor] = None
+    skipped: Optional[torch.Tensor] = None  # [L] bool
+    clip_coef: Dict[int, float] = field(default_factory=dict)
+    worker_steps: Optional[torch.Tensor] = None  # A-EDiT: [W]
+    worker_seconds: Optional[torch.Tensor] = None
+    skipped_sync: bool = False
+
+
+class OuterSync:
+    """The outer syncs of one optimizer's shards, with the penalty's running statistics.
+
+    ``groups``: the shards in bucket groups, in the order the forward pass gathers them.
+    ``on_done``: called with each sync's :class:`SyncReport` when it ends.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[BucketShard]],
+        layer_names: Sequence[str],
+        sync_group,
+        worker_groups,
+        config: LocalSGDConfig,
+        gta_config: GTAConfig,
+        outer_state: OuterState,
+        on_done: Optional[Callable[[SyncReport], None]] = None,
+    ):
+        self.groups: List[List[BucketShard]] = [list(g) for g in groups]
+        self.shards: List[BucketShard] = [s for g in self.groups for s in g]
+        self.layer_names = list(layer_names)
+        self.sync_group = sync_group
+        self.worker_groups = worker_groups
+        self.config = config
+        self.gta_config = gta_config
+        self.outer = outer_state
+        self.on_done = on_done
+        self.num_workers = sync_group.size
+        self.layer_shards: List[List[BucketShard]] = [[] for _ in self.layer_names]
+        for shard in self.shards:
+            for layer in shard.bucket_layers:
+                self.layer_shards[layer].append(shard)
+        self._needs_norms = config.skip_anomaly or config.pseudo_gradnorm_reduce
+        self._gta = gta_config.reducer == "gta"
+        self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
+        self._sync: Optional[_SyncInProgress] = None
+
+    @property
+    def in_progress(self) -> bool:
+        return self._sync is not None
+
+    @property
+    def pending(self) -> bool:
+        return any(s.pending for s in self.shards)
+
+    # ------------------------------------------------------------------ start
+    def start(
+        self,
+        step: int,
+        steps_since_last: int,
+        worker_steps: Optional[torch.Tensor] = None,
+        worker_seconds: Optional[torch.Tensor] = None,
+        skip: bool = False,
+        bytes_at_start: Optional[int] = None,
+    ) -> bool:
+        """Begin the sync due after ``step``: the penalty's decisions. ``skip`` (A-EDiT: too few
+        steps in total) ends it at once without any exchange; returns whether it goes on.
+        ``bytes_at_start``: the sync group's byte count where the sync's traffic began (A-EDiT's
+        schedule message comes first)."""
+        assert self._sync is None, "a sync is already in progress"
+        if bytes_at_start is None:
+            bytes_at_start = self.sync_group.counters.payload_bytes
+        self._sync = _SyncInProgress(step, steps_since_last, bytes_at_start)
+        self._sync.worker_steps, self._sync.worker_seconds = worker_steps, worker_seconds
+        if skip:
+            self._sync.skipped_sync = True
+            self._finish_if_done()
+            return False
+        if self._needs_norms:
+            t0 = time.perf_counter()
+            self._decide()
+            self._sync.seconds += time.perf_counter() - t0
+        elif self._gta or self.config.use_step_weight:  # explicit weights: start from the mean
+            W, L = self.num_workers, len(self.layer_names)
+            self._set_weights(torch.full((W, L), 1.0 / W, dtype=torch.float64), None)
+        return True
+
+    def _set_weights(self, weights: torch.Tensor, excluded: Optional[torch.Tensor]) -> None:
+        c = self.config
+        if c.use_step_weight:
+            if excluded is None:
+                excluded = torch.zeros_like(weights, dtype=torch.bool)
+            weights = asynchronous.blend_step_weights(weights, self._sync.worker_steps, excluded, c.step_weight_ratio)
+        self._sync.weights = weights
+        self._sync.own_weights = weights[self.sync_group.rank]
+
+    @torch.no_grad()
+    def _delta(self, shard: BucketShard) -> torch.Tensor:
+        device = shard.device
+        delta = shard.read_current(torch.empty(shard.numel, dtype=torch.float32, device=device))
+        return outer.pseudo_gradient(shard.anchor.to(device, non_blocking=True), delta, out=delta)
+
+    def _layer_norms(self, shards: List[BucketShard], layers: Optional[Set[int]] = None) -> torch.Tensor:
+        """[L] float64: this worker's norm of each layer over ``shards`` (``shard.delta``),
+        summed over the model-shard and tensor-parallel groups (worker-local collectives)."""
+        device = shards[0].device if shards else torch.device("cpu")
+        partial = torch.zeros(len(self.layer_names), dtype=torch.float64, device=device)
+        for shard in shards:
+            for s, e, layer, counts in shard.segments:
+                if counts and (layers is None or layer in layers):
+                    partial[layer] += shard.delta[s:e].double().pow(2).sum()
+        return self.worker_groups.sum(partial).sqrt().cpu()
+
+    @torch.no_grad()
+    def _decide(self) -> None:
+        """Per-layer norms of every worker (one all-gather), then the penalty's decisions."""
+        c, sync = self.config, self._sync
+        for shard in self.shards:
+            shard.delta = self._delta(shard)
+        own = self._layer_norms(self.shards)
+        device = self.shards[0].device if self.shards else torch.device("cpu")
+        norms = self.sync_group.all_gather(own.to(device)).cpu()
+        excluded = None
+        if c.skip_anomaly:
+            excluded, self.ewma = penalty.detect_anomalies(
+                norms, self.ewma, c.ewma_alpha, c.ewma_warmup_steps, c.ewma_threshold
+            )
+        temperature = c.weight_softmax_temperature if c.weight_softmax_temperature is not None else 1.0
+        self._set_weights(penalty.averaging_weights(norms, excluded, c.pseudo_gradnorm_reduce, temperature), excluded)
+        sync.norms, sync.excluded = norms, excluded
+        sync.skipped = penalty.skipped_layers(excluded, len(self.layer_names))
+
+    # ------------------------------------------------------------------ exchange
+    @torch.no_grad()
+    def launch(self, shards: Sequence[BucketShard]) -> None:
+        """Start the asynchronous exchange of ``shards`` (each worker's weighted Delta)."""
+        t0 = time.perf_counter()
+        for shard in shards:
+            if shard.handle is not None or shard.exchanged:
+                continue
+            if shard.delta is None:
+                shard.delta = self._delta(shard)
+            if self._gta:
+                self._gta_launch(shard)
+                continue
+            if self._sync.own_weights is not None:
+                shard.scale_layers(shard.delta, self._sync.own_weights)
+            shard.handle = self.sync_group.all_reduce_sum(shard.delta, async_op=True)
+        self._sync.seconds += time.perf_counter() - t0
+
+    def _gta_launch(self, shard: BucketShard) -> None:
+        """GTA phase 1: sparsify, weight, start the consensus all-reduce (if any)."""
+        g = self.gta_config
+        generator = None
+        if g.sparsification_method in ("random", "rescaled_random"):
+            # Deterministic per (sync, worker, shard): reproducible and resumable.
+            seed = (self._sync.step * 1_000_003 + self.sync_group.rank * 10_007
+                    + self.worker_groups.shard_rank * 101 + shard.index)
+            generator = torch.Generator().manual_seed(seed)
+        gta.sparsify(shard.delta, shard.segments, g.density, g.sparsification_method, generator)
+        shard.scale_layers(shard.delta, self._sync.own_weights)
+        if g.consensus_method is None:
+            self._gta_merge_launch(shard, None)
+            return
+        shard.consensus = gta.consensus_message(shard.delta, g.consensus_method, g.int8_mask)
+        shard.handle = self.sync_group.all_reduce_sum(shard.consensus, async_op=True)
+
+    def _gta_merge_launch(self, shard: BucketShard, consensus: Optional[torch.Tensor]) -> None:
+        """GTA phase 2: keep the agreeing entries; all-reduce them and who kept them."""
+        g = self.gta_config
+        gta.agree(shard.delta, consensus)
+        shard.consensus = None
+        if g.normalize:
+            # The mask must be read before the in-place all-reduce of the entries starts.
+            if g.int8_mask:
+                mask = gta.encode_mask_bits(shard.delta, self.sync_group.rank, self.sync_group.size)
+            else:
+                mask = (shard.delta != 0).to(torch.float32)
+                shard.scale_layers(mask, self._sync.own_weights)
+            shard.consensus = mask  # reused slot: the mask travelling with phase 2
+        handles = [self.sync_group.all_reduce_sum(shard.delta, async_op=True)]
+        if shard.consensus is not None:
+            handles.append(self.sync_group.all_reduce_sum(shard.consensus, async_op=True))
+        shard.handle = handles
+
+    @torch.no_grad()
+    def _finish_exchange(self, shards: Sequence[BucketShard]) -> None:
+        """Wait for the exchanges: shard.delta becomes the reduced pseudo-gradient."""
+        self.launch(shards)
+        t0 = time.perf_counter()
+        for shard in shards:
+            if shard.exchanged:
+                continue
+            if self._gta:
+                self._gta_finish(shard)
+            else:
+                shard.handle.wait()
+                shard.handle = None
+                if self._sync.weights is None:
+                    outer.mean_from_sum(shard.delta, self.num_workers)
+            shard.exchanged = True
+        self._sync.seconds += time.perf_counter() - t0
+
+    def _gta_finish(self, shard: BucketShard) -> None:
+        if not isinstance(shard.handle, list):  # phase 1 (consensus) still to finish
+            shard.handle.wait()
+            self._gta_merge_launch(shard, shard.consensus)
+        for handle in shard.handle:
+            handle.wait()
+        shard.handle = None
+        denominator = None
+        if self.gta_config.normalize:
+            denominator = shard.consensus
+            if self.gta_config.int8_mask:
+                denominator = gta.decode_denominator(
+                    shard.consensus, shard.segments, self._sync.weights, torch.empty_like(shard.delta)
+                )
+        gta.merge(shard.delta, denominator)
+        shard.consensus = None
+
+    # ------------------------------------------------------------------ complete
+    @torch.no_grad()
+    def _ensure_clip_coefficients(self, shards: Sequence[BucketShard]) -> None:
+        """Clip factors of the layers in ``shards``; a layer's norm needs every bucket it spans,
+        so those exchanges are completed first (the same buckets on every rank of the worker)."""
+        tau = self.config.clip_pseudo_grad
+        if tau is None:
+            return
+        coef = self._sync.clip_coef
+        needed = {layer for shard in shards for layer in shard.bucket_layers} - coef.keys()
+        if not needed:
+            return
+        spanned = {id(s): s for layer in needed for s in self.layer_shards[layer]}
+        self._finish_exchange(list(spanned.values()))
+        ready = {
+            layer
+            for layer in range(len(self.layer_names))
+            if layer not in coef and all(s.exchanged for s in self.layer_shards[layer])
+        }
+        involved = {id(s): s for layer in ready for s in self.layer_shards[layer]}
+        norms = self._layer_norms(list(involved.values()), ready)
+        factors = penalty.clip_coefficients(norms, tau)
+        for layer in ready:
+            coef[layer] = float(factors[layer])
+
+    @torch.no_grad()
+    def _apply(self, shard: BucketShard, write_model: bool) -> None:
+        """Outer step of one shard with its reduced Delta; mains restart from the anchor."""
+        sync = self._sync
+        delta = shard.delta
+        if sync.clip_coef:
+            shard.scale_layers(delta, [sync.clip_coef.get(i, 1.0) for i in range(len(self.layer_names))])
+        skipped = []
+        if sync.skipped is not None:
+            skipped = [(s, e) for s, e, layer, _ in shard.segments if sync.skipped[layer]]
+        self.outer.step(shard, delta, skipped)
+        anchor = shard.anchor.to(delta.device, non_blocking=True)
+        shard.write_mains(anchor)
+        if write_model:
+            shard.write_model(anchor)
+        shard.delta = None
+        shard.exchanged = False
+        shard.pending = False
+
+    @torch.no_grad()
+    def complete(self, shards: Sequence[BucketShard], write_model: bool) -> None:
+        """Finish the exchange of ``shards``, step their anchors, restart their mains (and the
+        model's 16-bit copy when ``write_model``)."""
+        self._finish_exchange(shards)
+        t0 = time.perf_counter()
+        self._ensure_clip_coefficients(shards)
+        for shard in shards:
+            self._apply(shard, write_model)
+        self._sync.seconds += time.perf_counter() - t0
+        self._finish_if_done()
+
+    # ------------------------------------------------------------------ layer-wise
+    def mark_pending(self) -> None:
+        """Layer-wise: every shard waits for its group's parameter gather; the first group's
+        exchange starts now."""
+        for shard in self.shards:
+            shard.pending = True
+        if self.groups:
+            self.launch(self.groups[0])
+
+    def complete_group(self, index: int) -> None:
+        """Layer-wise: group ``index`` is about to be gathered: complete its pending outer step,
+        after launching the next pending group's exchange so that one stays in flight."""
+        shards = [s for s in self.groups[index] if s.pending]
+        if not shards:
+            return
+        for later in self.groups[index + 1 :]:
+            later_pending = [s for s in later if s.pending]
+            if later_pending:
+                self.launch(later_pending)
+                break
+        self.complete(shards, write_model=True)
+
+    def flush(self) -> None:
+        """Complete every pending exchange now (before state is read or params change)."""
+        pending = [s for s in self.shards if s.pending]
+        if pending:
+            self.complete(pending, write_model=True)
+
+    # ------------------------------------------------------------------ end
+    def _finish_if_done(self) -> None:
+        if self._sync is None or any(s.pending for s in self.shards):
+            return
+        sync, self._sync = self._sync, None
+        clip = None
+        if self.config.clip_pseudo_grad is not None:
+            clip = torch.tensor([sync.clip_coef.get(i, 1.0) for i in range(len(self.layer_names))])
+        report = SyncReport(
+            step=sync.step,
+            mode=self.config.sync_mode,
+            buckets=len(self.shards),
+            payload_bytes=self.sync_group.counters.payload_bytes - sync.bytes_at_start,
+            seconds=sync.seconds,
+            workers=self.num_workers,
+            steps_since_last=sync.steps_since_last,
+            outer_lr=self.outer.lr,
+            worker=self.sync_group.rank,
+            layer_names=self.layer_names,
+            norms=sync.norms,
+            weights=sync.weights,
+            excluded=sync.excluded,
+            skipped=sync.skipped,
+            clip_coef=clip,
+            skipped_sync=sync.skipped_sync,
+            worker_steps=sync.worker_steps,
+            worker_seconds=sync.worker_seconds,
+        )
+        if self.on_done is not None:
+            self.on_done(report)

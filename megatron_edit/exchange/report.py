@@ -1,0 +1,75 @@
+"""What one outer synchronisation did on one rank: for logs, metrics and tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+
+@dataclass
+class SyncReport:
+    """What one outer synchronisation did on this rank."""
+
+    step: int
+    """Optimizer steps done when the sync was due."""
+    mode: str
+    buckets: int
+    payload_bytes: int
+    """Bytes this rank all-reduced across the sync group (pseudo-gradients and norms)."""
+    seconds: float
+    """Time this rank spent in EDiT code for the sync (launch, wait, outer step, copies)."""
+    workers: int
+    steps_since_last: int = 0
+    """Inner steps since the previous sync (H for synchronous EDiT)."""
+    outer_lr: float = 0.0
+    worker: int = 0
+    """This rank's worker (its index in the sync group)."""
+    layer_names: Optional[List[str]] = None
+    norms: Optional[torch.Tensor] = None
+    """[workers, layers]: each worker's pseudo-gradient norm per layer (penalty on)."""
+    weights: Optional[torch.Tensor] = None
+    """[workers, layers]: averaging weights (0 = excluded)."""
+    excluded: Optional[torch.Tensor] = None
+    """[workers, layers] bool: excluded as anomalous."""
+    skipped: Optional[torch.Tensor] = None
+    """[layers] bool: every worker excluded, outer step skipped."""
+    clip_coef: Optional[torch.Tensor] = None
+    """[layers]: clipping factor applied to the averaged pseudo-gradient."""
+    skipped_sync: bool = False
+    """A-EDiT: all workers together took fewer than min_total_global_steps: no exchange."""
+    worker_steps: Optional[torch.Tensor] = None
+    """A-EDiT: [workers] steps each worker took since the last real exchange."""
+    worker_seconds: Optional[torch.Tensor] = None
+    """A-EDiT: [workers] seconds of the latest interval (since the previous planned sync)."""
+
+    def scalars(self) -> Dict[str, float]:
+        """Flat name -> value, for Megatron's console line and TensorBoard / W&B writers."""
+        out = {
+            "local-sgd/sync-seconds": self.seconds,
+            "local-sgd/sync-bytes": float(self.payload_bytes),
+            "local-sgd/steps-since-last-sync": float(self.steps_since_last),
+            "local-sgd/outer-lr": self.outer_lr,
+            "local-sgd/workers": float(self.workers),
+        }
+        if self.norms is not None:
+            own = self.norms[self.worker]
+            out["local-sgd/pseudo-grad-norm"] = float(own.pow(2).sum().sqrt())
+            out["local-sgd/pseudo-grad-norm-max-layer"] = float(own.max())
+        if self.weights is not None:
+            out["local-sgd/weight-min"] = float(self.weights.min())
+            out["local-sgd/weight-own-mean"] = float(self.weights[self.worker].mean())
+        if self.excluded is not None:
+            out["local-sgd/excluded"] = float(self.excluded.sum())
+            out["local-sgd/excluded-workers"] = float(self.excluded.any(dim=1).sum())
+        if self.skipped is not None:
+            out["local-sgd/skipped-layers"] = float(self.skipped.sum())
+        if self.clip_coef is not None:
+            out["local-sgd/clip-coef-min"] = float(self.clip_coef.min())
+            out["local-sgd/clipped-layers"] = float((self.clip_coef < 1).sum())
+        if self.worker_steps is not None:
+            out["local-sgd/skipped-sync"] = float(self.skipped_sync)
+            out["local-sgd/worker-steps-min"] = float(self.worker_steps.min())
+            out["local-sgd/worker-steps-max"] = float(self.worker_steps.max())
+        return out

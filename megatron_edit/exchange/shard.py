@@ -1,0 +1,126 @@
+"""One rank's shard of one bucket of parameters (EDiT, arXiv 2412.07210, Sec. 3.2).
+
+Megatron's distributed optimizer cuts every bucket of the model into as many equal, contiguous
+shards as the worker has ranks; each rank keeps the fp32 main parameters of its shard. EDiT's
+per-shard state (the anchor, the pseudo-gradient being exchanged) is a flat fp32 tensor of the
+shard's length, and a shard is described here by plain tensors and index ranges so that the
+exchange can be run, and tested, without Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Set, Tuple
+
+import torch
+
+Segment = Tuple[int, int, int, bool]
+"""(start, end, layer, counts_in_norm): one parameter's elements inside the shard, the layer it
+belongs to, and whether it counts in that layer's norm (False for a tensor-parallel duplicate
+held by tensor-parallel rank > 0, e.g. a layer norm)."""
+
+Run = Tuple[int, int, int, bool]
+"""Adjacent segments of the same layer (and norm flag) merged: far fewer tensor operations."""
+
+
+def merge_runs(segments: List[Segment]) -> List[Run]:
+    """Adjacent segments with the same layer and norm flag, as one run each."""
+    runs: List[Run] = []
+    for s, e, layer, counts in sorted(segments):
+        if runs and runs[-1][1] == s and runs[-1][2] == layer and runs[-1][3] == counts:
+            runs[-1] = (runs[-1][0], e, layer, counts)
+        elif e > s:
+            runs.append((s, e, layer, counts))
+    return runs
+
+
+@dataclass
+class BucketShard:
+    """This rank's shard of one bucket, and the EDiT tensors of that shard."""
+
+    numel: int
+    """Shard length: the bucket's length / ranks per worker (padding included)."""
+    mains: List[torch.Tensor]
+    """The fp32 main parameters that fall in this shard (1-D views), in shard order."""
+    local_ranges: List[Tuple[int, int]]
+    """Each main's [start, end) inside the shard."""
+    segments: List[Segment]
+    """One entry per main: its range, layer and norm flag."""
+    bucket_layers: Set[int] = field(default_factory=set)
+    """Layers of every parameter in the whole bucket (the same on every rank of the worker)."""
+    model: Optional[torch.Tensor] = None
+    """This shard's slice of the model's (16-bit) parameter buffer, written after an outer step;
+    None when the main parameters are the model (fp32 models)."""
+    device: torch.device = torch.device("cpu")
+    """Where the shard's parameters and gradients live (EDiT's working tensors go there too)."""
+    bucket: object = None
+    """The framework's bucket this shard belongs to (opaque here; Megatron's
+    ``_ParamAndGradBucket``)."""
+    index: int = 0
+    """Position among the optimizer's shards (seeds GTA's random sparsification)."""
+
+    # --- state of the current sync (None / False between syncs)
+    anchor: Optional[torch.Tensor] = None
+    """The shard's value at the last sync (fp32), stepped by the outer optimizer."""
+    delta: Optional[torch.Tensor] = None
+    """The pseudo-gradient being exchanged (fp32, on the shard's device)."""
+    handle: Optional[object] = None
+    consensus: Optional[torch.Tensor] = None
+    """GTA: the consensus message (phase 1) or the kept-entries mask (phase 2) in flight."""
+    exchanged: bool = False
+    pending: bool = False
+
+    def __post_init__(self) -> None:
+        self.runs: List[Run] = merge_runs(self.segments)
+        covered = sorted(self.local_ranges)
+        gaps, at = [], 0
+        for s, e in covered:
+            if s > at:
+                gaps.append((at, s))
+            at = max(at, e)
+        if at < self.numel:
+            gaps.append((at, self.numel))
+        self.gaps: List[Tuple[int, int]] = gaps
+        """Ranges of the shard no parameter covers (bucket padding): kept at 0."""
+
+    def main_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """Views of ``flat`` (shard-length) at each main's range."""
+        return [flat[s:e] for s, e in self.local_ranges]
+
+    def read_current(self, out: torch.Tensor) -> torch.Tensor:
+        """The current main parameters, as one flat tensor (0 where no parameter is)."""
+        for s, e in self.gaps:
+            out[s:e].zero_()
+        if self.mains:
+            torch._foreach_copy_(self.main_views(out), [m.view(-1) for m in self.mains])
+        return out
+
+    def write_mains(self, values: torch.Tensor) -> None:
+        """Main parameters := ``values`` (flat, shard-length)."""
+        if self.mains:
+            torch._foreach_copy_([m.view(-1) for m in self.mains], self.main_views(values))
+
+    def write_model(self, values: torch.Tensor) -> None:
+        """Cast ``values`` into the model's parameter buffer (16-bit models; fp32 models'
+        mains are the model already)."""
+        if self.model is not None:
+            self.model.copy_(values)
+
+    def scale_layers(self, tensor: torch.Tensor, factors) -> None:
+        """In place: each layer's elements times its factor (a 0 factor zeroes, even NaN/Inf).
+
+        ``factors``: a host sequence (floats) or a device tensor ``[layers]``; with a device
+        tensor nothing waits for the device."""
+        if torch.is_tensor(factors) and factors.device.type != "cpu":
+            for s, e, layer, _ in self.runs:
+                part = tensor[s:e]
+                # where(f == 0, 0, x * f): a zero factor must zero NaN / Inf entries too
+                factor = factors[layer].to(tensor.dtype)
+                part.mul_(factor).masked_fill_(factor == 0, 0.0)
+            return
+        for s, e, layer, _ in self.runs:
+            f = float(factors[layer])
+            if f == 0.0:
+                tensor[s:e].zero_()
+            elif f != 1.0:
+                tensor[s:e].mul_(f)

@@ -1,0 +1,12 @@
+"""megatron-core attachment: how EDiT hooks into Megatron's DDP and distributed optimizer.
+
+* :mod:`.patching`: a registry of declared, versioned, reversible wrap patches (nothing EDiT);
+* :mod:`.compat`: every difference between megatron-core releases, in one place;
+* :mod:`.shards`: EDiT's view of a ``DistributedOptimizer`` (its buckets as shards, layers);
+* :mod:`.controller`: :class:`LocalSGD`, one optimizer's EDiT state and schedule;
+* :mod:`.checks`: Megatron options refused with EDiT;
+* :mod:`.runtime`, :mod:`.session`: the live state the patches consult;
+* :mod:`.patches`: the DDP / bucket / optimizer patches;
+* :mod:`.checkpoint`, :mod:`.checkpoint_layout`: EDiT state in ``torch_dist`` checkpoints;
+* :mod:`.load_fixes`: workarounds for megatron-core's own checkpoint-load defects.
+"""

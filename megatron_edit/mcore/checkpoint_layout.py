@@ -1,0 +1,197 @@
+"""Where EDiT's state goes among Megatron's checkpoint keys and replica ids (``torch_dist``).
+
+Megatron's distributed-optimizer checkpoint assumes every distributed-optimizer instance is a
+replica: replica ids let only instance 0 write the model and optimizer state. Between syncs EDiT
+workers differ, so worker k >= 1 writes its optimizer part under its own keys
+(``local_sgd.worker_<k>.``) with replica ids that make exactly one rank *inside* worker k the
+writer; its model entries are kept out of the shared model keys; on load, tensors that alias the
+model are given their own buffers. See :mod:`megatron_edit.mcore.checkpoint` for what is saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import List
+
+import torch
+
+PREFIX = "local_sgd."
+"""Every checkpoint key EDiT adds starts with this (after Megatron's own prefixes)."""
+_WORKER_KEY = re.compile(r"(?:^|\.)local_sgd\.worker_(\d+)\.")
+
+
+class CheckpointStateError(RuntimeError):
+    """The EDiT part of a checkpoint is missing, incomplete, corrupted or incompatible."""
+
+
+def worker_key(key: str, worker: int) -> str:
+    """Checkpoint key of worker ``worker``'s copy of Megatron's optimizer key ``key``."""
+    return f"{PREFIX}worker_{worker}.{key}"
+
+
+def _is_local_sgd_key(key: str) -> bool:
+    # Megatron may prepend its own prefixes (e.g. ``chained_0.``).
+    return key.startswith(PREFIX) or f".{PREFIX}" in key
+
+
+# --------------------------------------------------------------------------- layout
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where one distributed optimizer sits among the EDiT workers."""
+
+    worker: int
+    num_workers: int
+    worker_size: int
+    """Ranks per worker (shard size): the optimizer's data-parallel group."""
+    intra_rank: int
+    dp_group_idx: int
+
+    @classmethod
+    def of(cls, optimizer, controller) -> "_Layout":
+        return cls(
+            worker=int(optimizer.distributed_optimizer_instance_id),
+            num_workers=int(controller.num_workers),
+            worker_size=optimizer.data_parallel_group.size(),
+            intra_rank=optimizer.data_parallel_group.rank(),
+            dp_group_idx=int(optimizer.data_parallel_group_idx),
+        )
+
+
+@dataclasses.dataclass
+class _BucketSlot:
+    """This rank's shard of one bucket, as a slice of a bucket-space checkpoint tensor."""
+
+    shard: object  # local_sgd.BucketShard
+    name: str  # "gbuf_<i>.bucket_<j>"
+    numel_unpadded: int
+    offset: int
+    length: int  # 0 when the whole shard is end-of-bucket padding
+
+
+def _bucket_slots(optimizer, controller, layout: _Layout) -> List[_BucketSlot]:
+    """The controller's shards, matched to Megatron's buffers and buckets (same order)."""
+    slots = []
+    shards = iter(controller.shards)
+    for gbuf_idx, buffer in enumerate(optimizer.buffers):
+        for bucket_maps in optimizer.gbuf_ranges[gbuf_idx].values():
+            for bucket_idx in range(len(bucket_maps)):
+                bucket = buffer.buckets[bucket_idx]
+                shard = next(shards)
+                assert shard.bucket is bucket, "LocalSGD shards and Megatron buckets disagree"
+                offset = layout.intra_rank * shard.numel
+                length = max(0, min(shard.numel, bucket.numel_unpadded - offset))
+                slots.append(
+                    _BucketSlot(shard, f"gbuf_{gbuf_idx}.bucket_{bucket_idx}", bucket.numel_unpadded, offset, length)
+                )
+    assert next(shards, None) is None, "LocalSGD has shards Megatron's optimizer does not"
+    return slots
+
+
+# --------------------------------------------------------------------------- save layout
+def _sharding_type(state: dict, kwargs: dict) -> str:
+    return state.get("param_state_sharding_type") or kwargs.get("sharding_type") or (
+        (kwargs.get("metadata") or {}).get("distrib_optim_sharding_type", "fully_sharded_model_space")
+    )
+
+
+def _worker_replica_id(sh, sharding_type: str, layout: _Layout):
+    """Replica id of worker k's renamed copy: main on one rank *inside* worker k.
+
+    Megatron marks the instance as a replica coordinate: ``(instance, 0, dp_rank)`` for its
+    ShardedObjects and ``(instance, 0, 0)`` for ``dp_reshardable`` tensors, ``(pp, tp,
+    instance)`` for ``fully_sharded_model_space``, and the model's ``(pp, tp, dp_cp_rank)`` for
+    ``fully_reshardable`` (dp_cp_rank counts across instances, which are contiguous blocks).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rid = sh.replica_id
+    rid = (rid,) if isinstance(rid, int) else tuple(rid)
+    k = layout.worker
+    if isinstance(sh, ShardedObject) or sharding_type == "dp_reshardable":
+        position, expected, value = 0, k, 0
+    elif sharding_type == "fully_sharded_model_space":
+        position, expected, value = 2, k, 0
+    else:  # fully_reshardable (the caller refuses other types)
+        position = 2
+        expected = rid[2] if len(rid) == 3 and 0 <= rid[2] - k * layout.worker_size < layout.worker_size else None
+        value = rid[2] - k * layout.worker_size if expected is not None else 0
+    if len(rid) != 3 or rid[position] != expected:
+        raise CheckpointStateError(
+            f"megatron_edit: unexpected replica id {sh.replica_id} for {sh.key} "
+            f"({sharding_type}, worker {k}); this megatron-core lays out replica ids differently "
+            f"from 0.16 and the EDiT checkpoint layout would be wrong."
+        )
+    return rid[:position] + (value,) + rid[position + 1 :]
+
+
+def _rename_for_worker(state: dict, sharding_type: str, layout: _Layout) -> None:
+    """Worker k >= 1: Megatron's optimizer entries -> ``local_sgd.worker_<k>.`` keys."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    def rename(value):
+        if not isinstance(value, ShardedBase):
+            return value
+        return dataclasses.replace(
+            value,
+            key=worker_key(value.key, layout.worker),
+            replica_id=_worker_replica_id(value, sharding_type, layout),
+        )
+
+    dict_list_map_inplace(rename, state)
+
+
+def _model_param_storages(optimizer) -> set:
+    return {
+        b.param_data.untyped_storage().data_ptr() for b in optimizer.buffers if b.param_data is not None
+    }
+
+
+def _unalias_from_model(state: dict, optimizer) -> None:
+    """Loading worker k >= 1: fresh buffers for tensors that share storage with the model.
+
+    With fp32 parameters Megatron's main params are views of the model's parameter buffer, which
+    the shared model keys (worker 0's model) are loaded into as well: without this the order of
+    the two writes would decide the result. The loaded values are copied into place by
+    ``load_state_dict``.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    storages = _model_param_storages(optimizer)
+
+    def unalias(value):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and torch.is_tensor(value.data):
+            if value.data.untyped_storage().data_ptr() in storages:
+                return dataclasses.replace(value, data=torch.empty_like(value.data))
+        return value
+
+    dict_list_map_inplace(unalias, state)
+
+
+def _drop_worker_model_entries(model_sharded_state_dict, optimizer) -> None:
+    """Saving worker k >= 1: its model entries must not be written under the shared keys.
+
+    Their replica ids already make them non-main, but Megatron's fully parallel save
+    distributes each shard to *any* rank holding it. The worker's model is restored from its
+    main params instead.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    if not model_sharded_state_dict:
+        return
+    # Every parameter of the optimizer's buffers (its param groups hold only this rank's shard).
+    params = {id(p) for buffer in optimizer.buffers for p in buffer.param_index_map}
+
+    def drop(value):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and id(value.data) in params:
+            return LocalNonpersistentObject(None)
+        return value
+
+    dict_list_map_inplace(drop, model_sharded_state_dict)

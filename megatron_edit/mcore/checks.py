@@ -1,0 +1,71 @@
+"""Megatron options that cannot work with EDiT, refused at start-up with the flag and the fix.
+
+One place for both routes: the DDP / optimizer patches (megatron-core alone) call these on
+Megatron's config objects, and Megatron-LM's argument validation
+(:mod:`megatron_edit.training.validation`) calls them on its parsed flags.
+"""
+
+from __future__ import annotations
+
+from ..config import ConfigError, NotSupportedYet, LocalSGDConfig
+from . import compat
+
+
+def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config) -> None:
+    """Reject model / DDP options that cannot work with EDiT (clear message, at start-up)."""
+    if not ddp_config.use_distributed_optimizer:
+        raise ConfigError(
+            "--use-local-sgd needs Megatron's distributed optimizer: pass "
+            "--use-distributed-optimizer (DistributedDataParallelConfig.use_distributed_optimizer"
+            "=True). Each worker is one distributed-optimizer instance: set "
+            "--num-distributed-optimizer-instances to the number of workers (the data-parallel "
+            "size gives one rank per worker, shard size 1)."
+        )
+    if compat.uses_megatron_fsdp(ddp_config):
+        raise ConfigError("--use-local-sgd does not work with Megatron-FSDP (--use-megatron-fsdp).")
+    if compat.uses_cuda_graphs(transformer_config):
+        raise ConfigError(
+            "--use-local-sgd does not work with CUDA graphs (--cuda-graph-impl / "
+            "--enable-cuda-graph): a captured step cannot run the outer sync."
+        )
+    if getattr(transformer_config, "calculate_per_token_loss", False):
+        raise NotSupportedYet(
+            "--calculate-per-token-loss with --use-local-sgd is not supported yet: it all-reduces "
+            "token counts across every data-parallel rank each step."
+        )
+    if local_cfg.sync_mode == "layerwise" and not ddp_config.overlap_param_gather:
+        raise ConfigError(
+            "--local-sgd-sync-mode layerwise syncs each bucket just before its parameters are "
+            "gathered in the forward pass, which needs --overlap-param-gather (and "
+            "--overlap-grad-reduce); pass them, or use --local-sgd-sync-mode step_end."
+        )
+
+
+def check_workers(data_parallel_size: int, num_workers: int) -> None:
+    """The workers (distributed-optimizer instances) must split data parallelism evenly."""
+    if num_workers < 1 or data_parallel_size % num_workers != 0:
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances={num_workers} (the number of EDiT workers) "
+            f"must divide the data-parallel size {data_parallel_size}."
+        )
+
+
+def check_optimizer_options(config, has_grad_scaler: bool) -> None:
+    """Reject optimizer options (megatron.core OptimizerConfig) that cannot work with EDiT."""
+    if getattr(config, "use_precision_aware_optimizer", False):
+        raise ConfigError(
+            "--use-local-sgd does not work with --use-precision-aware-optimizer: that optimizer "
+            "keeps main params inside itself and skips the main->model copy the sync relies on."
+        )
+    if getattr(config, "overlap_param_gather_with_optimizer_step", False):
+        raise ConfigError(
+            "--use-local-sgd does not work with --overlap-param-gather-with-optimizer-step: the "
+            "all-gather would start before the outer step has run."
+        )
+    if getattr(config, "optimizer_cpu_offload", False):
+        raise NotSupportedYet("--optimizer-cpu-offload with --use-local-sgd is not supported yet.")
+    if has_grad_scaler:
+        raise NotSupportedYet(
+            "fp16 with loss scaling and --use-local-sgd is not supported yet: a skipped step on "
+            "one worker would desynchronise the workers' schedules; use --bf16."
+        )

@@ -1,0 +1,111 @@
+"""Workarounds for megatron-core's own defects when loading a distributed-optimizer checkpoint.
+
+These have nothing to do with EDiT: they show whenever apex and transformer-engine are absent
+(megatron-core then falls back to torch's Adam / AdamW), not only on CPU. EDiT promises exact
+resume, so while it is on the checkpoint patches (:mod:`megatron_edit.mcore.checkpoint`) apply
+these fixes, each gated on the releases that need it.
+
+megatron-core 0.16.1 without apex / transformer-engine (torch AdamW fallback) mishandles Adam's
+state when loading a distributed-optimizer checkpoint; exact resume needs three fixes, applied
+by the checkpoint patches while EDiT is on (:data:`TORCH_ADAM_LOAD_BUGS` names the versions):
+
+1. ``state_dict()`` reads Adam's ``step`` from the optimizer state, which is empty before the
+   first step; ``sharded_state_dict(is_loading=True)`` calls it, so loading into a fresh run
+   fails (``assert len(steps) == 1``). Fix: give each parameter the zero state torch's Adam
+   would create lazily (same values), before ``state_dict()`` runs.
+2. With fp32 parameters the main params are views of leaf parameters that require grad, and
+   ``dp_reshardable`` loading copies into them outside ``no_grad`` (RuntimeError). Fix: load
+   under ``torch.no_grad()``.
+3. ``load_state_dict`` gives all parameters one shared ``step`` tensor (torch's Adam then
+   increments it once per parameter per step), and ``dp_reshardable`` loading then copies the
+   *pre-load* step into it. Fix: after loading, every parameter gets its own ``step`` tensor
+   holding the checkpoint's value (the param groups' ``step``).
+
+A fourth shows with ``fully_reshardable``: its checkpoint has no per-parameter ``step`` but
+``_set_main_param_and_optimizer_states`` copies every key of torch Adam's state (KeyError).
+Fix: the missing ``step`` is left as it is (fix 3 then sets it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checkpoint_layout import CheckpointStateError
+from .patching import VersionRange
+from ..config import NotSupportedYet
+
+TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.17.0")
+"""megatron-core versions whose distributed optimizer needs the torch-Adam load fixes."""
+FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.17.0")
+"""megatron-core versions whose ``fully_reshardable`` format misplaces state after a padded
+bucket (the world tensors drop the padding between buckets, the parameter offsets do not)."""
+
+
+# --------------------------------------------------------------------------- torch Adam fixes
+def _needs_torch_adam_fixes(optimizer) -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    from .compat import megatron_core_version
+
+    return (
+        not distrib_optimizer.HAVE_APEX_OR_TE
+        and type(optimizer.optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+        and TORCH_ADAM_LOAD_BUGS.contains(megatron_core_version())
+    )
+
+
+def init_missing_adam_state(optimizer) -> None:
+    """Fix 1: the zero state torch's Adam creates lazily at its first step, created now."""
+    try:
+        from torch.optim.optimizer import _get_scalar_dtype
+    except ImportError:  # pragma: no cover
+        _get_scalar_dtype = lambda is_fused=None: torch.float32  # noqa: E731
+    inner = optimizer.optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state[p]
+            if len(state) > 0:
+                continue
+            if group.get("capturable") or group.get("fused"):
+                state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device)
+            else:
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _adam_state_of(optimizer, model_param) -> dict:
+    group_index, group_order = optimizer.model_param_group_index_map[model_param]
+    main = optimizer.optimizer.param_groups[group_index]["params"][group_order]
+    return optimizer.optimizer.state[main]
+
+
+def restore_adam_steps(optimizer, state_dict) -> None:
+    """Fix 3: one ``step`` tensor per parameter, holding the checkpoint's step count."""
+    groups = (state_dict.get("optimizer") or {}).get("param_groups") or []
+    steps = {g["step"] for g in groups if "step" in g}
+    if len(steps) != 1:
+        raise CheckpointStateError(f"megatron_edit: the optimizer checkpoint has Adam steps {sorted(steps)}.")
+    (step,) = steps
+    for state in optimizer.optimizer.state.values():
+        if "step" in state:
+            old = state["step"]
+            state["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device)
+
+
+def _refuse_broken_fully_reshardable(optimizer, sharding_type: str) -> None:
+    from .compat import megatron_core_version
+
+    if sharding_type != "fully_reshardable" or not FULLY_RESHARDABLE_PADDING_BUG.contains(megatron_core_version()):
+        return
+    for buffer in optimizer.buffers:
+        if any(b.grad_data.numel() != b.numel_unpadded for b in buffer.buckets[:-1]):
+            raise NotSupportedYet(
+                f"megatron_edit: megatron-core {megatron_core_version()}'s 'fully_reshardable' "
+                f"optimizer format misplaces the optimizer state of parameters that follow a "
+                f"padded bucket (its warning 'param range exceeds unpadded buffer'), so a resume "
+                f"cannot be exact. Use 'dp_reshardable' (Megatron-LM's default, without "
+                f"--dist-ckpt-optim-fully-reshardable), or one bucket per buffer."
+            )

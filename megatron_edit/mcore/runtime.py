@@ -1,0 +1,152 @@
+"""The live state behind the megatron-core patches: configs and each optimizer's EDiT object.
+
+Patches are process-global (they replace Megatron's functions); :class:`LocalSGDRuntime` is
+what they consult when Megatron calls them: the configs (given directly, or read from
+Megatron-LM's parsed arguments when the first DDP is built), and the :class:`LocalSGD` of every
+distributed optimizer built while patched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from contextlib import contextmanager
+from typing import Callable, List, Optional
+
+import torch
+
+from ..config import GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig
+from . import compat
+from .checks import check_megatron_options, check_optimizer_options, check_workers
+from .controller import LocalSGD
+
+logger = logging.getLogger(__name__)
+
+
+class LocalSGDRuntime:
+    """The live state behind the patches: configs and the EDiT objects of each optimizer."""
+
+    def __init__(
+        self,
+        local_sgd_config: Optional[LocalSGDConfig] = None,
+        outer_optim_config: Optional[OuterOptimizerConfig] = None,
+        gta_config: Optional[GTAConfig] = None,
+        configs_from: Optional[Callable[[], Optional[tuple]]] = None,
+    ):
+        """Either the configs, or ``configs_from``: a callable returning them (or None when
+        local SGD is off), called once when Megatron builds the first DDP (Megatron-LM parses
+        its arguments before that)."""
+        self._configs = None
+        if local_sgd_config is not None:
+            self._configs = (
+                local_sgd_config,
+                outer_optim_config or OuterOptimizerConfig(),
+                gta_config or GTAConfig(),
+            )
+        self._configs_from = configs_from
+        self._resolved = self._configs is not None
+        self.final_step: Optional[int] = None  # the run's last step, when known (A-EDiT)
+        self.controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.group_owner: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.registered_groups: "weakref.WeakSet" = weakref.WeakSet()
+        self._local_ddp_configs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._reducing_locally: "weakref.WeakSet" = weakref.WeakSet()
+        # optimizer -> all ranks of its worker, where gradient statistics are reduced
+        self.grad_stats_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    @property
+    def configs(self) -> Optional[tuple]:
+        if not self._resolved:
+            self._configs = self._configs_from() if self._configs_from else None
+            self._resolved = True
+        return self._configs
+
+    # --- called from the wrappers -------------------------------------------------------
+    def on_ddp_init(self, ddp) -> None:
+        if self.configs is None:
+            return
+        check_megatron_options(self.configs[0], ddp.config, ddp.ddp_config)
+        if ddp.expert_parallel_bucket_groups:
+            raise NotSupportedYet("--use-local-sgd with MoE expert parameters is not supported yet.")
+        check_workers(
+            compat.data_parallel_group(ddp).size(), ddp.ddp_config.num_distributed_optimizer_instances
+        )
+        for group in ddp.bucket_groups:
+            self.registered_groups.add(group)
+
+    def on_optimizer_init(self, optimizer) -> None:
+        if self.configs is None:
+            return
+        check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None)
+        controller = LocalSGD(optimizer, *self.configs)
+        controller.final_step = self.final_step
+        self.controllers[optimizer] = controller
+        # A collective on megatron-core 0.12.x (builds the group): every rank builds optimizers.
+        worker = compat.instance_group(controller.sync_group.group)
+        if worker is not None:
+            self.grad_stats_groups[optimizer] = worker
+        for group in controller.group_shards:
+            self.group_owner[group] = controller
+        if torch.distributed.get_rank() == 0:
+            logger.info(
+                "megatron_edit: EDiT on a distributed optimizer with %d buckets, %d workers, "
+                "sync every %d steps after %d warmup steps (%s)",
+                len(controller.shards),
+                controller.num_workers,
+                controller.config.local_sgd_sync_interval,
+                controller.config.local_sgd_warmup_steps,
+                controller.config.sync_mode,
+            )
+
+    def controller_for_group(self, bucket_group) -> Optional[LocalSGD]:
+        controller = self.group_owner.get(bucket_group)
+        if controller is None and bucket_group in self.registered_groups:
+            raise RuntimeError(
+                "megatron_edit: this model was wrapped in DDP with --use-local-sgd, but no "
+                "Megatron DistributedOptimizer was built over it (get_megatron_optimizer with "
+                "use_distributed_optimizer=True); EDiT cannot run and will not silently fall "
+                "back to synchronous training."
+            )
+        return controller
+
+    @contextmanager
+    def worker_local_reduction(self, bucket_group, controller: LocalSGD):
+        """Run one bucket group's gradient reduction inside the worker only.
+
+        Megatron reduce-scatters over the worker, then all-reduces the shard across workers when
+        ``num_distributed_optimizer_instances > 1``. Seen through a copy of the DDP config with
+        one instance, the same code does only the first part; the pre-scaling of gradients
+        (1/DP size unless averaged in the collective) is raised to 1/worker size to match.
+        """
+        if bucket_group in self._reducing_locally:
+            # finish_grad_sync calls start_grad_sync itself (first batch, or no overlap): the
+            # outer call already switched this group; scaling twice would double the gradients.
+            yield
+            return
+        ddp_config = bucket_group.ddp_config
+        local_config = self._local_ddp_configs.get(bucket_group)
+        if local_config is None:
+            local_config = dataclasses.replace(ddp_config, num_distributed_optimizer_instances=1)
+            self._local_ddp_configs[bucket_group] = local_config
+        factors = [b.gradient_scaling_factor for b in bucket_group.buckets]
+        if not ddp_config.average_in_collective:
+            for bucket in bucket_group.buckets:
+                bucket.gradient_scaling_factor = bucket.gradient_scaling_factor * controller.num_workers
+        bucket_group.ddp_config = local_config
+        self._reducing_locally.add(bucket_group)
+        try:
+            yield
+        finally:
+            self._reducing_locally.discard(bucket_group)
+            bucket_group.ddp_config = ddp_config
+            for bucket, factor in zip(bucket_group.buckets, factors):
+                bucket.gradient_scaling_factor = factor
+
+
+def get_local_sgd(optimizer, runtime: Optional[LocalSGDRuntime]) -> List[LocalSGD]:
+    """The EDiT objects behind a Megatron optimizer (a ChainedOptimizer holds several)."""
+    if runtime is None:
+        return []
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [runtime.controllers[o] for o in optimizers if o in runtime.controllers]

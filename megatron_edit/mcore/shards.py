@@ -1,0 +1,130 @@
+"""EDiT's view of Megatron's distributed optimizer: one :class:`BucketShard` per bucket.
+
+Megatron's ``DistributedOptimizer`` cuts every bucket of every parameter buffer into as many
+contiguous shards as the worker (distributed-optimizer instance) has ranks; ``gbuf_ranges``
+says where each parameter's piece of this rank's shard lies. This module reads that layout once,
+when the optimizer is built, and turns it into plain tensors and ranges for
+:mod:`megatron_edit.exchange`; it also names the layer of every parameter, for the
+pseudo-gradient penalty's per-layer decisions.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+
+from ..exchange.shard import BucketShard
+from . import compat
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def layer_key(param_name: str) -> str:
+    """The layer a parameter belongs to: ``...layers.N`` for transformer layers, otherwise the
+    module that owns it (``embedding.word_embeddings``, ``output_layer``, ...)."""
+    name = param_name
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    m = _LAYER.match(name)
+    return m.group(1) if m else name.rpartition(".")[0] or name
+
+
+@dataclass
+class ShardLayout:
+    """The shards of one distributed optimizer, grouped as Megatron gathers them."""
+
+    shards: List[BucketShard]
+    """Every bucket's shard, in Megatron's buffer / bucket order (checkpoint order)."""
+    group_order: List[object]
+    """Megatron's bucket groups owned by this optimizer, in forward (param-gather) order."""
+    group_shards: Dict[object, List[BucketShard]]
+    """Bucket group -> its shards."""
+    layer_names: List[str]
+    """Every layer with a parameter in this optimizer's buckets (the same list on every rank
+    of the worker), sorted; shard segments refer to their index."""
+
+
+def build_layout(optimizer) -> ShardLayout:
+    """Read Megatron's ``DistributedOptimizer`` (``gbuf_ranges``, buffers, bucket groups)."""
+    main_of = {}
+    for model_groups, main_groups in (
+        (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
+        (optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
+    ):
+        for model_group, main_group in zip(model_groups, main_groups):
+            for model_param, main in zip(model_group, main_group):
+                main_of[model_param] = main
+    fp32_models = {p for g in optimizer.model_fp32_groups for p in g}
+
+    bucket_to_group = {}
+    group_order: List[object] = []
+    layer_of: Dict[torch.nn.Parameter, str] = {}
+    tp_rank = {}
+    for index, chunk in enumerate(optimizer.model_chunks):
+        groups = list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups)
+        # Megatron gathers bucket groups in reverse order (buckets are built backward).
+        group_order.extend(reversed(groups))
+        for group in groups:
+            for bucket in group.buckets:
+                bucket_to_group[id(bucket)] = group
+        tp = compat.tensor_parallel_group(chunk)
+        for name, param in chunk.named_parameters():
+            # Virtual pipeline chunks reuse local layer numbers: keep them apart.
+            prefix = f"chunk{index}." if len(optimizer.model_chunks) > 1 else ""
+            layer_of[param] = prefix + layer_key(name)
+            tp_rank[param] = tp.rank() if tp is not None else 0
+    # Layers of every param in this optimizer's buckets: the same list on every rank of the
+    # worker (a rank's own shard may hold no element of some layer).
+    layer_names = sorted(
+        {layer_of[p] for buffer in optimizer.buffers for b in buffer.buckets for p in b.params_list}
+    )
+    index_of = {name: i for i, name in enumerate(layer_names)}
+
+    shards: List[BucketShard] = []
+    group_shards: Dict[object, List[BucketShard]] = {}
+    for gbuf_index, buffer in enumerate(optimizer.buffers):
+        shard_size = buffer.data_parallel_group.size()
+        shard_rank = buffer.data_parallel_group.rank()
+        for bucket_maps in optimizer.gbuf_ranges[gbuf_index].values():
+            for bucket_index, bucket_map in enumerate(bucket_maps):
+                bucket = buffer.buckets[bucket_index]
+                numel = bucket.grad_data.numel() // shard_size
+                mains, local_ranges, segments = [], [], []
+                main_is_model = True
+                for model_param, ranges in bucket_map["param_map"].items():
+                    mains.append(main_of[model_param])
+                    start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
+                    local_ranges.append((start, end))
+                    in_bucket = ranges["gbuf_world_in_bucket"]
+                    if in_bucket.start != shard_rank * numel + start:
+                        raise RuntimeError(
+                            "megatron_edit: this megatron-core places a parameter's shard in its "
+                            f"bucket at {in_bucket.start}, not at shard {shard_rank} x {numel} + "
+                            f"{start}: the distributed optimizer's layout changed."
+                        )
+                    main_is_model &= model_param in fp32_models
+                    # A tensor-parallel duplicate (e.g. a layer norm) is counted once.
+                    counts = bool(getattr(model_param, "tensor_model_parallel", False)) or tp_rank[model_param] == 0
+                    segments.append((start, end, index_of[layer_of[model_param]], counts))
+                model = None
+                if not main_is_model:
+                    model = bucket.param_data.view(-1)[shard_rank * numel : (shard_rank + 1) * numel]
+                shard = BucketShard(
+                    numel=numel,
+                    mains=mains,
+                    local_ranges=local_ranges,
+                    segments=segments,
+                    bucket_layers={index_of[layer_of[p]] for p in bucket.params_list},
+                    model=model,
+                    device=bucket.grad_data.device,
+                    bucket=bucket,
+                    index=len(shards),
+                )
+                shards.append(shard)
+                group_shards.setdefault(bucket_to_group[id(bucket)], []).append(shard)
+    # Only groups this optimizer owns, in forward order.
+    group_order = [g for g in group_order if g in group_shards]
+    return ShardLayout(shards, group_order, group_shards, layer_names)

@@ -1,0 +1,204 @@
+"""EDiT (arXiv 2412.07210) in Megatron-LM's training code: the patches that wire it in.
+
+megatron-core carries the algorithm (:mod:`megatron_edit.mcore.patches` wraps methods of
+``DistributedDataParallel``, ``DistributedOptimizer`` and the bucket groups). Megatron-LM's
+``megatron/training`` (repository only, not on PyPI) needs three more things, provided here as
+plain functions that both routes call, so the logic lives in one place:
+
+* :func:`~megatron_edit.training.flags.add_local_sgd_args`: the ``--use-local-sgd`` ... flags on Megatron's parser, whatever
+  ``extra_args_provider`` the script passes (``pretrain_gpt.py`` passes its own).
+* :func:`~megatron_edit.training.validation.validate_local_sgd_args`: checks the flags together with Megatron's options at start-up,
+  through the same checks the DDP / optimizer patches run (``check_megatron_options``,
+  ``check_workers``, ``check_optimizer_options``), plus the options only Megatron-LM has.
+* :class:`~megatron_edit.training.metrics.SyncMetrics`: each sync's figures (``SyncReport.scalars()``, every key, so new ones
+  flow through) on Megatron's console line and in TensorBoard / W&B through Megatron's writers.
+* :class:`~megatron_edit.training.worker_local.WorkerLocalCollectives`: nothing crosses the sync group between syncs. Megatron-LM's
+  per-step collectives over all data-parallel ranks (logged loss, params norm, timers, the
+  rerun state machine's vote, the signal check) are kept inside the worker; the options whose
+  collectives cannot be are refused by :func:`validate_local_sgd_args`.
+
+Runtime route: :func:`add_training_patches` declares wrap patches on the names Megatron-LM looks
+up (``parse_args`` / ``validate_args`` in ``megatron.training.arguments`` and ``.initialize``,
+``training_log`` and ``print_rank_last`` in ``megatron.training.training``). Fork route: the
+files in ``patches/`` call the same functions from Megatron-LM's source and set
+``MEGATRON_EDIT_NATIVE = True`` in each module they edit; the runtime patches of such a module
+then stand aside. The ``worker-local-*`` patches apply on both routes (the fork does not make
+those calls itself).
+
+Names Megatron-LM binds at import (``DDP``, ``get_megatron_optimizer``, ``finalize_model_grads``,
+the checkpoint functions) need no patch by name: the core patches wrap methods of the classes
+those names refer to, so ``isinstance(model, DDP)`` holds and the bound names stay the real
+objects (:func:`check_import_bindings` verifies it).
+
+Metrics are per rank and come from the rank that logs (Megatron's last rank): bytes and seconds
+are that rank's share of the sync; with local SGD, Megatron's own figures on that line (loss,
+params norm, timers) are that rank's worker's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Dict, List, Optional
+
+from ..mcore.compat import TRAINING_SUPPORTED
+from ..mcore.patching import Patch, PatchRegistry
+from ..mcore.runtime import LocalSGDRuntime
+from ..mcore.session import current_runtime
+from .flags import with_local_sgd_args
+from .metrics import SyncMetrics, training_log_fields
+from .validation import validate_local_sgd_args
+from .worker_local import add_worker_local_patches
+
+NATIVE_MARKER = "MEGATRON_EDIT_NATIVE"
+"""Module attribute a forked Megatron-LM sets where it calls megatron_edit itself."""
+
+_ARGS = "megatron.training.arguments"
+_INIT = "megatron.training.initialize"
+_TRAINING = "megatron.training.training"
+
+
+class _TrainingLogState:
+    """Between the ``training_log`` wrapper and the ``print_rank_last`` wrapper: the fields
+    to append to the console line Megatron is about to print."""
+
+    def __init__(self):
+        self.pending: Optional[str] = None
+        self._runtime: Optional[LocalSGDRuntime] = None
+        self._metrics = SyncMetrics()
+
+    def metrics(self, runtime: LocalSGDRuntime) -> SyncMetrics:
+        """The accumulator of ``runtime`` (a new one when the session was re-patched)."""
+        if runtime is not self._runtime:
+            self._runtime, self._metrics = runtime, SyncMetrics()
+        return self._metrics
+
+
+_NATIVE_STATE = _TrainingLogState()
+
+
+def native_training_log(args, iteration: int, writer, wandb_writer, is_first_iteration=False) -> str:
+    """For a forked ``training_log`` (``patches/``): write this rank's sync metrics with
+    Megatron's writers and return the fields for the console line (see
+    :func:`training_log_fields`). Empty while EDiT is off."""
+    runtime = current_runtime()
+    if runtime is None or not runtime.controllers:
+        return ""
+    return training_log_fields(
+        _NATIVE_STATE.metrics(runtime), list(runtime.controllers.values()), args, iteration,
+        writer, wandb_writer, is_first_iteration,
+    )
+
+
+def is_native(module_name: str) -> bool:
+    """Whether a forked Megatron-LM already calls megatron_edit from this module."""
+    import importlib
+
+    return bool(getattr(importlib.import_module(module_name), NATIVE_MARKER, False))
+
+
+def add_training_patches(
+    registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
+) -> List[str]:
+    """Declare the patches on Megatron-LM's ``megatron.training``; returns their ids.
+
+    Modules of a fork with the native integration (``MEGATRON_EDIT_NATIVE``) get none of the
+    ``lm-*`` patches; the ``worker-local-*`` ones (:func:`add_worker_local_patches`) apply on
+    both routes.
+    """
+    state = _TrainingLogState()
+    added: List[str] = []
+
+    def add(patch: Patch) -> None:
+        registry.add(patch)
+        added.append(patch.id)
+
+    def wrap_parse_args(original):
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            if runtime_ref() is not None:
+                extra_args_provider = with_local_sgd_args(extra_args_provider)
+            return original(extra_args_provider, ignore_unknown_args)
+
+        return parse_args
+
+    def wrap_validate_args(original):
+        def validate_args(args, *rest, **kwargs):
+            result = original(args, *rest, **kwargs)
+            if runtime_ref() is not None:
+                validate_local_sgd_args(args)
+            return result
+
+        return validate_args
+
+    def wrap_training_log(original):
+        signature = inspect.signature(original)
+
+        def training_log(*args, **kwargs):
+            runtime = runtime_ref()
+            if runtime is None or not runtime.controllers:
+                return original(*args, **kwargs)
+            from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
+
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            state.pending = training_log_fields(
+                state.metrics(runtime),
+                list(runtime.controllers.values()),
+                get_args(),
+                bound.arguments["iteration"],
+                get_tensorboard_writer(),
+                get_wandb_writer(),
+                bound.arguments.get("is_first_iteration", False),
+            ) or None
+            try:
+                return original(*args, **kwargs)
+            finally:
+                state.pending = None
+
+        return training_log
+
+    def wrap_print_rank_last(original):
+        def print_rank_last(message):
+            if state.pending:  # inside training_log: this is its console line
+                message, state.pending = message + state.pending, None
+            return original(message)
+
+        return print_rank_last
+
+    v = TRAINING_SUPPORTED
+    if not is_native(_ARGS):
+        for module in (_ARGS, _INIT):  # initialize binds both names at import
+            where = module.rsplit(".", 1)[1]
+            add(Patch(f"lm-parse-args-{where}", f"{module}:parse_args", wrap_parse_args, v,
+                      ("extra_args_provider", "ignore_unknown_args"),
+                      "add the EDiT flags to Megatron's parser, whatever extra_args_provider"))
+            add(Patch(f"lm-validate-args-{where}", f"{module}:validate_args", wrap_validate_args, v,
+                      ("args", "defaults"),
+                      "check the EDiT flags with Megatron's options at start-up"))
+    if not is_native(_TRAINING):
+        add(Patch("lm-training-log", f"{_TRAINING}:training_log", wrap_training_log, v,
+                  ("loss_dict", "total_loss_dict", "learning_rate", "iteration", "loss_scale",
+                   "report_memory_flag", "skipped_iter", "grad_norm", "params_norm",
+                   "num_zeros_in_grad", "max_attention_logit", "pg_collection",
+                   "is_first_iteration"),
+                  "EDiT sync metrics to TensorBoard / W&B at Megatron's intervals"))
+        add(Patch("lm-print-rank-last", f"{_TRAINING}:print_rank_last", wrap_print_rank_last, v,
+                  ("message",), "EDiT sync metrics on training_log's console line"))
+    added += add_worker_local_patches(registry, runtime_ref)
+    return added
+
+
+def check_import_bindings() -> Dict[str, bool]:
+    """Names Megatron-LM's training binds at import, and whether each is still the object the
+    core patches act on (so no by-name patch is needed). All True on a working install."""
+    import megatron.core.distributed as mcd
+    import megatron.core.optimizer as mco
+    import megatron.training.checkpointing as ckpt
+    import megatron.training.training as training
+
+    return {
+        "DDP": training.DDP is mcd.DistributedDataParallel,
+        "get_megatron_optimizer": training.get_megatron_optimizer is mco.get_megatron_optimizer,
+        "finalize_model_grads": training.finalize_model_grads is mcd.finalize_model_grads,
+        "save_checkpoint": training.save_checkpoint is ckpt.save_checkpoint,
+        "load_checkpoint": training.load_checkpoint is ckpt.load_checkpoint,
+    }

@@ -1,0 +1,163 @@
+"""EDiT's flags checked together with Megatron-LM's options at start-up.
+
+The megatron-core checks (:mod:`megatron_edit.mcore.checks`, the same ones the DDP / optimizer
+patches run) on Megatron-LM's parsed flags, plus the options only Megatron-LM's training loop
+has: those whose collectives across workers cannot be kept inside a worker (see
+:mod:`megatron_edit.training.worker_local` for those that are) are refused, naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from types import SimpleNamespace
+
+from ..arguments import configs_from_args
+from ..config import ConfigError, NotSupportedYet
+from ..mcore.checks import check_megatron_options, check_optimizer_options, check_workers
+
+logger = logging.getLogger(__name__)
+
+
+def validate_local_sgd_args(args: argparse.Namespace) -> None:
+    """Check the EDiT flags against Megatron-LM's parsed, validated arguments.
+
+    Call after Megatron's ``validate_args`` (which computes ``data_parallel_size``). Raises
+    :class:`ConfigError` / :class:`NotSupportedYet` naming the flag; does nothing without
+    ``--use-local-sgd``.
+    """
+    configs = configs_from_args(args)  # the flags alone (ConfigError names the flag)
+    if configs is None:
+        return
+    local = configs[0]
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    # The same checks the DDP / optimizer patches run, on Megatron's flags.
+    model_options = SimpleNamespace(
+        cuda_graph_impl=get("cuda_graph_impl", "none") or "none",
+        enable_cuda_graph=get("enable_cuda_graph", False),
+        external_cuda_graph=get("external_cuda_graph", False),
+        calculate_per_token_loss=get("calculate_per_token_loss", False),
+    )
+    ddp_options = SimpleNamespace(
+        use_distributed_optimizer=get("use_distributed_optimizer", False),
+        use_megatron_fsdp=get("use_megatron_fsdp", False),
+        use_custom_fsdp=get("use_custom_fsdp", False),
+        overlap_param_gather=get("overlap_param_gather", False),
+    )
+    check_megatron_options(local, model_options, ddp_options)
+    # DDP's group for the instances is data x context parallel.
+    check_workers(
+        args.data_parallel_size * get("context_parallel_size", 1),
+        get("num_distributed_optimizer_instances", 1),
+    )
+    optimizer_options = SimpleNamespace(
+        use_precision_aware_optimizer=get("use_precision_aware_optimizer", False),
+        overlap_param_gather_with_optimizer_step=get("overlap_param_gather_with_optimizer_step", False),
+        optimizer_cpu_offload=get("optimizer_cpu_offload", False),
+    )
+    # Megatron builds a grad scaler for fp16, and for any --loss-scale.
+    check_optimizer_options(optimizer_options, bool(get("fp16")) or bool(get("loss_scale")))
+    _check_megatron_lm_options(local, args)
+    if get("num_distributed_optimizer_instances", 1) == 1 and get("rank", 0) == 0:
+        logger.warning(
+            "megatron_edit: --use-local-sgd with --num-distributed-optimizer-instances 1 is one "
+            "worker: ordinary synchronous training plus an outer optimizer, nothing is saved. "
+            "Set it to the number of workers (e.g. nodes, or the data-parallel size)."
+        )
+
+
+def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
+    """Options only Megatron-LM's training loop has."""
+    if getattr(args, "use_torch_fsdp2", False):
+        raise ConfigError("--use-local-sgd does not work with --use-torch-fsdp2.")
+    if getattr(args, "num_experts", None):
+        raise NotSupportedYet("--use-local-sgd with MoE (--num-experts) is not supported yet.")
+    _check_cross_worker_options(local, args)
+    interval = getattr(args, "check_weight_hash_across_dp_replicas_interval", None)
+    if interval is not None:
+        # Replicas are identical only during warmup and right after a sync: every iteration
+        # Megatron checks must be one of those. It checks every `interval` iterations and once
+        # at the start of training, i.e. at the iteration of the checkpoint it resumed from.
+        h, w = local.local_sgd_sync_interval, local.local_sgd_warmup_steps
+        aligned = lambda n: n is None or n % h == 0  # noqa: E731
+        checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
+        if (
+            local.use_async
+            or not aligned(interval)
+            or not aligned(w)
+            or (checkpoints and not (aligned(getattr(args, "save_interval", None))
+                                     and aligned(getattr(args, "exit_interval", None))))
+        ):
+            raise ConfigError(
+                f"--check-weight-hash-across-dp-replicas-interval={interval} with --use-local-sgd: "
+                "data-parallel replicas differ between syncs by design, so they can only be "
+                "compared right after a sync. Use an interval that is a multiple of "
+                f"--local-sgd-sync-interval ({h}), with --local-sgd-warmup-steps ({w}) and, when "
+                "saving or loading checkpoints, --save-interval and --exit-interval multiples of "
+                "it too (Megatron checks again when training resumes); synchronous EDiT only. Or "
+                "drop the flag."
+            )
+
+
+_BETWEEN_SYNCS = (
+    "a collective across all ranks between syncs: a barrier that holds every EDiT worker to the "
+    "slowest one, which local SGD exists to avoid"
+)
+
+
+def _check_cross_worker_options(local, args: argparse.Namespace) -> None:
+    """Megatron-LM options whose collectives across workers cannot be kept inside one (see
+    :class:`WorkerLocalCollectives` for those that are)."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    if get("exit_duration_in_mins"):
+        raise ConfigError(
+            "--exit-duration-in-mins with --use-local-sgd: Megatron all-reduces its elapsed-time "
+            f"check over all ranks after every iteration, {_BETWEEN_SYNCS}. Use "
+            "--exit-signal-handler (with local SGD it is checked at syncs), or --exit-interval / "
+            "--train-iters."
+        )
+    if get("exit_signal_handler") and local.use_async:
+        raise ConfigError(
+            "--exit-signal-handler with --local-sgd-async: Megatron checks for the signal with an "
+            "all-gather over all ranks, and A-EDiT workers never finish an iteration together "
+            "(they sync at different iterations), so there is no step to check it at. Use "
+            "--exit-interval / --train-iters."
+        )
+    if local.use_async:
+        if get("train_iters") is None:
+            raise ConfigError(
+                "--local-sgd-async needs --train-iters (not --train-samples): A-EDiT workers take "
+                "different numbers of iterations and must all end at one final sync, placed at "
+                "the last iteration."
+            )
+        for flag in ("save_interval", "exit_interval"):
+            if get(flag):
+                raise ConfigError(
+                    f"--{flag.replace('_', '-')} with --local-sgd-async: A-EDiT workers reach a given "
+                    "iteration at different times (and between different syncs), so a checkpoint "
+                    "or exit there would wait on collectives some workers never join. Save at the "
+                    "end of training (--save without --save-interval) or use synchronous EDiT."
+                )
+    if get("log_straggler"):
+        raise ConfigError(
+            "--log-straggler with --use-local-sgd: the straggler detector broadcasts and gathers "
+            f"over all ranks at every --log-interval, {_BETWEEN_SYNCS}. Drop the flag (the "
+            "local-sgd metrics show each sync's time)."
+        )
+    if get("log_energy"):
+        raise ConfigError(
+            "--log-energy with --use-local-sgd: the energy monitor all-reduces over all ranks at "
+            f"every --log-interval, {_BETWEEN_SYNCS}. Drop the flag."
+        )
+    if get("rerun_mode") == "report_stats":
+        raise ConfigError(
+            "--rerun-mode report_stats with --use-local-sgd: it re-runs every iteration and "
+            f"gathers its statistics from all ranks every few iterations, {_BETWEEN_SYNCS}. Use "
+            "--rerun-mode validate_results (its per-step vote is taken inside each worker) or "
+            "disabled."
+        )
+    if get("adlr_autoresume"):
+        raise ConfigError(
+            "--adlr-autoresume with --use-local-sgd: its termination check is a barrier over all "
+            f"ranks every --adlr-autoresume-interval iterations, {_BETWEEN_SYNCS}. Drop the flag."
+        )

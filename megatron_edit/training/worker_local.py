@@ -1,0 +1,259 @@
+"""Nothing crosses EDiT workers between syncs in Megatron-LM's training loop.
+
+Megatron-LM reduces figures for its log over every data-parallel rank (or every rank) at each
+step: each such collective is a barrier across workers, and with A-EDiT a deadlock risk.
+:class:`WorkerLocalCollectives` keeps them inside the worker; what cannot be is refused by
+:mod:`megatron_edit.training.validation`.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Callable, List, Optional
+
+from ..algorithm.schedule import is_sync_step
+from ..mcore.compat import TRAINING_SUPPORTED
+from ..mcore.patching import Patch, PatchRegistry
+from ..mcore.runtime import LocalSGDRuntime
+
+_TRAINING = "megatron.training.training"
+
+
+_PS = "megatron.core.parallel_state"
+_TIMERS = "megatron.core.timers"
+_RERUN = "megatron.core.rerun_state_machine"
+_SIGNALS = "megatron.training.dist_signal_handler"
+
+
+class WorkerLocalCollectives:
+    """Megatron-LM's per-step collectives across data-parallel ranks, kept inside the EDiT worker.
+
+    Between syncs EDiT workers share nothing, but Megatron-LM's training loop still reduces
+    figures over every data-parallel rank, or every rank, each step or log interval. Each such
+    collective is a barrier across workers: it holds every worker to the slowest one, and with
+    A-EDiT (workers reach a given iteration at different times, and their k-th sync at different
+    iterations) it can deadlock. While local SGD trains (its optimizer exists):
+
+    * **Reporting regions.** Inside Megatron-LM's ``train_step`` (the logged training loss; the
+      MTP loss tracker's and QK-clip's groups are taken there too), ``evaluate`` (validation
+      loss) and ``calc_params_l2_norm`` (``--log-params-norm``), ``parallel_state.
+      get_data_parallel_group`` hands out the worker's data-parallel group for the full one
+      (with context parallelism; without it only when the context-parallel size is 1, where
+      the two are the same ranks). Those functions use the group only to average figures for
+      the log: the figures become the worker's own. Gradients are untouched (DDP and the
+      distributed optimizer keep the groups they were built with).
+    * **Timers.** The barriers of Megatron's ``Timers`` (``--timing-log-level`` >= 1 with
+      ``--barrier-with-L1-time``, Megatron's default; the interval timer at every log line) and
+      the gather behind their console / TensorBoard report span the worker's ranks (its
+      distributed-optimizer instance, TP/PP included) instead of the world: the min / max
+      reported are over the logging rank's worker.
+    * **Rerun state machine** (``--rerun-mode validate_results``, Megatron's default): its
+      per-step vote on re-running the step is taken inside the worker once gradients are
+      worker-local (after warmup; during warmup a re-run redoes the cross-worker gradient
+      reduction, so every worker must vote). An outcome that would save a checkpoint and exit
+      on one worker only (a checkpoint needs every worker) raises instead of hanging the job.
+    * **Signal handler** (``--exit-signal-handler``): its check, an all-gather over the world,
+      runs only after steps where the workers meet anyway (synchronous warmup steps and syncs);
+      a signal is acted on at the next of them.
+
+    What cannot be kept inside the worker is refused in :func:`validate_local_sgd_args`.
+    """
+
+    def __init__(self, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]):
+        self.runtime_ref = runtime_ref
+        self._local = threading.local()
+
+    # ------------------------------------------------------------ state
+    def controllers(self) -> list:
+        """The EDiT objects of the running optimizer; empty while local SGD is off or the
+        optimizer is not built yet (start-up collectives stay as Megatron has them)."""
+        runtime = self.runtime_ref()
+        return list(runtime.controllers.values()) if runtime is not None else []
+
+    @contextmanager
+    def reporting(self):
+        """A region whose data-parallel reductions only feed the log."""
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+
+    def in_reporting(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+    def grads_are_local(self) -> bool:
+        controllers = self.controllers()
+        return bool(controllers) and all(c.grads_are_local for c in controllers)
+
+    def workers_meet(self) -> bool:
+        """Whether the step just taken was one all workers take together: a synchronous warmup
+        step or one a sync was due after. Never known in advance with A-EDiT."""
+        controllers = self.controllers()
+        if not controllers or controllers[0].config.use_async:
+            return False
+        c, steps = controllers[0].config, controllers[0].steps_done
+        return steps <= c.local_sgd_warmup_steps or is_sync_step(
+            steps, c.local_sgd_warmup_steps, c.local_sgd_sync_interval
+        )
+
+    @staticmethod
+    def worker_group():
+        """All ranks of this worker: Megatron's intra distributed-optimizer instance group."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_intra_distributed_optimizer_instance_group(check_initialized=False)
+
+    # ------------------------------------------------------------ wrappers
+    def wrap_reporting_region(self, original):
+        def region(*args, **kwargs):
+            if not self.controllers():
+                return original(*args, **kwargs)
+            with self.reporting():
+                return original(*args, **kwargs)
+
+        return region
+
+    def wrap_get_data_parallel_group(self, original):
+        def get_data_parallel_group(
+            with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False
+        ):
+            if (
+                self.in_reporting()
+                and not partial_data_parallel
+                and not independent_all_gather
+                and (with_context_parallel or _context_parallel_size() == 1)
+            ):
+                return original(with_context_parallel=True, partial_data_parallel=True)
+            return original(with_context_parallel, partial_data_parallel, independent_all_gather)
+
+        return get_data_parallel_group
+
+    def wrap_timers_call(self, original):
+        def __call__(timers, name, log_level=None):
+            timer = original(timers, name, log_level)
+            if hasattr(timer, "set_barrier_group"):  # a real Timer, not the DummyTimer
+                # Megatron never sets a timer's barrier group itself (None: the world).
+                timer.set_barrier_group(self.worker_group() if self.controllers() else None)
+            return timer
+
+        return __call__
+
+    def wrap_timers_all_gather(self, original):
+        import torch.distributed as dist
+
+        def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+            worker = self.worker_group() if group is None and self.controllers() else None
+            if worker is None or async_op:
+                return original(output_tensor, input_tensor, group, async_op)
+            # Timers gather one row per rank of the world (zeros except their own). Gather the
+            # worker's rows only; the others stay zero, which Timers reads as "no timing".
+            ranks = dist.get_process_group_ranks(worker)
+            rows = output_tensor.view(dist.get_world_size(), -1)
+            gathered = rows.new_zeros((len(ranks), rows.shape[1]))
+            original(gathered.view(-1), input_tensor, worker, False)
+            rows[ranks] = gathered
+            return None
+
+        return all_gather_into_tensor
+
+    def _rerun_is_local(self, machine) -> bool:
+        from megatron.core.rerun_state_machine import RerunState
+
+        return self.grads_are_local() and machine.state in (
+            RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE, RerunState.WILL_RERUN_FROM_CHECKPOINT
+        )
+
+    def wrap_rerun_reduce_any(self, original):
+        import torch
+
+        def _reduce_any(machine, value):
+            if not self._rerun_is_local(machine):
+                return original(machine, value)
+            # The same vote as Megatron's (any rank True -> True), over the worker's ranks.
+            values = value if isinstance(value, list) else [value]
+            flags = torch.tensor(values, dtype=torch.int32, device=torch.cuda.current_device())
+            torch.distributed.all_reduce(flags, group=self.worker_group())
+            votes = tuple(int(x) > 0 for x in flags.tolist())
+            return votes if isinstance(value, list) else votes[0]
+
+        return _reduce_any
+
+    def wrap_rerun_should_checkpoint_and_exit(self, original):
+        def should_checkpoint_and_exit(machine):
+            local = self._rerun_is_local(machine)
+            should_checkpoint, should_exit, exit_code = original(machine)
+            if local and (should_checkpoint or should_exit):
+                raise RuntimeError(
+                    f"megatron_edit: Megatron's rerun state machine asks this worker to "
+                    f"{'save a checkpoint and ' if should_checkpoint else ''}stop (exit code "
+                    f"{exit_code}) after re-running iteration {machine.current_iteration}. With "
+                    "--use-local-sgd the re-run vote is taken inside the worker (a vote across "
+                    "workers would be a barrier every step), but a checkpoint and a clean exit "
+                    "need every worker, so the job stops here instead; resume from the latest "
+                    "checkpoint. The log above says what failed validation."
+                )
+            return should_checkpoint, should_exit, exit_code
+
+        return should_checkpoint_and_exit
+
+    def wrap_signals_received(self, original):
+        def signals_received(handler):
+            controllers = self.controllers()
+            if controllers and not controllers[0].config.use_async and not self.workers_meet():
+                return []  # checked (all ranks together) after the next warmup step or sync
+            return original(handler)
+
+        return signals_received
+
+
+def _context_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_world_size()
+
+
+def add_worker_local_patches(
+    registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
+) -> List[str]:
+    """Declare the :class:`WorkerLocalCollectives` patches; returns their ids. Applied on both
+    routes: the fork in ``patches/`` does not make these calls itself."""
+    wl = WorkerLocalCollectives(runtime_ref)
+    v = TRAINING_SUPPORTED
+    patches = [
+        Patch("worker-local-train-step", f"{_TRAINING}:train_step", wl.wrap_reporting_region, v,
+              ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler",
+               "config", "forward_backward_func", "iteration"),
+              "the logged training loss is averaged over the worker, not all data-parallel ranks"),
+        Patch("worker-local-evaluate", f"{_TRAINING}:evaluate", wl.wrap_reporting_region, v,
+              ("forward_step_func", "data_iterator", "model", "process_non_loss_data_func",
+               "config", "verbose", "non_loss_data_func", "eval_iters"),
+              "the validation loss is averaged over the worker"),
+        Patch("worker-local-params-norm", f"{_TRAINING}:calc_params_l2_norm",
+              wl.wrap_reporting_region, v, ("model", "force_create_fp32_copy"),
+              "--log-params-norm: the norm of the worker's model"),
+        Patch("worker-local-dp-group", f"{_PS}:get_data_parallel_group",
+              wl.wrap_get_data_parallel_group, v,
+              ("with_context_parallel", "partial_data_parallel", "independent_all_gather"),
+              "inside those three: the worker's data-parallel group for the full one"),
+        Patch("worker-local-timer-barrier", f"{_TIMERS}:Timers.__call__", wl.wrap_timers_call, v,
+              ("self", "name", "log_level"), "timer barriers span the worker, not the world"),
+        Patch("worker-local-timers-gather", f"{_TIMERS}:dist_all_gather_func",
+              wl.wrap_timers_all_gather, v,
+              ("output_tensor", "input_tensor", "group", "async_op"),
+              "timer reports gather the worker's timings, not the world's"),
+        Patch("worker-local-rerun-vote", f"{_RERUN}:RerunStateMachine._reduce_any",
+              wl.wrap_rerun_reduce_any, v, ("self", "value"),
+              "after warmup, the per-step re-run vote is taken inside the worker"),
+        Patch("worker-local-rerun-exit", f"{_RERUN}:RerunStateMachine.should_checkpoint_and_exit",
+              wl.wrap_rerun_should_checkpoint_and_exit, v, ("self",),
+              "a worker-local re-run verdict that needs a checkpoint raises instead of hanging"),
+        Patch("worker-local-signal-check", f"{_SIGNALS}:DistributedSignalHandler.signals_received",
+              wl.wrap_signals_received, v, ("self",),
+              "--exit-signal-handler: checked after warmup steps and syncs only"),
+    ]
+    for patch in patches:
+        registry.add(patch)
+    return [p.id for p in patches]

@@ -1,0 +1,208 @@
+"""megatron_edit.exchange.pipeline driven by fake collectives: several workers as threads of one
+process, no Megatron, no torch.distributed.
+
+Each worker holds the same shards (plain tensors: two bucket groups, three buckets, five layers,
+padding between parameters); a sync is run layer-wise (groups completed in forward order, as
+Megatron's pre-hooks would) or step-end, and its result is checked against an independent
+computation of EDiT's outer step on the flat parameters."""
+
+
+import pytest
+import torch
+
+from fake_groups import CollectiveMismatch, FakeWorkerGroups, FakeWorld, run_workers
+from megatron_edit.algorithm import penalty
+from megatron_edit.config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
+from megatron_edit.exchange.outer_state import OuterState
+from megatron_edit.exchange.pipeline import OuterSync
+from megatron_edit.exchange.shard import BucketShard
+
+# (numel, [(start, end, layer)]) per bucket; groups: [bucket 0], [buckets 1, 2]
+BUCKETS = [
+    (8, [(0, 3, 0), (3, 6, 1)]),  # 6..8 padding
+    (6, [(0, 2, 1), (2, 5, 2)]),  # layer 1 spans buckets 0 and 1 (two groups)
+    (5, [(0, 4, 3), (4, 5, 4)]),
+]
+GROUPS = [[0], [1, 2]]
+LAYERS = ["l0", "l1", "l2", "l3", "l4"]
+OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
+
+
+def _initial(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(e - s, generator=g) for s, e, _ in segs] for _, segs in BUCKETS]
+
+
+def _deltas(worker, scale=1.0):
+    """Worker-specific update of each parameter (what its local steps did)."""
+    g = torch.Generator().manual_seed(100 + worker)
+    return [[scale * torch.randn(e - s, generator=g) for s, e, _ in segs] for _, segs in BUCKETS]
+
+
+def _shards(params):
+    shards = []
+    for index, ((numel, segs), mains) in enumerate(zip(BUCKETS, params)):
+        shards.append(BucketShard(
+            numel=numel, mains=mains, local_ranges=[(s, e) for s, e, _ in segs],
+            segments=[(s, e, layer, True) for s, e, layer in segs],
+            bucket_layers={layer for _, _, layer in segs}, index=index,
+        ))
+    return shards
+
+
+def _worker(worker, world, local, gta=None, mode="layerwise", syncs=1, faults=None):
+    params = _initial()
+    shards = _shards(params)
+    state = OuterState(OuterOptimizerConfig(**OUTER))
+    state.capture(shards)
+    reports = []
+    sync = OuterSync([[shards[i] for i in g] for g in GROUPS], LAYERS, world.group(worker),
+                     FakeWorkerGroups(), LocalSGDConfig(**local), gta or GTAConfig(), state,
+                     on_done=reports.append)
+    for k in range(syncs):
+        for mains, deltas in zip(params, _deltas(worker + 10 * k)):
+            for m, d in zip(mains, deltas):
+                m.add_(d)
+        if faults and worker in faults:
+            params[0][0].mul_(faults[worker])
+        assert sync.start(step=k + 1, steps_since_last=1)
+        if mode == "layerwise":
+            sync.mark_pending()
+            for index in range(len(GROUPS)):
+                sync.complete_group(index)
+        else:
+            sync.complete(shards, write_model=False)
+    assert not sync.in_progress
+    return dict(params=[[m.clone() for m in mains] for mains in params],
+                anchors=[s.anchor.clone() for s in shards], reports=reports,
+                bytes=sync.sync_group.counters.payload_bytes, log=world.log[worker])
+
+
+def _flat(per_bucket):
+    return [torch.cat(mains) for mains in per_bucket]
+
+
+def _reference(workers, syncs=1, weights_fn=None, clip=None):
+    """EDiT's outer step on the flat parameters of each bucket, computed independently."""
+    init = _flat(_initial())
+    anchors = [a.clone() for a in init]
+    opt = torch.optim.SGD(anchors, **OUTER["outer_optim_kwargs"])
+    current = [[a.clone() for a in init] for _ in range(workers)]
+    for k in range(syncs):
+        for w in range(workers):
+            for b, d in enumerate(_flat(_deltas(w + 10 * k))):
+                current[w][b] += d
+        deltas = [[anchors[b] - current[w][b] for b in range(len(BUCKETS))] for w in range(workers)]
+        mean = []
+        for b in range(len(BUCKETS)):
+            total = deltas[0][b].clone()
+            for w in range(1, workers):
+                total += deltas[w][b]
+            mean.append(total / workers)
+        for a, g in zip(anchors, mean):
+            a.grad = g
+        opt.step()
+        current = [[a.clone() for a in anchors] for _ in range(workers)]
+    return anchors
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["layerwise", "step_end"])
+def test_plain_mean_equals_the_reference_bitwise_and_replicas_are_identical(mode):
+    world = FakeWorld(3)
+    out = run_workers(world, _worker, world, dict(local_sgd_sync_interval=1, sync_mode=mode), None, mode, 2)
+    expected = _reference(3, syncs=2)
+    for r in out:
+        for b, (numel, segs) in enumerate(BUCKETS):
+            flat = torch.cat(r["params"][b])
+            assert torch.equal(flat, expected[b][: flat.numel()])
+            assert torch.equal(r["anchors"][b][: flat.numel()], flat)
+            assert torch.equal(r["anchors"][b][flat.numel():], torch.zeros(numel - flat.numel()))
+        # one fp32 all-reduce of every shard per sync, nothing else
+        assert r["bytes"] == 2 * 4 * sum(n for n, _ in BUCKETS)
+        assert [rep.payload_bytes for rep in r["reports"]] == [4 * sum(n for n, _ in BUCKETS)] * 2
+        assert r["log"] == out[0]["log"]
+
+
+@pytest.mark.timeout(60)
+def test_layerwise_keeps_the_next_group_in_flight():
+    """Launch order: the first group at mark_pending, the second before the first completes."""
+    world = FakeWorld(2)
+    out = run_workers(world, _worker, world, dict(local_sgd_sync_interval=1), None, "layerwise", 1)
+    assert [n for _, n in out[0]["log"]] == [8, 6, 5]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["layerwise", "step_end"])
+def test_penalty_weights_exclusion_and_clipping_equal_the_reference(mode):
+    """Norm-softmax weights, a NaN worker excluded everywhere it is NaN, and per-layer clipping
+    (layer 1 spans two bucket groups: its norm needs both) against a hand computation."""
+    world = FakeWorld(3)
+    local = dict(local_sgd_sync_interval=1, sync_mode=mode, skip_anomaly=True, ewma_warmup_steps=100,
+                 pseudo_gradnorm_reduce=True, clip_pseudo_grad=1.5)
+    out = run_workers(world, _worker, world, local, None, mode, 1, {2: float("nan")})
+    # Reference: per-layer norms of each worker's Delta; worker 2 is NaN in layer 0 only.
+    init = _flat(_initial())
+    deltas = []
+    for w in range(3):
+        cur = [i + d for i, d in zip(init, _flat(_deltas(w)))]
+        if w == 2:
+            cur[0][0:3] *= float("nan")
+        deltas.append([i - c for i, c in zip(init, cur)])
+    def layer_values(delta, layer):
+        return torch.cat([delta[b][s:e] for b, (_, segs) in enumerate(BUCKETS) for s, e, l in segs if l == layer])
+    norms = torch.tensor([[layer_values(deltas[w], l).double().norm().item() for l in range(5)] for w in range(3)])
+    excluded = ~torch.isfinite(norms)
+    weights = penalty.averaging_weights(norms, excluded, weighted=True)
+    assert out[0]["reports"][0].excluded.tolist() == excluded.tolist()
+    assert torch.allclose(out[0]["reports"][0].weights, weights)
+    avg = []
+    for b, (numel, segs) in enumerate(BUCKETS):
+        total = torch.zeros(numel)
+        for w in range(3):
+            d = torch.cat([deltas[w][b], torch.zeros(numel - deltas[w][b].numel())])
+            for s, e, l in segs:
+                f = float(weights[w, l])
+                d[s:e] = 0.0 if f == 0.0 else d[s:e] * f
+            total += d
+        avg.append(total)
+    avg_norms = torch.tensor([layer_values(avg, l).double().norm().item() for l in range(5)])
+    coef = penalty.clip_coefficients(avg_norms, 1.5)
+    assert (coef < 1).any() and torch.allclose(out[0]["reports"][0].clip_coef.double(), coef)
+    for b, (_, segs) in enumerate(BUCKETS):
+        for s, e, l in segs:
+            avg[b][s:e] *= float(coef[l])
+    anchors = [torch.cat([i, torch.zeros(n - i.numel())]) for i, (n, _) in zip(init, BUCKETS)]
+    opt = torch.optim.SGD(anchors, **OUTER["outer_optim_kwargs"])
+    for a, g in zip(anchors, avg):
+        a.grad = g
+    opt.step()
+    for r in out:
+        for b in range(len(BUCKETS)):
+            assert torch.allclose(r["anchors"][b], anchors[b], atol=1e-6, rtol=1e-6)
+            assert torch.equal(r["anchors"][b], out[0]["anchors"][b])  # replicas identical
+
+
+@pytest.mark.timeout(60)
+def test_gta_sparsified_replicas_are_identical_and_follow_the_consensus():
+    world = FakeWorld(3)
+    gta = GTAConfig(reducer="gta", consensus_method="count", sparsification_method="magnitude",
+                    density=0.5, int8_mask=True)
+    out = run_workers(world, _worker, world, dict(local_sgd_sync_interval=1), gta, "layerwise", 2)
+    for r in out[1:]:
+        for a, b in zip(r["anchors"], out[0]["anchors"]):
+            assert torch.equal(a, b)
+    # phase 1 (int8 signs) then phase 2 (entries + one-byte masks) per bucket, per sync
+    names = [n for n, _ in out[0]["log"]]
+    assert names.count("all_reduce_sum") == 2 * 3 * 3
+
+
+def test_a_worker_issuing_another_collective_is_caught_not_deadlocked():
+    world = FakeWorld(2, timeout=5)
+
+    def fn(worker):
+        g = world.group(worker)
+        g.all_reduce_sum(torch.zeros(3 if worker == 0 else 4), async_op=False)
+
+    with pytest.raises(CollectiveMismatch):
+        run_workers(world, fn)

@@ -1,0 +1,154 @@
+"""megatron_edit.mcore.checks: start-up checks, on real megatron-core config objects."""
+
+import dataclasses
+
+import pytest
+
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer import TransformerConfig
+
+from megatron_edit.config import ConfigError, LocalSGDConfig, NotSupportedYet
+from megatron_edit.mcore.checks import (
+    check_megatron_options,
+    check_optimizer_options,
+    check_workers,
+)
+
+LAYERWISE = LocalSGDConfig(local_sgd_sync_interval=4)
+STEP_END = LocalSGDConfig(local_sgd_sync_interval=4, sync_mode="step_end")
+
+
+def _has(config_class, field):
+    """Whether the installed megatron-core's config has ``field`` (see megatron_edit.mcore.compat)."""
+    return field in {f.name for f in dataclasses.fields(config_class)}
+
+
+def _model(**kwargs):
+    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, **kwargs)
+
+
+def _ddp(**kwargs):
+    base = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                num_distributed_optimizer_instances=2)
+    base.update(kwargs)
+    return DistributedDataParallelConfig(**base)
+
+
+def _fails(exc, local_cfg, model, ddp):
+    with pytest.raises(ConfigError) as info:
+        check_megatron_options(local_cfg, model, ddp)
+    assert type(info.value) is exc, f"{type(info.value).__name__}: {info.value}"
+    return str(info.value)
+
+
+def test_good_configs_pass():
+    assert check_megatron_options(LAYERWISE, _model(), _ddp()) is None
+    # step_end needs no overlap at all
+    assert check_megatron_options(
+        STEP_END, _model(), _ddp(overlap_grad_reduce=False, overlap_param_gather=False)
+    ) is None
+
+
+def test_needs_the_distributed_optimizer():
+    message = _fails(ConfigError, STEP_END, _model(),
+                     _ddp(use_distributed_optimizer=False, overlap_param_gather=False))
+    assert "--use-distributed-optimizer" in message
+    assert "--num-distributed-optimizer-instances" in message
+
+
+@pytest.mark.skipif(not _has(DistributedDataParallelConfig, "use_megatron_fsdp"),
+                    reason="use_megatron_fsdp is new in megatron-core 0.14 (use_custom_fsdp before)")
+def test_refuses_megatron_fsdp():
+    ddp = _ddp(use_megatron_fsdp=True)
+    assert ddp.use_megatron_fsdp  # the real config accepts it (no other field needed on 0.16)
+    message = _fails(ConfigError, LAYERWISE, _model(), ddp)
+    assert "FSDP" in message and "--use-megatron-fsdp" in message
+
+
+def test_refuses_legacy_custom_fsdp():
+    message = _fails(ConfigError, LAYERWISE, _model(), _ddp(use_custom_fsdp=True))
+    assert "FSDP" in message
+
+
+_NO_IMPL = pytest.mark.skipif(not _has(TransformerConfig, "cuda_graph_impl"),
+                              reason="cuda_graph_impl is new in megatron-core 0.15")
+
+
+@pytest.mark.parametrize(
+    "model_kwargs",
+    [
+        pytest.param(dict(cuda_graph_impl="local"), marks=_NO_IMPL),
+        pytest.param(dict(cuda_graph_impl="transformer_engine"), marks=_NO_IMPL),
+        # deprecated spelling; TransformerConfig turns it into cuda_graph_impl='local'
+        dict(enable_cuda_graph=True),
+        dict(external_cuda_graph=True),
+    ],
+)
+def test_refuses_cuda_graphs(model_kwargs):
+    # megatron-core 0.16 builds these configs on CPU; nothing set after construction.
+    message = _fails(ConfigError, LAYERWISE, _model(**model_kwargs), _ddp())
+    assert "CUDA graphs" in message and "--cuda-graph-impl" in message
+
+
+def test_refuses_per_token_loss():
+    message = _fails(NotSupportedYet, LAYERWISE, _model(calculate_per_token_loss=True), _ddp())
+    assert "--calculate-per-token-loss" in message and "not supported yet" in message
+
+
+def test_layerwise_needs_overlap_param_gather():
+    message = _fails(ConfigError, LAYERWISE, _model(), _ddp(overlap_param_gather=False))
+    assert "--overlap-param-gather" in message
+    assert "step_end" in message
+
+
+@pytest.mark.parametrize("dp, workers", [(4, 2), (4, 4), (4, 1), (6, 3), (1, 1)])
+def test_workers_dividing_dp_pass(dp, workers):
+    assert check_workers(dp, workers) is None
+
+
+@pytest.mark.parametrize("dp, workers", [(4, 3), (4, 8), (4, 0), (6, 4)])
+def test_workers_not_dividing_dp_fail(dp, workers):
+    with pytest.raises(ConfigError) as info:
+        check_workers(dp, workers)
+    message = str(info.value)
+    assert f"--num-distributed-optimizer-instances={workers}" in message
+    assert f"data-parallel size {dp}" in message
+
+
+def _opt(**kwargs):
+    return OptimizerConfig(bf16=True, use_distributed_optimizer=True, **kwargs)
+
+
+def test_good_optimizer_config_passes():
+    assert check_optimizer_options(_opt(), has_grad_scaler=False) is None
+
+
+def test_refuses_precision_aware_optimizer():
+    # OptimizerConfig.__post_init__ needs Transformer Engine's version to accept this flag, and
+    # TE is not installed on CPU: set it after construction.
+    config = _opt()
+    config.use_precision_aware_optimizer = True
+    with pytest.raises(ConfigError, match="--use-precision-aware-optimizer") as info:
+        check_optimizer_options(config, has_grad_scaler=False)
+    assert type(info.value) is ConfigError
+
+
+def test_refuses_overlap_param_gather_with_optimizer_step():
+    config = _opt(overlap_param_gather_with_optimizer_step=True)
+    with pytest.raises(ConfigError, match="--overlap-param-gather-with-optimizer-step") as info:
+        check_optimizer_options(config, has_grad_scaler=False)
+    assert type(info.value) is ConfigError
+
+
+def test_refuses_optimizer_cpu_offload():
+    config = _opt(optimizer_cpu_offload=True)
+    with pytest.raises(NotSupportedYet, match="--optimizer-cpu-offload.*not supported yet"):
+        check_optimizer_options(config, has_grad_scaler=False)
+
+
+def test_refuses_fp16_loss_scaling():
+    config = OptimizerConfig(fp16=True, use_distributed_optimizer=True)
+    with pytest.raises(NotSupportedYet, match="fp16.*not supported yet") as info:
+        check_optimizer_options(config, has_grad_scaler=True)
+    assert "--bf16" in str(info.value)

@@ -1,0 +1,142 @@
+"""The package's layers (issue: a layout that shows the architecture), checked on its source.
+
+Every ``megatron_edit`` module's imports (module level and inside functions) are read with
+``ast``: there must be no import cycle, and each layer imports only the layers before it:
+
+    config, arguments  <  algorithm  <  exchange  <  mcore  <  cpu  <  training  <  entry points
+
+``algorithm`` (pure math) never touches ``torch.distributed`` or Megatron; ``exchange`` never
+imports Megatron. A module over 400 lines says why in its docstring.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_edit"
+
+LAYERS = {"config": 0, "arguments": 0, "algorithm": 1, "exchange": 2, "mcore": 3, "cpu": 4, "training": 5}
+ENTRY = 6  # api, launch, patches, __init__ and the old-path alias training_patches
+
+
+def _modules():
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        out[".".join(parts)] = (path, is_package)
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name):
+    """(imported megatron_edit module, every external module) of one module."""
+    path, is_package = MODULES[name]
+    tree = ast.parse(path.read_text())
+    package = name if is_package else name.rpartition(".")[0]
+    internal, external = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            targets = [(module, alias.name) for alias in node.names]
+        else:
+            continue
+        for module, attr in targets:
+            if module.split(".")[0] != "megatron_edit":
+                external.add(module)
+                continue
+            # `from pkg import submodule` imports the submodule
+            full = f"{module}.{attr}" if attr and f"{module}.{attr}" in MODULES else module
+            if full in MODULES and full != name:
+                internal.add(full)
+    return internal, external
+
+
+GRAPH = {name: _imports(name)[0] for name in MODULES}
+
+
+def _layer(name):
+    parts = name.split(".")
+    if len(parts) == 1 or parts[1] in ("api", "launch", "patches", "training_patches"):
+        return ENTRY
+    return LAYERS[parts[1]]
+
+
+def test_every_module_belongs_to_a_layer():
+    for name in MODULES:
+        _layer(name)
+
+
+def test_no_import_cycles():
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_each_layer_imports_only_the_layers_before_it():
+    wrong = [
+        (name, dep) for name, deps in GRAPH.items() for dep in deps
+        if _layer(dep) > _layer(name) and not (name == "megatron_edit" or name.endswith("__init__"))
+    ]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("layer,forbidden", [
+    ("algorithm", ("torch.distributed", "megatron")),
+    ("exchange", ("megatron",)),
+    ("config", ("torch.distributed", "megatron")),
+])
+def test_lower_layers_stay_free_of_distributed_and_megatron(layer, forbidden):
+    for name in MODULES:
+        if name.split(".")[1:2] == [layer]:
+            external = _imports(name)[1]
+            assert not [m for m in external if m.split(".")[0] in forbidden or m in forbidden], name
+
+
+def test_long_modules_say_why():
+    for name, (path, _) in MODULES.items():
+        text = path.read_text()
+        if text.count("\n") > 400:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            assert "This module is long because" in doc, f"{name}: {text.count(chr(10))} lines"
+
+
+def test_the_graph_sees_lazy_imports():
+    """A sanity check of the walker: api imports training.patches inside a function."""
+    assert "megatron_edit.training.patches" in GRAPH["megatron_edit.api"]

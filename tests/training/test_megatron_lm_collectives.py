@@ -1,0 +1,410 @@
+"""Nothing crosses the sync group between syncs: Megatron-LM's per-step collectives with EDiT.
+
+End to end, the unmodified ``pretrain_gpt.py`` runs through ``megatron_edit.launch`` under
+``tests/training/megatron_lm_traffic_probe.py``, which records every ``torch.distributed`` collective with
+its group, iteration and stack; a collective "crosses workers" when its group holds a rank
+outside this rank's EDiT worker (Megatron's distributed-optimizer instance). The same run
+without the ``worker-local-*`` patches shows what Megatron does by itself. Needs a Megatron-LM
+checkout (MEGATRON_LM_DIR, see tests/test_megatron_lm.py); without it those tests skip with the
+same message. The option checks and the patches' decisions are also tested without it.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_edit.config import ConfigError
+from megatron_edit.training.validation import validate_local_sgd_args
+from megatron_edit.training.worker_local import WorkerLocalCollectives
+from test_megatron_lm import (
+    run_probe,
+    CHECKOUT,
+    EDIT,
+    H,
+    HAVE_CHECKOUT,
+    HAVE_TENSORBOARD,
+    HOW_TO_RUN,
+    REPO,
+    TINY,
+    W,
+    _env,
+    _megatron_like_args,
+    needs_checkout,
+)
+
+PROBE = REPO / "tests" / "training" / "megatron_lm_traffic_probe.py"
+
+
+# ================================================================ without the checkout
+@pytest.mark.parametrize(
+    "argv, options, match",
+    [
+        ((), dict(exit_duration_in_mins=60), "--exit-duration-in-mins"),
+        ((), dict(exit_signal_handler=True), None),
+        (("--local-sgd-async",), dict(exit_signal_handler=True, train_iters=100), "--exit-signal-handler"),
+        ((), dict(log_straggler=True), "--log-straggler"),
+        ((), dict(log_energy=True), "--log-energy"),
+        ((), dict(rerun_mode="report_stats"), "report_stats"),
+        ((), dict(rerun_mode="validate_results"), None),
+        ((), dict(rerun_mode="disabled"), None),
+        ((), dict(adlr_autoresume=True), "--adlr-autoresume"),
+        ((), dict(log_params_norm=True, timing_log_level=2, log_timers_to_tensorboard=True), None),
+        (("--local-sgd-async",), dict(log_params_norm=True, timing_log_level=2, train_iters=100), None),
+        (("--local-sgd-async",), dict(train_iters=None, train_samples=1000), "--train-iters"),
+        (("--local-sgd-async",), dict(train_iters=100, save_interval=10), "--save-interval"),
+        (("--local-sgd-async",), dict(train_iters=100, exit_interval=10), "--exit-interval"),
+    ],
+    ids=["exit-duration", "signal-handler", "signal-handler-async", "straggler", "energy",
+         "rerun-report-stats", "rerun-validate", "rerun-disabled", "adlr-autoresume",
+         "worker-local-logging", "worker-local-logging-async", "async-needs-train-iters",
+         "async-save-interval", "async-exit-interval"],
+)
+def test_options_with_collectives_across_workers(argv, options, match):
+    args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4",
+                               "--local-sgd-warmup-steps", "4", *argv, **options)
+    if match is None:
+        validate_local_sgd_args(args)
+    else:
+        with pytest.raises(ConfigError, match=match) as raised:
+            validate_local_sgd_args(args)
+        assert "--use-local-sgd" in str(raised.value) or "--local-sgd-async" in str(raised.value)
+
+
+def test_refusals_only_with_local_sgd():
+    validate_local_sgd_args(_megatron_like_args(exit_duration_in_mins=60, log_straggler=True,
+                                                log_energy=True, rerun_mode="report_stats"))
+
+
+class _Controller:
+    """What the patches read of an EDiT object (LocalSGD): its config and step count."""
+
+    def __init__(self, steps_done, warmup=W, interval=H, use_async=False):
+        self.steps_done = steps_done
+        self.config = SimpleNamespace(local_sgd_warmup_steps=warmup, local_sgd_sync_interval=interval,
+                                      use_async=use_async)
+
+    @property
+    def grads_are_local(self):
+        return self.steps_done >= self.config.local_sgd_warmup_steps
+
+
+def _worker_local(controller=None):
+    runtime = SimpleNamespace(controllers={} if controller is None else {object(): controller})
+    return WorkerLocalCollectives(lambda: runtime)
+
+
+def test_workers_meet_after_warmup_steps_and_syncs_only():
+    meet = [s for s in range(1, 17) if _worker_local(_Controller(s)).workers_meet()]
+    assert meet == [1, 2, 3, 4, 8, 12, 16]
+    assert not _worker_local(_Controller(8, use_async=True)).workers_meet()
+    assert not _worker_local().workers_meet()
+
+
+def test_inside_a_reporting_region_the_full_data_parallel_group_is_the_workers(monkeypatch):
+    import megatron_edit.training.worker_local as tp
+
+    monkeypatch.setattr(tp, "_context_parallel_size", lambda: 1)
+    wl = _worker_local(_Controller(6))
+    get = wl.wrap_get_data_parallel_group(lambda *a, **k: (a, k))
+    worker = ((), dict(with_context_parallel=True, partial_data_parallel=True))
+    assert get(with_context_parallel=True) == ((True, False, False), {})  # outside: unchanged
+    seen = []
+    region = wl.wrap_reporting_region(lambda: seen.extend([
+        get(with_context_parallel=True), get(), get(True, True), get(True, False, True)]))
+    region()
+    assert seen == [worker, worker, ((True, True, False), {}), ((True, False, True), {})]
+    monkeypatch.setattr(tp, "_context_parallel_size", lambda: 2)  # DP without CP: no worker group
+    seen.clear()
+    region()
+    assert seen[1] == ((False, False, False), {})
+    # Local SGD off (no EDiT optimizer): the region changes nothing.
+    seen.clear()
+    off = _worker_local()
+    off.wrap_reporting_region(lambda: seen.append(off.in_reporting()))()
+    assert seen == [False]
+
+
+def test_signal_check_waits_for_the_next_warmup_step_or_sync():
+    checks = []
+    for steps in range(1, 13):
+        wl = _worker_local(_Controller(steps))
+        if wl.wrap_signals_received(lambda handler: [False])(None) != []:
+            checks.append(steps)
+    assert checks == [1, 2, 3, 4, 8, 12]
+    assert _worker_local().wrap_signals_received(lambda handler: [True])(None) == [True]
+
+
+def test_rerun_vote_is_the_worlds_during_warmup_and_a_worker_verdict_needing_all_raises():
+    from megatron.core.rerun_state_machine import RerunState
+
+    machine = SimpleNamespace(state=RerunState.INITIAL_RUN, current_iteration=3)
+    warmup = _worker_local(_Controller(2))
+    assert warmup.wrap_rerun_reduce_any(lambda m, v: ("world", v))(machine, True) == ("world", True)
+    verdict = lambda m: (True, True, 16)  # noqa: E731 - save a checkpoint and exit
+    assert warmup.wrap_rerun_should_checkpoint_and_exit(verdict)(machine) == (True, True, 16)
+    local = _worker_local(_Controller(6))
+    machine.state = RerunState.RERUNNING_IN_PLACE
+    with pytest.raises(RuntimeError, match="checkpoint and a clean exit need every worker"):
+        local.wrap_rerun_should_checkpoint_and_exit(verdict)(machine)
+    assert local.wrap_rerun_should_checkpoint_and_exit(lambda m: (False, False, 0))(machine) == (
+        False, False, 0)
+    # A state restored from a checkpoint was voted on by every rank: left to Megatron.
+    machine.state = RerunState.RERUNNING_FROM_CHECKPOINT
+    assert local.wrap_rerun_should_checkpoint_and_exit(verdict)(machine) == (True, True, 16)
+
+
+# ================================================================ with the checkout
+@pytest.fixture(scope="module")
+def probe_cases(tmp_path_factory):
+    """Megatron-LM's real parse_args / validate_args (tests/megatron_lm_probe.py)."""
+    base = TINY + EDIT
+    spec = {
+        "script_case": base,
+        "cases": {
+            "defaults": base,
+            "worker-local-logging": base + ["--log-params-norm", "--timing-log-level", "2",
+                                            "--log-timers-to-tensorboard", "--exit-signal-handler",
+                                            "--eval-iters", "2"],
+            "exit-duration": base + ["--exit-duration-in-mins", "60"],
+            "signal-handler-async": base + ["--exit-signal-handler", "--local-sgd-async"],
+            "straggler": base + ["--log-straggler"],
+            "energy": base + ["--log-energy"],
+            "rerun-report-stats": base + ["--rerun-mode", "report_stats"],
+            "adlr-autoresume": base + ["--adlr-autoresume"],
+            "rerun-report-stats-without-edit": TINY + ["--rerun-mode", "report_stats"],
+        },
+        "sizes": {},
+    }
+    return run_probe(spec, tmp_path_factory.mktemp("probe"))
+
+
+@needs_checkout
+@pytest.mark.timeout(400)
+def test_megatrons_validate_args_refuses_options_that_cross_workers(probe_cases):
+    cases = probe_cases["cases"]
+    for ok in ("defaults", "worker-local-logging", "rerun-report-stats-without-edit"):
+        assert cases[ok] is None, (ok, cases[ok])
+    for name, flag in [("exit-duration", "--exit-duration-in-mins"),
+                       ("signal-handler-async", "--exit-signal-handler"),
+                       ("straggler", "--log-straggler"), ("energy", "--log-energy"),
+                       ("rerun-report-stats", "--rerun-mode report_stats"),
+                       ("adlr-autoresume", "--adlr-autoresume")]:
+        assert cases[name] is not None and cases[name][0] == "ConfigError", (name, cases[name])
+        assert flag in cases[name][1], (name, cases[name][1])
+
+
+@needs_checkout
+@pytest.mark.timeout(400)
+def test_worker_local_patches_are_applied_and_reverted(probe_cases):
+    ids = ["worker-local-train-step", "worker-local-evaluate", "worker-local-params-norm",
+           "worker-local-dp-group", "worker-local-timer-barrier", "worker-local-timers-gather",
+           "worker-local-rerun-vote", "worker-local-rerun-exit", "worker-local-signal-check"]
+    assert [p for p in probe_cases["patches"] if p.startswith("worker-local-")] == ids
+    assert set(ids) <= set(probe_cases["reverted"])
+
+
+# ---------------------------------------------------------------- end to end
+ITERS = 14
+SYNC_STEPS = list(range(W + H, ITERS + 1, H))  # 8, 12
+SAVE_AT = 8
+EVAL_AT = 6
+# Iterations after warmup at which no sync is due or completing (a layer-wise sync due after s
+# completes in the forward pass of s + 1).
+LOCAL_ITERATIONS = [i for i in range(W + 1, ITERS + 1)
+                    if i not in SYNC_STEPS and i - 1 not in SYNC_STEPS]  # 5, 6, 7, 10, 11, 14
+OPTIONS = [
+    "--train-iters", str(ITERS), "--log-params-norm", "--timing-log-level", "2",
+    "--log-throughput", "--log-num-zeros-in-grad", "--exit-signal-handler",
+    "--check-for-spiky-loss", "--check-for-large-grads",
+    "--check-weight-hash-across-dp-replicas-interval", str(H),
+    "--eval-iters", "2", "--eval-interval", str(EVAL_AT),
+    "--save", "ckpt", "--save-interval", str(SAVE_AT), "--ckpt-format", "torch_dist",
+]
+if HAVE_TENSORBOARD:
+    OPTIONS += ["--tensorboard-dir", "tb", "--log-timers-to-tensorboard"]
+
+
+def _traffic_run(workdir, extra, env=None, timeout=400):
+    """pretrain_gpt.py under the traffic probe on 4 CPU processes (2 workers x 2 shards)."""
+    out = workdir / "traffic"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           str(PROBE), str(out), "--cpu", str(CHECKOUT / "pretrain_gpt.py"), *TINY, *EDIT, *extra]
+    proc = subprocess.run(cmd, cwd=workdir, env={**_env(), **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n...\n{log[-8000:]}"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return SimpleNamespace(log=log, ranks=ranks)
+
+
+def _frames(record):
+    return record["stack"]
+
+
+def _has(record, *names):
+    return any(name in frame for frame in _frames(record) for name in names)
+
+
+def _in_training_loop(record):
+    """Inside Megatron's ``train`` once iterations run (before the first one: start-up)."""
+    return record["iteration"] is not None and any(
+        frame.startswith("training/training.py:train:") for frame in _frames(record))
+
+
+def _crossing(run):
+    """(rank, record) of every collective inside the training loop whose group spans workers."""
+    found = []
+    for data in run.ranks:
+        worker = set(data["worker_ranks"])
+        assert len(worker) == 2, data["worker_ranks"]
+        for record in data["records"]:
+            assert "error" not in record, record
+            if _in_training_loop(record) and set(record["ranks"]) - worker:
+                found.append((data["rank"], record))
+    return found
+
+
+def _where(record):
+    """The Megatron / megatron_edit function that issued it (innermost frame, no line)."""
+    return record["stack"][-1].rsplit(":", 1)[0]
+
+
+def _why_allowed(record, sync_steps, warmup):
+    """Why a collective across workers is expected at its iteration, or None."""
+    it = record["iteration"]
+    if it <= warmup and _has(record, "param_and_grad_buffer.py:start_grad_sync",
+                             "param_and_grad_buffer.py:finish_grad_sync"):
+        return "warmup: gradients are reduced across workers"
+    if it <= warmup and _has(record, "rerun_state_machine.py:_reduce_any"):
+        return "warmup: a re-run redoes that reduction, every worker votes"
+    if (it in sync_steps or it - 1 in sync_steps) and _has(record, "local_sgd.py:"):
+        return "the sync exchange (completes in the next forward pass)"
+    synced = it <= warmup or it in sync_steps
+    if synced and _has(record, "dist_signal_handler.py:signals_received"):
+        return "--exit-signal-handler, checked when workers meet"
+    if synced and it % H == 0 and (_has(record, "check_param_hashes_across_dp_replicas")
+                                   or _where(record) == "training/training.py:post_training_step_callbacks"):
+        return "--check-weight-hash-across-dp-replicas-interval (multiple of H): replicas equal"
+    if it in sync_steps and it % SAVE_AT == 0 and _has(record, "save_checkpoint"):
+        return "checkpoint save (a multiple of H)"
+    return None
+
+
+def _grad_norms(log):
+    return {int(m.group(1)): m.group(2) for m in re.finditer(
+        r"\] iteration\s+(\d+)/\s*\d+ \|.*? grad norm: ([0-9.]+) \|", log)}
+
+
+@pytest.fixture(scope="module")
+def edit_runs(tmp_path_factory):
+    if not HAVE_CHECKOUT:
+        pytest.skip(HOW_TO_RUN)
+    runs = {}
+    for name, env in (("after", {}), ("before", {"MEGATRON_EDIT_PROBE_NO_WORKER_LOCAL": "1"})):
+        workdir = tmp_path_factory.mktemp(name)
+        runs[name] = _traffic_run(workdir, OPTIONS, env)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_e2e_edit_nothing_crosses_workers_between_syncs(edit_runs):
+    run = edit_runs["after"]
+    crossing = _crossing(run)
+    unexpected = [(rank, r["iteration"], r["op"], r["ranks"], r["stack"][-4:])
+                  for rank, r in crossing if _why_allowed(r, SYNC_STEPS, W) is None]
+    assert not unexpected, "\n".join(map(str, unexpected))
+    assert not [r for _, r in crossing if r["iteration"] in LOCAL_ITERATIONS]
+    # The recorder does see traffic across workers: warmup gradients and every sync.
+    reasons = {(_why_allowed(r, SYNC_STEPS, W), r["iteration"]) for _, r in crossing}
+    assert ("warmup: gradients are reduced across workers", 1) in reasons
+    for step in SYNC_STEPS:
+        assert ("the sync exchange (completes in the next forward pass)", step) in reasons
+    assert ("checkpoint save (a multiple of H)", SAVE_AT) in reasons
+    # What became worker-local still ran: evaluation between syncs, the timers' report, the
+    # params norm, Megatron's replica check after every sync.
+    assert f"validation loss at iteration {EVAL_AT}" in run.log
+    assert "(min, max) time across ranks (ms):" in run.log
+    assert " params norm: " in run.log
+    assert re.findall(r"Weight hashes match after (\d+) iterations", run.log) == [
+        str(i) for i in range(0, ITERS + 1, H)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_e2e_without_the_patches_megatron_crosses_workers_every_step(edit_runs):
+    """What the worker-local patches remove: Megatron's own collectives across workers at
+    iterations where EDiT exchanges nothing."""
+    local = [r for _, r in _crossing(edit_runs["before"]) if r["iteration"] in LOCAL_ITERATIONS]
+    where = {(_where(r), r["op"]) for r in local}
+    assert {
+        ("training/training.py:train_step", "all_reduce"),  # the logged loss
+        ("core/rerun_state_machine.py:_reduce_any", "all_reduce"),  # the re-run vote
+        ("core/timers.py:start", "barrier"),  # timers (interval timer, --timing-log-level)
+        ("core/timers.py:_get_elapsed_time_all_ranks", "all_gather_into_tensor"),  # timer report
+        ("training/utils.py:calc_params_l2_norm", "all_reduce"),  # --log-params-norm
+        ("training/dist_signal_handler.py:all_gather_item", "all_gather"),  # signal check
+        ("training/training.py:evaluate", "all_reduce"),  # validation loss
+    } <= where, sorted(where)
+    for iteration in LOCAL_ITERATIONS:
+        assert any(r["iteration"] == iteration for r in local), iteration
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_e2e_training_numbers_do_not_change(edit_runs):
+    """Only figures for the log became worker-local: the gradient norm (already per worker in
+    Megatron) is the same at every iteration with and without the patches."""
+    after, before = _grad_norms(edit_runs["after"].log), _grad_norms(edit_runs["before"].log)
+    assert sorted(after) == list(range(1, ITERS + 1))
+    assert after == before
+
+
+# A-EDiT: workers of different speeds take their own number of steps between syncs, so a
+# collective across workers at a fixed iteration is not only a barrier: it can meet another
+# worker's sync and deadlock. One worker is slowed down (ranks 2, 3 sleep in every optimizer
+# step). One time-based sync at W + H (the first interval is H steps for every worker); the
+# next would be planned 1000 s later, beyond the run, so it becomes the run's final sync, at
+# --train-iters on every worker (A-EDiT's schedule knows the last iteration; otherwise workers
+# would reach it with different numbers of syncs behind them and hang).
+SLOW_SECONDS = 0.4
+ASYNC_ITERS = 14
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    if not HAVE_CHECKOUT:
+        pytest.skip(HOW_TO_RUN)
+    options = ["--train-iters", str(ASYNC_ITERS), "--local-sgd-async", "--local-sgd-sync-time", "1000",
+               "--local-sgd-min-total-global-steps", "0", "--log-params-norm", "--timing-log-level",
+               "1", "--eval-iters", "1", "--eval-interval", "10"]
+    return _traffic_run(tmp_path_factory.mktemp("async"), options,
+                        {"MEGATRON_EDIT_PROBE_SLOW": f"2,3:{SLOW_SECONDS}"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_e2e_a_edit_workers_run_apart_between_syncs(async_run):
+    sync_step = W + H
+    crossing = _crossing(async_run)
+    unexpected = []
+    for rank, r in crossing:
+        syncing = r["iteration"] in (sync_step, sync_step + 1, ASYNC_ITERS) and _has(r, "local_sgd.py:")
+        if not syncing and _why_allowed(r, [], W) is None:
+            unexpected.append((rank, r["iteration"], r["op"], r["ranks"], r["stack"][-4:]))
+    assert not unexpected, "\n".join(map(str, unexpected))
+    assert any(_has(r, "local_sgd.py:_plan_async") for _, r in crossing)  # the A-EDiT schedule
+    assert "validation loss at iteration 10" in async_run.log
+    # Nothing holds the fast worker back between the syncs: it enters the final sync (at the
+    # last iteration) at least (local steps x sleep) / 2 before the slow one. With Megatron's
+    # per-step collectives the two would arrive together, within milliseconds.
+    entered = {}
+    for data in async_run.ranks:
+        entered[data["rank"]] = min(r["time"] for r in data["records"]
+                                    if r["iteration"] == ASYNC_ITERS and _has(r, "local_sgd.py:_plan_async"))
+    local_steps = ASYNC_ITERS - sync_step - 1
+    assert min(entered[2], entered[3]) - max(entered[0], entered[1]) > local_steps * SLOW_SECONDS / 2, entered
