@@ -201,6 +201,7 @@ def _train(rank, spec, tp, pp):
         c = controllers[0]
         out["reports"] = c.drain_reports()
         out["shard_numels"] = [s.numel for s in c.shards]
+        out["forward_numels"] = [s.numel for group in c.sync.groups for s in group]
         out["groups_per_sync"] = len(c.group_order)
         out["state_bytes"] = c.state_bytes()
         out["sync_group_ranks"] = (

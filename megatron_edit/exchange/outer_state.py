@@ -4,10 +4,30 @@ The anchor is the shard's value at the last sync; the outer optimizer (any ``tor
 class, by default Nesterov SGD) steps it with the reduced pseudo-gradient as its gradient, and
 every worker restarts from it. Both are sharded like the main parameters: this rank keeps its
 shard of each bucket, 2 x 4 bytes x params / shard size with momentum SGD.
+
+Two ways to step, same math:
+
+* the default outer optimizer (``torch.optim.SGD`` with momentum, no weight decay) is stepped by
+  :func:`~megatron_edit.algorithm.outer.fused_momentum_sgd_step_`, which also writes the main
+  params and the model's 16-bit copy; on a GPU it is compiled into one kernel (one read of
+  anchor, momentum and pseudo-gradient, one write of each output), elsewhere it runs eagerly;
+* any other optimizer goes through ``torch.optim``'s own ``step`` (the generic path), then the
+  writes.
+
+The torch optimizer object exists on both paths: it holds the state (``momentum_buffer``) and
+the hyperparameters, so checkpoints and logs do not depend on the path.
+
+``cpu_offload``: the state lives in (pinned) host memory; at a sync each shard's anchor and
+outer state are paged onto the shard's device, stepped there with the same kernels as without
+offload (so the numbers are the same), and copied back asynchronously, in stream order.
+:meth:`OuterState.synchronize` waits for those copies before the host reads or writes the
+state (checkpoints).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -16,17 +36,36 @@ from ..algorithm import outer
 from ..config import OuterOptimizerConfig
 from .shard import BucketShard
 
+logger = logging.getLogger(__name__)
+
 
 class OuterState:
     """Anchors and outer-optimizer state of one optimizer's shards.
 
     ``state_device``: where the state lives (None: with the shard; ``cpu`` for
-    ``cpu_offload``, pinned when CUDA is present)."""
+    ``cpu_offload``, pinned when CUDA is present). ``fused``: use the fused momentum-SGD step
+    when the outer optimizer allows it. ``compile``: compile it (None: on CUDA devices only).
+    ``paged``: force paging even when the state already lives on the shard's device (tests).
+    """
 
-    def __init__(self, config: OuterOptimizerConfig, state_device: Optional[torch.device] = None):
+    def __init__(
+        self,
+        config: OuterOptimizerConfig,
+        state_device: Optional[torch.device] = None,
+        fused: bool = True,
+        compile: Optional[bool] = None,
+        paged: bool = False,
+    ):
         self.config = config
         self.state_device = state_device
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        kwargs = config.outer_optim_kwargs
+        self.fused = fused and outer.is_plain_momentum_sgd(config.optimizer_class, kwargs)
+        self._compile = compile
+        self._force_paged = paged
+        self._compiled = None
+        self._scales = {}
+        self._host_copies_pending = False
 
     @property
     def captured(self) -> bool:
@@ -36,6 +75,10 @@ class OuterState:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else 0.0
 
+    def _paged(self, shard: BucketShard) -> bool:
+        return self._force_paged or (shard.anchor is not None and shard.anchor.device != shard.device)
+
+    # ------------------------------------------------------------------ anchor
     @torch.no_grad()
     def capture(self, shards: Sequence[BucketShard]) -> None:
         """Anchor := the current main params; the outer optimizer starts with empty state."""
@@ -52,14 +95,110 @@ class OuterState:
             anchors.append(anchor)
         self.optimizer = self.config.optimizer_class(anchors, **self.config.outer_optim_kwargs)
 
+    def anchor_on_device(self, shard: BucketShard) -> torch.Tensor:
+        """The anchor on the shard's device (a copy in stream order when offloaded)."""
+        if shard.anchor.device == shard.device:
+            return shard.anchor
+        self._host_copies_pending = True
+        return shard.anchor.to(shard.device, non_blocking=True)
+
+    def synchronize(self) -> None:
+        """Wait for the asynchronous copies between host state and device (offload) before the
+        host reads or writes the state."""
+        if self._host_copies_pending and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._host_copies_pending = False
+
+    # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, shard: BucketShard, delta: torch.Tensor, skipped: List[Tuple[int, int]]) -> None:
-        """Outer step of one shard with its reduced pseudo-gradient ``delta``; the ranges in
-        ``skipped`` (layers every worker was excluded from) keep their anchor and state."""
-        saved = self._save_segments(shard, skipped)
-        grad = delta.to(shard.anchor.device, non_blocking=True)
-        outer.outer_step(self.optimizer, [shard.anchor], [grad])
-        self._restore_segments(shard, saved)
+    def apply(
+        self,
+        shard: BucketShard,
+        delta: torch.Tensor,
+        skipped: List[Tuple[int, int]],
+        write_model: bool,
+        divisor: int = 1,
+    ) -> None:
+        """Outer step of one shard with the pseudo-gradient ``delta / divisor`` (``delta`` is
+        scratch: it is overwritten), then the main params (and, with ``write_model``, the
+        model's 16-bit copy) restart from the new anchor. The ranges in ``skipped`` (layers every
+        worker was excluded from) keep their anchor and outer state."""
+        with self._on_device(shard):
+            if self.fused and not skipped:
+                self._fused_step(shard, delta, write_model, divisor)
+                return
+            outer.mean_from_sum(delta, divisor)
+            saved = self._save_segments(shard, skipped)
+            outer.outer_step(self.optimizer, [shard.anchor], [delta])
+            self._restore_segments(shard, saved)
+            shard.write_mains(shard.anchor)
+            if write_model:
+                shard.write_model(shard.anchor)
+
+    def _fused_step(self, shard: BucketShard, delta: torch.Tensor, write_model: bool, divisor: int) -> None:
+        group = self.optimizer.param_groups[0]
+        state = self.optimizer.state[shard.anchor]
+        first = "momentum_buffer" not in state or state["momentum_buffer"] is None
+        momentum = torch.empty_like(shard.anchor) if first else state["momentum_buffer"]
+        mains = shard.flat_mains
+        model = shard.model if write_model else None
+        if self._compiles(shard.device):
+            if self._compiled is None:
+                self._compiled = torch.compile(outer.fused_momentum_sgd_step_, dynamic=True, fullgraph=True)
+            scale = self._scale(divisor, shard.device)
+            self._compiled(shard.anchor, momentum, delta, scale, float(group["lr"]), float(group["momentum"]),
+                           bool(group["nesterov"]), first, mains, model)
+        else:
+            outer.mean_from_sum(delta, divisor)
+            outer.momentum_sgd_step_(shard.anchor, momentum, delta, float(group["lr"]),
+                                     float(group["momentum"]), bool(group["nesterov"]), first)
+            if mains is not None:
+                mains.copy_(shard.anchor)
+            if model is not None:
+                model.copy_(shard.anchor)
+        state["momentum_buffer"] = momentum
+        if mains is None:
+            shard.write_mains(shard.anchor)
+
+    def _compiles(self, device: torch.device) -> bool:
+        return self._compile if self._compile is not None else device.type == "cuda"
+
+    def _scale(self, divisor: int, device: torch.device) -> torch.Tensor:
+        """1 / divisor as a 0-dim fp32 tensor on ``device``, made once per (divisor, device): a
+        host -> device copy at every sync would wait for the device."""
+        key = (divisor, device)
+        cached = self._scales.get(key)
+        if cached is None:
+            cached = self._scales[key] = torch.full((), 1.0 / divisor, dtype=torch.float32, device=device)
+        return cached
+
+    @contextlib.contextmanager
+    def _on_device(self, shard: BucketShard):
+        """Inside: the shard's anchor and outer state are on the shard's device (paged in and,
+        on exit, out again when offloaded). The tensor objects stay the same (their ``.data``
+        moves), so the optimizer's state keeps its keys."""
+        if not self._paged(shard):
+            yield
+            return
+        host_device = shard.anchor.device
+        state = self.optimizer.state[shard.anchor]
+        tensors = [shard.anchor] + [v for v in state.values() if torch.is_tensor(v) and v.shape == shard.anchor.shape]
+        homes = [t.data for t in tensors]
+        for t in tensors:
+            t.data = t.data.to(shard.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            pin = host_device.type == "cpu" and torch.cuda.is_available()
+            for key, value in list(state.items()):  # state created by this step: a host home
+                if torch.is_tensor(value) and value.shape == shard.anchor.shape and all(value is not t for t in tensors):
+                    home = torch.empty(value.shape, dtype=value.dtype, device=host_device, pin_memory=pin)
+                    home.copy_(value, non_blocking=True)
+                    state[key] = home
+            for t, home in zip(tensors, homes):
+                home.copy_(t.data, non_blocking=True)
+                t.data = home
+            self._host_copies_pending = True
 
     def _state_tensors(self, shard: BucketShard) -> List[torch.Tensor]:
         return [

@@ -52,7 +52,7 @@ class _SyncInProgress:
     norms: Optional[torch.Tensor] = None
     excluded: Optional[torch.Tensor] = None
     skipped: Optional[torch.Tensor] = None  # [L] bool
-    clip_coef: Dict[int, float] = field(default_factory=dict)
+    clip_coef: Dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> 0-dim, on device
     worker_steps: Optional[torch.Tensor] = None  # A-EDiT: [W]
     worker_seconds: Optional[torch.Tensor] = None
     skipped_sync: bool = False
@@ -146,20 +146,19 @@ class OuterSync:
 
     @torch.no_grad()
     def _delta(self, shard: BucketShard) -> torch.Tensor:
-        device = shard.device
-        delta = shard.read_current(torch.empty(shard.numel, dtype=torch.float32, device=device))
-        return outer.pseudo_gradient(shard.anchor.to(device, non_blocking=True), delta, out=delta)
+        """Delta = anchor - current, into a new buffer (released when the shard's step is done)."""
+        delta = torch.empty(shard.numel, dtype=torch.float32, device=shard.device)
+        return shard.pseudo_gradient(self.outer.anchor_on_device(shard), delta)
 
-    def _layer_norms(self, shards: List[BucketShard], layers: Optional[Set[int]] = None) -> torch.Tensor:
-        """[L] float64: this worker's norm of each layer over ``shards`` (``shard.delta``),
-        summed over the model-shard and tensor-parallel groups (worker-local collectives)."""
+    def _layer_norms(self, shards: List[BucketShard]) -> torch.Tensor:
+        """[L] float64 on the shards' device: this worker's norm of each layer over ``shards``
+        (``shard.delta``), summed over the model-shard and tensor-parallel groups
+        (worker-local collectives). Layers not wholly in ``shards`` get partial values."""
         device = shards[0].device if shards else torch.device("cpu")
         partial = torch.zeros(len(self.layer_names), dtype=torch.float64, device=device)
         for shard in shards:
-            for s, e, layer, counts in shard.segments:
-                if counts and (layers is None or layer in layers):
-                    partial[layer] += shard.delta[s:e].double().pow(2).sum()
-        return self.worker_groups.sum(partial).sqrt().cpu()
+            shard.layer_sq_norms(shard.delta, partial)
+        return self.worker_groups.sum(partial).sqrt()
 
     @torch.no_grad()
     def _decide(self) -> None:
@@ -168,8 +167,7 @@ class OuterSync:
         for shard in self.shards:
             shard.delta = self._delta(shard)
         own = self._layer_norms(self.shards)
-        device = self.shards[0].device if self.shards else torch.device("cpu")
-        norms = self.sync_group.all_gather(own.to(device)).cpu()
+        norms = self.sync_group.all_gather(own).cpu()  # the decisions are taken on the host
         excluded = None
         if c.skip_anomaly:
             excluded, self.ewma = penalty.detect_anomalies(
@@ -233,9 +231,15 @@ class OuterSync:
             handles.append(self.sync_group.all_reduce_sum(shard.consensus, async_op=True))
         shard.handle = handles
 
+    def _defers_mean(self) -> bool:
+        """Whether the plain mean's division is left to the fused outer step (one pass less);
+        clipping needs the mean itself first."""
+        return self.outer.fused and self.config.clip_pseudo_grad is None
+
     @torch.no_grad()
     def _finish_exchange(self, shards: Sequence[BucketShard]) -> None:
-        """Wait for the exchanges: shard.delta becomes the reduced pseudo-gradient."""
+        """Wait for the exchanges: shard.delta becomes the reduced pseudo-gradient (for the
+        plain mean, possibly still the sum: see :meth:`_divisor`)."""
         self.launch(shards)
         t0 = time.perf_counter()
         for shard in shards:
@@ -246,15 +250,24 @@ class OuterSync:
             else:
                 shard.handle.wait()
                 shard.handle = None
-                if self._sync.weights is None:
+                if self._sync.weights is None and not self._defers_mean():
                     outer.mean_from_sum(shard.delta, self.num_workers)
             shard.exchanged = True
         self._sync.seconds += time.perf_counter() - t0
 
-    def _gta_finish(self, shard: BucketShard) -> None:
-        if not isinstance(shard.handle, list):  # phase 1 (consensus) still to finish
+    def _divisor(self) -> int:
+        """What the exchanged Delta still has to be divided by in the outer step."""
+        plain_mean = not self._gta and self._sync.weights is None
+        return self.num_workers if plain_mean and self._defers_mean() else 1
+
+    def _gta_advance(self, shard: BucketShard) -> None:
+        """GTA: once its consensus (phase 1) is in, start the shard's phase 2."""
+        if shard.handle is not None and not isinstance(shard.handle, list):
             shard.handle.wait()
             self._gta_merge_launch(shard, shard.consensus)
+
+    def _gta_finish(self, shard: BucketShard) -> None:
+        self._gta_advance(shard)
         for handle in shard.handle:
             handle.wait()
         shard.handle = None
@@ -282,16 +295,16 @@ class OuterSync:
             return
         spanned = {id(s): s for layer in needed for s in self.layer_shards[layer]}
         self._finish_exchange(list(spanned.values()))
-        ready = {
+        ready = [
             layer
             for layer in range(len(self.layer_names))
             if layer not in coef and all(s.exchanged for s in self.layer_shards[layer])
-        }
+        ]
         involved = {id(s): s for layer in ready for s in self.layer_shards[layer]}
-        norms = self._layer_norms(list(involved.values()), ready)
-        factors = penalty.clip_coefficients(norms, tau)
+        # On the device: the factors are never read on the host here (no wait in a pre-hook).
+        factors = penalty.clip_coefficients(self._layer_norms(list(involved.values())), tau)
         for layer in ready:
-            coef[layer] = float(factors[layer])
+            coef[layer] = factors[layer]
 
     @torch.no_grad()
     def _apply(self, shard: BucketShard, write_model: bool) -> None:
@@ -299,15 +312,11 @@ class OuterSync:
         sync = self._sync
         delta = shard.delta
         if sync.clip_coef:
-            shard.scale_layers(delta, [sync.clip_coef.get(i, 1.0) for i in range(len(self.layer_names))])
+            shard.scale_layers(delta, sync.clip_coef)
         skipped = []
         if sync.skipped is not None:
             skipped = [(s, e) for s, e, layer, _ in shard.segments if sync.skipped[layer]]
-        self.outer.step(shard, delta, skipped)
-        anchor = shard.anchor.to(delta.device, non_blocking=True)
-        shard.write_mains(anchor)
-        if write_model:
-            shard.write_model(anchor)
+        self.outer.apply(shard, delta, skipped, write_model, self._divisor())
         shard.delta = None
         shard.exchanged = False
         shard.pending = False
@@ -326,24 +335,27 @@ class OuterSync:
 
     # ------------------------------------------------------------------ layer-wise
     def mark_pending(self) -> None:
-        """Layer-wise: every shard waits for its group's parameter gather; the first group's
-        exchange starts now."""
+        """Layer-wise: every shard waits for its group's parameter gather; every group's
+        exchange starts now, in forward order, so each is in flight while earlier layers
+        compute (the backend runs them in launch order)."""
         for shard in self.shards:
             shard.pending = True
-        if self.groups:
-            self.launch(self.groups[0])
+        for group in self.groups:
+            self.launch(group)
 
     def complete_group(self, index: int) -> None:
-        """Layer-wise: group ``index`` is about to be gathered: complete its pending outer step,
-        after launching the next pending group's exchange so that one stays in flight."""
+        """Layer-wise: group ``index`` is about to be gathered: complete its pending outer step.
+        GTA: the next group's second phase is started first, so it overlaps this group's."""
         shards = [s for s in self.groups[index] if s.pending]
         if not shards:
             return
-        for later in self.groups[index + 1 :]:
-            later_pending = [s for s in later if s.pending]
-            if later_pending:
-                self.launch(later_pending)
-                break
+        if self._gta:
+            for later in self.groups[index + 1 :]:
+                later_pending = [s for s in later if s.pending]
+                if later_pending:
+                    for shard in later_pending:
+                        self._gta_advance(shard)
+                    break
         self.complete(shards, write_model=True)
 
     def flush(self) -> None:
@@ -358,8 +370,9 @@ class OuterSync:
             return
         sync, self._sync = self._sync, None
         clip = None
-        if self.config.clip_pseudo_grad is not None:
-            clip = torch.tensor([sync.clip_coef.get(i, 1.0) for i in range(len(self.layer_names))])
+        if self.config.clip_pseudo_grad is not None and not sync.skipped_sync:
+            # Stacked on the device; read on the host only when a log asks (SyncReport.scalars).
+            clip = torch.stack([sync.clip_coef[i] for i in range(len(self.layer_names))])
         report = SyncReport(
             step=sync.step,
             mode=self.config.sync_mode,

@@ -51,6 +51,10 @@ class BucketShard:
     model: Optional[torch.Tensor] = None
     """This shard's slice of the model's (16-bit) parameter buffer, written after an outer step;
     None when the main parameters are the model (fp32 models)."""
+    flat_mains: Optional[torch.Tensor] = None
+    """A shard-length tensor of which every main is a view at its range (fp32 models: the
+    shard's slice of the parameter buffer), or None (the mains are separate tensors). Lets a
+    sync read and write all of them in one operation."""
     device: torch.device = torch.device("cpu")
     """Where the shard's parameters and gradients live (EDiT's working tensors go there too)."""
     bucket: object = None
@@ -82,6 +86,10 @@ class BucketShard:
             gaps.append((at, self.numel))
         self.gaps: List[Tuple[int, int]] = gaps
         """Ranges of the shard no parameter covers (bucket padding): kept at 0."""
+        counted = [r for r in self.runs if r[3]]
+        self._norm_runs = [(s, e) for s, e, _, _ in counted]
+        # Built once here (not at each sync): a host -> device copy would wait for the device.
+        self._norm_index = torch.tensor([r[2] for r in counted], dtype=torch.long, device=self.device)
 
     def main_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """Views of ``flat`` (shard-length) at each main's range."""
@@ -89,15 +97,31 @@ class BucketShard:
 
     def read_current(self, out: torch.Tensor) -> torch.Tensor:
         """The current main parameters, as one flat tensor (0 where no parameter is)."""
+        if self.flat_mains is not None:
+            out.copy_(self.flat_mains)
+        elif self.mains:
+            torch._foreach_copy_(self.main_views(out), [m.view(-1) for m in self.mains])
         for s, e in self.gaps:
             out[s:e].zero_()
-        if self.mains:
-            torch._foreach_copy_(self.main_views(out), [m.view(-1) for m in self.mains])
+        return out
+
+    def pseudo_gradient(self, anchor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` := anchor - current main parameters (0 where no parameter is), reading each
+        main once."""
+        if self.flat_mains is not None:
+            torch.sub(anchor, self.flat_mains, out=out)
+        else:
+            for main, (s, e) in zip(self.mains, self.local_ranges):
+                torch.sub(anchor[s:e], main.view(-1), out=out[s:e])
+        for s, e in self.gaps:
+            out[s:e].zero_()
         return out
 
     def write_mains(self, values: torch.Tensor) -> None:
         """Main parameters := ``values`` (flat, shard-length)."""
-        if self.mains:
+        if self.flat_mains is not None:
+            self.flat_mains.copy_(values)
+        elif self.mains:
             torch._foreach_copy_([m.view(-1) for m in self.mains], self.main_views(values))
 
     def write_model(self, values: torch.Tensor) -> None:
@@ -106,20 +130,27 @@ class BucketShard:
         if self.model is not None:
             self.model.copy_(values)
 
+    def layer_sq_norms(self, tensor: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[layer] +=`` the squared norm of ``tensor``'s elements of each layer (those that
+        count in the layer's norm). One fused norm kernel per shard (fp32 accumulation), the
+        squares summed in ``out``'s dtype; nothing waits for the device."""
+        if not self._norm_runs:
+            return out
+        norms = torch._foreach_norm([tensor[s:e] for s, e in self._norm_runs])
+        return out.index_add_(0, self._norm_index, torch.stack(norms).to(out.dtype).pow(2))
+
     def scale_layers(self, tensor: torch.Tensor, factors) -> None:
         """In place: each layer's elements times its factor (a 0 factor zeroes, even NaN/Inf).
 
-        ``factors``: a host sequence (floats) or a device tensor ``[layers]``; with a device
-        tensor nothing waits for the device."""
-        if torch.is_tensor(factors) and factors.device.type != "cpu":
-            for s, e, layer, _ in self.runs:
-                part = tensor[s:e]
-                # where(f == 0, 0, x * f): a zero factor must zero NaN / Inf entries too
-                factor = factors[layer].to(tensor.dtype)
-                part.mul_(factor).masked_fill_(factor == 0, 0.0)
-            return
+        ``factors[layer]``: host floats, or 0-dim tensors on the device (clip factors: then
+        nothing waits for the device)."""
         for s, e, layer, _ in self.runs:
-            f = float(factors[layer])
+            f = factors[layer]
+            if torch.is_tensor(f) and f.device.type != "cpu":
+                part = tensor[s:e]
+                part.mul_(f).masked_fill_(f == 0, 0.0)
+                continue
+            f = float(f)
             if f == 0.0:
                 tensor[s:e].zero_()
             elif f != 1.0:

@@ -47,6 +47,16 @@ class ShardLayout:
     of the worker), sorted; shard segments refer to their index."""
 
 
+def _is_view_at(main: torch.Tensor, flat: torch.Tensor, start: int) -> bool:
+    """Whether ``main`` is the contiguous stretch of ``flat`` starting at ``start``."""
+    return (
+        main.is_contiguous()
+        and main.dtype == flat.dtype
+        and main.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        and main.data_ptr() == flat.data_ptr() + start * flat.element_size()
+    )
+
+
 def build_layout(optimizer) -> ShardLayout:
     """Read Megatron's ``DistributedOptimizer`` (``gbuf_ranges``, buffers, bucket groups)."""
     main_of = {}
@@ -109,9 +119,12 @@ def build_layout(optimizer) -> ShardLayout:
                     # A tensor-parallel duplicate (e.g. a layer norm) is counted once.
                     counts = bool(getattr(model_param, "tensor_model_parallel", False)) or tp_rank[model_param] == 0
                     segments.append((start, end, index_of[layer_of[model_param]], counts))
-                model = None
+                model = flat_mains = None
+                slice_ = bucket.param_data.view(-1)[shard_rank * numel : (shard_rank + 1) * numel]
                 if not main_is_model:
-                    model = bucket.param_data.view(-1)[shard_rank * numel : (shard_rank + 1) * numel]
+                    model = slice_
+                elif all(_is_view_at(m, slice_, s) for m, (s, _) in zip(mains, local_ranges)):
+                    flat_mains = slice_  # fp32: the mains are views of the shard's param slice
                 shard = BucketShard(
                     numel=numel,
                     mains=mains,
@@ -119,6 +132,7 @@ def build_layout(optimizer) -> ShardLayout:
                     segments=segments,
                     bucket_layers={index_of[layer_of[p]] for p in bucket.params_list},
                     model=model,
+                    flat_mains=flat_mains,
                     device=bucket.grad_data.device,
                     bucket=bucket,
                     index=len(shards),

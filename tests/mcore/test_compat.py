@@ -183,9 +183,9 @@ def test_process_groups_on_four_ranks(tp):
 
 
 def _edit_with_clipping(rank, world_size, warmup_steps):
-    """test_cpu_adapter's distributed-optimizer run (2 instances, clip_grad 1.0), with EDiT on."""
+    """reference_runs' distributed-optimizer run (2 instances, clip_grad 1.0), with EDiT on."""
     import megatron_edit as me
-    import test_cpu_adapter as base
+    import reference_runs as base
     import torch.distributed as dist
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -202,7 +202,7 @@ def _edit_with_clipping(rank, world_size, warmup_steps):
 
     DistributedOptimizer.get_grad_stats_parallel_group = record
     try:
-        result = base._train_megatron(rank, world_size, True, 2)
+        result = base.train_megatron(rank, world_size, True, 2)
     finally:
         DistributedOptimizer.get_grad_stats_parallel_group = original
         me.unpatch_megatron_for_local_sgd()
@@ -215,9 +215,9 @@ def test_edit_reduces_gradient_norm_inside_the_worker():
     """With clipping: synchronous (warmup) steps under EDiT equal plain PyTorch, so the norm is
     the true one (megatron-core 0.12.x alone reduces it over all ranks, sqrt(2) too large), and
     every norm is reduced inside the worker, never across workers."""
-    import test_cpu_adapter as base
+    import reference_runs as base
 
-    (reference,) = run_ranks(base._train_reference, 1, timeout=150)
+    (reference,) = run_ranks(base.train_reference, 1, timeout=150)
     results = run_ranks(_edit_with_clipping, 4, base.NUM_STEPS, timeout=200)
     for rank, result in enumerate(results):
         worker = (0, 1) if rank < 2 else (2, 3)
