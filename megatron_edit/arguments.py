@@ -12,6 +12,7 @@ import json
 from typing import Optional, Tuple
 
 from .config import (
+    EXCHANGE_DTYPES,
     GTA_CONSENSUS,
     GTA_SPARSIFICATION,
     SYNC_MODES,
@@ -19,6 +20,7 @@ from .config import (
     GTAConfig,
     LocalSGDConfig,
     OuterOptimizerConfig,
+    check_combination,
     resolve_optimizer_class,
 )
 
@@ -67,6 +69,12 @@ def local_sgd_args_provider(parser: argparse.ArgumentParser) -> argparse.Argumen
     add("--local-sgd-cpu-offload", action="store_true",
         help="Keep the anchor and the outer optimizer state in CPU memory.")
     add("--local-sgd-debug", action="store_true", help="Log every sync on every rank.")
+    add("--local-sgd-exchange-dtype", choices=EXCHANGE_DTYPES, default=d.exchange_dtype,
+        help="Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of fp32).")
+    add("--local-sgd-exchange-block-size", type=int, default=d.exchange_block_size,
+        help="Elements per quantization scale (fp8, int8, int4).")
+    add("--local-sgd-exchange-error-feedback", action="store_true",
+        help="Add what quantization dropped to the next sync's pseudo-gradient.")
     add("--outer-optimizer", default="sgd",
         help="Outer optimizer: sgd, adam, adamw or a dotted class path (default sgd).")
     add("--outer-optimizer-lr", type=float, default=o.outer_optim_kwargs["lr"])
@@ -112,6 +120,9 @@ def configs_from_args(
         cpu_offload=args.local_sgd_cpu_offload,
         is_debug=args.local_sgd_debug,
         sync_mode=args.local_sgd_sync_mode,
+        exchange_dtype=args.local_sgd_exchange_dtype,
+        exchange_block_size=args.local_sgd_exchange_block_size,
+        exchange_error_feedback=args.local_sgd_exchange_error_feedback,
     )
     import torch
 
@@ -131,4 +142,5 @@ def configs_from_args(
         density=args.gta_density,
         int8_mask=args.gta_int8_mask,
     )
+    check_combination(local, gta)
     return local, outer, gta

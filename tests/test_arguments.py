@@ -156,6 +156,11 @@ LOCAL_FLAG_CASES = {
     "cpu_offload": (["--local-sgd-cpu-offload"], True),
     "is_debug": (["--local-sgd-debug"], True),
     "sync_mode": (["--local-sgd-sync-mode", "step_end"], "step_end"),
+    "exchange_dtype": (["--local-sgd-exchange-dtype", "int8"], "int8"),
+    # Only meaningful with a scaled exchange format: alone (fp32) it is refused.
+    "exchange_block_size": (["--local-sgd-exchange-block-size", "64"], ConfigError),
+    # An fp32 exchange drops nothing: refused alone.
+    "exchange_error_feedback": (["--local-sgd-exchange-error-feedback"], ConfigError),
 }
 
 

@@ -38,6 +38,9 @@ FLAGS = {
     "cpu_offload": "--local-sgd-cpu-offload",
     "is_debug": "--local-sgd-debug",
     "sync_mode": "--local-sgd-sync-mode",
+    "exchange_dtype": "--local-sgd-exchange-dtype",
+    "exchange_block_size": "--local-sgd-exchange-block-size",
+    "exchange_error_feedback": "--local-sgd-exchange-error-feedback",
     "outer_optim_class": "--outer-optimizer",
     "outer_optim_kwargs": "--outer-optimizer-lr",
     "reducer": "--local-sgd-reducer",
@@ -301,3 +304,23 @@ def test_gta_only_options_are_refused_with_linear():
 def test_density_below_one_needs_a_sparsification_method():
     message = _raises(GTAConfig, ConfigError, "density", reducer="gta", density=0.5)
     assert "--gta-sparsification-method" in message
+
+
+# --- quantized exchange -----------------------------------------------------------------------
+
+
+def test_exchange_options_are_validated_and_pointless_ones_refused():
+    assert LocalSGDConfig(exchange_dtype="int4", exchange_block_size=64, exchange_error_feedback=True)
+    _raises(LocalSGDConfig, ConfigError, "exchange_dtype", exchange_dtype="int2")
+    _raises(LocalSGDConfig, ConfigError, "exchange_block_size", exchange_dtype="int8", exchange_block_size=7)
+    _raises(LocalSGDConfig, ConfigError, "exchange_block_size", exchange_dtype="int8", exchange_block_size=True)
+    _raises(LocalSGDConfig, ConfigError, "exchange_block_size", exchange_dtype="bf16", exchange_block_size=64)
+    _raises(LocalSGDConfig, ConfigError, "exchange_error_feedback", exchange_error_feedback=True)
+
+
+def test_gta_refuses_a_quantized_exchange():
+    from megatron_edit.config import check_combination
+
+    check_combination(LocalSGDConfig(exchange_dtype="int8"), GTAConfig())
+    with pytest.raises(ConfigError, match="--local-sgd-exchange-dtype"):
+        check_combination(LocalSGDConfig(exchange_dtype="int8"), GTAConfig(reducer="gta"))

@@ -4,6 +4,11 @@ The sync group holds, for one shard of the model, the rank of every worker that 
 (Megatron's inter-distributed-optimizer-instance group). This module is the only place that
 talks to ``torch.distributed`` for EDiT, and it counts what it sends, so tests and logs can
 check that nothing crosses the sync group between syncs.
+
+Bytes are counted as what this rank puts on the wire with the usual ring algorithms, for a
+group of W ranks: an all-reduce of S bytes sends 2 (W - 1) / W x S, an all-gather of S bytes
+per rank (W - 1) x S, an all-to-all of S bytes (W - 1) / W x S. (Two workers: an all-reduce
+sends its tensor once.)
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ class _Done:
         return True
 
 
+def all_reduce_bytes(size: int, workers: int) -> int:
+    return 2 * (workers - 1) * size // workers
+
+
 @dataclass
 class CommCounters:
-    """What crossed the sync group from this rank."""
+    """What crossed the sync group from this rank (bytes on the wire, see the module)."""
 
     collectives: int = 0
     payload_bytes: int = 0
@@ -52,17 +61,39 @@ class SyncGroup:
         if self.size == 1:
             return _Done()
         self.counters.collectives += 1
-        self.counters.payload_bytes += tensor.numel() * tensor.element_size()
+        self.counters.payload_bytes += all_reduce_bytes(tensor.numel() * tensor.element_size(), self.size)
         handle = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return handle if async_op else _Done()
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = True):
+        """Chunk w of ``tensor`` (equal chunks) to worker w; chunk w of ``output`` from it."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return _Done()
+        self.counters.collectives += 1
+        self.counters.payload_bytes += (self.size - 1) * tensor.numel() * tensor.element_size() // self.size
+        handle = dist.all_to_all_single(output, tensor, group=self.group, async_op=async_op)
+        return handle if async_op else _Done()
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = True):
+        """``output`` := every worker's ``tensor``, concatenated in worker order."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return _Done()
+        self.counters.collectives += 1
+        self.counters.payload_bytes += (self.size - 1) * tensor.numel() * tensor.element_size()
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        handle = gather(output, tensor, group=self.group, async_op=async_op)
         return handle if async_op else _Done()
 
     def all_reduce_max_everywhere(self, tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
         """MAX over ``group`` (every rank of every worker; None = the default group), blocking,
         counted as traffic across workers. Used once per A-EDiT sync for the schedule."""
-        if dist.get_world_size(group) == 1:
+        ranks = dist.get_world_size(group)
+        if ranks == 1:
             return tensor
         self.counters.collectives += 1
-        self.counters.payload_bytes += tensor.numel() * tensor.element_size()
+        self.counters.payload_bytes += all_reduce_bytes(tensor.numel() * tensor.element_size(), ranks)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         return tensor
 
@@ -71,7 +102,7 @@ class SyncGroup:
         if self.size == 1:
             return tensor.unsqueeze(0).clone()
         self.counters.collectives += 1
-        self.counters.payload_bytes += tensor.numel() * tensor.element_size() * self.size
+        self.counters.payload_bytes += tensor.numel() * tensor.element_size() * (self.size - 1)
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.stack(parts)

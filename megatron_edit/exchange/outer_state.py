@@ -225,8 +225,12 @@ class OuterState:
                         v[s:e].zero_()
 
     def state_bytes(self, shards: Sequence[BucketShard]) -> int:
-        """Bytes of anchors and outer-optimizer state on this rank."""
-        total = sum(s.anchor.numel() * s.anchor.element_size() for s in shards if s.anchor is not None)
+        """Bytes of anchors, outer-optimizer state and error-feedback residuals on this rank."""
+        total = 0
+        for shard in shards:
+            for t in (shard.anchor, shard.residual, shard.chunk_residual):
+                if t is not None:
+                    total += t.numel() * t.element_size()
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for v in state.values():

@@ -37,6 +37,7 @@ import torch
 from ..algorithm import asynchronous, gta, outer, penalty
 from ..config import GTAConfig, LocalSGDConfig
 from .outer_state import OuterState
+from .quantized import QuantizedExchange
 from .report import SyncReport
 from .shard import BucketShard
 
@@ -92,6 +93,11 @@ class OuterSync:
                 self.layer_shards[layer].append(shard)
         self._needs_norms = config.skip_anomaly or config.pseudo_gradnorm_reduce
         self._gta = gta_config.reducer == "gta"
+        self._quant = None
+        if config.exchange_dtype != "fp32" and self.num_workers > 1:
+            self._quant = QuantizedExchange(
+                sync_group, config.exchange_dtype, config.exchange_block_size, config.exchange_error_feedback
+            )
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
         self._sync: Optional[_SyncInProgress] = None
 
@@ -193,7 +199,10 @@ class OuterSync:
                 continue
             if self._sync.own_weights is not None:
                 shard.scale_layers(shard.delta, self._sync.own_weights)
-            shard.handle = self.sync_group.all_reduce_sum(shard.delta, async_op=True)
+            if self._quant is not None:
+                self._quant.launch(shard, shard.delta)
+            else:
+                shard.handle = self.sync_group.all_reduce_sum(shard.delta, async_op=True)
         self._sync.seconds += time.perf_counter() - t0
 
     def _gta_launch(self, shard: BucketShard) -> None:
@@ -247,6 +256,8 @@ class OuterSync:
                 continue
             if self._gta:
                 self._gta_finish(shard)
+            elif self._quant is not None:
+                self._quant.finish(shard, shard.delta, mean=self._sync.weights is None)
             else:
                 shard.handle.wait()
                 shard.handle = None
@@ -257,7 +268,7 @@ class OuterSync:
 
     def _divisor(self) -> int:
         """What the exchanged Delta still has to be divided by in the outer step."""
-        plain_mean = not self._gta and self._sync.weights is None
+        plain_mean = not self._gta and self._quant is None and self._sync.weights is None
         return self.num_workers if plain_mean and self._defers_mean() else 1
 
     def _gta_advance(self, shard: BucketShard) -> None:
@@ -345,16 +356,20 @@ class OuterSync:
 
     def complete_group(self, index: int) -> None:
         """Layer-wise: group ``index`` is about to be gathered: complete its pending outer step.
-        GTA: the next group's second phase is started first, so it overlaps this group's."""
+        GTA and the quantized exchange: the next group's second phase is started first, so it
+        overlaps this group's."""
         shards = [s for s in self.groups[index] if s.pending]
         if not shards:
             return
-        if self._gta:
+        if self._gta or self._quant is not None:
             for later in self.groups[index + 1 :]:
                 later_pending = [s for s in later if s.pending]
                 if later_pending:
                     for shard in later_pending:
-                        self._gta_advance(shard)
+                        if self._gta:
+                            self._gta_advance(shard)
+                        else:
+                            self._quant.advance(shard, mean=self._sync.weights is None)
                     break
         self.complete(shards, write_model=True)
 
@@ -392,6 +407,8 @@ class OuterSync:
             skipped_sync=sync.skipped_sync,
             worker_steps=sync.worker_steps,
             worker_seconds=sync.worker_seconds,
+            exchange_dtype=self.config.exchange_dtype,
+            quantization_error=self._quant.take_error_norm() if self._quant is not None else None,
         )
         if self.on_done is not None:
             self.on_done(report)

@@ -42,6 +42,11 @@ class SyncReport:
     worker_steps: Optional[torch.Tensor] = None
     """A-EDiT: [workers] steps each worker took since the last real exchange."""
     worker_seconds: Optional[torch.Tensor] = None
+    exchange_dtype: str = "fp32"
+    """Format of the pseudo-gradients sent (``LocalSGDConfig.exchange_dtype``)."""
+    quantization_error: Optional[torch.Tensor] = None
+    """Quantized exchange: norm of what quantization changed on this rank (its shard of its
+    pseudo-gradient, and the chunk of the result it reduced), error feedback included."""
     """A-EDiT: [workers] seconds of the latest interval (since the previous planned sync)."""
 
     def scalars(self) -> Dict[str, float]:
@@ -68,6 +73,8 @@ class SyncReport:
         if self.clip_coef is not None:
             out["local-sgd/clip-coef-min"] = float(self.clip_coef.min())
             out["local-sgd/clipped-layers"] = float((self.clip_coef < 1).sum())
+        if self.quantization_error is not None:
+            out["local-sgd/quantization-error"] = float(self.quantization_error)
         if self.worker_steps is not None:
             out["local-sgd/skipped-sync"] = float(self.skipped_sync)
             out["local-sgd/worker-steps-min"] = float(self.worker_steps.min())

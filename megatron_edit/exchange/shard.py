@@ -73,6 +73,11 @@ class BucketShard:
     """GTA: the consensus message (phase 1) or the kept-entries mask (phase 2) in flight."""
     exchanged: bool = False
     pending: bool = False
+    # --- error feedback of a quantized exchange (persist across syncs; None without it)
+    residual: Optional[torch.Tensor] = None
+    """What quantization dropped from this worker's pseudo-gradient at the last sync (fp32)."""
+    chunk_residual: Optional[torch.Tensor] = None
+    """What requantization dropped from the chunk of the result this worker reduces."""
 
     def __post_init__(self) -> None:
         self.runs: List[Run] = merge_runs(self.segments)

@@ -16,7 +16,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ..config import GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig
+from ..config import GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig, check_combination
 from . import compat
 from .checks import check_megatron_options, check_optimizer_options, check_workers
 from .controller import LocalSGD
@@ -44,6 +44,7 @@ class LocalSGDRuntime:
                 outer_optim_config or OuterOptimizerConfig(),
                 gta_config or GTAConfig(),
             )
+            check_combination(self._configs[0], self._configs[2])
         self._configs_from = configs_from
         self._resolved = self._configs is not None
         self.final_step: Optional[int] = None  # the run's last step, when known (A-EDiT)

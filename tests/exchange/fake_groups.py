@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_edit.exchange.groups import CommCounters
+from megatron_edit.exchange.groups import CommCounters, all_reduce_bytes
 
 
 class CollectiveMismatch(RuntimeError):
@@ -76,11 +76,12 @@ class FakeWorld:
 
 
 class _Handle:
-    def __init__(self, world, slot, index, tensor):
-        self.world, self.slot, self.index, self.tensor = world, slot, index, tensor
+    def __init__(self, world, slot, index, tensor, pick=None):
+        self.world, self.slot, self.index, self.tensor, self.pick = world, slot, index, tensor, pick
 
     def wait(self) -> bool:
-        self.tensor.copy_(self.world._wait(self.slot, self.index))
+        result = self.world._wait(self.slot, self.index)
+        self.tensor.copy_(self.pick(result) if self.pick else result)
         return True
 
 
@@ -113,9 +114,36 @@ class FakeSyncGroup:
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = True):
         if self.size == 1:
             return _Done()
-        self.counters.payload_bytes += tensor.numel() * tensor.element_size()
+        self.counters.payload_bytes += all_reduce_bytes(tensor.numel() * tensor.element_size(), self.size)
         index, slot = self._issue("all_reduce_sum", tensor, _sum)
         handle = _Handle(self.world, slot, index, tensor)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = True):
+        if self.size == 1:
+            output.copy_(tensor)
+            return _Done()
+        self.counters.payload_bytes += (self.size - 1) * tensor.numel() * tensor.element_size() // self.size
+        me, size = self.rank, self.size
+
+        def reduce(parts):  # every worker's input, chunked; worker w gets chunk w of each
+            return [torch.cat([p.chunk(size)[w] for p in parts]) for w in range(size)]
+
+        index, slot = self._issue("all_to_all", tensor, reduce)
+        handle = _Handle(self.world, slot, index, output, pick=lambda result: result[me])
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = True):
+        if self.size == 1:
+            output.copy_(tensor)
+            return _Done()
+        self.counters.payload_bytes += (self.size - 1) * tensor.numel() * tensor.element_size()
+        index, slot = self._issue("all_gather_into", tensor, torch.cat)
+        handle = _Handle(self.world, slot, index, output)
         if not async_op:
             handle.wait()
         return handle
@@ -123,12 +151,12 @@ class FakeSyncGroup:
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return tensor.unsqueeze(0).clone()
-        self.counters.payload_bytes += tensor.numel() * tensor.element_size() * self.size
+        self.counters.payload_bytes += tensor.numel() * tensor.element_size() * (self.size - 1)
         index, slot = self._issue("all_gather", tensor, torch.stack)
         return self.world._wait(slot, index).clone()
 
     def all_reduce_max_everywhere(self, tensor: torch.Tensor, group=None) -> torch.Tensor:
-        self.counters.payload_bytes += tensor.numel() * tensor.element_size()
+        self.counters.payload_bytes += all_reduce_bytes(tensor.numel() * tensor.element_size(), self.size)
         index, slot = self._issue("all_reduce_max", tensor, lambda parts: torch.stack(parts).amax(0))
         tensor.copy_(self.world._wait(slot, index))
         return tensor

@@ -53,7 +53,8 @@ def test_fake_clock_schedule_skip_and_step_weights_are_exact_and_identical_every
         assert [rep.skipped_sync for rep in r["reports"]] == [True, False, False]
         assert r["reports"][0].worker_steps.tolist() == [2, 2]
         assert r["reports"][0].worker_seconds.tolist() == [2.0, 0.5]
-        assert r["reports"][0].payload_bytes == 4 * 2 * 8  # only the schedule: 4 x W float64
+        # only the schedule: 4 x W float64, all-reduced over the 4 ranks (2 x 3/4 of it sent)
+        assert r["reports"][0].payload_bytes == 2 * 3 * (4 * 2 * 8) // 4
         assert r["reports"][1].worker_steps.tolist() == [6, 18]  # since the anchor (skip in between)
         assert r["reports"][1].worker_seconds.tolist() == [4.0, 4.0]
         assert r["reports"][2].worker_steps.tolist() == [4, 16]

@@ -1,0 +1,140 @@
+"""The quantized exchange of pseudo-gradients: reduce-scatter of quantized chunks, then
+all-gather of the quantized result (as torchft's quantized all-reduce), with error feedback.
+
+Summing quantized values would overflow (and each worker's blocks have their own scales), so a
+quantized exchange is not an all-reduce. Per shard, with W workers and the shard cut into W
+chunks (whole blocks, :func:`~megatron_edit.algorithm.quantize.split_sizes`):
+
+1. every worker quantizes its (weighted) pseudo-gradient chunk by chunk and sends chunk c to
+   worker c (one all-to-all);
+2. worker c decodes the W versions of its chunk, adds them in fp32 in worker order (divides by W
+   for the plain mean), quantizes the result and all-gathers it (one all-gather);
+3. every worker decodes the same bytes: replicas stay bitwise identical.
+
+Each worker sends 2 (W - 1) / W times the quantized shard, against 2 (W - 1) / W times the fp32
+shard for a ring all-reduce: int8 moves 0.254x the bytes of fp32, int4 0.129x (block 256).
+
+Error feedback (``exchange_error_feedback``): what step 1 dropped from this worker's pseudo-
+gradient is added to its next one (``shard.residual``), and what step 2 dropped from the chunk
+this worker owns is added to that chunk's next result (``shard.chunk_residual``), so the sum of
+the applied updates over syncs follows the sum of the true ones within one quantum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from ..algorithm import quantize
+from .shard import BucketShard
+
+
+@dataclass
+class _Stage:
+    """A shard's exchange in flight: which collective, and the buffers it writes."""
+
+    second: bool
+    handle: object
+    received: torch.Tensor
+    sizes: List[int]
+    chunk_bytes: int
+
+
+class QuantizedExchange:
+    def __init__(self, sync_group, dtype: str, block: int, error_feedback: bool):
+        self.sync_group = sync_group
+        self.dtype = dtype
+        self.block = block
+        self.error_feedback = error_feedback
+        self.error_sq = 0.0
+        """Squared norm of what quantization changed in this rank's last sync (a device 0-dim
+        tensor while a sync runs; see :meth:`take_error_norm`)."""
+
+    def _chunks(self, numel: int):
+        workers = self.sync_group.size
+        sizes = list(quantize.split_sizes(numel, workers, self.dtype, self.block))
+        per = max(sizes) if sizes else 0
+        chunk_bytes = quantize.encoded_bytes(per, self.dtype, self.block)
+        offsets = [sum(sizes[:w]) for w in range(workers)]
+        return sizes, offsets, per, chunk_bytes
+
+    def _encode_padded(self, values: torch.Tensor, per: int) -> torch.Tensor:
+        if values.numel() < per:
+            values = torch.cat([values, values.new_zeros(per - values.numel())])
+        return quantize.encode(values, self.dtype, self.block)
+
+    def _decode(self, data: torch.Tensor, numel: int, per: int) -> torch.Tensor:
+        return quantize.decode(data, per, self.dtype, self.block)[:numel]
+
+    def _add_error(self, before: torch.Tensor, after: torch.Tensor) -> None:
+        err = (before - after).pow(2).sum()
+        self.error_sq = err if isinstance(self.error_sq, float) else self.error_sq + err
+
+    def take_error_norm(self) -> Optional[torch.Tensor]:
+        """The quantization error norm of the sync just finished (a 0-dim tensor on the device:
+        nothing waits for it), then reset."""
+        value, self.error_sq = self.error_sq, 0.0
+        return value.sqrt() if torch.is_tensor(value) else None
+
+    @torch.no_grad()
+    def launch(self, shard: BucketShard, delta: torch.Tensor) -> None:
+        """Step 1: quantize ``delta`` (+ the residual) chunk by chunk, start the all-to-all."""
+        sizes, offsets, per, chunk_bytes = self._chunks(shard.numel)
+        if self.error_feedback:
+            if shard.residual is None:
+                shard.residual = torch.zeros_like(delta)
+            delta.add_(shard.residual)
+        parts = [self._encode_padded(delta[o : o + n], per) for o, n in zip(offsets, sizes)]
+        send = torch.cat(parts)
+        sent = torch.cat([self._decode(p, n, per) for p, n in zip(parts, sizes)])
+        self._add_error(delta, sent)
+        if self.error_feedback:
+            torch.sub(delta, sent, out=shard.residual)
+        received = torch.empty_like(send)
+        handle = self.sync_group.all_to_all(received, send, async_op=True)
+        shard.handle = _Stage(False, handle, received, sizes, chunk_bytes)
+
+    @torch.no_grad()
+    def advance(self, shard: BucketShard, mean: bool) -> None:
+        """Step 2 once step 1 is in: reduce the owned chunk in fp32, requantize, all-gather."""
+        stage = shard.handle
+        if stage is None or stage.second:
+            return
+        stage.handle.wait()
+        workers, me = self.sync_group.size, self.sync_group.rank
+        sizes, _, per, chunk_bytes = self._chunks(shard.numel)
+        own = torch.zeros(sizes[me], dtype=torch.float32, device=stage.received.device)
+        for w in range(workers):  # worker order: the same sum wherever it is computed
+            own += self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], sizes[me], per)
+        if mean:
+            own /= workers
+        if self.error_feedback:
+            if shard.chunk_residual is None or shard.chunk_residual.numel() != own.numel():
+                shard.chunk_residual = torch.zeros_like(own)
+            own += shard.chunk_residual
+        data = self._encode_padded(own, per)
+        sent = self._decode(data, own.numel(), per)
+        self._add_error(own, sent)
+        if self.error_feedback:
+            torch.sub(own, sent, out=shard.chunk_residual)
+        gathered = torch.empty(workers * chunk_bytes, dtype=torch.uint8, device=data.device)
+        handle = self.sync_group.all_gather_into(gathered, data, async_op=True)
+        shard.handle = _Stage(True, handle, gathered, sizes, chunk_bytes)
+
+    @torch.no_grad()
+    def finish(self, shard: BucketShard, delta: torch.Tensor, mean: bool) -> None:
+        """Wait for both steps; ``delta`` := the decoded result (the same bytes everywhere)."""
+        self.advance(shard, mean)
+        stage = shard.handle
+        stage.handle.wait()
+        sizes, offsets, per, chunk_bytes = self._chunks(shard.numel)
+        for w, (o, n) in enumerate(zip(offsets, sizes)):
+            if n:
+                delta[o : o + n] = self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], n, per)
+        shard.handle = None
+
+    def payload_ratio(self) -> float:
+        """Bytes sent relative to an fp32 ring all-reduce of the same shard (asymptotically)."""
+        return quantize.encoded_bytes(1 << 20, self.dtype, self.block) / (4 << 20)
