@@ -262,6 +262,12 @@ class LocalSGD:
         if self._next_sync_at is not None:
             self._interval_start = self.clock()
 
+    def chunk_length(self, shard) -> int:
+        """Quantized exchange: elements of the chunk of ``shard``'s result this worker reduces
+        (0 without a quantized exchange)."""
+        quant = self.sync._quant
+        return quant.chunk_length(shard.numel) if quant is not None else 0
+
     def state_bytes(self) -> int:
         """Bytes of EDiT state on this rank: anchor + outer optimizer state."""
         return self.outer_state.state_bytes(self.shards)
