@@ -75,6 +75,7 @@ def _build(spec, tp, pp):
             max_sequence_length=SEQ_LENGTH,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=spec.get("tied", False),
         )
     ddp = wrap_ddp(
         model,

@@ -214,7 +214,7 @@ class OuterSync:
             seed = (self._sync.step * 1_000_003 + self.sync_group.rank * 10_007
                     + self.worker_groups.shard_rank * 101 + shard.index)
             generator = torch.Generator().manual_seed(seed)
-        gta.sparsify(shard.delta, shard.segments, g.density, g.sparsification_method, generator)
+        gta.sparsify(shard.delta, shard.sparsifiable_segments(), g.density, g.sparsification_method, generator)
         shard.scale_layers(shard.delta, self._sync.own_weights)
         if g.consensus_method is None:
             self._gta_merge_launch(shard, None)
