@@ -51,8 +51,8 @@ def _configs_from_megatron_args():
         ) from None
     args = get_args()
     if SESSION.runtime is not None:
-        # A-EDiT ends with a sync at the last iteration on every worker (see asynchronous.py).
-        SESSION.runtime.final_step = getattr(args, "train_iters", None)
+        # A-EDiT's global budget: what the synchronous run of --train-iters consumes.
+        SESSION.runtime.train_iters = args.train_iters
     return configs_from_args(args)
 
 

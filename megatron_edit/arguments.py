@@ -46,6 +46,9 @@ def local_sgd_args_provider(parser: argparse.ArgumentParser) -> argparse.Argumen
     add("--local-sgd-async", action="store_true", help="A-EDiT: sync by elapsed time.")
     add("--local-sgd-sync-time", type=float, default=d.local_sgd_sync_time,
         help="A-EDiT: seconds between syncs.")
+    add("--local-sgd-time-budget", type=_none_or_float, default=d.async_time_budget,
+        help="A-EDiT: end after this many seconds of training after warmup (default: the step "
+             "budget, --train-iters x workers worker-steps).")
     add("--local-sgd-min-total-global-steps", type=int, default=d.min_total_global_steps,
         help="A-EDiT: skip a sync when fewer steps were taken in total since the last one.")
     add("--local-sgd-use-step-weight", action="store_true",
@@ -106,6 +109,7 @@ def configs_from_args(
         local_sgd_sync_interval=args.local_sgd_sync_interval,
         local_sgd_sync_time=args.local_sgd_sync_time,
         min_total_global_steps=args.local_sgd_min_total_global_steps,
+        async_time_budget=args.local_sgd_time_budget,
         use_step_weight=args.local_sgd_use_step_weight,
         step_weight_ratio=args.local_sgd_step_weight_ratio,
         local_sgd_warmup_steps=args.local_sgd_warmup_steps,

@@ -33,6 +33,7 @@ FLAG_NAMES: Dict[str, str] = {
     "local_sgd_sync_interval": "--local-sgd-sync-interval",
     "local_sgd_sync_time": "--local-sgd-sync-time",
     "min_total_global_steps": "--local-sgd-min-total-global-steps",
+    "async_time_budget": "--local-sgd-time-budget",
     "use_step_weight": "--local-sgd-use-step-weight",
     "step_weight_ratio": "--local-sgd-step-weight-ratio",
     "local_sgd_warmup_steps": "--local-sgd-warmup-steps",
@@ -88,6 +89,10 @@ class LocalSGDConfig:
 
     local_sgd_sync_time: float = 600.0
     """A-EDiT only: seconds of training between two synchronisations."""
+
+    async_time_budget: Optional[float] = None
+    """A-EDiT only: end the run after this many seconds of training after warmup (at a final
+    sync planned from the workers' speeds), instead of when the step budget is used."""
 
     min_total_global_steps: int = 100
     """A-EDiT only: skip a time-triggered sync when all workers together took fewer steps than
@@ -183,6 +188,18 @@ class LocalSGDConfig:
             "local_sgd_sync_time",
             f"must be a positive number of seconds (got {self.local_sgd_sync_time!r}).",
         )
+        _require(
+            self.async_time_budget is None
+            or (isinstance(self.async_time_budget, (int, float)) and not isinstance(self.async_time_budget, bool)
+                and math.isfinite(self.async_time_budget) and self.async_time_budget > 0),
+            "async_time_budget",
+            f"must be a positive number of seconds or None (got {self.async_time_budget!r}).",
+        )
+        if self.async_time_budget is not None and not self.use_async:
+            raise ConfigError(
+                f"{_name('async_time_budget')}: a wall-clock budget is A-EDiT's; add "
+                f"{FLAG_NAMES['use_async']} (synchronous EDiT ends at --train-iters)."
+            )
         _require(
             isinstance(self.min_total_global_steps, int) and self.min_total_global_steps >= 0,
             "min_total_global_steps",
