@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Dict, List, Optional, Tuple
+import os
+import sys
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from .config import (
     GTA_CONSENSUS,
@@ -37,6 +39,23 @@ GROUP_TITLE = "local SGD (EDiT / A-EDiT)"
 SGD_DEFAULTS = OuterOptimizerConfig().outer_optim_kwargs
 _OUTER_FLAGS = {"lr": "--outer-optimizer-lr", "momentum": "--outer-optimizer-momentum",
                 "nesterov": "--[no-]outer-optimizer-nesterov"}
+
+
+class Rank0ArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` for scripts started on every rank (torchrun): help, usage and
+    errors are printed by rank 0 only (``RANK``), and an error is one line, not the usage.
+    :meth:`fail` reports a :class:`ConfigError` (or any message) the same way."""
+
+    def _print_message(self, message, file=None):
+        if message and os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+    def error(self, message):
+        self.fail(message)
+
+    def fail(self, message) -> NoReturn:
+        self._print_message(f"{self.prog}: error: {message}\n", sys.stderr)
+        raise SystemExit(2)
 
 
 def _none_or_float(text: str) -> Optional[float]:
@@ -185,8 +204,7 @@ def _check_flags_take_effect(args: argparse.Namespace) -> None:
         ):
             if getattr(args, dest) != getattr(d, name):
                 raise _needs(flag, "--local-sgd-async",
-                             f" (synchronous EDiT syncs every --local-sgd-sync-interval "
-                             f"{args.local_sgd_sync_interval} steps)")
+                             " (synchronous EDiT syncs every --local-sgd-sync-interval steps)")
     if not args.local_sgd_use_step_weight and args.local_sgd_step_weight_ratio != d.step_weight_ratio:
         raise _needs("--local-sgd-step-weight-ratio", "--local-sgd-use-step-weight")
     if not args.local_sgd_skip_anomaly:
