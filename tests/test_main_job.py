@@ -263,3 +263,40 @@ def test_a_flag_error_under_torchrun_is_one_line(data_dir):
     errors = [line for line in out.splitlines() if "error:" in line and "--workers" in line]
     assert errors == [f"{SCRIPT.name}: error: argument --workers: must be an integer >= 1 (got 0)"], out
     assert "[rank" not in out  # no per-rank tracebacks
+
+
+def _as_text(value):
+    """A default as the README writes it."""
+    if value is None or isinstance(value, bool):
+        return {True: "on", False: "off", None: "none"}[value]
+    return str(value)
+
+
+def test_readme_flag_table_matches_both_parsers(job):
+    """README's "Configuration" table: every EDiT flag, its package default and the main job's."""
+    from megatron_edit.arguments import SGD_DEFAULTS, local_sgd_args_provider
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("| flag | default | main job | meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.strip().splitlines()[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0].strip("`").replace("[no-]", "")] = cells[1:3]
+    package = local_sgd_args_provider(__import__("argparse").ArgumentParser())
+    main = job.build_parser()
+    flags = {a.option_strings[0]: a.dest for a in package._actions if a.option_strings and a.dest != "help"}
+    assert set(rows) == set(flags)
+    for flag, dest in flags.items():
+        default, main_job = rows[flag]
+        key = dest.replace("outer_optimizer_", "")
+        expected = package.get_default(dest)
+        if expected is None and key in SGD_DEFAULTS:
+            assert default == f"{_as_text(SGD_DEFAULTS[key])} with SGD", flag
+        else:
+            assert default.split(" (")[0] == _as_text(expected), (flag, default, expected)
+        if flag == "--use-local-sgd":
+            assert main_job.startswith("refused"), main_job
+        elif main.get_default(dest) == expected:
+            assert main_job == "=", (flag, main_job)
+        else:
+            assert main_job == _as_text(main.get_default(dest)), (flag, main_job)
