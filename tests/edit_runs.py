@@ -164,6 +164,8 @@ def _train(rank, spec, tp, pp):
     out = dict(losses=[], snapshots={}, dp_rank=dp_rank, tp_rank=ps.get_tensor_model_parallel_rank(),
                pp_rank=ps.get_pipeline_model_parallel_rank(), worker=dp_rank // worker_size)
     controllers = me.get_local_sgd(optimizer)
+    if controllers and spec.get("last_step"):
+        controllers[0].last_step = spec["last_step"]  # as Megatron-LM's --train-iters sets it
     for step in range(1, spec["steps"] + 1):
         if traffic:
             traffic.phase = f"step {step}"
@@ -187,7 +189,10 @@ def _train(rank, spec, tp, pp):
         if spec["snapshot_every_step"]:
             ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync too
             out["snapshots"][step] = named_params(ddp)
-    ddp.start_param_sync(force_sync=True)
+    if controllers:
+        out["pending_at_end"] = controllers[0].sync_in_progress
+    if not spec.get("no_final_gather"):
+        ddp.start_param_sync(force_sync=True)
     if pp == 1:  # loss of this rank's model on a fixed held-out batch
         ddp.eval()
         with torch.no_grad():

@@ -210,3 +210,17 @@ def test_quantized_exchange_keeps_replicas_identical_in_both_modes(tp):
         slices.setdefault(layerwise["tp_rank"], []).append(layerwise)
     for runs in slices.values():
         _assert_params_equal(runs[0]["params"], runs[1]["params"], "replicas after the last sync")
+
+
+@pytest.mark.timeout(240)
+def test_a_layerwise_sync_due_at_the_last_step_completes_before_the_run_ends():
+    """With the run's last step known (Megatron-LM: --train-iters), a layer-wise sync due there
+    (no next forward pass to complete it in) completes at once and the parameters are gathered:
+    the workers end with identical models without anyone forcing a parameter sync."""
+    spec = default_spec(steps=6, local_sgd=dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=0), outer=OUTER,
+                        last_step=6, no_final_gather=True)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=200)
+    for r in results:
+        run = r["runs"][0]
+        assert [rep.step for rep in run["reports"]] == [3, 6] and not run["pending_at_end"]
+    _assert_params_equal(results[0]["runs"][0]["params"], results[2]["runs"][0]["params"], "workers at the end")
