@@ -141,6 +141,14 @@ class LocalSGD:
         interval = torch.full((workers,), first, dtype=torch.int64)
         if self.budget_steps is not None:
             remaining = self.budget_steps - workers * self.steps_done
+            if remaining < 2 * self.config.min_total_global_steps and dist.get_rank() == 0:
+                logger.warning(
+                    "megatron_edit: A-EDiT's budget after warmup is %d worker-steps and "
+                    "--local-sgd-min-total-global-steps is %d: every sync before the final one "
+                    "will be skipped (only the final sync exchanges). Lower "
+                    "--local-sgd-min-total-global-steps or train longer.",
+                    remaining, self.config.min_total_global_steps,
+                )
             if first * workers * 1.5 >= remaining:
                 interval = asynchronous.plan_final_interval(torch.ones(workers), remaining)
                 self._final_planned = True
