@@ -10,6 +10,7 @@ the tests compare. ``simulate_edit`` is an independent implementation of EDiT in
 
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List
 
 import torch
@@ -455,9 +456,14 @@ def vpp_runs(rank, world_size, specs):
         for i in range(vp):
             model_parallel_cuda_manual_seed(1234 + i)
             torch.manual_seed(1234 + i)
+            # megatron-core >= 0.13 takes the virtual stage as an argument; older versions read it
+            # from parallel_state, which Megatron-LM's get_model set before building each chunk.
+            stage = dict(vp_stage=i) if "vp_stage" in inspect.signature(GPTModel.__init__).parameters else {}
+            if not stage:
+                ps.set_virtual_pipeline_model_parallel_rank(i)
             module = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB_SIZE,
                               max_sequence_length=SEQ_LENGTH, pre_process=pp_rank == 0 and i == 0,
-                              post_process=pp_rank == pp - 1 and i == vp - 1, vp_stage=i)
+                              post_process=pp_rank == pp - 1 and i == vp - 1, **stage)
             chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                                   disable_bucketing=i > 0))
         config.no_sync_func = [c.no_sync for c in chunks]
