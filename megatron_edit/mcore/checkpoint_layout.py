@@ -26,8 +26,17 @@ class CheckpointStateError(RuntimeError):
 
 
 def worker_key(key: str, worker: int) -> str:
-    """Checkpoint key of worker ``worker``'s copy of Megatron's optimizer key ``key``."""
-    return f"{PREFIX}worker_{worker}.{key}"
+    """Checkpoint key of worker ``worker``'s copy of Megatron's optimizer key ``key`` (worker 0
+    writes Megatron's own keys)."""
+    return f"{PREFIX}worker_{worker}.{key}" if worker else key
+
+
+def retarget(key: str, megatron_key: str, worker: int) -> str:
+    """``key`` (Megatron's optimizer key ``megatron_key``, possibly behind a worker part and
+    the prefixes Megatron adds later, e.g. ``chained_0.``) as worker ``worker``'s key."""
+    head = key[: len(key) - len(megatron_key)]
+    head = _WORKER_KEY.sub(lambda m: "." if m.group(0).startswith(".") else "", head)
+    return head + worker_key(megatron_key, worker)
 
 
 def _is_local_sgd_key(key: str) -> bool:
