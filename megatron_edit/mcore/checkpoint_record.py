@@ -117,21 +117,22 @@ _FIELDS = (
 )
 
 
+def format_message(found, where: str) -> str:
+    """Why a record of format ``found`` cannot be read."""
+    if found in OLD_FORMATS:
+        return (f"megatron_edit: {where} holds EDiT state in format {found!r} "
+                f"({OLD_FORMATS[found]}), written before elastic checkpoints; this version reads "
+                f"{FORMAT!r}. Resume it with the megatron_edit version that wrote it, or load only "
+                f"the model (--no-load-optim) to start EDiT from it.")
+    return (f"megatron_edit: the EDiT record of {where} is not readable (format {found!r}, "
+            f"expected {FORMAT!r}): the checkpoint is corrupted or was written by another tool.")
+
+
 def check_run_record(record, where: str) -> dict:
     """The record, or :class:`CheckpointStateError` saying why it cannot be used."""
     found = record.get("format") if isinstance(record, dict) else type(record).__name__
-    if found in OLD_FORMATS:
-        raise CheckpointStateError(
-            f"megatron_edit: {where} holds EDiT state in format {found!r} "
-            f"({OLD_FORMATS[found]}), written before elastic checkpoints; this version reads "
-            f"{FORMAT!r}. Resume it with the megatron_edit version that wrote it, or load only "
-            f"the model (--no-load-optim) to start EDiT from it."
-        )
     if found != FORMAT:
-        raise CheckpointStateError(
-            f"megatron_edit: the EDiT record of {where} is not readable (format {found!r}, "
-            f"expected {FORMAT!r}): the checkpoint is corrupted or was written by another tool."
-        )
+        raise CheckpointStateError(format_message(found, where))
     missing = [f for f in _FIELDS if f not in record]
     if missing:
         raise CheckpointStateError(f"megatron_edit: the EDiT record of {where} lacks {missing}: it is corrupted.")

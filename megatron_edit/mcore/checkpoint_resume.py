@@ -49,6 +49,7 @@ from .checkpoint_record import (
     OLD_FORMATS,
     at_sync_boundary,
     check_run_record,
+    format_message,
     layout_difference,
     outer_state_keys,
     parallel_sizes,
@@ -130,9 +131,8 @@ class ResumePlan:
         part = self.part
         if record is None:
             ours = [k for k in saved if _is_local_sgd_key(k) and not _WORKER_KEY.search(k)]
-            if any(".record.dp_group_idx_" in k for k in ours):
-                old = next(iter(OLD_FORMATS))
-                return str(_error_of(lambda: check_run_record({"format": old}, "the checkpoint")))
+            if any(".record.dp_group_idx_" in k for k in ours):  # format 1: a record per slice
+                return format_message(next(iter(OLD_FORMATS)), "the checkpoint")
             if ours:
                 return (f"megatron_edit: the checkpoint has EDiT state but no EDiT record "
                         f"({PREFIX}record): it is incomplete or corrupted.")
@@ -216,8 +216,14 @@ class ResumePlan:
         return None
 
     def _retarget_inner(self, worker: int) -> None:
+        """Load saved worker ``worker``'s inner optimizer state. Another worker reads it as its
+        own too (worker ``worker`` itself, or worker 0 for Megatron's keys): these requests
+        are not the main replica (Megatron's load checks there is one per shard)."""
         for sh in self.inner:
             sh.key = retarget(sh.key, self.megatron_keys[id(sh)], worker)
+            if worker != self.layout.worker:
+                rid = sh.replica_id
+                sh.replica_id = 1 if isinstance(rid, int) else (1, *tuple(rid)[1:])
 
     def _mains_request(self, worker: int):
         """Saved worker ``worker``'s main params, in Megatron's format (fresh buffers)."""
@@ -244,14 +250,6 @@ class ResumePlan:
             return out
 
         return copy(self.state["param_state"])
-
-
-def _error_of(fn) -> Exception:
-    try:
-        fn()
-    except CheckpointStateError as e:
-        return e
-    raise AssertionError("expected an error")  # pragma: no cover
 
 
 # --------------------------------------------------------------------------- after the load
