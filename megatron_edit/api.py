@@ -52,8 +52,8 @@ def _configs_from_megatron_args():
         ) from None
     args = get_args()
     if SESSION.runtime is not None:
-        # A-EDiT ends with a sync at the last iteration on every worker (see asynchronous.py).
-        SESSION.runtime.final_step = getattr(args, "train_iters", None)
+        # A-EDiT's global budget: what the synchronous run of --train-iters consumes.
+        SESSION.runtime.train_iters = args.train_iters
     return configs_from_args(args)
 
 
@@ -77,8 +77,7 @@ def patch_megatron_for_local_sgd(
             f"megatron_edit supports megatron-core {SUPPORTED}; megatron-core {version} is "
             f"installed. Install a supported release, e.g. pip install megatron-core==0.16.1."
         )
-    if local_sgd_config is None and (outer_optim_config or gta_config):
-        raise ValueError("pass local_sgd_config too when passing outer_optim_config / gta_config")
+    _check_configs(local_sgd_config, outer_optim_config, gta_config)
     SESSION.runtime = LocalSGDRuntime(
         local_sgd_config,
         outer_optim_config,
@@ -93,6 +92,31 @@ def patch_megatron_for_local_sgd(
     if applied:
         _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
     return [p.id for p in SESSION.registry.patches if SESSION.registry.is_applied(p.id)]
+
+
+def _check_configs(local_sgd_config, outer_optim_config, gta_config) -> None:
+    """Each argument of the expected class (a string, a dict or configs in the wrong order would
+    otherwise fail inside Megatron, at the first step), re-validated (fields may have been
+    assigned since construction)."""
+    given = (("local_sgd_config", local_sgd_config, LocalSGDConfig),
+             ("outer_optim_config", outer_optim_config, OuterOptimizerConfig),
+             ("gta_config", gta_config, GTAConfig))
+    for name, value, cls in given:
+        if value is not None and not isinstance(value, cls):
+            hint = ""
+            if isinstance(value, (LocalSGDConfig, OuterOptimizerConfig, GTAConfig)):
+                hint = " (configs in the wrong order? pass them by keyword)"
+            elif isinstance(value, dict):
+                hint = f" (for a dict d: {cls.__name__}(**d))"
+            raise TypeError(
+                f"patch_megatron_for_local_sgd: {name} must be a {cls.__name__} or None, got "
+                f"{type(value).__name__}{hint}."
+            )
+    if local_sgd_config is None and (outer_optim_config or gta_config):
+        raise ValueError("pass local_sgd_config too when passing outer_optim_config / gta_config")
+    for _, value, _ in given:
+        if value is not None:
+            value.__post_init__()
 
 
 def _add_training_patches(registry: PatchRegistry, runtime_ref) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_gpt_edit as job  # noqa: E402  (the main job's model, data and step)
+from megatron_edit.cpu import adapter as cpu_adapter  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench-results")
 
@@ -38,7 +39,7 @@ def setup(args, train_samples: int = 40000, eval_samples: Optional[int] = None):
     from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
-    job.cpu_adapter.activate()
+    cpu_adapter.activate()
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     if dist.get_world_size() % args.workers:
@@ -46,9 +47,11 @@ def setup(args, train_samples: int = 40000, eval_samples: Optional[int] = None):
     ps.initialize_model_parallel(num_distributed_optimizer_instances=args.workers)
     prefix = os.path.join(args.data_dir, "stdlib_docs")
     os.makedirs(args.data_dir, exist_ok=True)
-    job.data.prepare_indexed_dataset(prefix)
+    from megatron_edit.cpu import data
+
+    data.prepare_indexed_dataset(prefix)
     eval_samples = eval_samples or args.eval_samples
-    train_ds, valid_ds, _ = job.data.build_gpt_datasets(
+    train_ds, valid_ds, _ = data.build_gpt_datasets(
         prefix, args.seq_length, (train_samples, eval_samples, 0), args.seed
     )
     return train_ds, valid_ds
@@ -97,7 +100,9 @@ def train_step(args, ddp, optimizer, scheduler, batch, forward_step=None) -> Non
 def batches(args, dataset, start_step: int = 0):
     """This rank's micro-batches (the main job's data order), from ``start_step`` on."""
     lay = layout(args)
-    return job.data.batch_iterator(dataset, args.micro_batch_size, start=lay["dp_rank"] + start_step * lay["dp"],
+    from megatron_edit.cpu import data
+
+    return data.batch_iterator(dataset, args.micro_batch_size, start=lay["dp_rank"] + start_step * lay["dp"],
                                    stride=lay["dp"])
 
 

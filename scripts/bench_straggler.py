@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_gpt_edit as job  # noqa: E402  (the main job's model, data and step)
+from megatron_edit.cpu import adapter as cpu_adapter  # noqa: E402
 
 
 def parse_args():
@@ -43,18 +44,22 @@ def run(args, mode, datasets):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     import megatron_edit
+    from megatron_edit.config import LocalSGDConfig
+    from megatron_edit.cpu import data
 
     args.use_local_sgd = mode != "synchronous"
     args.local_sgd_async = mode == "A-EDiT"
     args.local_sgd_sync_interval = args.interval
-    args.local_sgd_sync_time = args.sync_time
     args.local_sgd_warmup_steps = 0
-    args.local_sgd_min_total_global_steps = 1
+    # A-EDiT's flags only with A-EDiT (elsewhere they would do nothing, and are refused).
+    default = LocalSGDConfig()
+    args.local_sgd_sync_time = args.sync_time if args.local_sgd_async else default.local_sgd_sync_time
+    args.local_sgd_min_total_global_steps = 1 if args.local_sgd_async else default.min_total_global_steps
     ddp, optimizer, scheduler = job.build(args, args.use_local_sgd)
     controllers = megatron_edit.get_local_sgd(optimizer)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     worker = dp_rank // (dp // args.workers)
-    it = job.data.batch_iterator(datasets[0], args.micro_batch_size, start=dp_rank, stride=dp)
+    it = data.batch_iterator(datasets[0], args.micro_batch_size, start=dp_rank, stride=dp)
     steps, reports = 0, []
     target_steps = args.syncs * args.interval  # synchronous and EDiT: the same number of steps
     dist.barrier()
@@ -101,15 +106,17 @@ def run(args, mode, datasets):
 def main():
     args = parse_args()
     torch.set_num_threads(1)
-    job.cpu_adapter.activate()
+    cpu_adapter.activate()
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(num_distributed_optimizer_instances=args.workers)
     prefix = os.path.join(args.data_dir, "stdlib_docs")
     os.makedirs(args.data_dir, exist_ok=True)
-    job.data.prepare_indexed_dataset(prefix)
-    datasets = job.data.build_gpt_datasets(prefix, args.seq_length, (20000, 64, 0), args.seed)[:2]
+    from megatron_edit.cpu import data
+
+    data.prepare_indexed_dataset(prefix)
+    datasets = data.build_gpt_datasets(prefix, args.seq_length, (20000, 64, 0), args.seed)[:2]
     results = [run(args, mode, datasets) for mode in ("synchronous", "EDiT", "A-EDiT")]
     if dist.get_rank() == 0:
         print(f"\nstraggler benchmark: worker 1 sleeps {args.delay} s per step; EDiT H={args.interval}, "

@@ -75,6 +75,7 @@ def _build(spec, tp, pp):
             max_sequence_length=SEQ_LENGTH,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=spec.get("tied", False),
         )
     ddp = wrap_ddp(
         model,
@@ -384,7 +385,8 @@ def async_runs(rank, world_size, spec):
     me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**spec["local_sgd"]), me.OuterOptimizerConfig(**spec["outer"]))
     ddp, optimizer = _build(spec, 1, 1)
     (controller,) = me.get_local_sgd(optimizer)
-    controller.final_step = spec.get("final_step")
+    if spec.get("train_iters"):  # A-EDiT's budget: what a synchronous run of that length takes
+        controller.budget_steps = spec["train_iters"] * spec["instances"]
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     worker = dp_rank // (dp // spec["instances"])
     fake = spec.get("seconds_per_step")
@@ -392,13 +394,20 @@ def async_runs(rank, world_size, spec):
     if fake:
         controller.clock = lambda: now[0]
     batches = make_batches(spec["max_steps"], dp * MICRO_BATCH, seed=0)
-    reports, steps, t0 = [], 0, _time.monotonic()
-    while len(reports) + controller.sync_in_progress < spec["syncs"]:
+    reports, steps, progress, t0 = [], 0, 0.0, _time.monotonic()
+
+    def more():
+        if spec.get("train_iters"):
+            return not controller.finished
+        return len(reports) + controller.sync_in_progress < spec["syncs"]
+
+    while more():
         assert steps < spec["max_steps"], "never reached the expected number of syncs"
         steps += 1
         if spec.get("sleep"):
             _time.sleep(spec["sleep"][worker])
         train_step(ddp, optimizer, rank_micro_batches(batches[steps - 1], dp_rank, dp))
+        progress += controller.last_step_progress
         if fake:
             now[0] += fake[worker]
         reports += controller.drain_reports()
@@ -406,4 +415,4 @@ def async_runs(rank, world_size, spec):
     reports += controller.drain_reports()
     me.unpatch_megatron_for_local_sgd()
     return dict(worker=worker, steps=steps, reports=reports, params=named_params(ddp),
-                seconds=_time.monotonic() - t0)
+                seconds=_time.monotonic() - t0, finished=controller.finished, progress=progress)

@@ -281,7 +281,7 @@ def _why_allowed(record, sync_steps, warmup):
         return "warmup: gradients are reduced across workers"
     if it <= warmup and _has(record, "rerun_state_machine.py:_reduce_any"):
         return "warmup: a re-run redoes that reduction, every worker votes"
-    if (it in sync_steps or it - 1 in sync_steps) and _has(record, "local_sgd.py:"):
+    if (it in sync_steps or it - 1 in sync_steps) and _has(record, "controller.py:", "pipeline.py:"):
         return "the sync exchange (completes in the next forward pass)"
     synced = it <= warmup or it in sync_steps
     if synced and _has(record, "dist_signal_handler.py:signals_received"):
@@ -393,11 +393,11 @@ def test_e2e_a_edit_workers_run_apart_between_syncs(async_run):
     crossing = _crossing(async_run)
     unexpected = []
     for rank, r in crossing:
-        syncing = r["iteration"] in (sync_step, sync_step + 1, ASYNC_ITERS) and _has(r, "local_sgd.py:")
+        syncing = r["iteration"] in (sync_step, sync_step + 1, ASYNC_ITERS) and _has(r, "controller.py:", "pipeline.py:")
         if not syncing and _why_allowed(r, [], W) is None:
             unexpected.append((rank, r["iteration"], r["op"], r["ranks"], r["stack"][-4:]))
     assert not unexpected, "\n".join(map(str, unexpected))
-    assert any(_has(r, "local_sgd.py:_plan_async") for _, r in crossing)  # the A-EDiT schedule
+    assert any(_has(r, "controller.py:_plan_async") for _, r in crossing)  # the A-EDiT schedule
     assert "validation loss at iteration 10" in async_run.log
     # Nothing holds the fast worker back between the syncs: it enters the final sync (at the
     # last iteration) at least (local steps x sleep) / 2 before the slow one. With Megatron's
@@ -405,6 +405,6 @@ def test_e2e_a_edit_workers_run_apart_between_syncs(async_run):
     entered = {}
     for data in async_run.ranks:
         entered[data["rank"]] = min(r["time"] for r in data["records"]
-                                    if r["iteration"] == ASYNC_ITERS and _has(r, "local_sgd.py:_plan_async"))
+                                    if r["iteration"] == ASYNC_ITERS and _has(r, "controller.py:_plan_async"))
     local_steps = ASYNC_ITERS - sync_step - 1
     assert min(entered[2], entered[3]) - max(entered[0], entered[1]) > local_steps * SLOW_SECONDS / 2, entered
