@@ -218,9 +218,10 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
     controller.outer_state.synchronize()  # offloaded state: no copy in flight while we write it
     if plan.mode == "synchronous":
         from_synchronous(controller, adam_step_of(state_dict))
-        _log_resume(controller, "a synchronous checkpoint (EDiT "
-                    + ("took its anchor there" if controller.outer_optimizer is not None else "is in warmup") + ")")
+        _log_resume(controller, "a checkpoint of synchronous training", "Adam state kept, " + (
+            "anchor taken there" if controller.outer_optimizer is not None else "warmup goes on"))
         refresh_model_from_mains(optimizer, controller)
+        plan.release()
         return
     record = plan.saved
     controller.steps_done = record["steps_done"]
@@ -241,14 +242,19 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
         _load_extra_state(controller, (part.get("slice") or {}).get("extra_state"))
     elif record["anchor_taken"]:
         controller.restart_async_schedule()
-    what = f"{record['num_workers']} worker(s)"
-    if plan.difference:
-        what += f" ({plan.difference}"
-        what += (", one outer step over the saved workers at load)" if elastic and not at_sync_boundary(record)
-                 else ")")
-    _log_resume(controller, what)
+    if not elastic:
+        note = "each worker its own state"
+    elif not record["anchor_taken"]:
+        note = "in warmup, every worker from a saved one (all equal)"
+    elif at_sync_boundary(record):
+        note = "saved at a sync, every worker from the saved anchor"
+    else:
+        note = "one outer step over the saved workers at load"
+    _log_resume(controller, f"a checkpoint of {record['num_workers']} worker(s)"
+                + (f" ({plan.difference})" if plan.difference else ""), note)
     if controller.num_workers > 1 or elastic:
         refresh_model_from_mains(optimizer, controller)
+    plan.release()
 
 
 def _restore_anchor_and_outer_state(controller, plan: ResumePlan, part: dict) -> None:
@@ -291,13 +297,10 @@ def _load_extra_state(controller, saved_extra) -> None:
         )
 
 
-def _log_resume(controller, what: str) -> None:
+def _log_resume(controller, source: str, what: str) -> None:
     if torch.distributed.get_rank() == 0:
-        logger.info(
-            "megatron_edit: resumed EDiT after %d steps from %s into %d worker(s), %s",
-            controller.steps_done, what, controller.num_workers,
-            "anchor and outer state" if controller.outer_optimizer is not None else "in warmup",
-        )
+        logger.info("megatron_edit: resumed EDiT at step %d, %d worker(s), from %s: %s", controller.steps_done,
+                    controller.num_workers, source, what)
 
 
 def _warn_if_changed(record: dict, controller) -> None:
@@ -365,7 +368,8 @@ def _missing_message(sharded_state_dict, saved: dict, checkpoint_dir) -> Optiona
         key = sh.unique_key if isinstance(sh, ShardedObject) else sh.key
         if key not in saved:
             missing.append(sh.key)
-        elif not isinstance(sh, ShardedObject) and tuple(saved[key].global_shape) != tuple(sh.global_shape):
+        elif (not isinstance(sh, ShardedObject) and not sh.allow_shape_mismatch  # e.g. a padded vocabulary
+              and tuple(saved[key].global_shape) != tuple(sh.global_shape)):
             mismatched.append(f"{sh.key}: {tuple(saved[key].global_shape)} saved, {tuple(sh.global_shape)} now")
     where = f"checkpoint {checkpoint_dir}"
     if mismatched:

@@ -120,6 +120,10 @@ class ResumePlan:
     def part(self) -> dict:
         return self.state["local_sgd"]
 
+    def release(self) -> None:
+        """After the load: drop the references to the requests (their buffers)."""
+        self.state, self.inner, self.space = {}, [], None
+
     def record_request(self):
         return self.part["record"]
 
@@ -200,10 +204,14 @@ class ResumePlan:
                            "without a quantized exchange with error feedback): they start at zero.")
 
     def _bucket_mismatch(self, saved: dict) -> Optional[str]:
+        """Megatron's bucket-space format against the checkpoint's buckets (model-space formats
+        follow the model, whose own checks apply)."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+        if self.sharding_type in FULLY_RESHARDABLE:
+            return None
         for sh in self.inner:
-            if isinstance(sh, ShardedTensor) and sh.key in saved:
+            if isinstance(sh, ShardedTensor) and sh.key in saved and not sh.allow_shape_mismatch:
                 was = tuple(saved[sh.key].global_shape)
                 if was != tuple(sh.global_shape):
                     return (f"megatron_edit: Megatron's {self.sharding_type!r} optimizer state does "
