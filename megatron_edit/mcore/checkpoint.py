@@ -48,7 +48,8 @@ model keys, ``optimizer.*`` (Megatron's)    worker 0's model and inner optimizer
   shared model keys.
 * Saving syncs nothing across workers: a sync that is pending (due at this step, completing
   layer by layer in the next forward pass) is completed first with the numbers it would have
-  had anyway; between syncs, the workers' local state is stored as it is. The parameters are
+  had anyway; between syncs, the workers' local state is stored as it is. (With error feedback,
+  one all-reduce per bucket across workers puts the workers' chunk residuals together.) The parameters are
   all-gathered *inside* each worker (what Megatron-LM does before every save) so the model part
   is complete.
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import List
-
 import torch
 
 PREFIX = "local_sgd."
@@ -65,36 +63,6 @@ class _Layout:
             intra_rank=optimizer.data_parallel_group.rank(),
             dp_group_idx=int(optimizer.data_parallel_group_idx),
         )
-
-
-@dataclasses.dataclass
-class _BucketSlot:
-    """This rank's shard of one bucket, as a slice of a bucket-space checkpoint tensor."""
-
-    shard: object  # local_sgd.BucketShard
-    name: str  # "gbuf_<i>.bucket_<j>"
-    numel_unpadded: int
-    offset: int
-    length: int  # 0 when the whole shard is end-of-bucket padding
-
-
-def _bucket_slots(optimizer, controller, layout: _Layout) -> List[_BucketSlot]:
-    """The controller's shards, matched to Megatron's buffers and buckets (same order)."""
-    slots = []
-    shards = iter(controller.shards)
-    for gbuf_idx, buffer in enumerate(optimizer.buffers):
-        for bucket_maps in optimizer.gbuf_ranges[gbuf_idx].values():
-            for bucket_idx in range(len(bucket_maps)):
-                bucket = buffer.buckets[bucket_idx]
-                shard = next(shards)
-                assert shard.bucket is bucket, "LocalSGD shards and Megatron buckets disagree"
-                offset = layout.intra_rank * shard.numel
-                length = max(0, min(shard.numel, bucket.numel_unpadded - offset))
-                slots.append(
-                    _BucketSlot(shard, f"gbuf_{gbuf_idx}.bucket_{bucket_idx}", bucket.numel_unpadded, offset, length)
-                )
-    assert next(shards, None) is None, "LocalSGD has shards Megatron's optimizer does not"
-    return slots
 
 
 # --------------------------------------------------------------------------- save layout

@@ -47,7 +47,6 @@ from .checkpoint_layout import PREFIX, _WORKER_KEY, CheckpointStateError, _is_lo
 from .checkpoint_record import (
     FULLY_RESHARDABLE,
     OLD_FORMATS,
-    at_sync_boundary,
     check_run_record,
     format_message,
     layout_difference,
