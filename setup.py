@@ -9,5 +9,5 @@ setup(
     # torch is not pinned here on purpose: install it first (CPU: torch==2.13.0) so pip does not
     # pull a CUDA build; megatron-core's partial distributed optimizer is needed.
     install_requires=["megatron-core>=0.12.0,<0.17", "einops", "numpy", "psutil"],
-    extras_require={"test": ["pytest", "pytest-timeout", "psutil"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "psutil"], "bench": ["matplotlib"]},
 )

@@ -146,9 +146,10 @@ def local_sgd_args_provider(parser: argparse.ArgumentParser) -> argparse.Argumen
         help="Log every sync on every rank (through Python logging, logger 'megatron_edit', "
              "level INFO).")
     add("--local-sgd-exchange-dtype", choices=EXCHANGE_DTYPES, default=d.exchange_dtype,
-        help="Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of fp32).")
+        help=_d("Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of "
+                "fp32, int4: 0.13x)."))
     add("--local-sgd-exchange-block-size", type=int, default=d.exchange_block_size,
-        help="Elements per quantization scale (fp8, int8, int4).")
+        help=_d("Elements per quantization scale (needs --local-sgd-exchange-dtype fp8|int8|int4)."))
     add("--local-sgd-exchange-error-feedback", action="store_true",
         help="Add what quantization dropped to the next sync's pseudo-gradient.")
     add("--outer-optimizer", default="sgd",

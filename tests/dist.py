@@ -41,7 +41,7 @@ class RankError(RuntimeError):
     """A rank raised, died, or the run timed out; the message carries the child's traceback."""
 
 
-def _worker(rank, world_size, store_path, timeout, fn, args, kwargs, results):
+def _worker(rank, world_size, store_path, timeout, device, fn, args, kwargs, results):
     # Runs in the child. Everything is reported through `results` as (rank, ok, payload).
     message = None
     try:
@@ -49,13 +49,18 @@ def _worker(rank, world_size, store_path, timeout, fn, args, kwargs, results):
         import torch
 
         torch.set_num_threads(1)  # ranks share the machine's few cores
-        from megatron_edit.cpu import adapter as cpu_adapter
+        if device == "cuda":  # the GPU lane: real CUDA, NCCL, one process per GPU
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            backend = "nccl"
+        else:
+            from megatron_edit.cpu import adapter as cpu_adapter
 
-        cpu_adapter.activate()
+            cpu_adapter.activate()
+            backend = "gloo"
         # The process-group timeout makes a stuck collective fail in the child too.
         # A file store: no TCP port to pick, so no race with other jobs on a busy machine.
         torch.distributed.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+            backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
         value = fn(rank, world_size, *args, **kwargs)
@@ -119,9 +124,10 @@ def _failures(rank, payload, results, grace=1.0):
     return "\n".join(lines)
 
 
-def run_ranks(fn, world_size, *args, timeout=120, **kwargs) -> list:
+def run_ranks(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
+    ``device="cuda"``: no CPU adapter, NCCL, rank r on GPU r (the GPU lane, tests/cuda).
     Returns the ranks' return values in rank order. Raises :class:`RankError` (with the child's
     traceback) if any rank raises or exits without reporting, or after ``timeout`` seconds.
     """
@@ -132,7 +138,7 @@ def run_ranks(fn, world_size, *args, timeout=120, **kwargs) -> list:
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, store_path, timeout, fn, args, kwargs, results),
+            args=(rank, world_size, store_path, timeout, device, fn, args, kwargs, results),
             name=f"rank{rank}",
             daemon=True,
         )

@@ -242,6 +242,8 @@ LOCAL_FLAG_CASES = {
     "local_sgd_sync_interval": (["--local-sgd-sync-interval", "7"], 7),
     "local_sgd_sync_time": (["--local-sgd-sync-time", "30"], 30.0),
     "min_total_global_steps": (["--local-sgd-min-total-global-steps", "5"], 5),
+    # A wall-clock budget is A-EDiT's: alone it is refused.
+    "async_time_budget": (["--local-sgd-time-budget", "60"], ConfigError),
     # Only meaningful with --local-sgd-async: alone it is refused.
     "use_step_weight": (["--local-sgd-use-step-weight"], ConfigError),
     "step_weight_ratio": (["--local-sgd-step-weight-ratio", "0.25"], 0.25),

@@ -24,6 +24,7 @@ FLAGS = {
     "local_sgd_sync_interval": "--local-sgd-sync-interval",
     "local_sgd_sync_time": "--local-sgd-sync-time",
     "min_total_global_steps": "--local-sgd-min-total-global-steps",
+    "async_time_budget": "--local-sgd-time-budget",
     "use_step_weight": "--local-sgd-use-step-weight",
     "step_weight_ratio": "--local-sgd-step-weight-ratio",
     "local_sgd_warmup_steps": "--local-sgd-warmup-steps",

@@ -256,9 +256,9 @@ def test_a_non_finite_loss_stops_the_job(data_dir):
     assert "[rank0]: Traceback" not in out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(360)
 def test_a_flag_error_under_torchrun_is_one_line(data_dir):
-    code, out = torchrun(data_dir, "--workers", "0", timeout=100)
+    code, out = torchrun(data_dir, "--workers", "0", timeout=300)
     assert code != 0
     errors = [line for line in out.splitlines() if "error:" in line and "--workers" in line]
     assert errors == [f"{SCRIPT.name}: error: argument --workers: must be an integer >= 1 (got 0)"], out

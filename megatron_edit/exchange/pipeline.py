@@ -24,6 +24,10 @@ the next pending group's, so one exchange is in flight while layers compute. Ste
 
 The collectives go through ``sync_group`` and ``worker_groups``
 (:mod:`megatron_edit.exchange.groups`, or fakes with the same methods).
+
+This module is long because it is the state machine of one sync, whose phases (decisions,
+launch, the reducers' completion, clipping, the outer step) share its in-flight state; the math
+is in :mod:`megatron_edit.algorithm`, the quantized protocol in :mod:`.quantized`.
 """
 
 from __future__ import annotations

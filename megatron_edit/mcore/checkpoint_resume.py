@@ -362,8 +362,4 @@ def refresh_model_from_mains(optimizer, controller) -> None:
     """Rebuild each worker's model from its (just loaded) main params: shard -> bucket, then
     all-gather inside the worker. Workers >= 1 had worker 0's model loaded into them."""
     optimizer._copy_main_params_to_model_params()
-    for group in controller.group_order:
-        if group.param_gather_handle is not None:
-            group.param_gather_handle.wait()
-            group.param_gather_handle = None
-        group.start_param_sync(force_sync=True)
+    controller.gather_params_in_worker()

@@ -69,6 +69,10 @@ class LocalSGD:
         # workers' speeds, each worker at its own step count (``finished``).
         self.budget_steps: Optional[int] = None
         self.finished = False
+        # The run's last optimizer step when known (Megatron-LM: --train-iters; EDiT only): a
+        # layer-wise sync due there has no next forward pass to complete in, so it completes at
+        # once and the parameters are gathered inside the worker.
+        self.last_step: Optional[int] = None
         self.steps_done = 0
         self.reports: List[SyncReport] = []
         self._last_sync_step = self.config.local_sgd_warmup_steps
@@ -141,6 +145,14 @@ class LocalSGD:
         interval = torch.full((workers,), first, dtype=torch.int64)
         if self.budget_steps is not None:
             remaining = self.budget_steps - workers * self.steps_done
+            if remaining < 2 * self.config.min_total_global_steps and dist.get_rank() == 0:
+                logger.warning(
+                    "megatron_edit: A-EDiT's budget after warmup is %d worker-steps and "
+                    "--local-sgd-min-total-global-steps is %d: every sync before the final one "
+                    "will be skipped (only the final sync exchanges). Lower "
+                    "--local-sgd-min-total-global-steps or train longer.",
+                    remaining, self.config.min_total_global_steps,
+                )
             if first * workers * 1.5 >= remaining:
                 interval = asynchronous.plan_final_interval(torch.ones(workers), remaining)
                 self._final_planned = True
@@ -224,6 +236,23 @@ class LocalSGD:
             return
         if self._start_sync(self.steps_done):
             self.sync.mark_pending()
+            if self.finished or (not self.config.use_async and self.steps_done == self.last_step):
+                self.complete_now()
+
+    def complete_now(self) -> None:
+        """Complete a pending layer-wise sync now and all-gather the parameters inside the worker
+        (what the next forward pass would do): the run ends here."""
+        self.flush()
+        self.gather_params_in_worker()
+
+    def gather_params_in_worker(self) -> None:
+        """All-gather every bucket group's parameters inside the worker now (a collective over
+        the worker's ranks, at the same point on each)."""
+        for group in self.group_order:
+            if group.param_gather_handle is not None:
+                group.param_gather_handle.wait()
+                group.param_gather_handle = None
+            group.start_param_sync(force_sync=True)
 
     def _start_sync(self, step: int) -> bool:
         """Begin the sync due after ``step``; False when A-EDiT skips it (no exchange)."""

@@ -83,8 +83,11 @@ class LocalSGDRuntime:
             return
         check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None)
         controller = LocalSGD(optimizer, *self.configs)
-        if self.train_iters is not None and controller.config.use_async:
-            controller.budget_steps = self.train_iters * controller.num_workers
+        if self.train_iters is not None:
+            if controller.config.use_async:
+                controller.budget_steps = self.train_iters * controller.num_workers
+            else:
+                controller.last_step = self.train_iters
         self.controllers[optimizer] = controller
         # A collective on megatron-core 0.12.x (builds the group): every rank builds optimizers.
         worker = compat.instance_group(controller.sync_group.group)

@@ -210,3 +210,45 @@ def test_quantized_exchange_keeps_replicas_identical_in_both_modes(tp):
         slices.setdefault(layerwise["tp_rank"], []).append(layerwise)
     for runs in slices.values():
         _assert_params_equal(runs[0]["params"], runs[1]["params"], "replicas after the last sync")
+
+
+@pytest.mark.timeout(240)
+def test_a_layerwise_sync_due_at_the_last_step_completes_before_the_run_ends():
+    """With the run's last step known (Megatron-LM: --train-iters), a layer-wise sync due there
+    (no next forward pass to complete it in) completes at once and the parameters are gathered:
+    the workers end with identical models without anyone forcing a parameter sync."""
+    spec = default_spec(steps=6, local_sgd=dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=0), outer=OUTER,
+                        last_step=6, no_final_gather=True)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=200)
+    for r in results:
+        run = r["runs"][0]
+        assert [rep.step for rep in run["reports"]] == [3, 6] and not run["pending_at_end"]
+    _assert_params_equal(results[0]["runs"][0]["params"], results[2]["runs"][0]["params"], "workers at the end")
+
+
+@pytest.mark.timeout(400)
+def test_virtual_pipeline_layerwise_equals_step_end():
+    """PP=2 with two virtual stages per rank (Megatron-LM's VPP set-up: one DDP per chunk, the
+    interleaved schedule, and with align_param_gather the schedule gathers each chunk's
+    parameters itself): layer-wise syncs, aligned or not, give step-end's parameters bit for bit,
+    and the replicas are identical after the last sync."""
+    from edit_runs import vpp_runs
+
+    local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)
+    specs = [dict(local_sgd=dict(local, sync_mode="step_end"), outer=OUTER, steps=5, align=False,
+                  overlap_param_gather=False),
+             dict(local_sgd=local, outer=OUTER, steps=5, align=True, overlap_param_gather=True),
+             dict(local_sgd=local, outer=OUTER, steps=5, align=False, overlap_param_gather=True)]
+    results = run_ranks(vpp_runs, WORLD, specs, timeout=380)
+    for r in results:
+        step_end, aligned, unaligned = r
+        assert [rep.step for rep in aligned["reports"]] == [3, 5]
+        for other in (aligned, unaligned):
+            for a, b in zip(step_end["params"], other["params"]):
+                _assert_params_equal(a, b, "layer-wise (VPP) vs step-end")
+    by_stage = {}
+    for r in results:
+        by_stage.setdefault(r[1]["pp_rank"], []).append(r[1]["params"])
+    for stage in by_stage.values():
+        for a, b in zip(*stage):
+            _assert_params_equal(a, b, "replicas after the last sync")
