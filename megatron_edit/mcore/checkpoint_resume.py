@@ -111,6 +111,7 @@ class ResumePlan:
         self.prepared = False
         self.mode: Optional[str] = None  # "same-workers" | "elastic" | "synchronous"
         self.saved: Optional[dict] = None
+        self.residuals = False  # error-feedback residuals read (the same on every rank)
         self.residual_workers: List[int] = []
         self.slice_loaded = False
         self.difference: Optional[str] = None
@@ -191,7 +192,8 @@ class ResumePlan:
     def _fit_residuals(self, record, m: int, n: int, workers: int) -> None:
         part = self.part
         wanted = "result_residual" in part
-        if wanted and record["residuals"]:
+        self.residuals = wanted and record["residuals"]
+        if self.residuals:
             self.residual_workers = list(range(m, n, workers)) if self.mode == "elastic" else [m]
             # Saved worker k is read by one worker only (k mod M): its requests are main.
             part["residual"] = {k: self.space.load_requests(residual_prefix(k), True) for k in self.residual_workers}
@@ -313,27 +315,24 @@ def merge_residuals(controller, plan: ResumePlan, part: dict) -> None:
     """Error feedback: this worker's residual (its own; after a worker-count change the mean of
     the saved workers'), and its chunk of the result residual."""
     space, saved_workers = plan.space, plan.saved["num_workers"]
-    residuals, result = part.get("residual") or {}, part.get("result_residual")
-    for slot, shard in enumerate(controller.shards):
+    for shard in controller.shards:
         shard.residual = shard.chunk_residual = None
-        if not plan.residual_workers and result is None:
-            continue
-        if residuals:
-            total = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
-            for worker in plan.residual_workers:
-                total += space.assemble(residuals[worker], slot, torch.empty_like(total))
-            if plan.mode == "elastic":
-                if controller.sync_group.group is not None:
-                    torch.distributed.all_reduce(total, group=controller.sync_group.group)
-                total /= saved_workers
-            shard.residual = total
-        span = controller.chunk_span(shard)
-        if result is not None and span is not None:
-            full = space.assemble(result, slot,
-                                  torch.empty(shard.numel, dtype=torch.float32, device=shard.device))
-            offset, length, padded = span
-            shard.chunk_residual = torch.zeros(padded, dtype=torch.float32, device=shard.device)
-            shard.chunk_residual[:length].copy_(full[offset : offset + length])
+    if not plan.residuals:  # the same on every rank: the collectives below line up
+        return
+    residuals, result = part.get("residual") or {}, part["result_residual"]  # {}: dropped by the load
+    for slot, shard in enumerate(controller.shards):
+        total = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
+        for worker in plan.residual_workers:  # none for a new worker m >= N
+            total += space.assemble(residuals[worker], slot, torch.empty_like(total))
+        if plan.mode == "elastic":
+            if controller.sync_group.group is not None:
+                torch.distributed.all_reduce(total, group=controller.sync_group.group)
+            total /= saved_workers
+        shard.residual = total
+        offset, length, padded = controller.chunk_span(shard)
+        full = space.assemble(result, slot, torch.empty(shard.numel, dtype=torch.float32, device=shard.device))
+        shard.chunk_residual = torch.zeros(padded, dtype=torch.float32, device=shard.device)
+        shard.chunk_residual[:length].copy_(full[offset : offset + length])
 
 
 def adam_step_of(state_dict: dict) -> int:

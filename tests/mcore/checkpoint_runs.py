@@ -194,7 +194,8 @@ def canonical(ddp, opt, ctl) -> dict:
     """This rank's state per model tensor, comparable across layouts: {kind: {(key,
     global_offset): (global_shape, prepend_axis_num, whole parameter)}} for the kinds
     ``params`` (the model), ``main``, ``exp_avg``, ``exp_avg_sq`` (inner Adam) and, with EDiT,
-    ``anchor`` and ``momentum_buffer``. The pieces of a parameter in the worker's shards are
+    ``anchor``, ``momentum_buffer`` and, with error feedback, ``residual`` (the worker's own)
+    and ``result_residual`` (the reduced result's, every worker's chunk). The pieces of a parameter in the worker's shards are
     put together by a sum over the worker's shard group (each element lies in one shard)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -210,6 +211,15 @@ def canonical(ddp, opt, ctl) -> dict:
         kinds.append("anchor")
         if "momentum_buffer" in outer.state.get(ctl.shards[0].anchor, {}):
             kinds.append("momentum_buffer")
+    result = []
+    if ctl is not None and ctl.shards[0].residual is not None:
+        kinds += ["residual", "result_residual"]
+        for shard in ctl.shards:  # every worker's chunk at its place (a sum over the workers)
+            full = torch.zeros(shard.numel)
+            offset, length, _ = ctl.chunk_span(shard)
+            full[offset : offset + length] = shard.chunk_residual[:length]
+            torch.distributed.all_reduce(full, group=ctl.sync_group.group)
+            result.append(full)
 
     def piece(kind, slot, param, ranges):
         lo, hi = ranges["gbuf_local"].start, ranges["gbuf_local"].end
@@ -217,6 +227,10 @@ def canonical(ddp, opt, ctl) -> dict:
             return ctl.shards[slot].anchor[lo:hi]
         if kind == "momentum_buffer":
             return outer.state[ctl.shards[slot].anchor]["momentum_buffer"][lo:hi]
+        if kind == "residual":
+            return ctl.shards[slot].residual[lo:hi]
+        if kind == "result_residual":
+            return result[slot][lo:hi]
         return distopt._get_main_param_and_optimizer_states(param)["param" if kind == "main" else kind].view(-1)
 
     def entry(param, value):

@@ -160,6 +160,35 @@ def test_resume_with_another_layout(saved, case):
 
 
 @pytest.mark.timeout(600)
+def test_error_feedback_residuals_follow_a_worker_count_change(tmp_path):
+    """int4 exchange with error feedback, 2 workers x 2 shards (7 buckets) saved between syncs,
+    resumed by 4 workers x 1: every new worker's residual is the mean of the saved workers',
+    the reduced result's residual is the saved one cut into 4 chunks, the model the outer step
+    over the saved workers, and the next (quantized) sync leaves the workers identical."""
+    quantized = dict(EDIT, exchange_dtype="int4", exchange_block_size=64, exchange_error_feedback=True)
+    path = str(tmp_path / "int4")
+    saver = run_ranks(train_job, WORLD, local_sgd=quantized, steps=7, saves={7: [(path, DP_RESHARDABLE)]},
+                      snapshots=(7,), with_canonical=True, timeout=300)
+    resumed = run_ranks(train_job, WORLD, local_sgd=quantized, instances=4, load=(path, DP_RESHARDABLE, 7),
+                        snapshots=(8,), with_canonical=True, timeout=300)
+    saved_residual = _worker_tensors(saver, "residual", 7)
+    mean = {k: (saved_residual[0][k] + saved_residual[1][k]) / 2 for k in saved_residual[0]}
+    assert any(v.abs().sum() > 0 for v in mean.values())  # something was dropped and kept
+    residual = _worker_tensors(resumed, "residual", loaded=True)
+    result = _worker_tensors(resumed, "result_residual", loaded=True)
+    saved_result = _worker_tensors(saver, "result_residual", 7)[0]
+    expected, _ = _expected_outer_step(saver, 7)
+    loaded = _worker_tensors(resumed, "params", loaded=True)
+    for w in range(4):
+        _close(residual[w], mean, f"worker {w} residual")
+        _close(result[w], saved_result, f"worker {w} view of the result residual", exact=True)
+        _close(loaded[w], expected, f"worker {w} model")
+    after_sync = _worker_tensors(resumed, "params", 8)
+    for w in range(4):
+        _close(after_sync[w], after_sync[0], "workers identical after the next sync", exact=True)
+
+
+@pytest.mark.timeout(600)
 def test_synchronous_checkpoint_resumes_edit_with_its_adam_state(tmp_path):
     """Plain Megatron (2 distributed-optimizer instances) saves after 5 steps; EDiT (warmup 2,
     H 3) loads it with the optimizer: every worker gets the model and Adam state, EDiT counts
