@@ -15,6 +15,7 @@ from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from .mcore.checkpoint_patches import add_checkpoint_patches
 from .mcore.compat import SUPPORTED, megatron_core_version
 from .mcore.controller import LocalSGD
+from .mcore.load_fixes import add_load_fix_patches
 from .mcore.patches import build_registry
 from .mcore.patching import PatchError, PatchRegistry
 from .mcore.runtime import LocalSGDRuntime, get_local_sgd as _get
@@ -85,6 +86,8 @@ def patch_megatron_for_local_sgd(
     )
     if SESSION.registry is None:
         SESSION.registry = build_full_registry(lambda: SESSION.runtime)
+    if SESSION.fixes_registry is not None:
+        SESSION.fixes_registry.revert()  # the full registry composes the same fixes
     applied = SESSION.registry.apply(version)
     if applied:
         _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
@@ -135,6 +138,29 @@ def unpatch_megatron_for_local_sgd() -> List[str]:
     reverted = SESSION.registry.revert() if SESSION.registry else []
     SESSION.runtime = None
     return reverted
+
+
+def patch_megatron_load_fixes() -> List[str]:
+    """Plain Megatron (no EDiT): apply only the fixes of megatron-core's own distributed-optimizer
+    load defects (:mod:`megatron_edit.mcore.load_fixes`: megatron-core 0.16.x without apex or
+    transformer-engine cannot load a checkpoint with its optimizer otherwise). Returns the patch
+    ids now active for them; nothing to do while :func:`patch_megatron_for_local_sgd` is in
+    effect (its checkpoint patches include the fixes)."""
+    version = megatron_core_version()
+    if SESSION.registry is not None and SESSION.registry.is_applied():
+        return [p.id for p in SESSION.registry.patches
+                if p.id.startswith("ckpt-distopt") and SESSION.registry.is_applied(p.id)]
+    if SESSION.fixes_registry is None:
+        SESSION.fixes_registry = add_load_fix_patches(PatchRegistry())
+    applied = SESSION.fixes_registry.apply(version)
+    if applied:
+        _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
+    return [p.id for p in SESSION.fixes_registry.patches if SESSION.fixes_registry.is_applied(p.id)]
+
+
+def unpatch_megatron_load_fixes() -> List[str]:
+    """Undo :func:`patch_megatron_load_fixes`; returns the ids reverted."""
+    return SESSION.fixes_registry.revert() if SESSION.fixes_registry else []
 
 
 def is_patched() -> bool:

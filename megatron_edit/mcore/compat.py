@@ -232,6 +232,17 @@ def tensor_parallel_group(ddp):
     return parallel_state.get_tensor_model_parallel_group()
 
 
+def pipeline_parallel_group(ddp):
+    """The pipeline-parallel group of a DDP-wrapped model chunk: ``pp_group`` since 0.15;
+    before, ``parallel_state``'s."""
+    group = getattr(ddp, "pp_group", None)
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
 # inter-instance group -> the instance group built from it (0.12.x only; see instance_group)
 _BUILT_INSTANCE_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

@@ -369,3 +369,32 @@ def test_list_as_a_module():
     assert proc.returncode == 0, proc.stderr
     for pid in EXPECTED_IDS:
         assert pid in proc.stdout
+
+
+# --- megatron-core's load fixes alone (plain Megatron) ---------------------------------------
+
+
+def test_load_fixes_alone_patch_and_revert_and_give_way_to_the_full_registry(originals):
+    """patch_megatron_load_fixes(): the fixes of megatron-core's own load defects for plain
+    Megatron (one wrap per target, reverted exactly); patch_megatron_for_local_sgd() replaces them
+    (its checkpoint patches compose the same fixes), and while it is active the call does nothing."""
+    from megatron_edit import patch_megatron_load_fixes, unpatch_megatron_load_fixes
+    from megatron_edit.mcore.load_fixes import LOAD_FIXES, TORCH_ADAM_LOAD_BUGS
+
+    if not TORCH_ADAM_LOAD_BUGS.contains(INSTALLED):
+        assert patch_megatron_load_fixes() == []
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    methods = [method for _, method, *_ in LOAD_FIXES]
+    before = {m: inspect.getattr_static(DistributedOptimizer, m) for m in methods}
+    assert patch_megatron_load_fixes() == [patch_id for patch_id, *_ in LOAD_FIXES]
+    for m in methods:
+        assert inspect.getattr_static(DistributedOptimizer, m).__wrapped__ is before[m]
+    assert patch_megatron_for_local_sgd(LocalSGDConfig()) == EXPECTED_IDS  # the fixes give way
+    for m in methods:
+        assert inspect.getattr_static(DistributedOptimizer, m).__wrapped__ is before[m], m  # one layer
+    assert set(patch_megatron_load_fixes()) <= set(EXPECTED_IDS)
+    unpatch_megatron_for_local_sgd()
+    assert unpatch_megatron_load_fixes() == []
+    assert {m: inspect.getattr_static(DistributedOptimizer, m) for m in methods} == before
