@@ -5,9 +5,11 @@ These have nothing to do with EDiT: they show whenever apex and transformer-engi
 resume, so while it is on the checkpoint patches (:mod:`megatron_edit.mcore.checkpoint`) apply
 these fixes, each gated on the releases that need it.
 
-megatron-core 0.16.1 without apex / transformer-engine (torch AdamW fallback) mishandles Adam's
-state when loading a distributed-optimizer checkpoint; exact resume needs three fixes, applied
-by the checkpoint patches while EDiT is on (:data:`TORCH_ADAM_LOAD_BUGS` names the versions):
+megatron-core without apex / transformer-engine (torch AdamW fallback) mishandles Adam's state
+when loading a distributed-optimizer checkpoint; exact resume needs three fixes, applied by the
+checkpoint patches while EDiT is on (:data:`TORCH_ADAM_LOAD_BUGS` names the versions: every
+release megatron_edit checkpoints on, 0.16.0 - 0.19.2; each defect was re-checked in 0.17.1,
+0.18.2 and 0.19.2, by reading the code and by the checkpoint tests with the fix switched off):
 
 1. ``state_dict()`` reads Adam's ``step`` from the optimizer state, which is empty before the
    first step; ``sharded_state_dict(is_loading=True)`` calls it, so loading into a fresh run
@@ -24,6 +26,11 @@ by the checkpoint patches while EDiT is on (:data:`TORCH_ADAM_LOAD_BUGS` names t
 A fourth shows with ``fully_reshardable``: its checkpoint has no per-parameter ``step`` but
 ``_set_main_param_and_optimizer_states`` copies every key of torch Adam's state (KeyError).
 Fix: the missing ``step`` is left as it is (fix 3 then sets it).
+
+A fifth, :data:`FULLY_RESHARDABLE_PADDING_BUG` (same releases): ``fully_reshardable`` drops the
+padding between buckets in its world tensors but slices them at padded offsets, so state after
+a padded bucket lands in the wrong place (megatron-core's own warning "param range exceeds
+unpadded buffer"). Not fixable from outside: refused with more than one bucket per buffer.
 """
 
 from __future__ import annotations
@@ -34,9 +41,9 @@ from .checkpoint_layout import CheckpointStateError
 from .patching import VersionRange
 from ..config import NotSupportedYet
 
-TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.17.0")
+TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose distributed optimizer needs the torch-Adam load fixes."""
-FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.17.0")
+FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose ``fully_reshardable`` format misplaces state after a padded
 bucket (the world tensors drop the padding between buckets, the parameter offsets do not)."""
 

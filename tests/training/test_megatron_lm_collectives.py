@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_edit.config import ConfigError
+from megatron_edit.mcore import compat
 from megatron_edit.training.validation import validate_local_sgd_args
 from megatron_edit.training.worker_local import WorkerLocalCollectives
 from test_megatron_lm import (
@@ -37,6 +38,7 @@ from test_megatron_lm import (
 )
 
 PROBE = REPO / "tests" / "training" / "megatron_lm_traffic_probe.py"
+PACKED_STATS = compat.packed_sequence_stats_all_reduced()
 
 
 # ================================================================ without the checkout
@@ -57,11 +59,15 @@ PROBE = REPO / "tests" / "training" / "megatron_lm_traffic_probe.py"
         (("--local-sgd-async",), dict(train_iters=None, train_samples=1000), "--train-iters"),
         (("--local-sgd-async",), dict(train_iters=100, save_interval=10), "--save-interval"),
         (("--local-sgd-async",), dict(train_iters=100, exit_interval=10), "--exit-interval"),
+        # Packed sequences: a world all-reduce of their lengths every iteration since 0.18.
+        ((), dict(sft=True), "--sft" if PACKED_STATS else None),
+        ((), dict(dataloader_inter_document_masking=True),
+         "--dataloader-inter-document-masking" if PACKED_STATS else None),
     ],
     ids=["exit-duration", "signal-handler", "signal-handler-async", "straggler", "energy",
          "rerun-report-stats", "rerun-validate", "rerun-disabled", "adlr-autoresume",
          "worker-local-logging", "worker-local-logging-async", "async-needs-train-iters",
-         "async-save-interval", "async-exit-interval"],
+         "async-save-interval", "async-exit-interval", "sft", "inter-document-masking"],
 )
 def test_options_with_collectives_across_workers(argv, options, match):
     args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4",
@@ -104,28 +110,94 @@ def test_workers_meet_after_warmup_steps_and_syncs_only():
     assert not _worker_local().workers_meet()
 
 
-def test_inside_a_reporting_region_the_full_data_parallel_group_is_the_workers(monkeypatch):
+def _dp_0_16(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False):
+    return dict(cp=with_context_parallel, partial=partial_data_parallel, independent=independent_all_gather)
+
+
+def _dp_0_18(with_context_parallel=False, partial_data_parallel=False):
+    return dict(cp=with_context_parallel, partial=partial_data_parallel)
+
+
+def _dp_0_19(with_context_parallel=False, with_gtp_remat=True, partial_data_parallel=False):
+    return dict(cp=with_context_parallel, gtp=with_gtp_remat, partial=partial_data_parallel)
+
+
+@pytest.mark.parametrize("getter", [_dp_0_16, _dp_0_18, _dp_0_19], ids=["0.16-0.17", "0.18", "0.19"])
+def test_inside_a_reporting_region_the_full_data_parallel_group_is_the_workers(monkeypatch, getter):
+    """parallel_state.get_data_parallel_group of each release (compat.SIGNATURES): inside a
+    reporting region the full group becomes the worker's (partial) one; the caller's other
+    arguments pass through by name."""
     import megatron_edit.training.worker_local as tp
 
     monkeypatch.setattr(tp, "_context_parallel_size", lambda: 1)
     wl = _worker_local(_Controller(6))
-    get = wl.wrap_get_data_parallel_group(lambda *a, **k: (a, k))
-    worker = ((), dict(with_context_parallel=True, partial_data_parallel=True))
-    assert get(with_context_parallel=True) == ((True, False, False), {})  # outside: unchanged
+    get = wl.wrap_get_data_parallel_group(getter)
+    worker = getter(with_context_parallel=True, partial_data_parallel=True)
+    assert get(with_context_parallel=True) == getter(with_context_parallel=True)  # outside: unchanged
+    assert get(True) == getter(True)
     seen = []
-    region = wl.wrap_reporting_region(lambda: seen.extend([
-        get(with_context_parallel=True), get(), get(True, True), get(True, False, True)]))
+    calls = [dict(with_context_parallel=True), dict(), dict(with_context_parallel=True, partial_data_parallel=True)]
+    if getter is _dp_0_16:
+        calls.append(dict(with_context_parallel=True, independent_all_gather=True))
+    if getter is _dp_0_19:
+        calls.append(dict(with_context_parallel=True, with_gtp_remat=False))  # calc_params_l2_norm's
+    region = wl.wrap_reporting_region(lambda: seen.extend(get(**kwargs) for kwargs in calls))
     region()
-    assert seen == [worker, worker, ((True, True, False), {}), ((True, False, True), {})]
+    assert seen[:3] == [worker, worker, worker]
+    if getter is _dp_0_16:  # Megatron's own independent group is left alone
+        assert seen[3] == getter(with_context_parallel=True, independent_all_gather=True)
+    if getter is _dp_0_19:
+        assert seen[3] == getter(with_context_parallel=True, with_gtp_remat=False, partial_data_parallel=True)
     monkeypatch.setattr(tp, "_context_parallel_size", lambda: 2)  # DP without CP: no worker group
     seen.clear()
     region()
-    assert seen[1] == ((False, False, False), {})
+    assert seen[1] == getter()
     # Local SGD off (no EDiT optimizer): the region changes nothing.
     seen.clear()
     off = _worker_local()
     off.wrap_reporting_region(lambda: seen.append(off.in_reporting()))()
     assert seen == [False]
+
+
+def test_inside_a_reporting_region_the_expert_group_and_the_models_groups_are_the_workers(monkeypatch):
+    """0.19: calc_params_l2_norm reduces over the expert data-parallel group, train_step and
+    evaluate over the model's pg_collection.dp_cp: both become the worker's in the region."""
+    from megatron.core import parallel_state
+
+    def expert(check_initialized=True, with_gtp_remat=True, partial_expert_data_parallel=False):
+        return ("expert", with_gtp_remat, partial_expert_data_parallel)
+
+    collection = SimpleNamespace(dp_cp="all dp", dp_cp_gtp_remat="all dp", tp="tp", intra_dp_cp="worker")
+    model = SimpleNamespace(pg_collection=collection)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_group",
+                        lambda **kwargs: "worker" if kwargs.get("partial_data_parallel") else "all dp")
+    wl = _worker_local(_Controller(6))
+    get_expert = wl.wrap_get_expert_data_parallel_group(expert)
+    get_attr = wl.wrap_get_attr_wrapped_model(lambda m, attr, *a, **k: getattr(m, attr, None))
+    assert get_expert(with_gtp_remat=False) == ("expert", False, False)
+    assert get_attr(model, "pg_collection") is collection
+    seen = []
+    wl.wrap_reporting_region(lambda: seen.extend([
+        get_expert(with_gtp_remat=False), get_expert(False, False),
+        get_attr(model, "pg_collection"), get_attr(model, "tp_group")]))()
+    assert seen[0] == seen[1] == ("expert", False, True)
+    local = seen[2]
+    assert local is not collection and (local.dp_cp, local.dp_cp_gtp_remat, local.tp) == ("worker", "worker", "tp")
+    assert collection.dp_cp == "all dp"  # the model's own collection is untouched
+    assert seen[3] is None
+
+
+def test_packed_sequence_statistics_are_refused_with_local_sgd(monkeypatch):
+    import megatron_edit.training.worker_local as tp
+
+    training = SimpleNamespace(_seqlen_stats_active=True)
+    monkeypatch.setitem(sys.modules, tp._TRAINING, training)
+    consume = lambda: (1.0, 2.0)  # noqa: E731
+    with pytest.raises(ConfigError, match="--sft, --dataloader-inter-document-masking"):
+        _worker_local(_Controller(6)).wrap_consume_seqlen_stats(consume)()
+    assert _worker_local().wrap_consume_seqlen_stats(consume)() == (1.0, 2.0)  # local SGD off
+    training._seqlen_stats_active = False
+    assert _worker_local(_Controller(6)).wrap_consume_seqlen_stats(consume)() == (1.0, 2.0)
 
 
 def test_signal_check_waits_for_the_next_warmup_step_or_sync():
@@ -200,8 +272,12 @@ def test_megatrons_validate_args_refuses_options_that_cross_workers(probe_cases)
 @needs_checkout
 @pytest.mark.timeout(400)
 def test_worker_local_patches_are_applied_and_reverted(probe_cases):
+    since = lambda version: compat.version_at_least(version)  # noqa: E731
     ids = ["worker-local-train-step", "worker-local-evaluate", "worker-local-params-norm",
-           "worker-local-dp-group", "worker-local-timer-barrier", "worker-local-timers-gather",
+           "worker-local-dp-group",
+           *(["worker-local-expert-dp-group", "worker-local-pg-collection"] if since("0.19.0") else []),
+           *(["worker-local-seqlen-stats"] if since("0.18.0") else []),
+           "worker-local-timer-barrier", "worker-local-timers-gather",
            "worker-local-rerun-vote", "worker-local-rerun-exit", "worker-local-signal-check"]
     assert [p for p in probe_cases["patches"] if p.startswith("worker-local-")] == ids
     assert set(ids) <= set(probe_cases["reverted"])
