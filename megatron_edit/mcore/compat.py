@@ -121,6 +121,10 @@ differs too; :data:`TRAINING_SIGNATURES` lists it the same way::
 
 Older releases (0.11.0 and before) have no partial distributed optimizer and are refused;
 releases after the newest one checked here (0.20.0 and later) are refused too, until checked.
+
+This module is long because it is the one table of release differences (eight minor releases
+of megatron-core and four of Megatron-LM's training code): splitting it would put version
+knowledge back into the patches.
 """
 
 from __future__ import annotations
