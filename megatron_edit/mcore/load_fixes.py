@@ -9,7 +9,7 @@ megatron-core without apex / transformer-engine (torch AdamW fallback) mishandle
 when loading a distributed-optimizer checkpoint; exact resume needs three fixes, applied by the
 checkpoint patches while EDiT is on (:data:`TORCH_ADAM_LOAD_BUGS` names the versions: every
 release megatron_edit checkpoints on, 0.16.0 - 0.19.2; each defect was re-checked in 0.17.1,
-0.18.2 and 0.19.2, by reading the code and by the checkpoint tests with the fix switched off):
+0.18.2 and 0.19.2 by reading the code, and on 0.19.2 by the checkpoint tests with the fix off):
 
 1. ``state_dict()`` reads Adam's ``step`` from the optimizer state, which is empty before the
    first step; ``sharded_state_dict(is_loading=True)`` calls it, so loading into a fresh run
