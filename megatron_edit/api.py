@@ -52,8 +52,8 @@ def _configs_from_megatron_args():
         ) from None
     args = get_args()
     if SESSION.runtime is not None:
-        # A-EDiT ends with a sync at the last iteration on every worker (see asynchronous.py).
-        SESSION.runtime.final_step = getattr(args, "train_iters", None)
+        # A-EDiT's global budget: what the synchronous run of --train-iters consumes.
+        SESSION.runtime.train_iters = args.train_iters
     return configs_from_args(args)
 
 
@@ -74,8 +74,7 @@ def patch_megatron_for_local_sgd(
     version = megatron_core_version()
     if not SUPPORTED.contains(version):
         raise UnsupportedMegatronVersion(unsupported_message(version))
-    if local_sgd_config is None and (outer_optim_config or gta_config):
-        raise ValueError("pass local_sgd_config too when passing outer_optim_config / gta_config")
+    _check_configs(local_sgd_config, outer_optim_config, gta_config)
     SESSION.runtime = LocalSGDRuntime(
         local_sgd_config,
         outer_optim_config,
@@ -104,6 +103,31 @@ def unsupported_message(version: str) -> str:
         f"pip install megatron-core=={newest} (Python 3.12+), or megatron-core==0.16.1 on "
         f"Python 3.10 / 3.11."
     )
+
+
+def _check_configs(local_sgd_config, outer_optim_config, gta_config) -> None:
+    """Each argument of the expected class (a string, a dict or configs in the wrong order would
+    otherwise fail inside Megatron, at the first step), re-validated (fields may have been
+    assigned since construction)."""
+    given = (("local_sgd_config", local_sgd_config, LocalSGDConfig),
+             ("outer_optim_config", outer_optim_config, OuterOptimizerConfig),
+             ("gta_config", gta_config, GTAConfig))
+    for name, value, cls in given:
+        if value is not None and not isinstance(value, cls):
+            hint = ""
+            if isinstance(value, (LocalSGDConfig, OuterOptimizerConfig, GTAConfig)):
+                hint = " (configs in the wrong order? pass them by keyword)"
+            elif isinstance(value, dict):
+                hint = f" (for a dict d: {cls.__name__}(**d))"
+            raise TypeError(
+                f"patch_megatron_for_local_sgd: {name} must be a {cls.__name__} or None, got "
+                f"{type(value).__name__}{hint}."
+            )
+    if local_sgd_config is None and (outer_optim_config or gta_config):
+        raise ValueError("pass local_sgd_config too when passing outer_optim_config / gta_config")
+    for _, value, _ in given:
+        if value is not None:
+            value.__post_init__()
 
 
 def _add_training_patches(registry: PatchRegistry, runtime_ref, required: bool) -> None:

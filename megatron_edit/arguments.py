@@ -3,13 +3,23 @@
 ``local_sgd_args_provider(parser)`` adds the flags (usable as Megatron-LM's
 ``extra_args_provider``); ``configs_from_args(args)`` turns a parsed namespace into
 ``(LocalSGDConfig, OuterOptimizerConfig, GTAConfig)``, or None when ``--use-local-sgd`` is off.
+
+A flag that would do nothing is refused here, naming it and the flag it needs: A-EDiT's
+(``--local-sgd-sync-time``, ``--local-sgd-min-total-global-steps``) without
+``--local-sgd-async``, ``--local-sgd-step-weight-ratio`` without ``--local-sgd-use-step-weight``,
+the EWMA flags without ``--local-sgd-skip-anomaly``, SGD's ``--outer-optimizer-momentum`` /
+``--[no-]outer-optimizer-nesterov`` with another outer optimizer, and a flag that
+``--outer-optimizer-kwargs`` sets again. (The configs accept such settings, so programs can
+switch a feature off and keep its settings; a user who typed the flag expects it to act.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Optional, Tuple
+import os
+import sys
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from .config import (
     EXCHANGE_DTYPES,
@@ -24,88 +34,263 @@ from .config import (
     resolve_optimizer_class,
 )
 
+GROUP_TITLE = "local SGD (EDiT / A-EDiT)"
+
+# The outer optimizer's flag defaults, for SGD (and its subclasses) only: another optimizer
+# gets no momentum / nesterov, and must be given its learning rate (0.7 is SGD's).
+SGD_DEFAULTS = OuterOptimizerConfig().outer_optim_kwargs
+_OUTER_FLAGS = {"lr": "--outer-optimizer-lr", "momentum": "--outer-optimizer-momentum",
+                "nesterov": "--[no-]outer-optimizer-nesterov"}
+
+
+class Rank0ArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` for scripts started on every rank (torchrun): help, usage and
+    errors are printed by rank 0 only (``RANK``), and an error is one line, not the usage.
+    :meth:`fail` reports a :class:`ConfigError` (or any message) the same way."""
+
+    def _print_message(self, message, file=None):
+        if message and os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+    def error(self, message):
+        self.fail(message)
+
+    def fail(self, message) -> NoReturn:
+        self._print_message(f"{self.prog}: error: {message}\n", sys.stderr)
+        raise SystemExit(2)
+
 
 def _none_or_float(text: str) -> Optional[float]:
-    return None if text.lower() == "none" else float(text)
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or None, got {text!r}") from None
+
+
+def _json_object(text: str) -> Dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({e.msg} at character {e.pos}): {text!r}; write a JSON object such as "
+            "'{\"betas\": [0.9, 0.95]}' (keys and strings in double quotes)"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object of keyword arguments, e.g. '{{\"betas\": [0.9, 0.95]}}' "
+            f"(got {type(value).__name__} {text!r})"
+        )
+    return value
+
+
+def _d(text: str) -> str:
+    """Help text that shows the flag's default (in Megatron's parser too, whose formatter
+    does not add it)."""
+    return text + " (default: %(default)s)"
 
 
 def local_sgd_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the EDiT flags to ``parser`` (one argument group) and return it."""
-    d, o, g = LocalSGDConfig(), OuterOptimizerConfig(), GTAConfig()
-    group = parser.add_argument_group(title="local SGD (EDiT / A-EDiT)")
+    d, g = LocalSGDConfig(), GTAConfig()
+    group = parser.add_argument_group(title=GROUP_TITLE)
     add = group.add_argument
     add("--use-local-sgd", action="store_true",
         help="Train data-parallel workers locally and sync them every H steps (EDiT).")
     add("--local-sgd-sync-interval", type=int, default=d.local_sgd_sync_interval,
-        help="H: optimizer steps between outer syncs after warmup.")
+        help=_d("H: optimizer steps between outer syncs after warmup."))
     add("--local-sgd-warmup-steps", type=int, default=d.local_sgd_warmup_steps,
-        help="W: ordinary synchronous steps before local training starts.")
+        help=_d("W: ordinary synchronous steps before local training starts."))
     add("--local-sgd-sync-mode", choices=SYNC_MODES, default=d.sync_mode,
-        help="layerwise: sync each bucket during the next forward pass (needs "
-             "--overlap-param-gather); step_end: blocking sync after the optimizer step.")
-    add("--local-sgd-async", action="store_true", help="A-EDiT: sync by elapsed time.")
+        help=_d("layerwise: sync each bucket during the next forward pass (needs "
+                "--overlap-param-gather); step_end: blocking sync after the optimizer step."))
+    add("--local-sgd-async", action="store_true",
+        help="A-EDiT: sync every --local-sgd-sync-time seconds instead of every H steps.")
     add("--local-sgd-sync-time", type=float, default=d.local_sgd_sync_time,
-        help="A-EDiT: seconds between syncs.")
+        help=_d("A-EDiT (needs --local-sgd-async): seconds of training between syncs."))
+    add("--local-sgd-time-budget", type=_none_or_float, default=d.async_time_budget,
+        help="A-EDiT: end after this many seconds of training after warmup (default: the step "
+             "budget, --train-iters x workers worker-steps).")
     add("--local-sgd-min-total-global-steps", type=int, default=d.min_total_global_steps,
-        help="A-EDiT: skip a sync when fewer steps were taken in total since the last one.")
+        help=_d("A-EDiT (needs --local-sgd-async): skip a sync when all workers together took "
+                "fewer steps since the last one."))
     add("--local-sgd-use-step-weight", action="store_true",
-        help="A-EDiT: blend averaging weights with each worker's share of steps.")
+        help="A-EDiT (needs --local-sgd-async): blend averaging weights with each worker's "
+             "share of the steps.")
     add("--local-sgd-step-weight-ratio", type=float, default=d.step_weight_ratio,
-        help="A-EDiT: weight of the step share in that blend.")
+        help=_d("Weight of the step share in that blend (needs --local-sgd-use-step-weight)."))
     add("--local-sgd-gradient-accumulation-steps", type=int, default=d.gradient_accumulation_steps,
-        help="Must be 1: Megatron accumulates micro-batches itself.")
+        help=_d("Must be 1: Megatron accumulates micro-batches itself."))
     add("--local-sgd-clip-pseudo-grad", type=_none_or_float, default=d.clip_pseudo_grad,
-        help="Clip each layer's averaged pseudo-gradient to this norm.")
+        help=_d("tau: clip each layer's averaged pseudo-gradient to this L2 norm (None: no "
+                "clipping)."))
     add("--local-sgd-pseudo-gradnorm-reduce", action="store_true",
-        help="Weight workers by softmax(-pseudo-gradient norm / T).")
+        help="Weight workers by softmax(-pseudo-gradient norm / T) per layer.")
     add("--local-sgd-weight-softmax-temperature", type=_none_or_float,
-        default=d.weight_softmax_temperature, help="T of those weights.")
+        default=d.weight_softmax_temperature,
+        help=_d("T of those weights, None meaning 1 (needs --local-sgd-pseudo-gradnorm-reduce)."))
     add("--local-sgd-skip-anomaly", action="store_true",
-        help="Exclude workers whose pseudo-gradient norm is anomalous (EWMA z-score).")
-    add("--local-sgd-ewma-alpha", type=float, default=d.ewma_alpha)
+        help="Exclude a worker from a layer's average when its pseudo-gradient norm is "
+             "anomalous (EWMA z-score).")
+    add("--local-sgd-ewma-alpha", type=float, default=d.ewma_alpha,
+        help=_d("Smoothing factor of the detector's EWMA statistics (needs "
+                "--local-sgd-skip-anomaly)."))
     add("--local-sgd-ewma-warmup-steps", type=int, default=d.ewma_warmup_steps,
-        help="Syncs before the anomaly detector may exclude anything.")
-    add("--local-sgd-ewma-threshold", type=float, default=d.ewma_threshold)
+        help=_d("Syncs before the detector may exclude anything (needs --local-sgd-skip-anomaly)."))
+    add("--local-sgd-ewma-threshold", type=float, default=d.ewma_threshold,
+        help=_d("z-score above which a worker is excluded (needs --local-sgd-skip-anomaly)."))
     add("--local-sgd-cpu-offload", action="store_true",
         help="Keep the anchor and the outer optimizer state in CPU memory.")
-    add("--local-sgd-debug", action="store_true", help="Log every sync on every rank.")
+    add("--local-sgd-debug", action="store_true",
+        help="Log every sync on every rank (through Python logging, logger 'megatron_edit', "
+             "level INFO).")
     add("--local-sgd-exchange-dtype", choices=EXCHANGE_DTYPES, default=d.exchange_dtype,
-        help="Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of fp32).")
+        help=_d("Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of "
+                "fp32, int4: 0.13x)."))
     add("--local-sgd-exchange-block-size", type=int, default=d.exchange_block_size,
-        help="Elements per quantization scale (fp8, int8, int4).")
+        help=_d("Elements per quantization scale (needs --local-sgd-exchange-dtype fp8|int8|int4)."))
     add("--local-sgd-exchange-error-feedback", action="store_true",
         help="Add what quantization dropped to the next sync's pseudo-gradient.")
     add("--outer-optimizer", default="sgd",
-        help="Outer optimizer: sgd, adam, adamw or a dotted class path (default sgd).")
-    add("--outer-optimizer-lr", type=float, default=o.outer_optim_kwargs["lr"])
-    add("--outer-optimizer-momentum", type=float, default=o.outer_optim_kwargs["momentum"],
-        help="SGD momentum (ignored by optimizers without one only if --outer-optimizer-kwargs "
-             "overrides it).")
-    add("--outer-optimizer-nesterov", action=argparse.BooleanOptionalAction,
-        default=o.outer_optim_kwargs["nesterov"], help="Nesterov momentum for SGD.")
-    add("--outer-optimizer-kwargs", type=json.loads, default=None,
-        help='Extra keyword arguments as JSON, e.g. \'{"betas": [0.9, 0.95]}\'; they override '
-             "the flags above.")
-    add("--local-sgd-reducer", choices=("linear", "gta"), default=g.reducer)
-    add("--gta-consensus-method", choices=GTA_CONSENSUS, default=g.consensus_method)
-    add("--gta-sparsification-method", choices=GTA_SPARSIFICATION, default=g.sparsification_method)
-    add("--gta-normalize", action=argparse.BooleanOptionalAction, default=g.normalize)
-    add("--gta-density", type=float, default=g.density)
-    add("--gta-int8-mask", action="store_true")
+        help=_d("Outer optimizer: sgd, adam, adamw or a dotted class path."))
+    add("--outer-optimizer-lr", type=float, default=None,
+        help=f"Outer learning rate (default: {SGD_DEFAULTS['lr']} with SGD; required with "
+             "another outer optimizer).")
+    add("--outer-optimizer-momentum", type=float, default=None,
+        help=f"Momentum of the outer SGD, in [0, 1) (default: {SGD_DEFAULTS['momentum']}; "
+             "SGD only, other optimizers take theirs in --outer-optimizer-kwargs).")
+    add("--outer-optimizer-nesterov", action=argparse.BooleanOptionalAction, default=None,
+        help=f"Nesterov momentum for the outer SGD (default: "
+             f"{'on' if SGD_DEFAULTS['nesterov'] else 'off'}; SGD only).")
+    add("--outer-optimizer-kwargs", type=_json_object, default=None,
+        help="More keyword arguments of the outer optimizer as a JSON object, e.g. "
+             "'{\"betas\": [0.9, 0.95]}' (default: none). A key set by a flag above is refused.")
+    add("--local-sgd-reducer", choices=("linear", "gta"), default=g.reducer,
+        help=_d("linear: (weighted) mean of the pseudo-gradients; gta: generalized task "
+                "arithmetic."))
+    add("--gta-consensus-method", choices=GTA_CONSENSUS, default=g.consensus_method,
+        help=_d("GTA sign consensus (needs --local-sgd-reducer gta)."))
+    add("--gta-sparsification-method", choices=GTA_SPARSIFICATION, default=g.sparsification_method,
+        help=_d("GTA sparsification (needs --local-sgd-reducer gta)."))
+    add("--gta-normalize", action=argparse.BooleanOptionalAction, default=g.normalize,
+        help=_d("GTA: divide by the weight of the workers that kept each entry."))
+    add("--gta-density", type=float, default=g.density,
+        help=_d("GTA: fraction of entries kept by sparsification, in (0, 1]."))
+    add("--gta-int8-mask", action="store_true", help="GTA: masks as int8 (less memory, traffic).")
     return parser
+
+
+def local_sgd_defaults() -> Dict[str, Any]:
+    """dest -> default of every EDiT flag, as :func:`local_sgd_args_provider` sets them."""
+    parser = local_sgd_args_provider(argparse.ArgumentParser(add_help=False))
+    return {a.dest: a.default for a in parser._actions if a.option_strings}
+
+
+def changed_flags(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> List[str]:
+    """The EDiT flags (as typed, e.g. ``--local-sgd-sync-interval``) whose value in ``args``
+    differs from its default: ``parser``'s (which may set its own) or the provider's."""
+    reference = local_sgd_args_provider(argparse.ArgumentParser(add_help=False))
+    out = []
+    for action in reference._actions:
+        if not action.option_strings or not hasattr(args, action.dest):
+            continue
+        default = parser.get_default(action.dest) if parser is not None else action.default
+        if getattr(args, action.dest) != default:
+            out.append(action.option_strings[0])
+    return out
+
+
+def _needs(flag: str, needed: str, why: str = "") -> ConfigError:
+    return ConfigError(f"{flag} does nothing without {needed}{why}: add {needed}, or drop {flag}.")
+
+
+def _check_flags_take_effect(args: argparse.Namespace) -> None:
+    """Refuse a flag whose value differs from its default while the option it needs is off."""
+    d = LocalSGDConfig()
+    if not args.local_sgd_async:
+        for dest, name, flag in (
+            ("local_sgd_sync_time", "local_sgd_sync_time", "--local-sgd-sync-time"),
+            ("local_sgd_min_total_global_steps", "min_total_global_steps",
+             "--local-sgd-min-total-global-steps"),
+        ):
+            if getattr(args, dest) != getattr(d, name):
+                raise _needs(flag, "--local-sgd-async",
+                             " (synchronous EDiT syncs every --local-sgd-sync-interval steps)")
+    if not args.local_sgd_use_step_weight and args.local_sgd_step_weight_ratio != d.step_weight_ratio:
+        raise _needs("--local-sgd-step-weight-ratio", "--local-sgd-use-step-weight")
+    if not args.local_sgd_skip_anomaly:
+        for dest in ("ewma_alpha", "ewma_warmup_steps", "ewma_threshold"):
+            if getattr(args, f"local_sgd_{dest}") != getattr(d, dest):
+                raise _needs(f"--local-sgd-{dest.replace('_', '-')}", "--local-sgd-skip-anomaly")
+
+
+def _outer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """The outer optimizer's keyword arguments from its flags (see :data:`SGD_DEFAULTS`)."""
+    import torch
+
+    cls = resolve_optimizer_class(args.outer_optimizer)
+    is_sgd = issubclass(cls, torch.optim.SGD)
+    extra = args.outer_optimizer_kwargs
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError("--outer-optimizer-kwargs must be a JSON object, e.g. '{\"betas\": [0.9, 0.95]}'.")
+    extra = dict(extra or {})
+    given = {key: getattr(args, f"outer_optimizer_{key}") for key in _OUTER_FLAGS}
+    given = {key: value for key, value in given.items() if value is not None}
+    for key in given:
+        if key in extra:
+            raise ConfigError(
+                f"{_OUTER_FLAGS[key]} and --outer-optimizer-kwargs both set {key!r}; give it once."
+            )
+    if not is_sgd:
+        for key in ("momentum", "nesterov"):
+            if key in given:
+                raise ConfigError(
+                    f"{_OUTER_FLAGS[key]} is for the SGD outer optimizer; {cls.__name__} has "
+                    f"{'its own momentum terms' if key == 'momentum' else 'no Nesterov option'}: "
+                    "pass them in --outer-optimizer-kwargs (e.g. '{\"betas\": [0.9, 0.95]}' for "
+                    "Adam), or drop the flag."
+                )
+        if "lr" not in given and "lr" not in extra:
+            raise ConfigError(
+                f"--outer-optimizer {args.outer_optimizer} needs --outer-optimizer-lr: the default "
+                f"{SGD_DEFAULTS['lr']} is the SGD outer optimizer's (a Nesterov step on the "
+                "averaged pseudo-gradient); adaptive optimizers need a much smaller one."
+            )
+        return {**given, **extra}
+    kwargs = {key: value for key, value in SGD_DEFAULTS.items() if key not in extra}
+    kwargs.update(given)
+    kwargs.update(extra)
+    return kwargs
 
 
 def configs_from_args(
     args: argparse.Namespace,
 ) -> Optional[Tuple[LocalSGDConfig, OuterOptimizerConfig, GTAConfig]]:
     """Parsed flags -> configs (validated; ConfigError names the flag), None if local SGD is off."""
+    if not isinstance(args, argparse.Namespace):
+        raise TypeError(
+            "configs_from_args(args): args must be the argparse.Namespace of parsed flags (from a "
+            f"parser given to local_sgd_args_provider), got {type(args).__name__}"
+            + ("; for a dict use argparse.Namespace(**d)." if isinstance(args, dict) else ".")
+        )
     if not getattr(args, "use_local_sgd", False):
         return None
+    missing = [dest for dest in local_sgd_defaults() if not hasattr(args, dest)]
+    if missing:
+        raise ConfigError(
+            f"configs_from_args: the namespace has --use-local-sgd but not "
+            f"{', '.join('--' + m.replace('_', '-') for m in missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''}: parse the flags with a parser given to "
+            "local_sgd_args_provider."
+        )
+    _check_flags_take_effect(args)
     local = LocalSGDConfig(
         use_async=args.local_sgd_async,
         local_sgd_sync_interval=args.local_sgd_sync_interval,
         local_sgd_sync_time=args.local_sgd_sync_time,
         min_total_global_steps=args.local_sgd_min_total_global_steps,
+        async_time_budget=args.local_sgd_time_budget,
         use_step_weight=args.local_sgd_use_step_weight,
         step_weight_ratio=args.local_sgd_step_weight_ratio,
         local_sgd_warmup_steps=args.local_sgd_warmup_steps,
@@ -124,16 +309,7 @@ def configs_from_args(
         exchange_block_size=args.local_sgd_exchange_block_size,
         exchange_error_feedback=args.local_sgd_exchange_error_feedback,
     )
-    import torch
-
-    kwargs = {"lr": args.outer_optimizer_lr}
-    if issubclass(resolve_optimizer_class(args.outer_optimizer), torch.optim.SGD):
-        kwargs.update(momentum=args.outer_optimizer_momentum, nesterov=args.outer_optimizer_nesterov)
-    if args.outer_optimizer_kwargs is not None:
-        if not isinstance(args.outer_optimizer_kwargs, dict):
-            raise ConfigError("--outer-optimizer-kwargs must be a JSON object.")
-        kwargs.update(args.outer_optimizer_kwargs)
-    outer = OuterOptimizerConfig(outer_optim_class=args.outer_optimizer, outer_optim_kwargs=kwargs)
+    outer = OuterOptimizerConfig(outer_optim_class=args.outer_optimizer, outer_optim_kwargs=_outer_kwargs(args))
     gta = GTAConfig(
         reducer=args.local_sgd_reducer,
         consensus_method=args.gta_consensus_method,

@@ -2,9 +2,16 @@
 
 The names and fields follow the authors' reference implementation (ATorch's ``LocalSGDConfig``,
 ``OuterOptimizerConfig``, ``GTAConfig``) so that its users find what they know. Every field is
-validated in ``__post_init__``; an option whose behaviour this version does not implement yet
-is accepted at its default and rejected with :class:`NotSupportedYet` when turned on, never
-silently ignored.
+validated in ``__post_init__``, its type first: a boolean must be ``True``/``False`` (the string
+``'no'`` is not one), a count an integer (not ``True``), a number finite (not a string, inf or
+NaN); the outer optimizer's keyword arguments are checked against its constructor's signature.
+An option whose behaviour this version does not implement yet is accepted at its default and
+rejected with :class:`NotSupportedYet` when turned on, never silently ignored.
+
+Options that only matter with another one (A-EDiT's ``local_sgd_sync_time`` without
+``use_async``, the EWMA settings without ``skip_anomaly``) are accepted here, so a program can
+switch a feature off and keep its settings; on the command line such a flag does nothing and is
+refused (:func:`megatron_edit.arguments.configs_from_args`).
 
 Command-line flags (``--use-local-sgd`` ...) map onto these classes in one place:
 :mod:`megatron_edit.arguments`.
@@ -18,9 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Type, Union
+from typing import Any, Dict, Iterable, Optional, Type, Union
 
 
 class ConfigError(ValueError):
@@ -37,6 +46,7 @@ FLAG_NAMES: Dict[str, str] = {
     "local_sgd_sync_interval": "--local-sgd-sync-interval",
     "local_sgd_sync_time": "--local-sgd-sync-time",
     "min_total_global_steps": "--local-sgd-min-total-global-steps",
+    "async_time_budget": "--local-sgd-time-budget",
     "use_step_weight": "--local-sgd-use-step-weight",
     "step_weight_ratio": "--local-sgd-step-weight-ratio",
     "local_sgd_warmup_steps": "--local-sgd-warmup-steps",
@@ -75,6 +85,47 @@ def _require(cond: bool, field_name: str, msg: str) -> None:
         raise ConfigError(f"{_name(field_name)}: {msg}")
 
 
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    """An integer, not a bool (``True`` is an int to Python, not a step count to us)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """A finite real number, not a bool and not a string."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def _got(value) -> str:
+    return f"got {value!r}, a {type(value).__name__}" if not isinstance(value, (int, float)) else f"got {value!r}"
+
+
+def _check_types(cfg, bools: Iterable[str] = (), ints: Iterable[str] = (),
+                 numbers_: Iterable[str] = (), optional_numbers: Iterable[str] = ()) -> None:
+    """Types first, so a range check never meets a string (which would raise a bare TypeError)."""
+    for name in bools:
+        value = getattr(cfg, name)
+        _require(_is_bool(value), name,
+                 f"must be True or False ({_got(value)}); a string such as 'no' is not a boolean.")
+    for name in ints:
+        value = getattr(cfg, name)
+        _require(_is_int(value), name, f"must be an integer ({_got(value)}).")
+    for name in numbers_:
+        value = getattr(cfg, name)
+        _require(_is_number(value), name, f"must be a finite number ({_got(value)}).")
+    for name in optional_numbers:
+        value = getattr(cfg, name)
+        _require(value is None or _is_number(value), name,
+                 f"must be a finite number or None ({_got(value)}).")
+
+
 SYNC_MODES = ("layerwise", "step_end")
 EXCHANGE_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4")
 
@@ -92,6 +143,10 @@ class LocalSGDConfig:
 
     local_sgd_sync_time: float = 600.0
     """A-EDiT only: seconds of training between two synchronisations."""
+
+    async_time_budget: Optional[float] = None
+    """A-EDiT only: end the run after this many seconds of training after warmup (at a final
+    sync planned from the workers' speeds), instead of when the step budget is used."""
 
     min_total_global_steps: int = 100
     """A-EDiT only: skip a time-triggered sync when all workers together took fewer steps than
@@ -165,14 +220,23 @@ class LocalSGDConfig:
     sharded like the anchor, 4 bytes x params / shard size, saved in checkpoints)."""
 
     def __post_init__(self) -> None:
+        _check_types(
+            self,
+            bools=("use_async", "use_step_weight", "pseudo_gradnorm_reduce", "skip_anomaly",
+                   "cpu_offload", "is_debug", "exchange_error_feedback"),
+            ints=("local_sgd_sync_interval", "local_sgd_warmup_steps", "gradient_accumulation_steps",
+                  "min_total_global_steps", "ewma_warmup_steps", "exchange_block_size"),
+            numbers_=("local_sgd_sync_time", "step_weight_ratio", "ewma_alpha", "ewma_threshold"),
+            optional_numbers=("clip_pseudo_grad", "weight_softmax_temperature", "async_time_budget"),
+        )
         _require(
-            isinstance(self.local_sgd_sync_interval, int) and self.local_sgd_sync_interval >= 1,
+            self.local_sgd_sync_interval >= 1,
             "local_sgd_sync_interval",
             f"must be an integer >= 1 (got {self.local_sgd_sync_interval!r}); "
             "1 synchronises after every step.",
         )
         _require(
-            isinstance(self.local_sgd_warmup_steps, int) and self.local_sgd_warmup_steps >= 0,
+            self.local_sgd_warmup_steps >= 0,
             "local_sgd_warmup_steps",
             f"must be an integer >= 0 (got {self.local_sgd_warmup_steps!r}).",
         )
@@ -183,12 +247,22 @@ class LocalSGDConfig:
             "micro-batches itself; set --global-batch-size / --micro-batch-size instead.",
         )
         _require(
-            math.isfinite(self.local_sgd_sync_time) and self.local_sgd_sync_time > 0,
+            self.local_sgd_sync_time > 0,
             "local_sgd_sync_time",
             f"must be a positive number of seconds (got {self.local_sgd_sync_time!r}).",
         )
         _require(
-            isinstance(self.min_total_global_steps, int) and self.min_total_global_steps >= 0,
+            self.async_time_budget is None or self.async_time_budget > 0,
+            "async_time_budget",
+            f"must be a positive number of seconds or None (got {self.async_time_budget!r}).",
+        )
+        if self.async_time_budget is not None and not self.use_async:
+            raise ConfigError(
+                f"{_name('async_time_budget')}: a wall-clock budget is A-EDiT's; add "
+                f"{FLAG_NAMES['use_async']} (synchronous EDiT ends at --train-iters)."
+            )
+        _require(
+            self.min_total_global_steps >= 0,
             "min_total_global_steps",
             f"must be an integer >= 0 (got {self.min_total_global_steps!r}).",
         )
@@ -198,8 +272,7 @@ class LocalSGDConfig:
             f"must be in [0, 1] (got {self.step_weight_ratio!r}).",
         )
         _require(
-            self.clip_pseudo_grad is None
-            or (math.isfinite(self.clip_pseudo_grad) and self.clip_pseudo_grad > 0),
+            self.clip_pseudo_grad is None or self.clip_pseudo_grad > 0,
             "clip_pseudo_grad",
             f"must be a positive norm or None (got {self.clip_pseudo_grad!r}).",
         )
@@ -214,7 +287,7 @@ class LocalSGDConfig:
             f"must be in (0, 1] (got {self.ewma_alpha!r}).",
         )
         _require(
-            isinstance(self.ewma_warmup_steps, int) and self.ewma_warmup_steps >= 0,
+            self.ewma_warmup_steps >= 0,
             "ewma_warmup_steps",
             f"must be an integer >= 0 (got {self.ewma_warmup_steps!r}).",
         )
@@ -222,7 +295,7 @@ class LocalSGDConfig:
             self.ewma_threshold > 0, "ewma_threshold", f"must be > 0 (got {self.ewma_threshold!r})."
         )
         _require(
-            self.sync_mode in SYNC_MODES,
+            isinstance(self.sync_mode, str) and self.sync_mode in SYNC_MODES,
             "sync_mode",
             f"must be one of {SYNC_MODES} (got {self.sync_mode!r}).",
         )
@@ -293,6 +366,43 @@ def resolve_optimizer_class(spec: Union[str, type]) -> Type["torch.optim.Optimiz
     return cls
 
 
+def _check_outer_kwargs(cls: type, kwargs: Dict[str, Any]) -> None:
+    """Each keyword against ``cls``'s constructor: known (unless it takes ``**kwargs``), and of
+    the kind its default has (a bool for a bool, a finite number for a number); ``lr`` a
+    positive finite number and ``momentum`` in [0, 1) whatever the class (torch accepts 1.5)."""
+    def fail(msg: str) -> None:
+        raise ConfigError(f"{_name('outer_optim_kwargs')}: {msg}")
+
+    if "lr" not in kwargs:
+        fail(f"give lr ({cls.__name__}'s own default would be used without a word).")
+    lr = kwargs["lr"]
+    if not (_is_tensor(lr) or (_is_number(lr) and lr > 0)):
+        fail(f"lr must be a finite number > 0 ({_got(lr)}).")
+    params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    options = [n for n, p in params.items() if n not in ("self", "params")
+               and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    for key, value in kwargs.items():
+        if key in ("self", "params") or (key not in params and not takes_any):
+            fail(f"{cls.__name__} has no option {key!r} (its options: {', '.join(options)}).")
+        default = params[key].default if key in params else inspect.Parameter.empty
+        if isinstance(default, bool) and not _is_bool(value):
+            fail(f"{key} must be True or False for {cls.__name__} ({_got(value)}).")
+        if _is_int(default) or isinstance(default, float):
+            if not _is_number(value) and not _is_tensor(value):
+                fail(f"{key} must be a finite number for {cls.__name__} ({_got(value)}).")
+        if isinstance(value, (list, tuple)) and not all(_is_number(v) for v in value):
+            fail(f"{key} must hold finite numbers ({_got(value)}).")
+    momentum = kwargs.get("momentum")
+    if momentum is not None and _is_number(momentum) and not 0 <= momentum < 1:
+        fail(f"momentum must be in [0, 1) (got {momentum!r}): at 1 or above the outer "
+             "updates never decay and the run diverges.")
+
+
+def _is_tensor(value) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "dim")
+
+
 @dataclass
 class OuterOptimizerConfig:
     """The outer optimizer: steps the anchor with the averaged pseudo-gradient as its gradient."""
@@ -309,26 +419,21 @@ class OuterOptimizerConfig:
 
     def __post_init__(self) -> None:
         cls = resolve_optimizer_class(self.outer_optim_class)
+        kwargs = self.outer_optim_kwargs
         _require(
-            isinstance(self.outer_optim_kwargs, dict),
+            isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs),
             "outer_optim_kwargs",
-            f"must be a dict (got {type(self.outer_optim_kwargs).__name__}).",
+            f"must be a dict of keyword arguments (got {type(kwargs).__name__}).",
         )
-        lr = self.outer_optim_kwargs.get("lr", 1e-3)
-        _require(
-            isinstance(lr, (int, float)) and lr > 0,
-            "outer_optim_kwargs",
-            f"lr must be > 0 (got {lr!r}).",
-        )
-        # Instantiate once on a dummy tensor so a bad keyword fails now, not at the first sync.
+        _check_outer_kwargs(cls, kwargs)
+        # Instantiate once on a dummy tensor so a bad value fails now, not at the first sync.
         import torch
 
         try:
-            cls([torch.nn.Parameter(torch.zeros(1))], **self.outer_optim_kwargs)
+            cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
         except (TypeError, ValueError) as e:
             raise ConfigError(
-                f"{_name('outer_optim_kwargs')}: {cls.__name__}({self.outer_optim_kwargs}) "
-                f"fails: {e}"
+                f"{_name('outer_optim_kwargs')}: {cls.__name__}({kwargs}) fails: {e}"
             ) from e
 
     @property
@@ -365,8 +470,9 @@ class GTAConfig:
     """GTA: keep masks as int8 instead of the pseudo-gradient's dtype (memory)."""
 
     def __post_init__(self) -> None:
+        _check_types(self, bools=("normalize", "int8_mask"), numbers_=("density",))
         _require(
-            self.reducer in ("linear", "gta"),
+            isinstance(self.reducer, str) and self.reducer in ("linear", "gta"),
             "reducer",
             f"must be 'linear' or 'gta' (got {self.reducer!r}).",
         )

@@ -13,6 +13,10 @@ the script and its arguments. The same thing by hand, at the top of a script::
     from megatron_edit import patch_megatron_for_local_sgd
     patch_megatron_for_local_sgd()
 
+The EDiT flags among the script's arguments are checked before Megatron is imported, and a bad
+flag (then, or in Megatron's ``validate_args``) ends every rank with exit code 2 and one line on
+rank 0 naming the flag, not a traceback per rank.
+
 Which ``megatron``: ``megatron.core`` is always the installed megatron-core (the release
 megatron_edit checks its patches against): it is imported before the script's directory goes on
 ``sys.path``. The directory then goes *first* on ``sys.path``, as ``python pretrain_gpt.py``
@@ -34,7 +38,8 @@ import os
 import re
 import runpy
 import sys
-from typing import List, Optional
+import warnings
+from typing import List, NoReturn, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +149,54 @@ def _set_up_path(script: str) -> None:
               f"the installed megatron-core {installed}: same release line", flush=True)
 
 
+def quiet_upstream_warnings() -> None:
+    """Hide torch's FutureWarnings about the deprecated ``torch.distributed`` functions
+    megatron-core calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``): two lines per
+    call site per rank, nothing for the user to act on. Other warnings stay."""
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated"
+    )
+
+
+def _refuse(message: str) -> NoReturn:
+    """End this rank with exit code 2; rank 0 prints the one line."""
+    if _rank0():
+        print(f"megatron_edit: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+class _FlagError(Exception):
+    pass
+
+
+class _QuietParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _FlagError(message)
+
+
+def check_edit_flags(script_args: List[str]) -> None:
+    """The EDiT flags among ``script_args`` on their own (Megatron's are left to Megatron), before
+    Megatron is imported. Raises :class:`~megatron_edit.config.ConfigError` naming the flag."""
+    from .arguments import configs_from_args, local_sgd_args_provider
+    from .config import ConfigError
+
+    parser = local_sgd_args_provider(_QuietParser(add_help=False, allow_abbrev=False))
+    try:
+        known, _ = parser.parse_known_args(script_args)
+    except _FlagError as e:
+        raise ConfigError(str(e)) from None
+    configs_from_args(known)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    from .config import ConfigError
+
     opts = build_parser().parse_args(argv)
+    quiet_upstream_warnings()
+    try:
+        check_edit_flags(opts.script_args)
+    except ConfigError as e:
+        _refuse(str(e))
     if not os.path.isfile(opts.script):
         raise SystemExit(f"megatron_edit.launch: no such script: {opts.script}")
     cpu = _use_cpu(opts)
@@ -172,7 +223,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             flush=True,
         )
     sys.argv = [opts.script, *opts.script_args]
-    runpy.run_path(opts.script, run_name="__main__")
+    try:
+        runpy.run_path(opts.script, run_name="__main__")
+    except ConfigError as e:  # EDiT's checks in Megatron's validate_args, or at model build
+        _refuse(str(e))
 
 
 if __name__ == "__main__":

@@ -72,9 +72,11 @@ def measure(args, mode, train_ds, counter, t_step):
         args, use_local_sgd=mode != "synchronous", local_sgd_warmup_steps=0,
         local_sgd_sync_interval=10**6 if mode == "no-comm bound" else args.interval,
         local_sgd_sync_mode="step_end" if mode == "EDiT step-end" else "layerwise",
-        local_sgd_async=mode == "A-EDiT", local_sgd_sync_time=args.interval * (t_step or 0.05),
-        local_sgd_min_total_global_steps=1,
+        local_sgd_async=mode == "A-EDiT",
     )
+    if mode == "A-EDiT":  # A-EDiT's flags only with A-EDiT (elsewhere they are refused)
+        run_args.local_sgd_sync_time = args.interval * (t_step or 0.05)
+        run_args.local_sgd_min_total_global_steps = 1
     ddp, optimizer, scheduler, controllers = bc.build(run_args)
     it = bc.batches(run_args, train_ds)
     lay = bc.layout(args)

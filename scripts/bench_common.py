@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_gpt_edit as job  # noqa: E402  (the main job's model, data and step)
+from megatron_edit.cpu import adapter as cpu_adapter  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench-results")
 
@@ -38,7 +39,7 @@ def setup(args, train_samples: int = 40000, eval_samples: Optional[int] = None):
     from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
-    job.cpu_adapter.activate()
+    cpu_adapter.activate()
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     if dist.get_world_size() % args.workers:
@@ -46,9 +47,11 @@ def setup(args, train_samples: int = 40000, eval_samples: Optional[int] = None):
     ps.initialize_model_parallel(num_distributed_optimizer_instances=args.workers)
     prefix = os.path.join(args.data_dir, "stdlib_docs")
     os.makedirs(args.data_dir, exist_ok=True)
-    job.data.prepare_indexed_dataset(prefix)
+    from megatron_edit.cpu import data
+
+    data.prepare_indexed_dataset(prefix)
     eval_samples = eval_samples or args.eval_samples
-    train_ds, valid_ds, _ = job.data.build_gpt_datasets(
+    train_ds, valid_ds, _ = data.build_gpt_datasets(
         prefix, args.seq_length, (train_samples, eval_samples, 0), args.seed
     )
     return train_ds, valid_ds
@@ -97,7 +100,9 @@ def train_step(args, ddp, optimizer, scheduler, batch, forward_step=None) -> Non
 def batches(args, dataset, start_step: int = 0):
     """This rank's micro-batches (the main job's data order), from ``start_step`` on."""
     lay = layout(args)
-    return job.data.batch_iterator(dataset, args.micro_batch_size, start=lay["dp_rank"] + start_step * lay["dp"],
+    from megatron_edit.cpu import data
+
+    return data.batch_iterator(dataset, args.micro_batch_size, start=lay["dp_rank"] + start_step * lay["dp"],
                                    stride=lay["dp"])
 
 
@@ -134,15 +139,15 @@ class TrafficCounter:
     """Counts every collective whose group spans more than one worker, by wrapping
     ``torch.distributed`` and the two functions megatron-core's buckets bound at import.
 
-    Payload convention (the one ``megatron_edit.exchange.groups.SyncGroup`` uses): all-reduce and broadcast
-    count the tensor; all-gather counts its output (every worker's part); reduce-scatter its
-    input. These are the bytes handed to the collective, not what gloo puts on the wire (a ring
-    all-reduce over n peers sends 2(n-1)/n times the tensor per rank, plus headers).
+    Byte convention (the one ``megatron_edit.exchange.groups.SyncGroup`` uses): what this rank
+    sends with ring algorithms over a group of n ranks: an all-reduce of S bytes 2(n-1)/n S, an
+    all-gather (n-1)/n of its output, a reduce-scatter and an all-to-all (n-1)/n of their input,
+    a broadcast S. (Two workers: an all-reduce sends its tensor once.) Headers not included.
     """
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
-             "_reduce_scatter_base", "reduce_scatter", "broadcast", "barrier", "all_gather_object",
-             "broadcast_object_list")
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+             "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter", "all_to_all_single", "broadcast",
+             "barrier", "all_gather_object", "broadcast_object_list")
 
     def __init__(self, worker_of_rank: Dict[int, int]):
         import megatron.core.distributed.param_and_grad_buffer as pgb
@@ -171,17 +176,20 @@ class TrafficCounter:
         def nbytes(t):
             return t.numel() * t.element_size() if torch.is_tensor(t) else 0
 
+        n = dist.get_world_size(group)
         if name in ("all_gather",):
             parts = args[0] if args else kwargs.get("tensor_list")
-            return sum(nbytes(t) for t in parts)
-        if name in ("all_gather_into_tensor", "_all_gather_base", "dist_all_gather_func"):
-            return nbytes(args[0] if args else kwargs.get("output_tensor"))
-        if name in ("reduce_scatter_tensor", "_reduce_scatter_base", "dist_reduce_scatter_func"):
-            return nbytes(args[1] if len(args) > 1 else kwargs.get("input"))
+            return (n - 1) * sum(nbytes(t) for t in parts) // n
+        if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "dist_all_gather_func"):
+            return (n - 1) * nbytes(args[0] if args else kwargs.get("output_tensor")) // n
+        if name in ("reduce_scatter_tensor", "_reduce_scatter_base", "dist_reduce_scatter_func", "all_to_all_single"):
+            return (n - 1) * nbytes(args[1] if len(args) > 1 else kwargs.get("input")) // n
         if name == "reduce_scatter":
             parts = args[1] if len(args) > 1 else kwargs.get("input_list")
-            return sum(nbytes(t) for t in parts)
-        if name in ("all_reduce", "broadcast"):
+            return (n - 1) * sum(nbytes(t) for t in parts) // n
+        if name == "all_reduce":
+            return 2 * (n - 1) * nbytes(args[0] if args else kwargs.get("tensor")) // n
+        if name == "broadcast":
             return nbytes(args[0] if args else kwargs.get("tensor"))
         return 0  # barrier, object collectives (not used by training steps)
 

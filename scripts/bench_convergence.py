@@ -54,12 +54,15 @@ def run_args_for(args, name):
         return bc.edit_args(args, use_local_sgd=False)
     h = int(name.split("H=")[1])
     penalty = name.startswith("EDiT")
-    return bc.edit_args(
+    run_args = bc.edit_args(
         args, use_local_sgd=True, local_sgd_sync_interval=h, local_sgd_warmup_steps=WARMUP,
         local_sgd_skip_anomaly=penalty, local_sgd_pseudo_gradnorm_reduce=penalty,
-        local_sgd_ewma_warmup_steps=args.ewma_warmup, local_sgd_ewma_alpha=args.ewma_alpha,
         local_sgd_clip_pseudo_grad=args.clip if penalty else None,
     )
+    if penalty:  # the detector's flags only with the detector (elsewhere they are refused)
+        run_args.local_sgd_ewma_warmup_steps = args.ewma_warmup
+        run_args.local_sgd_ewma_alpha = args.ewma_alpha
+    return run_args
 
 
 def bad_batch(batch, generator):
@@ -73,6 +76,11 @@ def bad_batch(batch, generator):
     return out
 
 
+def mean_over_workers(run_args, ddp, valid_ds) -> float:
+    losses = bc.job.gather_per_worker(bc.job.evaluate(run_args, ddp, valid_ds))
+    return sum(losses.values()) / len(losses)
+
+
 def train(args, name, bad, datasets):
     train_ds, valid_ds = datasets
     run_args = run_args_for(args, name)
@@ -81,7 +89,9 @@ def train(args, name, bad, datasets):
     it = bc.batches(run_args, train_ds)
     lay = bc.layout(run_args)
     generator = torch.Generator().manual_seed(1000 + lay["dp_rank"])
-    curve = [(0, sum(bc.job.evaluate(run_args, ddp, valid_ds).values()) / args.workers)]
+    # Synchronous EDiT: every worker reaches each evaluation at the same step, so gathering the
+    # workers' losses there cannot meet a sync on another worker (never do this with A-EDiT).
+    curve = [(0, mean_over_workers(run_args, ddp, valid_ds))]
     excluded = 0
     for step in range(1, args.bench_steps + 1):
         batch = next(it)
@@ -91,10 +101,10 @@ def train(args, name, bad, datasets):
         for c in controllers:
             excluded += sum(int(r.excluded.any(dim=1).sum()) for r in c.drain_reports() if r.excluded is not None)
         if step >= WARMUP and (step - WARMUP) % args.eval_every == 0:
-            losses = bc.job.evaluate(run_args, ddp, valid_ds)  # completes a pending layer-wise sync
+            valid = mean_over_workers(run_args, ddp, valid_ds)  # completes a pending layer-wise sync
             for c in controllers:
                 excluded += sum(int(r.excluded.any(dim=1).sum()) for r in c.drain_reports() if r.excluded is not None)
-            curve.append((step, sum(losses.values()) / len(losses)))
+            curve.append((step, valid))
     tokens_per_step = lay["dp"] * args.micro_batch_size * args.seq_length
     bc.log0(f"{name:12s} {'bad data' if bad else 'clean':8s} final valid loss {curve[-1][1]:.4f}"
             + (f"  syncs with a worker excluded: {excluded}" if controllers else ""))

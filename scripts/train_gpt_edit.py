@@ -9,15 +9,23 @@ megatron-core's GPTDataset over an indexed dataset built from text that ships wi
 (megatron_edit.cpu.data). megatron_edit.cpu.adapter lets megatron-core run without CUDA.
 
 Each worker (one distributed-optimizer instance) trains on its own slice of every global batch.
-Per step, rank 0 prints its worker's loss; after each sync it prints the bytes this rank sent
-across the sync group. Nothing crosses workers between syncs: the per-step loss is averaged
-inside the worker only; validation (every --eval-interval steps) is the one place where the
-script itself reduces across workers.
+Rank 0 prints its worker's loss every --log-interval steps and each sync (bytes this rank sent
+across the sync group; with the pseudo-gradient penalty on, its decisions).
+
+Nothing crosses workers between syncs, in this script either: the per-step loss is averaged
+inside the worker, and validation is worker-local (each worker evaluates its own model on the
+same held-out samples over its own ranks; its first rank prints the line). The only collective
+across workers outside the syncs is the summary's, after the last sync, where every worker is
+at the same logical point. A collective across workers at a fixed step would hang A-EDiT
+(--local-sgd-async): workers reach a step at different times, and one can sit in a sync's
+all-reduce that the other never joins while it waits in that collective.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import os
 import sys
 import time
@@ -33,39 +41,170 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 import megatron_edit  # noqa: E402
-from megatron_edit.cpu import adapter as cpu_adapter, data  # noqa: E402
+from megatron_edit.arguments import Rank0ArgumentParser, changed_flags  # noqa: E402
+from megatron_edit.config import ConfigError  # noqa: E402
+from megatron_edit.launch import quiet_upstream_warnings  # noqa: E402
+
+# The main job's EDiT defaults (the package's are H=1, W=0): a sync every 8 steps after 8
+# synchronous steps shows both phases in a short run.
+MAIN_JOB_DEFAULTS = dict(local_sgd_sync_interval=8, local_sgd_warmup_steps=8)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("edit", "baseline", "both"), default="edit",
-                        help="edit: EDiT; baseline: ordinary synchronous training; both: one, then the other")
-    parser.add_argument("--workers", type=int, default=2,
-                        help="EDiT workers = distributed-optimizer instances (must divide the world size)")
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=64)
-    parser.add_argument("--micro-batch-size", type=int, default=4, help="samples per rank per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--lr-warmup-steps", type=int, default=10)
-    parser.add_argument("--eval-interval", type=int, default=40)
-    parser.add_argument("--eval-samples", type=int, default=64)
-    parser.add_argument("--log-interval", type=int, default=1)
-    parser.add_argument("--data-dir", default=os.environ.get("MEGATRON_EDIT_DATA", "data-cache"),
-                        help="where the indexed dataset is built (once)")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--bucket-size", type=int, default=20000,
-                        help="DDP bucket size in elements (small: several layer-wise buckets)")
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum} (got {value})")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (got {text})")
+    return value
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every default shown once: the EDiT flags write theirs into their help text."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> Rank0ArgumentParser:
+    parser = Rank0ArgumentParser(prog=os.path.basename(__file__), description=__doc__,
+                                 formatter_class=_HelpFormatter)
+    at_least_1, at_least_0 = _int_at_least(1), _int_at_least(0)
+    add = parser.add_argument
+    add("--mode", choices=("edit", "baseline", "both"), default="edit",
+        help="edit: EDiT; baseline: ordinary synchronous training; both: one, then the other")
+    add("--workers", type=at_least_1, default=2,
+        help="EDiT workers = distributed-optimizer instances (must divide the number of processes)")
+    add("--steps", type=at_least_1, default=120, help="optimizer steps per run")
+    add("--layers", type=at_least_1, default=2, help="transformer layers")
+    add("--hidden", type=at_least_1, default=64, help="hidden size (a multiple of --heads)")
+    add("--heads", type=at_least_1, default=4, help="attention heads")
+    add("--seq-length", type=at_least_1, default=64, help="tokens per sample")
+    add("--micro-batch-size", type=at_least_1, default=4, help="samples per rank per step")
+    add("--lr", type=_positive_float, default=3e-3, help="peak learning rate (cosine decay to lr/10)")
+    add("--lr-warmup-steps", type=at_least_0, default=10,
+        help="linear learning-rate warmup (fewer than --steps)")
+    add("--eval-interval", type=at_least_1, default=40,
+        help="validate every this many steps, and after the last")
+    add("--eval-samples", type=at_least_1, default=64,
+        help="held-out samples per validation (each worker evaluates all of them)")
+    add("--log-interval", type=at_least_1, default=10,
+        help="print the loss every this many steps (and at every sync)")
+    add("--data-dir", default=os.environ.get("MEGATRON_EDIT_DATA", "data-cache"),
+        help="where the indexed dataset is built (once)")
+    add("--seed", type=int, default=1234, help="random seed")
+    add("--bucket-size", type=at_least_1, default=20000,
+        help="DDP bucket size in elements (small: several layer-wise buckets)")
+    add("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+        help="stop (exit code 1) when a worker's loss or gradient norm is not finite, as "
+             "Megatron-LM's flag of the same name")
     megatron_edit.local_sgd_args_provider(parser)
-    parser.set_defaults(local_sgd_sync_interval=8, local_sgd_warmup_steps=8)
-    return parser.parse_args(argv)
+    parser.set_defaults(**MAIN_JOB_DEFAULTS)
+    return parser
+
+
+def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
+    """Flag combinations, before Megatron is imported and the process group exists: a bad one
+    ends every rank with exit code 2 and one line on rank 0 naming the flag."""
+    if args.hidden % args.heads:
+        parser.fail(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}.")
+    if args.lr_warmup_steps >= args.steps:
+        parser.fail(f"--lr-warmup-steps {args.lr_warmup_steps} must be below --steps {args.steps} "
+                    "(Megatron's scheduler warms up, then decays over the run).")
+    if args.use_local_sgd:
+        parser.fail("--use-local-sgd is Megatron-LM's switch; in the main job --mode edit (the "
+                    "default) or --mode both trains with EDiT.")
+    if args.mode == "baseline":
+        changed = changed_flags(args, parser)
+        if changed:
+            parser.fail(f"{', '.join(changed)} {'does' if len(changed) == 1 else 'do'} nothing with "
+                        "--mode baseline (synchronous training): use --mode edit or --mode both, "
+                        "or drop the EDiT flags.")
+        return
+    try:
+        local, _, _ = megatron_edit.configs_from_args(argparse.Namespace(**{**vars(args), "use_local_sgd": True}))
+    except ConfigError as e:
+        parser.fail(str(e))
+    w, h = local.local_sgd_warmup_steps, local.local_sgd_sync_interval
+    if w >= args.steps:
+        parser.fail(f"--local-sgd-warmup-steps {w} >= --steps {args.steps}: every step would be "
+                    "synchronous warmup and EDiT would never train locally; lower it.")
+    if not local.use_async and w + h > args.steps:
+        parser.fail(f"--steps {args.steps} ends before the first sync, after step {w + h} "
+                    f"(--local-sgd-warmup-steps {w} + --local-sgd-sync-interval {h}): the workers "
+                    "would never sync; lower either, or raise --steps.")
+
+
+def check_launch(args: argparse.Namespace, parser: Rank0ArgumentParser) -> int:
+    """What needs the number of processes (from torchrun's environment): returns it."""
+    if "WORLD_SIZE" not in os.environ:
+        parser.fail("start the main job with torchrun, e.g. torchrun --nproc_per_node 4 "
+                    "scripts/train_gpt_edit.py")
+    world = int(os.environ["WORLD_SIZE"])
+    if world % args.workers:
+        parser.fail(f"--workers {args.workers} must divide the number of processes ({world}, "
+                    "torchrun's --nproc_per_node x --nnodes).")
+    per_step = world // args.workers * args.micro_batch_size
+    if args.eval_samples < per_step:
+        parser.fail(f"--eval-samples {args.eval_samples} is fewer than one validation batch of "
+                    f"a worker ({world // args.workers} ranks x --micro-batch-size "
+                    f"{args.micro_batch_size} = {per_step}).")
+    return world
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked (see :func:`check_args`); the benchmarks build on them."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    return args
 
 
 def log0(*args):
     if dist.get_rank() == 0:
         print(*args, flush=True)
+
+
+class _LogFormatter(logging.Formatter):
+    """The package's log lines as they are, except a SyncReport argument (--local-sgd-debug's
+    per-rank line) as its scalars instead of its repr (tensors over many lines)."""
+
+    def format(self, record):
+        if isinstance(record.args, tuple) and any(isinstance(a, megatron_edit.SyncReport) for a in record.args):
+            record.args = tuple(_brief(a) if isinstance(a, megatron_edit.SyncReport) else a for a in record.args)
+        return super().format(record)
+
+
+def _brief(report) -> str:
+    figures = ", ".join(f"{k.split('/', 1)[1]} {v:.4g}" for k, v in report.scalars().items())
+    return f"sync after step {report.step} ({report.mode}): {figures}"
+
+
+def setup_logging(debug: bool) -> None:
+    """The package logs through ``logging`` (logger ``megatron_edit``): its warnings always,
+    and with --local-sgd-debug every sync on every rank."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_LogFormatter("%(message)s"))
+    logger = logging.getLogger("megatron_edit")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if debug else logging.WARNING)
+    logger.propagate = False
 
 
 def build(args, use_local_sgd):
@@ -76,6 +215,7 @@ def build(args, use_local_sgd):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
+    from megatron_edit.cpu import data
 
     if use_local_sgd:
         megatron_edit.patch_megatron_for_local_sgd(*megatron_edit.configs_from_args(args))
@@ -122,20 +262,28 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
+def worker_group():
+    """The data-parallel ranks of this worker (every megatron-core release since 0.12 has it)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+
+
 def worker_mean(value, group):
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)
 
 
-def evaluate(args, ddp, valid_ds):
-    """Validation loss of every worker's current model on the same samples (cross-worker: only here)."""
-    from megatron.core import parallel_state as ps
+def evaluate(args, ddp, valid_ds) -> float:
+    """Validation loss of this worker's current model on the held-out samples, computed over this
+    worker's ranks only (each takes its share, the mean is taken inside the worker): no
+    collective across workers, so it is safe at any step, with A-EDiT too."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron_edit.cpu import data
 
     ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync, gathers params
-    # The data-parallel ranks of this worker (every megatron-core release since 0.12 has it).
-    intra = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+    intra = worker_group()
     rank_in_worker, worker_size = intra.rank(), intra.size()
     n = args.eval_samples // (worker_size * args.micro_batch_size)
     it = data.batch_iterator(valid_ds, args.micro_batch_size, start=rank_in_worker, stride=worker_size)
@@ -147,41 +295,144 @@ def evaluate(args, ddp, valid_ds):
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=True,
         )
     ddp.train()
-    loss = worker_mean(sum(d["lm loss"].item() for d in out) / len(out), intra)
-    losses = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(losses, torch.tensor([loss], dtype=torch.float64))
-    worker_of = [r // worker_size for r in range(dist.get_world_size())]
-    per_worker = {}
-    for r, l in enumerate(losses):
-        per_worker.setdefault(worker_of[r], l.item())
-    return per_worker
+    return worker_mean(sum(d["lm loss"].item() for d in out) / len(out), intra)
+
+
+def gather_per_worker(value: float) -> dict:
+    """{worker: value} from every worker's first rank, on every rank. A collective across
+    workers: call it only where every worker is at the same logical point (after the last sync;
+    with synchronous EDiT, after any step), never at a fixed step with A-EDiT."""
+    size = worker_group().size()
+    values = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.float64))
+    return {r // size: v.item() for r, v in enumerate(values) if r % size == 0}
+
+
+def stop_if_not_finite(args, what: str, value, step: int, worker: int, lead: bool, use_local_sgd: bool) -> None:
+    """Like Megatron-LM's --check-for-nan-in-loss-and-grad: a worker whose loss or gradient norm
+    is not finite stops the job (its ranks exit 1; torchrun ends the others)."""
+    if value is None or math.isfinite(value) or not args.check_for_nan_in_loss_and_grad:
+        return
+    if lead:
+        hint = (f" Check the outer optimizer (--outer-optimizer {args.outer_optimizer}, "
+                f"--outer-optimizer-lr, --outer-optimizer-momentum) and --lr {args.lr}."
+                if use_local_sgd else f" Check --lr {args.lr}.")
+        print(f"train_gpt_edit.py: error: step {step}: worker {worker}'s {what} is {value}; "
+              f"stopping.{hint} (--no-check-for-nan-in-loss-and-grad trains on.)",
+              file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def describe_edit(controller, args) -> str:
+    c, outer = controller.config, controller.outer_config
+    kwargs = ", ".join(f"{k} {v}" for k, v in outer.outer_optim_kwargs.items())
+    if c.use_async:
+        when = (f"A-EDiT: sync every {c.local_sgd_sync_time:g} s of training (the first "
+                f"{c.local_sgd_sync_interval} local steps after warmup), skipped below "
+                f"{c.min_total_global_steps} steps in total, the last at step {args.steps}")
+    else:
+        when = f"sync every {c.local_sgd_sync_interval} steps"
+    text = (f"{when}, after {c.local_sgd_warmup_steps} synchronous warmup steps, {c.sync_mode} mode; "
+            f"outer {outer.optimizer_class.__name__} ({kwargs})")
+    penalty = []
+    if c.skip_anomaly:
+        penalty.append(f"anomaly elimination (EWMA alpha {c.ewma_alpha}, after {c.ewma_warmup_steps} "
+                       f"syncs, z > {c.ewma_threshold})")
+    if c.pseudo_gradnorm_reduce:
+        penalty.append(f"weights softmax(-norm / {c.weight_softmax_temperature or 1.0:g})")
+    if c.clip_pseudo_grad is not None:
+        penalty.append(f"clip at {c.clip_pseudo_grad:g}")
+    return text + (f"\npenalty: {', '.join(penalty)}" if penalty else "")
+
+
+def _names(report, layers) -> str:
+    total = len(report.layer_names or ()) or None
+    if len(layers) == total:
+        return f"all {total} layers"
+    names = [report.layer_names[i] for i in layers] if report.layer_names else [str(i) for i in layers]
+    return ", ".join(names[:2]) + (f" and {len(names) - 2} more layers" if len(names) > 2 else "")
+
+
+def penalty_line(report):
+    """The penalty's decisions at one sync (None when it is off): who was excluded from which
+    layers, the averaging weights, the clipping."""
+    parts = []
+    if report.excluded is not None:
+        excluded = [(w, row.nonzero().flatten().tolist()) for w, row in enumerate(report.excluded)]
+        excluded = [(w, layers) for w, layers in excluded if layers]
+        parts.append("excluded " + "; ".join(f"worker {w} from {_names(report, l)}" for w, l in excluded)
+                     if excluded else "no worker excluded")
+    if report.skipped is not None and bool(report.skipped.any()):
+        layers = report.skipped.nonzero().flatten().tolist()
+        parts.append(f"outer step skipped (every worker excluded) for {_names(report, layers)}")
+    if report.weights is not None and report.norms is not None:
+        parts.append("weights " + ", ".join(
+            f"worker {w} {float(row.min()):.3f}-{float(row.max()):.3f}" for w, row in enumerate(report.weights)))
+    if report.clip_coef is not None:
+        clipped = int((report.clip_coef < 1).sum())
+        parts.append(f"clip factor min {float(report.clip_coef.min()):.3f} "
+                     f"({clipped} of {len(report.clip_coef)} layers clipped)")
+    return "penalty: " + " | ".join(parts) if parts else None
+
+
+def log_syncs(reports, counts) -> None:
+    """Rank 0 prints each sync (the syncs are the same on every worker)."""
+    for r in reports:
+        if r.skipped_sync:
+            counts["skipped"] += 1
+            log0(f"          sync after step {r.step} skipped: the workers took "
+                 f"{int(r.worker_steps.sum())} steps in total since the last exchange "
+                 f"({', '.join(str(int(s)) for s in r.worker_steps)}), fewer than "
+                 f"--local-sgd-min-total-global-steps")
+            continue
+        counts["syncs"] += 1
+        counts["bytes"] += r.payload_bytes
+        steps = ""
+        if r.worker_steps is not None:
+            steps = f"; steps per worker since the last: {', '.join(str(int(s)) for s in r.worker_steps)}"
+        log0(f"          sync {counts['syncs']} after step {r.step}: {r.buckets} buckets, "
+             f"{r.payload_bytes / 1e3:.1f} kB sent by this rank across the sync group "
+             f"({r.workers} workers), {r.seconds * 1e3:.1f} ms in EDiT code{steps}")
+        line = penalty_line(r)
+        if line:
+            log0(f"            {line}")
 
 
 def train(args, use_local_sgd, datasets):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron_edit.cpu import data
 
     train_ds, valid_ds = datasets
     ddp, optimizer, scheduler = build(args, use_local_sgd)
     controllers = megatron_edit.get_local_sgd(optimizer)
+    use_async = bool(controllers) and controllers[0].config.use_async
+    for c in controllers:
+        if use_async:
+            # A-EDiT's budget: what the synchronous run of --steps takes (steps x workers
+            # worker-steps). The run ends at a final sync planned from the workers' speeds; each
+            # worker stops there at its own step count (identical models, nobody left waiting).
+            c.budget_steps = args.steps * args.workers
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    # The data-parallel ranks of this worker (every megatron-core release since 0.12 has it).
-    intra = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
-    worker = dp_rank // intra.size()
+    intra = worker_group()
+    worker, lead = dp_rank // intra.size(), intra.rank() == 0
     it = data.batch_iterator(train_ds, args.micro_batch_size, start=dp_rank, stride=dp)
     name = "EDiT" if use_local_sgd else "synchronous"
     shard_numel = sum(b.grad_data.numel() // intra.size() for buf in ddp.buffers for b in buf.buckets)
     log0(f"\n=== {name}: {args.steps} steps, {args.workers} workers x {intra.size()} shards, "
          f"{sum(p.numel() for p in ddp.parameters()):,} parameters, "
          f"{len([b for buf in ddp.buffers for b in buf.buckets])} buckets ===")
-    if use_local_sgd:
-        c = controllers[0].config
-        log0(f"sync every {c.local_sgd_sync_interval} steps after {c.local_sgd_warmup_steps} synchronous warmup "
-             f"steps, {c.sync_mode} mode; outer {args.outer_optimizer} lr {args.outer_optimizer_lr}")
-    sync_bytes = grad_bytes = syncs = 0
-    evals = []
+    if controllers:
+        log0(describe_edit(controllers[0], args))
+    counts = dict(syncs=0, skipped=0, bytes=0)
+    grad_bytes = 0
+    valid = None
     t_start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    # A fast A-EDiT worker takes more steps than --steps (a slow one fewer): at most all of them.
+    last_step = args.steps * args.workers if use_async else args.steps
+    for step in range(1, last_step + 1):
+        if use_async and controllers[0].finished:
+            break
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -190,9 +441,11 @@ def train(args, use_local_sgd, datasets):
             forward_step_func=forward_step, data_iterator=iter([next(it)]), model=[ddp], num_microbatches=1,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False,
         )
-        ok, grad_norm, _ = optimizer.step()
+        _, grad_norm, _ = optimizer.step()
         scheduler.step(1)
         loss = worker_mean(out[0]["lm loss"].item(), intra)  # inside the worker only
+        stop_if_not_finite(args, "training loss", loss, step, worker, lead, use_local_sgd)
+        stop_if_not_finite(args, "gradient norm", grad_norm, step, worker, lead, use_local_sgd)
         if args.workers > 1 and not local_grads:
             grad_bytes += 4 * shard_numel  # Megatron all-reduces each gradient shard across workers
         ms = (time.perf_counter() - t0) * 1e3
@@ -201,57 +454,82 @@ def train(args, use_local_sgd, datasets):
             phase = "" if not controllers else ("  local" if local_grads else "  warmup (synchronous)")
             log0(f"step {step:4d} | worker {worker} loss {loss:.4f} | lr {scheduler.get_lr(optimizer.param_groups[0]):.2e} "
                  f"| {ms:6.1f} ms{phase}")
-        for r in reports:
-            sync_bytes += r.payload_bytes
-            syncs += 1
-            log0(f"          sync {syncs} after step {r.step}: {r.buckets} buckets, "
-                 f"{r.payload_bytes / 1e3:.1f} kB sent by this rank across the sync group "
-                 f"({r.workers} workers), {r.seconds * 1e3:.1f} ms in EDiT code")
-        if step % args.eval_interval == 0 or step == args.steps:
-            per_worker = evaluate(args, ddp, valid_ds)
-            evals.append((step, per_worker))
-            log0(f"          validation after step {step}: " + ", ".join(f"worker {w} {l:.4f}" for w, l in per_worker.items()))
+        log_syncs(reports, counts)
+        if step % args.eval_interval == 0 or step == args.steps or (use_async and controllers[0].finished):
+            valid = evaluate(args, ddp, valid_ds)  # worker-local
+            if lead:  # each worker's first rank: this worker's model
+                print(f"          validation after step {step}: worker {worker} {valid:.4f}", flush=True)
+            stop_if_not_finite(args, "validation loss", valid, step, worker, lead, use_local_sgd)
+            # A layer-wise sync due after this step completed inside the evaluation.
+            log_syncs([r for c in controllers for r in c.drain_reports()], counts)
+    for c in controllers:
+        c.flush()  # nothing should be pending after the last evaluation; never leave a sync open
+    log_syncs([r for c in controllers for r in c.drain_reports()], counts)
     elapsed = time.perf_counter() - t_start
-    cross = sync_bytes + grad_bytes
-    return dict(name=name, final=evals[-1][1], cross_bytes=cross, seconds=elapsed, syncs=syncs)
+    # Every worker is past its last sync here: the one collective across workers of the script.
+    final = gather_per_worker(valid)
+    return dict(name=name, final=final, cross_bytes=counts["bytes"] + grad_bytes, seconds=elapsed,
+                syncs=counts["syncs"], skipped=counts["skipped"])
 
 
-def main():
-    args = parse_args()
+def summary(results) -> None:
+    log0("\n=== summary (per rank; cross-worker bytes = EDiT pseudo-gradient exchange or Megatron's "
+         "per-step gradient all-reduce across workers) ===")
+    headers = ("run", "valid loss (per worker)", "syncs", "cross-worker MB", "wall s")
+    rows = [(r["name"], ", ".join(f"{v:.4f}" for v in r["final"].values()),
+             str(r["syncs"]) + (f" (+{r['skipped']} skipped)" if r["skipped"] else ""),
+             f"{r['cross_bytes'] / 1e6:.3f}", f"{r['seconds']:.1f}") for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    log0(line(headers))
+    for row in rows:
+        log0(line(row))
+    if len(results) == 2 and results[0]["cross_bytes"]:
+        log0(f"EDiT sent {results[1]['cross_bytes'] / results[0]['cross_bytes']:.1f}x fewer bytes across workers")
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)  # before Megatron is imported and the process group exists
+    world = check_launch(args, parser)
+    setup_logging(args.local_sgd_debug)
+    quiet_upstream_warnings()
     torch.set_num_threads(1)
+    from megatron_edit.cpu import adapter as cpu_adapter, data
+
     cpu_adapter.activate()
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
 
-    world = dist.get_world_size()
-    if world % args.workers:
-        raise SystemExit(f"--workers {args.workers} must divide the number of processes {world}")
     ps.initialize_model_parallel(num_distributed_optimizer_instances=args.workers)
+    if args.workers == 1 and args.mode != "baseline":
+        log0("note: --workers 1 is one EDiT worker: synchronous training plus an outer optimizer "
+             "step every H steps; nothing is saved. Use --workers 2 or more to train locally.")
 
     prefix = os.path.join(args.data_dir, "stdlib_docs")
     os.makedirs(args.data_dir, exist_ok=True)
     data.prepare_indexed_dataset(prefix)
     dp = ps.get_data_parallel_world_size()
+    # A-EDiT: a fast worker may take up to every worker's share of steps.
+    train_steps = args.steps * (args.workers if args.local_sgd_async else 1)
     train_ds, valid_ds, _ = data.build_gpt_datasets(
-        prefix, args.seq_length, (args.steps * dp * args.micro_batch_size, args.eval_samples, 0), args.seed,
+        prefix, args.seq_length, (train_steps * dp * args.micro_batch_size, args.eval_samples, 0), args.seed,
     )
-    log0(f"data: {prefix}.bin, {len(train_ds)} training samples of {args.seq_length} tokens")
+    log0(f"data: {prefix}.bin, {len(train_ds)} training samples of {args.seq_length} tokens "
+         f"({world} processes)")
 
     results = []
     if args.mode in ("edit", "both"):
         args.use_local_sgd = True
         results.append(train(args, True, (train_ds, valid_ds)))
     if args.mode in ("baseline", "both"):
+        args.use_local_sgd = False
         results.append(train(args, False, (train_ds, valid_ds)))
-
-    log0("\n=== summary (per rank; cross-worker bytes = EDiT pseudo-gradient exchange or Megatron's "
-         "per-step gradient all-reduce across workers) ===")
-    log0(f"{'run':12s} {'valid loss (per worker)':26s} {'syncs':>6s} {'cross-worker MB':>16s} {'wall s':>8s}")
-    for r in results:
-        losses = ", ".join(f"{l:.4f}" for l in r["final"].values())
-        log0(f"{r['name']:12s} {losses:26s} {r['syncs']:6d} {r['cross_bytes'] / 1e6:16.3f} {r['seconds']:8.1f}")
-    if len(results) == 2 and results[0]["cross_bytes"]:
-        log0(f"EDiT sent {results[1]['cross_bytes'] / results[0]['cross_bytes']:.1f}x fewer bytes across workers")
+    summary(results)
     dist.destroy_process_group()
 
 

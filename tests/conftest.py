@@ -19,3 +19,19 @@ for _path in (_TESTS, _ROOT):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
+    config.addinivalue_line(
+        "markers", "cuda: needs a CUDA GPU (the GPU lane: `bash scripts/gpu_check.sh`; skipped elsewhere)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The GPU lane runs where there is a GPU; elsewhere each of its tests says how to run it."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run `bash scripts/gpu_check.sh` on a machine with one")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -20,7 +20,8 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 
@@ -40,32 +41,27 @@ class RankError(RuntimeError):
     """A rank raised, died, or the run timed out; the message carries the child's traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank, world_size, port, timeout, fn, args, kwargs, results):
+def _worker(rank, world_size, store_path, timeout, device, fn, args, kwargs, results):
     # Runs in the child. Everything is reported through `results` as (rank, ok, payload).
     message = None
     try:
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-        )
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         import torch
 
         torch.set_num_threads(1)  # ranks share the machine's few cores
-        from megatron_edit.cpu import adapter as cpu_adapter
+        if device == "cuda":  # the GPU lane: real CUDA, NCCL, one process per GPU
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            backend = "nccl"
+        else:
+            from megatron_edit.cpu import adapter as cpu_adapter
 
-        cpu_adapter.activate()
+            cpu_adapter.activate()
+            backend = "gloo"
         # The process-group timeout makes a stuck collective fail in the child too.
+        # A file store: no TCP port to pick, so no race with other jobs on a busy machine.
         torch.distributed.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+            backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
         )
         value = fn(rank, world_size, *args, **kwargs)
         # Plain pickle copies tensor data; torch's shared-memory reduction would need this
@@ -128,19 +124,21 @@ def _failures(rank, payload, results, grace=1.0):
     return "\n".join(lines)
 
 
-def run_ranks(fn, world_size, *args, timeout=120, **kwargs) -> list:
+def run_ranks(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
+    ``device="cuda"``: no CPU adapter, NCCL, rank r on GPU r (the GPU lane, tests/cuda).
     Returns the ranks' return values in rank order. Raises :class:`RankError` (with the child's
     traceback) if any rank raises or exits without reporting, or after ``timeout`` seconds.
     """
     ctx = _context()
     results = ctx.Queue()
-    port = _free_port()
+    store_dir = tempfile.mkdtemp(prefix="megatron_edit_store_")
+    store_path = os.path.join(store_dir, "store")
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, timeout, fn, args, kwargs, results),
+            args=(rank, world_size, store_path, timeout, device, fn, args, kwargs, results),
             name=f"rank{rank}",
             daemon=True,
         )
@@ -173,4 +171,5 @@ def run_ranks(fn, world_size, *args, timeout=120, **kwargs) -> list:
     finally:
         _kill(procs)
         results.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
     return [values[rank] for rank in range(world_size)]

@@ -100,7 +100,7 @@ def gpt_inputs(tokens) -> dict:
     The local spec's attention is causal, so no explicit mask is needed.
     """
     inputs = tokens[:, :-1].contiguous()
-    position_ids = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+    position_ids = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0).expand_as(inputs)
     return dict(
         input_ids=inputs,
         position_ids=position_ids,

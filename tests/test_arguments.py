@@ -63,6 +63,92 @@ def test_flags_map_onto_fields():
     assert gta == GTAConfig()
 
 
+@pytest.mark.parametrize("argv, fragment", [
+    (["--outer-optimizer", "adam", "--outer-optimizer-lr", "0.001", "--outer-optimizer-momentum", "0.5"],
+     "--outer-optimizer-momentum is for the SGD outer optimizer"),
+    (["--outer-optimizer", "adamw", "--outer-optimizer-lr", "0.001", "--outer-optimizer-nesterov"],
+     "--[no-]outer-optimizer-nesterov is for the SGD outer optimizer"),
+    (["--outer-optimizer", "adam"], "needs --outer-optimizer-lr"),
+    (["--outer-optimizer", "torch.optim.RMSprop", "--outer-optimizer-momentum", "0.5",
+      "--outer-optimizer-lr", "0.01"], "--outer-optimizer-kwargs"),
+])
+def test_sgd_flags_with_another_optimizer_are_refused(argv, fragment):
+    # Before: momentum silently dropped and Adam run at SGD's lr 0.7 (validation loss 137).
+    with pytest.raises(ConfigError) as info:
+        _configs(*argv)
+    assert fragment in str(info.value)
+
+
+def test_other_optimizers_take_their_options_in_json():
+    _, outer, _ = _configs("--outer-optimizer", "torch.optim.RMSprop", "--outer-optimizer-lr", "0.01",
+                           "--outer-optimizer-kwargs", '{"momentum": 0.5}')
+    assert outer.optimizer_class is torch.optim.RMSprop
+    assert outer.outer_optim_kwargs == {"lr": 0.01, "momentum": 0.5}
+    _, outer, _ = _configs("--outer-optimizer", "adam", "--outer-optimizer-kwargs", '{"lr": 0.01}')
+    assert outer.outer_optim_kwargs == {"lr": 0.01}
+
+
+@pytest.mark.parametrize("argv, flag, fragment", [
+    (["--outer-optimizer-lr", "inf"], "--outer-optimizer-lr", "finite"),
+    (["--outer-optimizer-lr", "nan"], "--outer-optimizer-lr", "finite"),
+    (["--outer-optimizer-momentum", "nan"], "--outer-optimizer-momentum", "finite"),
+    (["--outer-optimizer-momentum", "1.5"], "--outer-optimizer-momentum", "[0, 1)"),
+    (["--outer-optimizer-momentum", "1"], "--outer-optimizer-momentum", "[0, 1)"),
+    (["--local-sgd-sync-interval", "0"], "--local-sgd-sync-interval", ">= 1"),
+    (["--local-sgd-clip-pseudo-grad", "nan"], "--local-sgd-clip-pseudo-grad", "finite"),
+    (["--gta-density", "inf"], "--gta-density", "finite"),
+])
+def test_non_finite_and_out_of_range_values_are_refused(argv, flag, fragment):
+    # Before: --outer-optimizer-lr inf and --outer-optimizer-momentum nan trained to a NaN loss
+    # and exited 0; momentum 1.5 reached validation loss 14.2.
+    with pytest.raises(ConfigError) as info:
+        _configs(*argv)
+    assert flag in str(info.value) and fragment in str(info.value)
+
+
+@pytest.mark.parametrize("argv, flag, needed", [
+    (["--local-sgd-sync-time", "30"], "--local-sgd-sync-time", "--local-sgd-async"),
+    (["--local-sgd-min-total-global-steps", "5"], "--local-sgd-min-total-global-steps", "--local-sgd-async"),
+    (["--local-sgd-async", "--local-sgd-step-weight-ratio", "0.3"], "--local-sgd-step-weight-ratio",
+     "--local-sgd-use-step-weight"),
+    (["--local-sgd-ewma-alpha", "0.5"], "--local-sgd-ewma-alpha", "--local-sgd-skip-anomaly"),
+    (["--local-sgd-ewma-warmup-steps", "3"], "--local-sgd-ewma-warmup-steps", "--local-sgd-skip-anomaly"),
+    (["--local-sgd-ewma-threshold", "2"], "--local-sgd-ewma-threshold", "--local-sgd-skip-anomaly"),
+    (["--local-sgd-use-step-weight"], "--local-sgd-use-step-weight", "--local-sgd-async"),
+    (["--local-sgd-weight-softmax-temperature", "0.5"], "--local-sgd-weight-softmax-temperature",
+     "--local-sgd-pseudo-gradnorm-reduce"),
+    (["--gta-density", "0.5"], "--gta-density", "gta"),
+])
+def test_a_flag_that_would_do_nothing_is_refused(argv, flag, needed):
+    with pytest.raises(ConfigError) as info:
+        _configs(*argv)
+    assert flag in str(info.value) and needed in str(info.value)
+
+
+def test_flags_at_their_defaults_are_not_refused():
+    # Typing a default changes nothing, so it is not a flag "that does nothing".
+    _configs("--local-sgd-sync-time", "600", "--local-sgd-ewma-alpha", "0.02")
+
+
+def test_configs_from_args_wants_a_namespace():
+    with pytest.raises(TypeError, match="argparse.Namespace.*got dict"):
+        configs_from_args({"use_local_sgd": True})
+    with pytest.raises(TypeError, match="got str"):
+        configs_from_args("--use-local-sgd")
+    with pytest.raises(ConfigError, match="local_sgd_args_provider"):
+        configs_from_args(argparse.Namespace(use_local_sgd=True))
+
+
+def test_help_shows_every_default():
+    parser = _parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            assert action.help and "%(default)" in action.help, action.option_strings
+    assert "(default: 0.7 with SGD" in text and "(default: 0.9;" in text
+    assert "ignored by optimizers without one only if" not in text  # the old, garbled text
+
+
 def test_outer_optimizer_adam_with_json_kwargs():
     _, outer, _ = _configs(
         "--outer-optimizer", "adam",
@@ -74,12 +160,23 @@ def test_outer_optimizer_adam_with_json_kwargs():
     assert outer.outer_optim_kwargs == {"lr": 0.001, "betas": [0.9, 0.95], "eps": 1e-6}
 
 
-def test_json_kwargs_override_the_flags():
-    _, outer, _ = _configs(
-        "--outer-optimizer-lr", "0.5",
-        "--outer-optimizer-kwargs", '{"lr": 1.0, "momentum": 0.0, "nesterov": false}',
-    )
+def test_json_kwargs_set_what_no_flag_sets():
+    _, outer, _ = _configs("--outer-optimizer-kwargs", '{"lr": 1.0, "momentum": 0.0, "nesterov": false}')
     assert outer.outer_optim_kwargs == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    _, outer, _ = _configs("--outer-optimizer-kwargs", '{"dampening": 0.1}', "--no-outer-optimizer-nesterov")
+    assert outer.outer_optim_kwargs == {"lr": 0.7, "momentum": 0.9, "nesterov": False, "dampening": 0.1}
+
+
+@pytest.mark.parametrize("flag, value, key", [
+    ("--outer-optimizer-lr", "0.5", "lr"),
+    ("--outer-optimizer-momentum", "0.5", "momentum"),
+    ("--no-outer-optimizer-nesterov", None, "nesterov"),
+])
+def test_a_flag_and_json_setting_the_same_key_is_refused(flag, value, key):
+    # The JSON would override the flag: the flag would do nothing.
+    argv = [flag] + ([value] if value else []) + ["--outer-optimizer-kwargs", f'{{"{key}": 0.0}}']
+    with pytest.raises(ConfigError, match=f"--outer-optimizer-kwargs both set '{key}'"):
+        _configs(*argv)
 
 
 def test_dotted_sgd_path_gets_the_same_momentum_as_sgd():
@@ -116,9 +213,14 @@ def test_bad_value_names_the_flag(argv, flag):
     assert flag in str(info.value)
 
 
-def test_outer_kwargs_must_be_an_object():
-    with pytest.raises(ConfigError, match="--outer-optimizer-kwargs must be a JSON object"):
-        _configs("--outer-optimizer-kwargs", "[1, 2]")
+def test_outer_kwargs_must_be_a_json_object(capsys):
+    for text, fragment in (("[1, 2]", "must be a JSON object"), ("{not json", "not JSON"),
+                           ("{'lr': 1}", "double quotes")):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["--outer-optimizer-kwargs", text])
+        err = capsys.readouterr().err
+        assert "--outer-optimizer-kwargs" in err and fragment in err, err
+        assert "invalid loads value" not in err
 
 
 def test_argparse_rejects_malformed_values(capsys):
@@ -133,13 +235,15 @@ def test_argparse_rejects_malformed_values(capsys):
         assert argv[0] in capsys.readouterr().err
 
 
-# Field -> (argv setting it to a non-default value, the value it must then have). Fields whose
-# behaviour is not built yet must reach the config and be refused there, naming the field.
+# Field -> (argv setting it to a non-default value, the value it must then have). A flag refused
+# alone (it would do nothing) must be refused naming itself; NEEDS gives what makes it act.
 LOCAL_FLAG_CASES = {
     "use_async": (["--local-sgd-async"], True),
     "local_sgd_sync_interval": (["--local-sgd-sync-interval", "7"], 7),
     "local_sgd_sync_time": (["--local-sgd-sync-time", "30"], 30.0),
     "min_total_global_steps": (["--local-sgd-min-total-global-steps", "5"], 5),
+    # A wall-clock budget is A-EDiT's: alone it is refused.
+    "async_time_budget": (["--local-sgd-time-budget", "60"], ConfigError),
     # Only meaningful with --local-sgd-async: alone it is refused.
     "use_step_weight": (["--local-sgd-use-step-weight"], ConfigError),
     "step_weight_ratio": (["--local-sgd-step-weight-ratio", "0.25"], 0.25),
@@ -162,6 +266,18 @@ LOCAL_FLAG_CASES = {
     # An fp32 exchange drops nothing: refused alone.
     "exchange_error_feedback": (["--local-sgd-exchange-error-feedback"], ConfigError),
 }
+
+
+NEEDS = {
+    "local_sgd_sync_time": ["--local-sgd-async"],
+    "min_total_global_steps": ["--local-sgd-async"],
+    "step_weight_ratio": ["--local-sgd-async", "--local-sgd-use-step-weight"],
+    "ewma_alpha": ["--local-sgd-skip-anomaly"],
+    "ewma_warmup_steps": ["--local-sgd-skip-anomaly"],
+    "ewma_threshold": ["--local-sgd-skip-anomaly"],
+}
+NEEDED_FIELDS = {"--local-sgd-async": "use_async", "--local-sgd-use-step-weight": "use_step_weight",
+                 "--local-sgd-skip-anomaly": "skip_anomaly"}
 
 
 def _option_dests(parser):
@@ -190,12 +306,17 @@ def test_each_flag_reaches_its_field(field_name):
         assert FLAG_NAMES[field_name] in str(info.value)
         return
     assert getattr(LocalSGDConfig(), field_name) != expected  # really a change
-    local, _, _ = _configs(*argv)
+    needs = NEEDS.get(field_name, [])
+    if needs:
+        with pytest.raises(ConfigError) as info:  # alone it would do nothing
+            _configs(*argv)
+        assert argv[0] in str(info.value) and needs[-1] in str(info.value)
+    local, _, _ = _configs(*needs, *argv)
     changed = {
         f.name for f in dataclasses.fields(LocalSGDConfig)
         if getattr(local, f.name) != getattr(LocalSGDConfig(), f.name)
     }
-    assert changed == {field_name}
+    assert changed == {field_name} | {NEEDED_FIELDS[n] for n in needs}
     assert getattr(local, field_name) == expected
 
 

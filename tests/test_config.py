@@ -24,6 +24,7 @@ FLAGS = {
     "local_sgd_sync_interval": "--local-sgd-sync-interval",
     "local_sgd_sync_time": "--local-sgd-sync-time",
     "min_total_global_steps": "--local-sgd-min-total-global-steps",
+    "async_time_budget": "--local-sgd-time-budget",
     "use_step_weight": "--local-sgd-use-step-weight",
     "step_weight_ratio": "--local-sgd-step-weight-ratio",
     "local_sgd_warmup_steps": "--local-sgd-warmup-steps",
@@ -221,10 +222,10 @@ def test_bad_optimizer_class(spec):
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        ({"lr": -1}, "lr must be > 0"),
-        ({"lr": 0}, "lr must be > 0"),
-        ({"lr": "0.1"}, "lr must be > 0"),
-        ({"lr": math.nan}, "lr must be > 0"),
+        ({"lr": -1}, "lr must be a finite number > 0"),
+        ({"lr": 0}, "lr must be a finite number > 0"),
+        ({"lr": "0.1"}, "lr must be a finite number > 0"),
+        ({"lr": math.nan}, "lr must be a finite number > 0"),
         ({"lr": 0.7, "bogus": 1}, "bogus"),
         ({"lr": 0.7, "momentum": -0.5}, "momentum"),
         # torch: Nesterov needs a momentum
@@ -304,6 +305,106 @@ def test_gta_only_options_are_refused_with_linear():
 def test_density_below_one_needs_a_sparsification_method():
     message = _raises(GTAConfig, ConfigError, "density", reducer="gta", density=0.5)
     assert "--gta-sparsification-method" in message
+
+
+# --- types: a string is not a boolean, a bool is not a count, numbers are finite -------------
+
+
+@pytest.mark.parametrize(
+    "cls, field_name, value",
+    [
+        (LocalSGDConfig, "use_async", "no"),  # before: truthy, so A-EDiT turned ON
+        (LocalSGDConfig, "skip_anomaly", "false"),
+        (LocalSGDConfig, "pseudo_gradnorm_reduce", 1),
+        (LocalSGDConfig, "cpu_offload", None),
+        (LocalSGDConfig, "is_debug", "yes"),
+        (GTAConfig, "normalize", "no"),
+        (GTAConfig, "int8_mask", 0),
+    ],
+)
+def test_a_boolean_must_be_a_bool(cls, field_name, value):
+    message = _raises(cls, ConfigError, field_name, **{field_name: value})
+    assert "True or False" in message and repr(value) in message
+
+
+@pytest.mark.parametrize(
+    "field_name, value",
+    [
+        ("local_sgd_sync_interval", True),  # before: accepted as H=1
+        ("local_sgd_warmup_steps", False),
+        ("min_total_global_steps", "10"),
+        ("ewma_warmup_steps", 2.5),
+    ],
+)
+def test_a_count_must_be_an_int(field_name, value):
+    message = _raises(LocalSGDConfig, ConfigError, field_name, **{field_name: value})
+    assert "integer" in message and repr(value) in message
+
+
+@pytest.mark.parametrize(
+    "cls, field_name, value",
+    [
+        (LocalSGDConfig, "local_sgd_sync_time", "5"),  # before: a bare TypeError naming nothing
+        (LocalSGDConfig, "step_weight_ratio", "0.5"),
+        (LocalSGDConfig, "ewma_alpha", math.nan),
+        (LocalSGDConfig, "ewma_threshold", math.inf),
+        (LocalSGDConfig, "clip_pseudo_grad", "1.0"),
+        (LocalSGDConfig, "weight_softmax_temperature", math.nan),
+        (LocalSGDConfig, "step_weight_ratio", True),
+        (GTAConfig, "density", "0.5"),
+        (GTAConfig, "density", math.nan),
+    ],
+)
+def test_a_number_must_be_a_finite_number(cls, field_name, value):
+    message = _raises(cls, ConfigError, field_name, **{field_name: value})
+    assert "finite number" in message and repr(value) in message
+
+
+def test_numpy_numbers_are_numbers():
+    np = pytest.importorskip("numpy")
+    cfg = LocalSGDConfig(local_sgd_sync_interval=np.int64(4), local_sgd_sync_time=np.float64(2.5), use_async=True)
+    assert cfg.local_sgd_sync_interval == 4
+
+
+def test_a_program_may_keep_settings_of_a_feature_it_turns_off():
+    # The flags refuse these (they would do nothing); a program toggling a feature keeps them.
+    cfg = LocalSGDConfig(local_sgd_sync_time=30.0, min_total_global_steps=1, ewma_alpha=0.5)
+    assert not cfg.use_async and not cfg.skip_anomaly
+
+
+@pytest.mark.parametrize(
+    "spec, kwargs, fragment",
+    [
+        ("sgd", {"lr": math.inf}, "lr must be a finite number > 0"),
+        ("sgd", {"lr": 0.7, "momentum": 1.5}, "momentum must be in [0, 1)"),  # torch accepts it
+        ("sgd", {"lr": 0.7, "momentum": 1.0}, "momentum must be in [0, 1)"),
+        ("sgd", {"lr": 0.7, "momentum": math.nan}, "momentum must be a finite number"),
+        ("sgd", {"lr": 0.7, "momentum": "0.9"}, "momentum must be a finite number"),
+        ("sgd", {"lr": 0.7, "momentum": 0.9, "nesterov": "yes"}, "nesterov must be True or False"),
+        ("sgd", {"momentum": 0.9}, "give lr"),
+        ("adam", {"lr": 0.01, "momentum": 0.5}, "Adam has no option 'momentum'"),
+        ("adam", {"lr": 0.01, "betas": [0.9, math.nan]}, "betas must hold finite numbers"),
+        ("adam", {"lr": 0.01, "params": []}, "no option 'params'"),
+        ("torch.optim.RMSprop", {"lr": 0.01, "momentum": 1.2}, "momentum must be in [0, 1)"),
+    ],
+)
+def test_outer_kwargs_checked_against_the_optimizer(spec, kwargs, fragment):
+    message = _raises(OuterOptimizerConfig, ConfigError, "outer_optim_kwargs",
+                      outer_optim_class=spec, outer_optim_kwargs=kwargs)
+    assert fragment in message
+
+
+def test_unknown_outer_kwarg_lists_the_options():
+    message = _raises(OuterOptimizerConfig, ConfigError, "outer_optim_kwargs",
+                      outer_optim_class="adam", outer_optim_kwargs={"lr": 0.01, "nesterov": True})
+    assert "betas" in message and "eps" in message
+
+
+def test_valid_outer_kwargs_of_other_optimizers():
+    cfg = OuterOptimizerConfig("adamw", {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.0, "amsgrad": False})
+    assert cfg.optimizer_class is torch.optim.AdamW
+    cfg = OuterOptimizerConfig("torch.optim.RMSprop", {"lr": 1e-2, "momentum": 0.5, "centered": True})
+    assert cfg.outer_optim_kwargs["momentum"] == 0.5
 
 
 # --- quantized exchange -----------------------------------------------------------------------

@@ -2,21 +2,39 @@
 
 Workers of different speeds train for the same wall-clock time between syncs, so fast workers
 take more steps. The schedule needs no per-step communication: at each sync (a rendezvous of
-all workers anyway) every rank contributes its worker's steps and elapsed seconds (float64) since
-the previous sync to one small all-reduce over all ranks; from those identical numbers every
-rank of every worker plans each worker's next sync as a number of its own steps,
-``round(sync_time * steps / seconds)`` from the latest interval. The decision to sync is therefore the same on every
-tensor-, pipeline- and shard-rank of every worker, and the collectives cannot deadlock. A sync
-at which all workers together took fewer than ``min_total_global_steps`` steps since the last
-real exchange is skipped (no exchange; the workers keep training from their own parameters and
-the count keeps accumulating).
+all workers anyway) every rank contributes its worker's figures (float64) to one small
+all-reduce over all ranks (:func:`schedule_message`); from those identical numbers every rank of
+every worker plans each worker's next sync as a number of its own steps. The decision is
+therefore the same on every tensor-, pipeline- and shard-rank of every worker, and the
+collectives cannot deadlock.
+
+* Speeds are smoothed: a worker's rate is its steps over its seconds in the last
+  :data:`RATE_WINDOW` intervals (:func:`smoothed_rates`), so equally fast workers do not drift
+  apart on one noisy interval.
+* A sync at which all workers together took fewer than ``min_total_global_steps`` steps since
+  the last real exchange is skipped (no exchange; the count keeps accumulating).
+* The run's budget is global: ``budget_steps`` worker-steps in total (a synchronous run of T
+  iterations with W workers is W x T worker-steps: each worker-step consumes the global batch /
+  W), or a wall-clock budget. The last interval is planned like the others, from the rates, so
+  that the budget is used exactly and every worker reaches the final sync at about the same
+  time (:func:`plan_final_interval`); each worker then stops at its own step count.
+* The learning-rate schedule follows global progress: during an interval where worker w takes
+  n_w of the workers' N steps, each of its steps advances the schedule by N / (W n_w)
+  synchronous steps (:func:`progress_per_step`), so every worker's schedule arrives at the same
+  point at the sync, and a fast worker does not run off the end of its schedule.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
+
+RATE_WINDOW = 3
+"""Intervals over which a worker's speed is measured."""
+
+_ROWS = 5
 
 
 def schedule_message(
@@ -26,39 +44,105 @@ def schedule_message(
     interval_steps: int,
     interval_seconds: float,
     step: int = 0,
+    elapsed: float = 0.0,
 ) -> torch.Tensor:
     """This rank's contribution, its worker's column filled, others 0 (all-reduce with MAX):
     steps since the last real exchange (for the min-steps skip and the step weights, which
     accumulate across skipped syncs), the steps and seconds of the latest interval (the speed
-    estimate), and the worker's step count (for the final sync)."""
-    message = torch.zeros(4, workers, dtype=torch.float64)
+    estimate), the worker's step count, and its training seconds so far (time budget)."""
+    message = torch.zeros(_ROWS, workers, dtype=torch.float64)
     message[0, worker] = steps_since_exchange
     message[1, worker] = interval_steps
     message[2, worker] = interval_seconds
     message[3, worker] = step
+    message[4, worker] = elapsed
     return message
 
 
-def next_sync_steps(
-    steps: torch.Tensor, plan: torch.Tensor, final_step: "int | None"
-) -> torch.Tensor:
-    """[W] the step at which each worker syncs next. When any worker would pass the run's last
-    step before its next sync, that sync is the final one and every worker takes it at the last
-    step, so all workers end together at a sync (with identical models) instead of one waiting
-    for a sync the others never reach."""
-    nxt = steps.to(torch.int64) + plan
-    if final_step is not None and bool((nxt >= final_step).any()):
-        nxt = torch.full_like(nxt, final_step)
-    return nxt
+@dataclass
+class Schedule:
+    """The all-reduced figures of every worker, each ``[W]`` float64."""
+
+    steps_since_exchange: torch.Tensor
+    interval_steps: torch.Tensor
+    interval_seconds: torch.Tensor
+    steps: torch.Tensor
+    elapsed: torch.Tensor
+
+    @property
+    def idle(self) -> torch.Tensor:
+        """[W] seconds each worker waited at this sync for the last one to arrive."""
+        return self.interval_seconds.max() - self.interval_seconds
 
 
-def plan_next_interval(
-    steps: torch.Tensor, seconds: torch.Tensor, sync_time: float, max_steps: int = 1_000_000
-) -> torch.Tensor:
-    """Steps each worker takes until the next sync: its measured rate times ``sync_time``
-    (at least 1). ``steps``/``seconds``: per worker, since the previous sync."""
-    rate = steps.to(torch.float64) / seconds.to(torch.float64).clamp_min(1e-9)
-    return torch.clamp(torch.round(rate * sync_time), 1, max_steps).to(torch.int64)
+def read_schedule(reduced: torch.Tensor) -> Schedule:
+    return Schedule(*[reduced[i].clone() for i in range(_ROWS)])
+
+
+def smoothed_rates(history_steps: torch.Tensor, history_seconds: torch.Tensor) -> torch.Tensor:
+    """[W] steps per second over the intervals given (``[K, W]`` each, the latest last)."""
+    steps = history_steps[-RATE_WINDOW:].to(torch.float64).sum(0)
+    seconds = history_seconds[-RATE_WINDOW:].to(torch.float64).sum(0)
+    return steps / seconds.clamp_min(1e-9)
+
+
+def plan_next_interval(rates: torch.Tensor, sync_time: float, max_steps: int = 1_000_000) -> torch.Tensor:
+    """[W] steps each worker takes until the next sync: its rate times ``sync_time`` (at least
+    1)."""
+    return torch.clamp(torch.round(rates.to(torch.float64) * sync_time), 1, max_steps).to(torch.int64)
+
+
+def split_by_rate(total: int, rates: torch.Tensor) -> torch.Tensor:
+    """[W] integers summing to ``total`` (at least 1 each when ``total`` >= W), proportional to
+    ``rates`` (largest remainder; ties to the lower worker index)."""
+    workers = rates.numel()
+    if total < workers:
+        return torch.ones(workers, dtype=torch.int64)
+    share = rates.to(torch.float64) / rates.to(torch.float64).sum().clamp_min(1e-300)
+    spare = total - workers  # everybody gets 1, the rest by rate
+    exact = share * spare
+    base = torch.floor(exact).to(torch.int64)
+    left = int(spare - int(base.sum()))
+    order = sorted(range(workers), key=lambda w: (-(float(exact[w]) - int(base[w])), w))
+    for w in order[:left]:
+        base[w] += 1
+    return base + 1
+
+
+def plan_final_interval(rates: torch.Tensor, remaining_steps: int) -> torch.Tensor:
+    """The last interval: the remaining worker-steps split by rate, so all workers arrive at the
+    final sync together (to within one step each)."""
+    return split_by_rate(max(int(remaining_steps), 0), rates)
+
+
+def plan(
+    steps: torch.Tensor,
+    rates: torch.Tensor,
+    sync_time: float,
+    budget_steps: Optional[int] = None,
+    remaining_seconds: Optional[float] = None,
+) -> Tuple[torch.Tensor, bool]:
+    """(steps each worker takes until the next sync, whether that sync is the run's last).
+
+    ``budget_steps``: worker-steps of the whole run (``steps`` counts those done). The next
+    interval is the last when it would reach the budget, or leave less than half an interval
+    after it; it then takes exactly the remaining worker-steps. ``remaining_seconds``: with a
+    wall-clock budget, the same for time."""
+    interval = plan_next_interval(rates, sync_time)
+    if budget_steps is not None:
+        remaining = int(budget_steps - int(steps.sum()))
+        if int(interval.sum()) * 1.5 >= remaining:
+            return plan_final_interval(rates, remaining), True
+    if remaining_seconds is not None and remaining_seconds <= 1.5 * sync_time:
+        return plan_next_interval(rates, max(remaining_seconds, 0.0)), True
+    return interval, False
+
+
+def progress_per_step(interval: torch.Tensor, worker: int) -> float:
+    """Synchronous steps of global progress (learning-rate schedule) per step of ``worker``
+    during an interval where the workers take ``interval`` steps: N / (W n_w)."""
+    workers = interval.numel()
+    return float(interval.sum()) / (workers * max(int(interval[worker]), 1))
 
 
 def skip_sync(steps: torch.Tensor, min_total_global_steps: int) -> bool:
@@ -85,8 +169,3 @@ def first_interval(sync_interval: int) -> int:
     """Before any speed is measured, the first interval after warmup is ``sync_interval`` steps
     for every worker (warmup steps run in lockstep and say nothing about local speed)."""
     return max(1, sync_interval)
-
-
-def read_schedule(reduced: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(steps since the last exchange, interval steps, interval seconds, step counts), each [W]."""
-    return reduced[0], reduced[1], reduced[2], reduced[3]

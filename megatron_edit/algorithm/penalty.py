@@ -9,7 +9,11 @@ decisions, without further communication.
    after ``warmup`` syncs a z-score above ``threshold`` excludes that worker from the layer's
    average, and the outlier is *not* fed into the statistics (the reference implementation fed
    ``norm + 1e6`` into them, so sigma exploded after the first anomaly and later spikes were
-   missed). A non-finite norm is always excluded, even during warmup.
+   missed). An anomaly is one worker's: the norm must also be anomalous *relative to the
+   workers' median norm* of the layer (its own EWMA statistics too), so a shift that all or
+   most workers see (a learning-rate or batch-size change, a resume with another H) is learned
+   instead of excluding every worker from then on. A non-finite norm is always excluded, even
+   during warmup.
 2. Weighted averaging: weights softmax(-norm / T) over the workers not excluded (plain mean over
    them when not weighted). A layer whose workers are all excluded gets no outer step.
 3. Clipping: the averaged pseudo-gradient of a layer is scaled by min(1, tau / ||avg||).
@@ -25,26 +29,66 @@ import torch
 
 @dataclass
 class EWMAStats:
-    """Running statistics of pseudo-gradient norms, one entry per (worker, layer)."""
+    """Running statistics of pseudo-gradient norms, one entry per (worker, layer): of the norm
+    itself (``mean``, ``var``) and of the norm relative to the workers' median
+    (``rel_mean``, ``rel_var``, see :func:`relative_norms`)."""
 
     mean: torch.Tensor  # float64 [W, L]
     var: torch.Tensor  # float64 [W, L]
     count: torch.Tensor  # int64 [W, L]: syncs that updated the entry
+    rel_mean: Optional[torch.Tensor] = None  # float64 [W, L]
+    rel_var: Optional[torch.Tensor] = None  # float64 [W, L]
+
+    def __post_init__(self) -> None:
+        if self.rel_mean is None:  # statistics saved before the relative ones existed
+            self.rel_mean = torch.where(self.count > 0, torch.ones_like(self.mean), torch.zeros_like(self.mean))
+            cv2 = self.var / self.mean.pow(2).clamp_min(1e-300)
+            self.rel_var = torch.where(self.count > 0, cv2, torch.zeros_like(self.var))
 
     @classmethod
     def zeros(cls, workers: int, layers: int) -> "EWMAStats":
         z = torch.zeros(workers, layers, dtype=torch.float64)
-        return cls(z.clone(), z.clone(), torch.zeros(workers, layers, dtype=torch.int64))
+        return cls(z.clone(), z.clone(), torch.zeros(workers, layers, dtype=torch.int64), z.clone(), z.clone())
 
     def clone(self) -> "EWMAStats":
-        return EWMAStats(self.mean.clone(), self.var.clone(), self.count.clone())
+        return EWMAStats(self.mean.clone(), self.var.clone(), self.count.clone(),
+                         self.rel_mean.clone(), self.rel_var.clone())
 
     def state_dict(self) -> dict:
-        return {"mean": self.mean.clone(), "var": self.var.clone(), "count": self.count.clone()}
+        return {"mean": self.mean.clone(), "var": self.var.clone(), "count": self.count.clone(),
+                "rel_mean": self.rel_mean.clone(), "rel_var": self.rel_var.clone()}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "EWMAStats":
-        return cls(state["mean"].clone(), state["var"].clone(), state["count"].clone())
+        rel = [state[k].clone() if k in state else None for k in ("rel_mean", "rel_var")]
+        return cls(state["mean"].clone(), state["var"].clone(), state["count"].clone(), *rel)
+
+
+def relative_norms(norms: torch.Tensor) -> torch.Tensor:
+    """[W, L]: each worker's norm over the workers' median norm of the layer (the median of the
+    finite ones; for an even count the mean of the two middle ones). A lone worker keeps its
+    norm. Invariant to a factor every (or most) worker's norm shares."""
+    norms = norms.to(torch.float64)
+    if norms.shape[0] < 2:
+        return norms
+    finite = torch.where(torch.isfinite(norms), norms, torch.full_like(norms, float("nan")))
+    median = torch.nanquantile(finite, 0.5, dim=0, keepdim=True)
+    return norms / median.clamp_min(1e-30)
+
+
+def _z(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    # std floored at 1e-6 * |mean| so constant values do not make every later wiggle an anomaly
+    std = var.clamp_min(0).sqrt().maximum(1e-6 * mean.abs() + 1e-12)
+    return (x - mean) / std
+
+
+def _ewma(x, mean, var, count, update, alpha):
+    first = update & (count == 0)
+    later = update & (count > 0)
+    diff = x - mean
+    new_mean = torch.where(first, x, torch.where(later, mean + alpha * diff, mean))
+    new_var = torch.where(first, torch.zeros_like(x), torch.where(later, (1 - alpha) * (var + alpha * diff * diff), var))
+    return new_mean, new_var
 
 
 def detect_anomalies(
@@ -52,27 +96,25 @@ def detect_anomalies(
 ) -> Tuple[torch.Tensor, EWMAStats]:
     """Returns (excluded [W, L] bool, updated statistics); ``stats`` is not modified.
 
-    z = (norm - mean) / std, with std floored at 1e-6 * |mean| so constant norms do not make
-    every later wiggle an anomaly. Excluded entries keep their previous statistics.
+    A worker is excluded from a layer when its norm is anomalous against its own history
+    (z > threshold) *and* so is its norm relative to the other workers'
+    (:func:`relative_norms`, z > threshold): a shift all or most workers share (a learning-rate
+    change, a resume with another H) is not one worker's anomaly, and neither is a rise of one
+    worker's relative norm because another worker's fell. Statistics are warm after ``warmup``
+    updates, and never before two (one value has no spread). Excluded entries keep their
+    previous statistics; a non-finite norm is always excluded.
     """
-    norms = norms.to(torch.float64)
-    finite = torch.isfinite(norms)
-    std = stats.var.clamp_min(0).sqrt().maximum(1e-6 * stats.mean.abs() + 1e-12)
-    z = (norms - stats.mean) / std
-    warmed = stats.count >= warmup
-    excluded = ~finite | (warmed & (z > threshold))
+    raw = norms.to(torch.float64)
+    rel = relative_norms(raw)
+    finite = torch.isfinite(raw) & torch.isfinite(rel)
+    warmed = stats.count >= max(warmup, 2)
+    anomalous = (_z(raw, stats.mean, stats.var) > threshold) & (_z(rel, stats.rel_mean, stats.rel_var) > threshold)
+    excluded = ~finite | (warmed & anomalous)
 
     update = ~excluded
-    first = update & (stats.count == 0)
-    later = update & (stats.count > 0)
-    diff = norms - stats.mean
     new = stats.clone()
-    new.mean = torch.where(first, norms, torch.where(later, stats.mean + alpha * diff, stats.mean))
-    new.var = torch.where(
-        first,
-        torch.zeros_like(norms),
-        torch.where(later, (1 - alpha) * (stats.var + alpha * diff * diff), stats.var),
-    )
+    new.mean, new.var = _ewma(raw, stats.mean, stats.var, stats.count, update, alpha)
+    new.rel_mean, new.rel_var = _ewma(rel, stats.rel_mean, stats.rel_var, stats.count, update, alpha)
     new.count = stats.count + update.to(torch.int64)
     return excluded, new
 

@@ -32,6 +32,7 @@ bookkeeping in ``DistributedOptimizer.__init__`` (used only by QK-clip) still se
 
 import contextlib
 import functools
+import logging
 import warnings
 
 import torch
@@ -67,9 +68,26 @@ def _replace(owner, name, value):
     setattr(owner, name, value)
 
 
+class _ExpectedRngNotice(logging.Filter):
+    """Drops megatron-core's "CPU RNG state changed within GPU RNG context" warning, and only
+    it. On CPU, parameter initialisation (and dropout) inside the RNG tracker's ``fork()`` draw
+    from the CPU generator by construction (see "Known limits" above), so megatron-core logs
+    it at every fork: dozens of lines a run that say nothing about the run."""
+
+    MESSAGE = "CPU RNG state changed within GPU RNG context"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.MESSAGE
+
+
+_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+_rng_notice_filter = _ExpectedRngNotice()
+
+
 def deactivate() -> None:
     """Restore every replaced attribute, newest first. A no-op when not active."""
     global _cuda_rng
+    logging.getLogger(_RNG_LOGGER).removeFilter(_rng_notice_filter)
     while _applied:
         owner, name, original = _applied.pop()
         if original is _MISSING:
@@ -318,6 +336,8 @@ def activate() -> None:
         _replace(cuda, "default_generators", (_cuda_rng,))
         # (4) megatron's own setter goes through torch.cuda._lazy_call, which never runs on CPU.
         _replace(mc_random, "_set_cuda_rng_state", _megatron_set_cuda_rng_state)
+        # (4) the CPU generator moves inside fork() on CPU: expected, not worth a log line.
+        logging.getLogger(_RNG_LOGGER).addFilter(_rng_notice_filter)
         # (5) side streams/events for num_distributed_optimizer_instances > 1: inert stand-ins.
         _replace(cuda, "Stream", _InertStream)
         _replace(cuda, "Event", _InertEvent)

@@ -24,13 +24,17 @@ the next pending group's, so one exchange is in flight while layers compute. Ste
 
 The collectives go through ``sync_group`` and ``worker_groups``
 (:mod:`megatron_edit.exchange.groups`, or fakes with the same methods).
+
+This module is long because it is the state machine of one sync, whose phases (decisions,
+launch, the reducers' completion, clipping, the outer step) share its in-flight state; the math
+is in :mod:`megatron_edit.algorithm`, the quantized protocol in :mod:`.quantized`.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -56,6 +60,8 @@ class _SyncInProgress:
     clip_coef: Dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> 0-dim, on device
     worker_steps: Optional[torch.Tensor] = None  # A-EDiT: [W]
     worker_seconds: Optional[torch.Tensor] = None
+    worker_idle: Optional[torch.Tensor] = None
+    final: bool = False
     skipped_sync: bool = False
 
 
@@ -118,6 +124,8 @@ class OuterSync:
         worker_seconds: Optional[torch.Tensor] = None,
         skip: bool = False,
         bytes_at_start: Optional[int] = None,
+        worker_idle: Optional[torch.Tensor] = None,
+        final: bool = False,
     ) -> bool:
         """Begin the sync due after ``step``: the penalty's decisions. ``skip`` (A-EDiT: too few
         steps in total) ends it at once without any exchange; returns whether it goes on.
@@ -128,6 +136,7 @@ class OuterSync:
             bytes_at_start = self.sync_group.counters.payload_bytes
         self._sync = _SyncInProgress(step, steps_since_last, bytes_at_start)
         self._sync.worker_steps, self._sync.worker_seconds = worker_steps, worker_seconds
+        self._sync.worker_idle, self._sync.final = worker_idle, final
         if skip:
             self._sync.skipped_sync = True
             self._finish_if_done()
@@ -214,7 +223,7 @@ class OuterSync:
             seed = (self._sync.step * 1_000_003 + self.sync_group.rank * 10_007
                     + self.worker_groups.shard_rank * 101 + shard.index)
             generator = torch.Generator().manual_seed(seed)
-        gta.sparsify(shard.delta, shard.segments, g.density, g.sparsification_method, generator)
+        gta.sparsify(shard.delta, shard.sparsifiable_segments(), g.density, g.sparsification_method, generator)
         shard.scale_layers(shard.delta, self._sync.own_weights)
         if g.consensus_method is None:
             self._gta_merge_launch(shard, None)
@@ -407,6 +416,8 @@ class OuterSync:
             skipped_sync=sync.skipped_sync,
             worker_steps=sync.worker_steps,
             worker_seconds=sync.worker_seconds,
+            worker_idle=sync.worker_idle,
+            final=sync.final,
             exchange_dtype=self.config.exchange_dtype,
             quantization_error=self._quant.take_error_norm() if self._quant is not None else None,
         )

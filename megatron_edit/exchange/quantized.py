@@ -60,6 +60,10 @@ class QuantizedExchange:
         offsets = [sum(sizes[:w]) for w in range(workers)]
         return sizes, offsets, per, chunk_bytes
 
+    def chunk_length(self, numel: int) -> int:
+        """Elements of the (padded) chunk of a ``numel`` shard that this worker reduces."""
+        return self._chunks(numel)[2]
+
     def _encode_padded(self, values: torch.Tensor, per: int) -> torch.Tensor:
         if values.numel() < per:
             values = torch.cat([values, values.new_zeros(per - values.numel())])
@@ -111,14 +115,14 @@ class QuantizedExchange:
         if mean:
             own /= workers
         if self.error_feedback:
-            if shard.chunk_residual is None or shard.chunk_residual.numel() != own.numel():
-                shard.chunk_residual = torch.zeros_like(own)
-            own += shard.chunk_residual
+            if shard.chunk_residual is None:
+                shard.chunk_residual = torch.zeros(per, dtype=torch.float32, device=own.device)
+            own += shard.chunk_residual[: own.numel()]
         data = self._encode_padded(own, per)
         sent = self._decode(data, own.numel(), per)
         self._add_error(own, sent)
         if self.error_feedback:
-            torch.sub(own, sent, out=shard.chunk_residual)
+            torch.sub(own, sent, out=shard.chunk_residual[: own.numel()])
         gathered = torch.empty(workers * chunk_bytes, dtype=torch.uint8, device=data.device)
         handle = self.sync_group.all_gather_into(gathered, data, async_op=True)
         shard.handle = _Stage(True, handle, gathered, sizes, chunk_bytes)

@@ -42,6 +42,10 @@ class SyncReport:
     worker_steps: Optional[torch.Tensor] = None
     """A-EDiT: [workers] steps each worker took since the last real exchange."""
     worker_seconds: Optional[torch.Tensor] = None
+    worker_idle: Optional[torch.Tensor] = None
+    """A-EDiT: [workers] seconds each worker waited at this sync for the last to arrive."""
+    final: bool = False
+    """A-EDiT: the run's last sync (its budget is used)."""
     exchange_dtype: str = "fp32"
     """Format of the pseudo-gradients sent (``LocalSGDConfig.exchange_dtype``)."""
     quantization_error: Optional[torch.Tensor] = None
@@ -79,4 +83,7 @@ class SyncReport:
             out["local-sgd/skipped-sync"] = float(self.skipped_sync)
             out["local-sgd/worker-steps-min"] = float(self.worker_steps.min())
             out["local-sgd/worker-steps-max"] = float(self.worker_steps.max())
+        if self.worker_idle is not None:
+            out["local-sgd/idle-seconds-max"] = float(self.worker_idle.max())
+            out["local-sgd/final-sync"] = float(self.final)
         return out

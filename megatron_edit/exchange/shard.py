@@ -62,6 +62,10 @@ class BucketShard:
     ``_ParamAndGradBucket``)."""
     index: int = 0
     """Position among the optimizer's shards (seeds GTA's random sparsification)."""
+    dense: Set[int] = field(default_factory=set)
+    """Indices of segments GTA never sparsifies: a weight with a copy elsewhere (tied word
+    embeddings on the first and last pipeline stage) must get the same update in both places,
+    and each copy is sharded differently, so a per-segment top-k or random mask would differ."""
 
     # --- state of the current sync (None / False between syncs)
     anchor: Optional[torch.Tensor] = None
@@ -78,6 +82,9 @@ class BucketShard:
     """What quantization dropped from this worker's pseudo-gradient at the last sync (fp32)."""
     chunk_residual: Optional[torch.Tensor] = None
     """What requantization dropped from the chunk of the result this worker reduces."""
+
+    def sparsifiable_segments(self) -> List[Segment]:
+        return [seg for i, seg in enumerate(self.segments) if i not in self.dense]
 
     def __post_init__(self) -> None:
         self.runs: List[Run] = merge_runs(self.segments)

@@ -266,7 +266,39 @@ def local_sgd_sharded_state_dict(optimizer, controller, is_loading: bool) -> dic
         (0,),
         replica_id=(layout.worker, 0, layout.intra_rank),
     )
-    return dict(record=record, anchor=anchors, outer=outer_state)
+    part = dict(record=record, anchor=anchors, outer=outer_state)
+    if controller.config.exchange_error_feedback:
+        part.update(_residual_entries(controller, layout, slots, base, is_loading))
+    return part
+
+
+def _residual_entries(controller, layout: _Layout, slots, base: str, is_loading: bool) -> dict:
+    """Error feedback's residuals: this worker's own (``residual``, one per bucket like the
+    anchor) and the chunk of the reduced result it requantizes (``chunk_residual``, ``per``
+    elements per rank). Every worker writes its own, under its own keys."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def tensor(key, data, local, total, offset):
+        return ShardedTensor(key=key, data=data, dtype=data.dtype, local_shape=(local,), global_shape=(total,),
+                             global_offset=(offset,), axis_fragmentations=None, replica_id=(0, 0, 0))
+
+    worker = f"worker_{layout.worker}"
+    residual, chunk_residual = {}, {}
+    for i, slot in enumerate(slots):
+        shard = slot.shard
+        device = shard.device
+        if slot.length:
+            data = (torch.zeros(slot.length, device=device) if is_loading or shard.residual is None
+                    else shard.residual.detach()[: slot.length])
+            residual[i] = tensor(f"{PREFIX}residual.{worker}.{base}.{slot.name}", data, slot.length,
+                                 slot.numel_unpadded, slot.offset)
+        per = controller.chunk_length(shard)
+        if per:
+            data = (torch.zeros(per, device=device) if is_loading or shard.chunk_residual is None
+                    else shard.chunk_residual.detach())
+            chunk_residual[i] = tensor(f"{PREFIX}chunk_residual.{worker}.{base}.{slot.name}", data, per,
+                                       layout.worker_size * per, layout.intra_rank * per)
+    return dict(residual=residual, chunk_residual=chunk_residual)
 
 
 # --------------------------------------------------------------------------- load
@@ -287,6 +319,7 @@ def load_local_sgd_state(optimizer, controller, part: dict) -> None:
     anchors, outer_loaded = part.get("anchor", {}), part.get("outer", {})
 
     controller.flush()
+    controller.outer_state.synchronize()  # offloaded state: no copy in flight while we write it
     controller.steps_done = record["steps_done"]
     controller._last_sync_step = record["last_sync_step"]
 
@@ -317,6 +350,7 @@ def load_local_sgd_state(optimizer, controller, part: dict) -> None:
         # Hyperparameters come from this run's configuration; the state from the checkpoint.
         outer.load_state_dict({"state": state, "param_groups": outer.state_dict()["param_groups"]})
         _warn_if_changed(record, controller)
+    _load_residuals(controller, slots, part)
 
     saved_extra = record.get("extra_state")
     hook = getattr(controller, "load_extra_state", None)
@@ -346,6 +380,22 @@ def load_local_sgd_state(optimizer, controller, part: dict) -> None:
         )
 
 
+def _load_residuals(controller, slots, part: dict) -> None:
+    """Error-feedback residuals (a checkpoint saved without them: they restart at zero, said by
+    the load guard)."""
+    if not controller.config.exchange_error_feedback:
+        return
+    residual, chunk = part.get("residual") or {}, part.get("chunk_residual") or {}
+    for i, slot in enumerate(slots):
+        shard = slot.shard
+        if torch.is_tensor(residual.get(i)):
+            shard.residual = _assemble(slot, residual[i], torch.empty(shard.numel, device=shard.device))
+        else:
+            shard.residual = None
+        loaded = chunk.get(i)
+        shard.chunk_residual = loaded.to(shard.device).clone() if torch.is_tensor(loaded) else None
+
+
 def _warn_if_changed(record: dict, controller) -> None:
     if torch.distributed.get_rank() != 0:
         return
@@ -366,11 +416,7 @@ def _refresh_model_from_mains(optimizer, controller) -> None:
     """Rebuild each worker's model from its (just loaded) main params: shard -> bucket, then
     all-gather inside the worker. Workers >= 1 had worker 0's model loaded into them."""
     optimizer._copy_main_params_to_model_params()
-    for group in controller.group_order:
-        if group.param_gather_handle is not None:
-            group.param_gather_handle.wait()
-            group.param_gather_handle = None
-        group.start_param_sync(force_sync=True)
+    controller.gather_params_in_worker()
 
 
 # --------------------------------------------------------------------------- the load guard
@@ -395,6 +441,7 @@ def check_checkpoint_has_local_sgd_state(sharded_state_dict, checkpoint_dir) -> 
         from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
         saved = load_sharded_metadata(str(checkpoint_dir))
+        wanted = _drop_missing_residuals(sharded_state_dict, wanted, saved)
         message = _missing_message(wanted, saved, checkpoint_dir)
     messages = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(messages, message)
@@ -402,6 +449,29 @@ def check_checkpoint_has_local_sgd_state(sharded_state_dict, checkpoint_dir) -> 
     if first:
         rank, text = first
         raise CheckpointStateError(f"{text} (found by rank {rank})")  # the same on every rank
+
+
+_OPTIONAL = (f"{PREFIX}residual.", f"{PREFIX}chunk_residual.")
+
+
+def _drop_missing_residuals(sharded_state_dict, wanted: list, saved: dict) -> list:
+    """Error-feedback residuals the checkpoint does not have (saved without
+    ``--local-sgd-exchange-error-feedback``, or by another number of workers) are not asked
+    for: they restart at zero, with a warning. Returns the entries still wanted."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    absent = {id(sh) for sh in wanted if any(p in sh.key for p in _OPTIONAL) and sh.key not in saved}
+    if not absent:
+        return wanted
+    dict_list_map_inplace(lambda v: LocalNonpersistentObject(None) if id(v) in absent else v, sharded_state_dict)
+    if torch.distributed.get_rank() == 0:
+        logger.warning(
+            "megatron_edit: the checkpoint has no error-feedback residual for this run's workers "
+            "(saved without --local-sgd-exchange-error-feedback or with another number of workers): "
+            "the residuals start at zero."
+        )
+    return [sh for sh in wanted if id(sh) not in absent]
 
 
 def _missing_message(wanted, saved: dict, checkpoint_dir) -> Optional[str]:

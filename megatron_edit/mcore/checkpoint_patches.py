@@ -88,7 +88,7 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
             if _needs_torch_adam_fixes(self):
                 init_missing_adam_state(self)
             if not is_loading and self.ddp_config.overlap_param_gather:
-                _refresh_params_in_worker(controller)
+                controller.gather_params_in_worker()
             state = original(*bound.args, **bound.kwargs)
             sharding_type = _sharding_type(state, bound.arguments)
             if sharding_type not in SUPPORTED_SHARDING_TYPES:
@@ -229,10 +229,3 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
                                ("self", "filename"),
                                "refuse the legacy torch checkpoint format with local SGD"))
     return registry
-
-
-def _refresh_params_in_worker(controller) -> None:
-    """All-gather the parameters inside the worker (as Megatron-LM does before a save), so the
-    model part written by worker 0 is complete even with ``overlap_param_gather``."""
-    for group in controller.group_order:
-        group.start_param_sync(force_sync=True)

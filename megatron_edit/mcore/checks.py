@@ -35,6 +35,13 @@ def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_co
             "--calculate-per-token-loss with --use-local-sgd is not supported yet: it all-reduces "
             "token counts across every data-parallel rank each step."
         )
+    if getattr(ddp_config, "fp8_param_gather", False) or getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise ConfigError(
+            "--use-local-sgd does not work with --fp8-param-gather (or MXFP8 buffer reuse): the "
+            "parameter buffers then hold FP8 bytes, and EDiT writes the outer step's fp32 result "
+            "into the model's parameter buffer. Drop --fp8-param-gather (FP8 compute with bf16 "
+            "parameters still works)."
+        )
     if local_cfg.sync_mode == "layerwise" and not ddp_config.overlap_param_gather:
         raise ConfigError(
             "--local-sgd-sync-mode layerwise syncs each bucket just before its parameters are "

@@ -198,6 +198,7 @@ SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]] = {
     f"{_DISTOPT}.step_with_ready_grads": ((SUPPORTED, ("self",)),),
     f"{_DISTOPT}._copy_main_params_to_model_params": ((SUPPORTED, ("self",)),),
     f"{_DISTOPT}.get_grad_stats_parallel_group": ((SUPPORTED, ("self",)),),
+    "megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.step": ((SUPPORTED, ("self", "increment")),),
     f"{_DISTOPT}.state_dict": ((SUPPORTED, ("self",)),),
     f"{_DISTOPT}.load_state_dict": ((SUPPORTED, ("self", "state_dict")),),
     f"{_DISTOPT}.sharded_state_dict": (

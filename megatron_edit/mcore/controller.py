@@ -64,15 +64,26 @@ class LocalSGD:
         self.gta_config = gta_config or GTAConfig()
         self.schedule_group = schedule_group
         self.clock = time.monotonic  # A-EDiT's float64 clock; injectable for tests
-        # The run's last optimizer step when known (Megatron-LM: --train-iters): A-EDiT then
-        # ends with a sync there on every worker.
-        self.final_step: Optional[int] = None
+        # A-EDiT's budget: worker-steps of the whole run (Megatron-LM: --train-iters x workers,
+        # what the synchronous run consumes); the run ends at a final sync planned from the
+        # workers' speeds, each worker at its own step count (``finished``).
+        self.budget_steps: Optional[int] = None
+        self.finished = False
+        # The run's last optimizer step when known (Megatron-LM: --train-iters; EDiT only): a
+        # layer-wise sync due there has no next forward pass to complete in, so it completes at
+        # once and the parameters are gathered inside the worker.
+        self.last_step: Optional[int] = None
         self.steps_done = 0
         self.reports: List[SyncReport] = []
         self._last_sync_step = self.config.local_sgd_warmup_steps
         self._next_sync_at: Optional[int] = None
         self._interval_start: Optional[float] = None
         self._interval_start_step = 0
+        self._train_start: Optional[float] = None
+        self._final_planned = False
+        self._progress_scale = 1.0
+        self._step_progress = 1.0
+        self._rate_history: List[tuple] = []  # (interval steps [W], interval seconds [W])
         self._in_step = False
         self._synced_in_step = False
 
@@ -120,8 +131,29 @@ class LocalSGD:
         """Anchor := the current main params (at the end of warmup); outer state starts empty."""
         self.outer_state.capture(self.shards)
         if self.config.use_async:
-            first = self.steps_done + asynchronous.first_interval(self.config.local_sgd_sync_interval)
-            self._next_sync_at = first if self.final_step is None else min(first, self.final_step)
+            self._plan_first_interval()
+
+    def _plan_first_interval(self) -> None:
+        """A-EDiT before any speed is known: ``local_sgd_sync_interval`` steps for everyone, or
+        the whole remaining budget split evenly when that is about as much."""
+        workers = self.num_workers
+        first = asynchronous.first_interval(self.config.local_sgd_sync_interval)
+        interval = torch.full((workers,), first, dtype=torch.int64)
+        if self.budget_steps is not None:
+            remaining = self.budget_steps - workers * self.steps_done
+            if remaining < 2 * self.config.min_total_global_steps and dist.get_rank() == 0:
+                logger.warning(
+                    "megatron_edit: A-EDiT's budget after warmup is %d worker-steps and "
+                    "--local-sgd-min-total-global-steps is %d: every sync before the final one "
+                    "will be skipped (only the final sync exchanges). Lower "
+                    "--local-sgd-min-total-global-steps or train longer.",
+                    remaining, self.config.min_total_global_steps,
+                )
+            if first * workers * 1.5 >= remaining:
+                interval = asynchronous.plan_final_interval(torch.ones(workers), remaining)
+                self._final_planned = True
+        self._next_sync_at = self.steps_done + int(interval[self.sync_group.rank])
+        self._progress_scale = asynchronous.progress_per_step(interval, self.sync_group.rank)
 
     def drop_anchor(self) -> None:
         """Back to warmup state: no anchor, no outer optimizer (a checkpoint saved in warmup)."""
@@ -141,8 +173,30 @@ class LocalSGD:
             return self._next_sync_at is not None and steps_done == self._next_sync_at
         return schedule.is_sync_step(steps_done, c.local_sgd_warmup_steps, c.local_sgd_sync_interval)
 
+    @property
+    def progress_scale(self) -> float:
+        """Synchronous steps of global progress per optimizer step of this worker: 1 for EDiT;
+        with A-EDiT, N / (W n) in an interval where this worker takes n of the workers' N steps.
+        The learning-rate schedule advances by this much per step
+        (``mcore.patches``: ``OptimizerParamScheduler.step``), so all workers' schedules agree
+        at every sync and end together."""
+        return self._progress_scale if self.grads_are_local else 1.0
+
+    @property
+    def last_step_progress(self) -> float:
+        """Global progress (synchronous steps) of the optimizer step last taken: what the
+        learning-rate schedule advances by for it (the sync a step triggers plans the next
+        interval; the step itself still belongs to its own)."""
+        return self._step_progress
+
     def begin_step(self) -> None:
         """Before the inner optimizer update of step ``steps_done + 1``."""
+        if self.finished:
+            raise RuntimeError(
+                "megatron_edit: this A-EDiT run has used its budget and ended with its final sync "
+                f"after {self.steps_done} steps of this worker; stop training (check "
+                "LocalSGD.finished after each step; Megatron-LM stops by itself)."
+            )
         self.flush()  # a layer-wise sync must be complete before main params change again
         warm = self.steps_done >= self.config.local_sgd_warmup_steps
         if not self.outer_state.captured and warm:
@@ -151,8 +205,10 @@ class LocalSGD:
             # Without warmup the first interval's clock starts inside step 1 (its forward and
             # backward are not timed): only the first plan is slightly optimistic.
             self._interval_start, self._interval_start_step = self.clock(), self.steps_done
+            self._train_start = self._interval_start
         self._in_step = True
         self._synced_in_step = False
+        self._step_progress = self.progress_scale
 
     def after_inner_update(self) -> None:
         """Inner update done, main params not yet copied into the model (step-end sync point)."""
@@ -168,6 +224,7 @@ class LocalSGD:
         self.steps_done += 1
         if self.config.use_async and self.steps_done == self.config.local_sgd_warmup_steps:
             self._interval_start, self._interval_start_step = self.clock(), self.steps_done
+            self._train_start = self._interval_start
         if not self._sync_due(self.steps_done):
             return
         if self.config.sync_mode == "step_end":
@@ -175,40 +232,82 @@ class LocalSGD:
             return
         if self._start_sync(self.steps_done):
             self.sync.mark_pending()
+            if self.finished or (not self.config.use_async and self.steps_done == self.last_step):
+                self.complete_now()
+
+    def complete_now(self) -> None:
+        """Complete a pending layer-wise sync now and all-gather the parameters inside the worker
+        (what the next forward pass would do): the run ends here."""
+        self.flush()
+        self.gather_params_in_worker()
+
+    def gather_params_in_worker(self) -> None:
+        """All-gather every bucket group's parameters inside the worker now (a collective over
+        the worker's ranks, at the same point on each)."""
+        for group in self.group_order:
+            if group.param_gather_handle is not None:
+                group.param_gather_handle.wait()
+                group.param_gather_handle = None
+            group.start_param_sync(force_sync=True)
 
     def _start_sync(self, step: int) -> bool:
         """Begin the sync due after ``step``; False when A-EDiT skips it (no exchange)."""
         bytes_at_start = self.sync_group.counters.payload_bytes
-        worker_steps = worker_seconds = None
-        skip = False
+        schedule, skip, final = None, False, False
         if self.config.use_async:
-            worker_steps, worker_seconds, skip = self._plan_async(step)
+            schedule, skip, final = self._plan_async(step)
         return self.sync.start(
-            step, step - self._last_sync_step, worker_steps, worker_seconds, skip, bytes_at_start
+            step, step - self._last_sync_step,
+            None if schedule is None else schedule.steps_since_exchange,
+            None if schedule is None else schedule.interval_seconds,
+            skip, bytes_at_start,
+            worker_idle=None if schedule is None else schedule.idle,
+            final=final,
         )
 
     def _plan_async(self, step: int):
-        """A-EDiT: one small all-reduce over every rank -> identical schedule everywhere."""
+        """A-EDiT: one small all-reduce over every rank -> identical schedule everywhere.
+        Returns (the workers' figures, skip this exchange?, is this the run's last sync?)."""
         c = self.config
+        now = self.clock()
         message = asynchronous.schedule_message(
             self.sync_group.size,
             self.sync_group.rank,
             step - self._last_sync_step,
             step - self._interval_start_step,
-            self.clock() - self._interval_start,
+            now - self._interval_start,
             step,
+            now - self._train_start,
         )
         device = self.shards[0].device if self.shards else torch.device("cpu")
         message = self.sync_group.all_reduce_max_everywhere(message.to(device), self.schedule_group).cpu()
-        steps, interval_steps, interval_seconds, step_counts = asynchronous.read_schedule(message)
-        final = self.final_step is not None and step >= self.final_step
+        schedule = asynchronous.read_schedule(message)
+        self._rate_history.append((schedule.interval_steps, schedule.interval_seconds))
+        del self._rate_history[: -asynchronous.RATE_WINDOW]
+        final = self._final_planned or (
+            self.budget_steps is not None and int(schedule.steps.sum()) >= self.budget_steps
+        )
         # The run's last sync is never skipped: the workers end with identical models.
-        skip = not final and asynchronous.skip_sync(steps, c.min_total_global_steps)
-        plan = asynchronous.plan_next_interval(interval_steps, interval_seconds, c.local_sgd_sync_time)
-        nxt = asynchronous.next_sync_steps(step_counts, plan, self.final_step)
-        self._next_sync_at = None if final else int(nxt[self.sync_group.rank])
+        skip = not final and asynchronous.skip_sync(schedule.steps_since_exchange, c.min_total_global_steps)
+        if final:
+            self.finished = True
+            self._next_sync_at = None
+            self._progress_scale = 1.0
+        else:
+            rates = asynchronous.smoothed_rates(
+                torch.stack([h[0] for h in self._rate_history]), torch.stack([h[1] for h in self._rate_history])
+            )
+            remaining_seconds = None
+            if c.async_time_budget is not None:
+                remaining_seconds = c.async_time_budget - float(schedule.elapsed.max())
+            interval, self._final_planned = asynchronous.plan(
+                schedule.steps, rates, c.local_sgd_sync_time, self.budget_steps, remaining_seconds
+            )
+            me = self.sync_group.rank
+            self._next_sync_at = step + int(interval[me])
+            self._progress_scale = asynchronous.progress_per_step(interval, me)
         self._interval_start, self._interval_start_step = self.clock(), step
-        return steps, interval_seconds, skip
+        return schedule, skip, final
 
     def _on_sync_done(self, report: SyncReport) -> None:
         if not report.skipped_sync:  # a skipped sync exchanged nothing: keep counting from the last one
@@ -244,9 +343,12 @@ class LocalSGD:
         return {
             "layer_names": list(self.layer_names),
             "ewma": self.sync.ewma.state_dict(),
-            # A-EDiT: the planned next sync; the clock restarts on resume (elapsed time while
-            # the job was down is not training time).
+            # A-EDiT: the planned next sync and the speeds measured so far; the clock restarts
+            # on resume (elapsed time while the job was down is not training time).
             "next_sync_at": self._next_sync_at,
+            "final_planned": self._final_planned,
+            "progress_scale": self._progress_scale,
+            "rate_history": [(a.clone(), b.clone()) for a, b in self._rate_history],
         }
 
     def load_extra_state(self, state: dict) -> None:
@@ -259,8 +361,17 @@ class LocalSGD:
             )
         self.sync.ewma = EWMAStats.from_state_dict(state["ewma"])
         self._next_sync_at = state.get("next_sync_at")
+        self._final_planned = bool(state.get("final_planned", False))
+        self._progress_scale = float(state.get("progress_scale", 1.0))
+        self._rate_history = list(state.get("rate_history", []))
         if self._next_sync_at is not None:
-            self._interval_start = self.clock()
+            self._interval_start = self._train_start = self.clock()
+
+    def chunk_length(self, shard) -> int:
+        """Quantized exchange: elements of the chunk of ``shard``'s result this worker reduces
+        (0 without a quantized exchange)."""
+        quant = self.sync._quant
+        return quant.chunk_length(shard.numel) if quant is not None else 0
 
     def state_bytes(self) -> int:
         """Bytes of EDiT state on this rank: anchor + outer optimizer state."""

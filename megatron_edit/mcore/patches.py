@@ -20,6 +20,8 @@ distopt-copy-main-to-model             step-end sync: between the inner update a
                                        of main params into the model
 distopt-grad-stats-group               gradient norm and zero count reduced inside the worker
                                        (megatron-core 0.12.x reduces them over all ranks)
+sched-step-global-progress             A-EDiT: the learning-rate schedule follows the workers'
+                                       global progress, not this worker's step count
 =====================================  =====================================================
 
 The wrappers consult :class:`~megatron_edit.mcore.runtime.LocalSGDRuntime`. Checkpoint patches
@@ -34,7 +36,7 @@ from typing import Callable, Optional
 
 from . import compat
 from .patching import Patch, PatchRegistry
-from .runtime import LocalSGDRuntime
+from .runtime import LocalSGDRuntime, get_local_sgd
 
 SUPPORTED = compat.SUPPORTED
 
@@ -124,6 +126,18 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
 
         return wrapper
 
+    def wrap_scheduler_step(original):
+        def wrapper(self, increment, *args, **kwargs):
+            runtime = runtime_ref()
+            if runtime is not None:
+                controllers = get_local_sgd(self.optimizer, runtime)
+                scale = controllers[0].last_step_progress if controllers else 1.0
+                if scale != 1.0:
+                    increment = increment * scale
+            return original(self, increment, *args, **kwargs)
+
+        return wrapper
+
     v = SUPPORTED
 
     def add(pid, target, wrap, description):
@@ -144,6 +158,9 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
         "schedule: anchor after warmup, count steps, start a due sync")
     add("distopt-copy-main-to-model", f"{_DISTOPT}._copy_main_params_to_model_params", wrap_copy_main_to_model,
         "step-end sync between the inner update and the main->model copy")
+    add("sched-step-global-progress",
+        "megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.step", wrap_scheduler_step,
+        "A-EDiT: each step advances the LR schedule by its share of the workers' global progress")
     add("distopt-grad-stats-group", f"{_DISTOPT}.get_grad_stats_parallel_group", wrap_grad_stats_group,
         "gradient norm / zero count inside the worker, never across workers (0.12.x: all ranks)")
     return registry

@@ -47,7 +47,9 @@ class LocalSGDRuntime:
             check_combination(self._configs[0], self._configs[2])
         self._configs_from = configs_from
         self._resolved = self._configs is not None
-        self.final_step: Optional[int] = None  # the run's last step, when known (A-EDiT)
+        self.train_iters: Optional[int] = None
+        """The synchronous run's iterations when known (Megatron-LM: --train-iters): A-EDiT's
+        budget is that many steps per worker in total, shared out by speed."""
         self.controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.group_owner: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.registered_groups: "weakref.WeakSet" = weakref.WeakSet()
@@ -81,7 +83,11 @@ class LocalSGDRuntime:
             return
         check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None)
         controller = LocalSGD(optimizer, *self.configs)
-        controller.final_step = self.final_step
+        if self.train_iters is not None:
+            if controller.config.use_async:
+                controller.budget_steps = self.train_iters * controller.num_workers
+            else:
+                controller.last_step = self.train_iters
         self.controllers[optimizer] = controller
         # A collective on megatron-core 0.12.x (builds the group): every rank builds optimizers.
         worker = compat.instance_group(controller.sync_group.group)

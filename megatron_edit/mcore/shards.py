@@ -96,13 +96,19 @@ def build_layout(optimizer) -> ShardLayout:
     shards: List[BucketShard] = []
     group_shards: Dict[object, List[BucketShard]] = {}
     for gbuf_index, buffer in enumerate(optimizer.buffers):
+        if buffer.param_data is not None and buffer.param_data.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise RuntimeError(
+                f"megatron_edit: a parameter buffer holds {buffer.param_data.dtype} (FP8 parameters?): "
+                "EDiT writes the outer step's result into the model's parameter buffer and needs "
+                "fp32 / bf16 / fp16 parameters (drop --fp8-param-gather)."
+            )
         shard_size = buffer.data_parallel_group.size()
         shard_rank = buffer.data_parallel_group.rank()
         for bucket_maps in optimizer.gbuf_ranges[gbuf_index].values():
             for bucket_index, bucket_map in enumerate(bucket_maps):
                 bucket = buffer.buckets[bucket_index]
                 numel = bucket.grad_data.numel() // shard_size
-                mains, local_ranges, segments = [], [], []
+                mains, local_ranges, segments, dense = [], [], [], set()
                 main_is_model = True
                 for model_param, ranges in bucket_map["param_map"].items():
                     mains.append(main_of[model_param])
@@ -118,6 +124,8 @@ def build_layout(optimizer) -> ShardLayout:
                     main_is_model &= model_param in fp32_models
                     # A tensor-parallel duplicate (e.g. a layer norm) is counted once.
                     counts = bool(getattr(model_param, "tensor_model_parallel", False)) or tp_rank[model_param] == 0
+                    if getattr(model_param, "shared_embedding", False):
+                        dense.add(len(segments))  # tied with a copy on another pipeline stage
                     segments.append((start, end, index_of[layer_of[model_param]], counts))
                 model = flat_mains = None
                 slice_ = bucket.param_data.view(-1)[shard_rank * numel : (shard_rank + 1) * numel]
@@ -136,6 +144,7 @@ def build_layout(optimizer) -> ShardLayout:
                     device=bucket.grad_data.device,
                     bucket=bucket,
                     index=len(shards),
+                    dense=dense,
                 )
                 shards.append(shard)
                 group_shards.setdefault(bucket_to_group[id(bucket)], []).append(shard)

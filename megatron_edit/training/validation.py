@@ -12,7 +12,7 @@ import argparse
 import logging
 from types import SimpleNamespace
 
-from ..arguments import configs_from_args
+from ..arguments import changed_flags, configs_from_args
 from ..config import ConfigError, NotSupportedYet
 from ..mcore import compat
 from ..mcore.checks import check_megatron_options, check_optimizer_options, check_workers
@@ -29,6 +29,14 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
     """
     configs = configs_from_args(args)  # the flags alone (ConfigError names the flag)
     if configs is None:
+        changed = changed_flags(args)
+        if changed and getattr(args, "rank", 0) == 0:
+            # Refused in the main job (--mode baseline); here a shared command line that drops
+            # --use-local-sgd for the synchronous baseline is a normal way to compare.
+            logger.warning(
+                "megatron_edit: %s given without --use-local-sgd: EDiT is off and %s nothing.",
+                ", ".join(changed), "it does" if len(changed) == 1 else "they do",
+            )
         return
     local = configs[0]
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
@@ -67,11 +75,33 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
     # Megatron builds a grad scaler for fp16, and for any --loss-scale.
     check_optimizer_options(optimizer_options, bool(get("fp16")) or bool(get("loss_scale")))
     _check_megatron_lm_options(local, args)
-    if get("num_distributed_optimizer_instances", 1) == 1 and get("rank", 0) == 0:
+    if get("rank", 0) != 0:
+        return
+    if get("num_distributed_optimizer_instances", 1) == 1:
         logger.warning(
             "megatron_edit: --use-local-sgd with --num-distributed-optimizer-instances 1 is one "
             "worker: ordinary synchronous training plus an outer optimizer, nothing is saved. "
             "Set it to the number of workers (e.g. nodes, or the data-parallel size)."
+        )
+    _warn_if_edit_never_acts(local, get("train_iters"))
+
+
+def _warn_if_edit_never_acts(local, train_iters) -> None:
+    """A warmup or a first sync beyond --train-iters leaves EDiT with nothing to do. Warned, not
+    refused: a run resumed from a checkpoint, or one meant as a warmup, may want it."""
+    if train_iters is None:
+        return
+    w, h = local.local_sgd_warmup_steps, local.local_sgd_sync_interval
+    if w >= train_iters:
+        logger.warning(
+            "megatron_edit: --local-sgd-warmup-steps %d >= --train-iters %d: every iteration is "
+            "ordinary synchronous training, EDiT never trains locally.", w, train_iters,
+        )
+    elif not local.use_async and w + h > train_iters:
+        logger.warning(
+            "megatron_edit: the first sync would follow iteration %d (--local-sgd-warmup-steps %d "
+            "+ --local-sgd-sync-interval %d), after --train-iters %d: the workers train locally "
+            "and never sync.", w + h, w, h, train_iters,
         )
 
 
@@ -87,8 +117,23 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             "--use-local-sgd is not supported yet: it adds a data-distribution axis across the "
             "workers' data-parallel groups."
         )
+    if getattr(args, "ckpt_format", "torch_dist") == "torch":
+        raise ConfigError(
+            "--ckpt-format torch with --use-local-sgd: the legacy format gathers the optimizer "
+            "state of one EDiT worker only and cannot hold EDiT's anchors and outer state, so the "
+            "first save would fail after training. Use --ckpt-format torch_dist (Megatron's "
+            "default)."
+        )
     _check_cross_worker_options(local, args)
     interval = getattr(args, "check_weight_hash_across_dp_replicas_interval", None)
+    if interval is not None and local.use_async:
+        raise ConfigError(
+            f"--check-weight-hash-across-dp-replicas-interval={interval} with --local-sgd-async: "
+            "A-EDiT workers sync at different iterations, so there is no iteration at which all "
+            "replicas are equal and Megatron's check could pass; A-EDiT cannot check replica "
+            "hashes at all. Drop the flag (synchronous EDiT can check at multiples of "
+            "--local-sgd-sync-interval)."
+        )
     if interval is not None:
         # Replicas are identical only during warmup and right after a sync: every iteration
         # Megatron checks must be one of those. It checks every `interval` iterations and once
@@ -97,8 +142,7 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
         aligned = lambda n: n is None or n % h == 0  # noqa: E731
         checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
         if (
-            local.use_async
-            or not aligned(interval)
+            not aligned(interval)
             or not aligned(w)
             or (checkpoints and not (aligned(getattr(args, "save_interval", None))
                                      and aligned(getattr(args, "exit_interval", None))))
@@ -109,7 +153,7 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
                 "compared right after a sync. Use an interval that is a multiple of "
                 f"--local-sgd-sync-interval ({h}), with --local-sgd-warmup-steps ({w}) and, when "
                 "saving or loading checkpoints, --save-interval and --exit-interval multiples of "
-                "it too (Megatron checks again when training resumes); synchronous EDiT only. Or "
+                "it too (Megatron checks again when training resumes). Or "
                 "drop the flag."
             )
 

@@ -77,3 +77,82 @@ def test_clip_coefficients():
     coef = penalty.clip_coefficients(torch.tensor([0.5, 2.0, 0.0, 4.0], dtype=F64), 1.0)
     assert torch.allclose(coef, torch.tensor([1.0, 0.5, 1.0, 0.25], dtype=F64))
     assert torch.equal(penalty.clip_coefficients(torch.tensor([7.0]), None), torch.ones(1, dtype=F64))
+
+
+def _feed_workers(workers, layers, syncs, value, seed=0, warmup=20, alpha=0.02, threshold=3.0, stats=None):
+    """Feed ``value(sync, noise)`` -> [W, L] norms for ``syncs`` syncs; returns per-sync exclusions."""
+    g = torch.Generator().manual_seed(seed)
+    stats = stats or penalty.EWMAStats.zeros(workers, layers)
+    history = []
+    for k in range(syncs):
+        noise = 1 + 0.02 * torch.randn(workers, layers, generator=g, dtype=F64)
+        excluded, stats = penalty.detect_anomalies(value(k, noise), stats, alpha, warmup, threshold)
+        history.append(excluded)
+    return history, stats
+
+
+def _longest_exclusion(history, start=0):
+    """The longest run of consecutive syncs any (worker, layer) entry stayed excluded."""
+    longest, run = 0, None
+    for excluded in history[start:]:
+        run = excluded.to(torch.int64) if run is None else (run + 1) * excluded
+        longest = max(longest, int(run.max()))
+    return longest
+
+
+def _rate(history, a, b):
+    return sum(int(e.sum()) for e in history[a:b]) / (b - a)
+
+
+def test_detector_recovers_from_a_shift_shared_by_all_workers():
+    """+30% for every worker from sync 200 on (a learning-rate change, a resume with larger H):
+    not any one worker's anomaly. Before the fix every worker stayed excluded from sync 200 on;
+    now the exclusions after the shift are the noise's (z > 3 happens), as before it, and none
+    lasts more than two syncs."""
+    history, stats = _feed_workers(4, 3, 300, lambda k, noise: noise * (1.3 if k >= 200 else 1.0))
+    assert not history[200].any()
+    assert _rate(history, 200, 300) <= _rate(history, 100, 200) + 0.05
+    assert _longest_exclusion(history, 150) <= 2
+
+
+def test_detector_recovers_from_a_shift_shared_by_most_workers():
+    history, _ = _feed_workers(4, 2, 300, lambda k, noise: noise * torch.tensor([[1.0], [1.5], [1.5], [1.5]], dtype=F64)
+                               if k >= 200 else noise)
+    # The shifted workers' share of the median changes, so their statistics adapt for a while
+    # (a few extra z > 3); no entry is locked out.
+    assert _longest_exclusion(history, 150) <= 2
+
+
+def test_detector_still_excludes_one_workers_spike_after_a_shared_shift():
+    def value(k, noise):
+        out = noise * (1.3 if k >= 100 else 1.0)
+        if k == 180:
+            out[2, 1] *= 10  # one worker, one layer, ten times its usual norm
+        return out
+
+    history, _ = _feed_workers(4, 3, 200, value)
+    assert bool(history[180][2, 1])
+    assert _longest_exclusion(history, 50) <= 2
+
+
+def test_detector_with_two_workers_excludes_the_one_that_spikes():
+    def value(k, noise):
+        out = noise.clone()
+        if k == 50:
+            out[1] *= 10
+        if k == 70:
+            out[:, 0] = float("nan")  # non-finite: always out
+        return out
+
+    history, _ = _feed_workers(2, 2, 80, value)
+    assert history[50].tolist() == [[False, False], [True, True]]
+    assert history[70][:, 0].tolist() == [True, True] and not history[70][:, 1].any()
+
+
+def test_detector_does_not_judge_from_a_single_value():
+    """warmup 0 used to exclude everything at the first sync (no statistics yet, std 0)."""
+    norms = torch.tensor([[1.0, 2.0], [1.1, 2.5]], dtype=F64)
+    excluded, stats = penalty.detect_anomalies(norms, penalty.EWMAStats.zeros(2, 2), 0.1, 0, 3.0)
+    assert not excluded.any()
+    excluded, _ = penalty.detect_anomalies(norms * 1.01, stats, 0.1, 0, 3.0)
+    assert not excluded.any()

@@ -160,6 +160,28 @@ def test_rng_tracker_runs_on_cpu_backed_state(monkeypatch):
         cpu_adapter.deactivate()
 
 
+@pytest.mark.timeout(60)
+def test_only_the_expected_rng_notice_is_silenced(caplog):
+    import logging
+
+    from megatron_edit.cpu import adapter as cpu_adapter
+
+    log = logging.getLogger("megatron.core.tensor_parallel.random")
+    notice = "CPU RNG state changed within GPU RNG context"
+    try:
+        cpu_adapter.activate()
+        with caplog.at_level(logging.WARNING, logger=log.name):
+            log.warning(notice)  # what fork() logs when CPU init draws inside it
+            log.warning("something else went wrong")
+        assert [r.getMessage() for r in caplog.records] == ["something else went wrong"]
+    finally:
+        cpu_adapter.deactivate()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        log.warning(notice)
+    assert [r.getMessage() for r in caplog.records] == [notice]  # deactivate removes the filter
+
+
 def test_activate_refuses_when_cuda_is_available(monkeypatch):
     from megatron_edit.cpu import adapter as cpu_adapter
 

@@ -12,9 +12,10 @@ F64 = torch.float64
 
 
 def test_plan_skip_and_step_weights_on_known_inputs():
-    plan = asynchronous.plan_next_interval(torch.tensor([2.0, 2.0]), torch.tensor([2.0, 0.5]), 4.0)
-    assert plan.tolist() == [4, 16]
-    assert asynchronous.plan_next_interval(torch.tensor([1.0]), torch.tensor([100.0]), 1.0).tolist() == [1]
+    rates = asynchronous.smoothed_rates(torch.tensor([[2.0, 2.0]]), torch.tensor([[2.0, 0.5]]))
+    assert rates.tolist() == [1.0, 4.0]
+    assert asynchronous.plan_next_interval(rates, 4.0).tolist() == [4, 16]
+    assert asynchronous.plan_next_interval(torch.tensor([0.01]), 1.0).tolist() == [1]
     assert asynchronous.skip_sync(torch.tensor([4.0, 5.0]), 10) and not asynchronous.skip_sync(torch.tensor([4.0, 6.0]), 10)
     weights = torch.full((2, 3), 0.5, dtype=F64)
     excluded = torch.tensor([[False, False, True], [False, False, False]])
@@ -24,13 +25,33 @@ def test_plan_skip_and_step_weights_on_known_inputs():
     weights[:, 2] = torch.tensor([0.0, 1.0], dtype=F64)
     blended = asynchronous.blend_step_weights(weights, torch.tensor([4.0, 16.0]), excluded, 0.5)
     assert torch.allclose(blended[:, 2], torch.tensor([0.0, 1.0], dtype=F64))
-    message = asynchronous.schedule_message(3, 1, 9, 7, 2.5, 40)
-    assert message.dtype == F64 and message.tolist() == [[0, 9, 0], [0, 7, 0], [0, 2.5, 0], [0, 40, 0]]
-    nxt = asynchronous.next_sync_steps(torch.tensor([7.0, 19.0]), torch.tensor([4, 16]), None)
-    assert nxt.tolist() == [11, 35]
-    # Worker 1 would pass the last step (20) before its next sync: everybody's last sync is at 20.
-    assert asynchronous.next_sync_steps(torch.tensor([7.0, 19.0]), torch.tensor([4, 16]), 20).tolist() == [20, 20]
-    assert asynchronous.next_sync_steps(torch.tensor([3.0, 3.0]), torch.tensor([4, 16]), 20).tolist() == [7, 19]
+    message = asynchronous.schedule_message(3, 1, 9, 7, 2.5, 40, 12.0)
+    assert message.dtype == F64 and message[:, 1].tolist() == [9, 7, 2.5, 40, 12.0]
+    assert message[:, 0].abs().sum() == 0 and message[:, 2].abs().sum() == 0
+    schedule = asynchronous.read_schedule(torch.tensor([[1, 2], [3, 4], [5.0, 3.5], [10, 20], [9, 9]], dtype=F64))
+    assert schedule.idle.tolist() == [0.0, 1.5]
+
+
+def test_rates_are_smoothed_over_the_last_intervals():
+    steps = torch.tensor([[10.0, 10.0], [10.0, 10.0], [10.0, 14.0], [10.0, 6.0]])
+    seconds = torch.ones(4, 2)
+    # the last three intervals: 30 steps / 3 s for both workers, not the last one's 10 vs 6
+    assert asynchronous.smoothed_rates(steps, seconds).tolist() == [10.0, 10.0]
+
+
+def test_final_interval_uses_the_budget_exactly_and_splits_it_by_speed():
+    rates = torch.tensor([1.0, 4.0], dtype=F64)
+    interval, last = asynchronous.plan(torch.tensor([7.0, 19.0]), rates, 4.0, budget_steps=40)
+    assert last and interval.tolist() == [3, 11] and int(interval.sum()) == 40 - 26
+    interval, last = asynchronous.plan(torch.tensor([3.0, 3.0]), rates, 4.0, budget_steps=40)
+    assert not last and interval.tolist() == [4, 16]  # 34 left: a whole interval, then the end
+    interval, last = asynchronous.plan(torch.tensor([3.0, 3.0]), rates, 4.0, remaining_seconds=5.0)
+    assert last and interval.tolist() == [5, 20]  # wall-clock budget: the 5 s left, by speed
+    assert asynchronous.split_by_rate(10, torch.tensor([1.0, 1.0, 1.0])).tolist() == [4, 3, 3]
+    assert asynchronous.split_by_rate(2, torch.tensor([1.0, 5.0, 1.0])).tolist() == [1, 1, 1]  # >= 1 each
+    # global progress: in an interval of 3 + 11 steps, a step of worker 0 is worth 14 / (2 x 3)
+    assert asynchronous.progress_per_step(torch.tensor([3, 11]), 0) == pytest.approx(14 / 6)
+    assert asynchronous.progress_per_step(torch.tensor([3, 11]), 1) == pytest.approx(14 / 22)
 
 
 @pytest.mark.timeout(240)
@@ -53,8 +74,8 @@ def test_fake_clock_schedule_skip_and_step_weights_are_exact_and_identical_every
         assert [rep.skipped_sync for rep in r["reports"]] == [True, False, False]
         assert r["reports"][0].worker_steps.tolist() == [2, 2]
         assert r["reports"][0].worker_seconds.tolist() == [2.0, 0.5]
-        # only the schedule: 4 x W float64, all-reduced over the 4 ranks (2 x 3/4 of it sent)
-        assert r["reports"][0].payload_bytes == 2 * 3 * (4 * 2 * 8) // 4
+        # only the schedule: 5 x W float64, all-reduced over the 4 ranks (2 x 3/4 of it sent)
+        assert r["reports"][0].payload_bytes == 2 * 3 * (5 * 2 * 8) // 4
         assert r["reports"][1].worker_steps.tolist() == [6, 18]  # since the anchor (skip in between)
         assert r["reports"][1].worker_seconds.tolist() == [4.0, 4.0]
         assert r["reports"][2].worker_steps.tolist() == [4, 16]
@@ -66,34 +87,64 @@ def test_fake_clock_schedule_skip_and_step_weights_are_exact_and_identical_every
 
 
 @pytest.mark.timeout(240)
-def test_run_ends_with_one_final_sync_on_every_worker():
-    """With the run's last step known (Megatron-LM's --train-iters = 20), the sync that would
-    take worker 1 past it becomes the final one, at step 20 for every worker: both end at a
-    sync with identical models (without it the slow worker's next sync would never come)."""
+def test_run_ends_at_its_global_budget_with_a_final_sync_planned_from_the_speeds():
+    """The synchronous run would take 20 iterations (40 worker-steps for 2 workers). Worker 0
+    takes 1 s per step, worker 1 0.25 s: after the sync at steps 7 / 19 (26 worker-steps) the
+    14 left are split by speed, 3 and 11: both arrive at the final sync after 3 s / 2.75 s
+    (worker 1 waits 0.25 s, reported), each stops at its own step count, the budget is used
+    exactly, the learning-rate schedule reaches the synchronous run's 20 iterations on both."""
     spec = default_spec(
         local_sgd=dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1,
                        min_total_global_steps=10, sync_mode="step_end"),
-        outer=OUTER, seconds_per_step=[1.0, 0.25], syncs=3, max_steps=64, final_step=20,
+        outer=OUTER, seconds_per_step=[1.0, 0.25], max_steps=64, train_iters=20,
     )
     results = run_ranks(async_runs, 4, spec, timeout=200)
     for r in results:
-        assert [rep.step for rep in r["reports"]] == ([3, 7, 20] if r["worker"] == 0 else [3, 19, 20])
-        assert r["steps"] == 20
+        assert [rep.step for rep in r["reports"]] == ([3, 7, 10] if r["worker"] == 0 else [3, 19, 30])
+        assert r["finished"] and r["steps"] == (10 if r["worker"] == 0 else 30)
+        last = r["reports"][-1]
+        assert last.final and not last.skipped_sync and last.worker_idle.tolist() == [0.0, 0.25]
+        assert r["progress"] == pytest.approx(20.0)  # synchronous iterations of LR schedule
     _assert_params_equal(results[0]["params"], results[2]["params"], "replicas after the final sync")
 
 
-@pytest.mark.timeout(180)
-def test_five_times_slower_worker_no_deadlock_and_identical_replicas():
-    """Real clock; worker 1 sleeps 5x as long per step as worker 0's whole step. Three syncs
-    complete, the fast worker took several times more steps, replicas are identical."""
+@pytest.mark.timeout(240)
+def test_a_budget_shorter_than_one_interval_is_one_final_sync():
+    spec = default_spec(
+        local_sgd=dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=8, local_sgd_warmup_steps=1,
+                       min_total_global_steps=100, sync_mode="layerwise"),
+        outer=OUTER, seconds_per_step=[1.0, 0.25], max_steps=64, train_iters=6,
+    )
+    results = run_ranks(async_runs, 4, spec, timeout=200)
+    for r in results:
+        assert [rep.step for rep in r["reports"]] == [6] and r["reports"][0].final
+        assert not r["reports"][0].skipped_sync  # the last sync is never skipped
+    _assert_params_equal(results[0]["params"], results[2]["params"], "replicas after the final sync")
+
+
+@pytest.mark.timeout(240)
+def test_slower_worker_real_clock_plans_from_measured_speeds_and_ends_together():
+    """Real clock, worker 1 sleeps 0.1 s per step, a budget of 2 x 60 worker-steps: no
+    deadlock, every sync's plan follows from the speeds the workers reported (checked from the
+    reports, so it holds under any load), the budget is used exactly, replicas are identical."""
     spec = default_spec(
         local_sgd=dict(use_async=True, local_sgd_sync_time=1.0, local_sgd_sync_interval=2,
                        min_total_global_steps=1),
-        outer=OUTER, sleep=[0.0, 0.1], syncs=3, max_steps=2000,
+        outer=OUTER, sleep=[0.0, 0.1], max_steps=2000, train_iters=60,
     )
-    results = run_ranks(async_runs, 4, spec, timeout=170)
+    results = run_ranks(async_runs, 4, spec, timeout=230)
     fast, slow = results[0], results[2]
     assert fast["worker"] == 0 and slow["worker"] == 1
-    assert fast["steps"] > 2 * slow["steps"], (fast["steps"], slow["steps"])
+    assert fast["steps"] + slow["steps"] == 120
     _assert_params_equal(fast["params"], slow["params"], "replicas after the last sync")
-    assert all(r["reports"][-1].worker_steps.tolist() == fast["reports"][-1].worker_steps.tolist() for r in results)
+    reports = fast["reports"]
+    assert all(torch.equal(r["reports"][-1].worker_steps, reports[-1].worker_steps) for r in results)
+    history_steps, history_seconds = [], []
+    for previous, current in zip(reports, reports[1:]):
+        history_steps.append(previous.worker_steps)
+        history_seconds.append(previous.worker_seconds)
+        rates = asynchronous.smoothed_rates(torch.stack(history_steps), torch.stack(history_seconds))
+        if not current.final:
+            assert current.worker_steps.tolist() == asynchronous.plan_next_interval(rates, 1.0).tolist()
+        else:
+            assert int(current.worker_steps.sum()) == 120 - int(sum(r.worker_steps.sum() for r in reports[:-1]))

@@ -126,6 +126,8 @@ def _state(ddp, opt, ctl, gather=True) -> dict:
             outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} if outer else None for s in ctl.shards],
             mains=[s.read_current(torch.empty(s.numel)) for s in ctl.shards],
             extra=ctl.extra_state() if hasattr(ctl, "extra_state") else None,
+            residuals=[(None if s.residual is None else s.residual.clone(),
+                        None if s.chunk_residual is None else s.chunk_residual.clone()) for s in ctl.shards],
             collectives=ctl.sync_group.counters.collectives,
             payload=ctl.sync_group.counters.payload_bytes,
         )
@@ -348,6 +350,23 @@ def _assert_exact(reference, savers, resumed, step):
         expected = {k: v for k, v in ref["final"].items() if k not in ("collectives", "payload")}
         _equal(final, expected, "resumed vs uninterrupted")
         assert [r.step for r in res["reports"]] == [8]
+
+
+@pytest.mark.timeout(420)
+def test_exact_resume_with_quantized_exchange_and_error_feedback(tmp_path):
+    """int4 exchange with error feedback, saved between syncs: the residuals (each worker's
+    own and the chunk each one requantizes) are restored, and the run continues bit-identical
+    to the uninterrupted one."""
+    quantized = dict(EDIT, exchange_dtype="int4", exchange_block_size=64, exchange_error_feedback=True)
+    path = str(tmp_path / "int4")
+    reference = run_ranks(train_job, WORLD, local_sgd=quantized, timeout=200)
+    saver = run_ranks(train_job, WORLD, local_sgd=quantized, steps=7, saves={7: [(path, DP_RESHARDABLE)]},
+                      snapshots=(7,), timeout=200)
+    resumed = run_ranks(train_job, WORLD, local_sgd=quantized, load=(path, DP_RESHARDABLE, 7), timeout=200)
+    _assert_exact(reference, saver, resumed, 7)
+    residuals = reference[0]["final"]["residuals"]
+    assert all(r is not None and c is not None for r, c in residuals)
+    assert any(r.abs().sum() > 0 for r, _ in residuals)  # something was dropped and kept
 
 
 @pytest.mark.timeout(300)

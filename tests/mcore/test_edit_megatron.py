@@ -186,3 +186,69 @@ def test_local_step_gradient_scaling_equals_single_worker_megatron():
     alone = run_ranks(megatron_runs, 2, [default_spec(steps=3, instances=1, data_seed=0, data_dp=4)], timeout=200)
     for rank in (0, 1):
         _assert_params_close(edit[rank]["runs"][0]["params"], alone[rank]["runs"][0]["params"], 1e-6, "local vs alone")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp", "tp2"])
+def test_quantized_exchange_keeps_replicas_identical_in_both_modes(tp):
+    """int8 with error feedback on real megatron-core (2 workers x 2 shards, and TP=2 x 2
+    workers): replicas identical after each sync, layer-wise and step-end bit-identical, int8
+    bytes per sync about a quarter of fp32's."""
+    quant = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1, exchange_dtype="int8",
+                 exchange_block_size=64, exchange_error_feedback=True)
+    specs = [default_spec(steps=5, local_sgd=dict(quant, sync_mode=mode), outer=OUTER) for mode in ("layerwise", "step_end")]
+    specs.append(default_spec(steps=5, local_sgd=dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1), outer=OUTER))
+    results = run_ranks(megatron_runs, WORLD, specs, tp=tp, timeout=280)
+    slices = {}
+    for r in results:
+        layerwise, step_end, fp32 = r["runs"]
+        _assert_params_equal(layerwise["params"], step_end["params"], "layer-wise vs step-end")
+        assert [rep.step for rep in layerwise["reports"]] == [3, 5]
+        ratio = layerwise["reports"][0].payload_bytes / fp32["reports"][0].payload_bytes
+        assert 0.25 < ratio < 0.40, ratio  # small shards: block padding weighs more than at scale
+        assert layerwise["reports"][0].quantization_error is not None
+        slices.setdefault(layerwise["tp_rank"], []).append(layerwise)
+    for runs in slices.values():
+        _assert_params_equal(runs[0]["params"], runs[1]["params"], "replicas after the last sync")
+
+
+@pytest.mark.timeout(240)
+def test_a_layerwise_sync_due_at_the_last_step_completes_before_the_run_ends():
+    """With the run's last step known (Megatron-LM: --train-iters), a layer-wise sync due there
+    (no next forward pass to complete it in) completes at once and the parameters are gathered:
+    the workers end with identical models without anyone forcing a parameter sync."""
+    spec = default_spec(steps=6, local_sgd=dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=0), outer=OUTER,
+                        last_step=6, no_final_gather=True)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=200)
+    for r in results:
+        run = r["runs"][0]
+        assert [rep.step for rep in run["reports"]] == [3, 6] and not run["pending_at_end"]
+    _assert_params_equal(results[0]["runs"][0]["params"], results[2]["runs"][0]["params"], "workers at the end")
+
+
+@pytest.mark.timeout(400)
+def test_virtual_pipeline_layerwise_equals_step_end():
+    """PP=2 with two virtual stages per rank (Megatron-LM's VPP set-up: one DDP per chunk, the
+    interleaved schedule, and with align_param_gather the schedule gathers each chunk's
+    parameters itself): layer-wise syncs, aligned or not, give step-end's parameters bit for bit,
+    and the replicas are identical after the last sync."""
+    from edit_runs import vpp_runs
+
+    local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)
+    specs = [dict(local_sgd=dict(local, sync_mode="step_end"), outer=OUTER, steps=5, align=False,
+                  overlap_param_gather=False),
+             dict(local_sgd=local, outer=OUTER, steps=5, align=True, overlap_param_gather=True),
+             dict(local_sgd=local, outer=OUTER, steps=5, align=False, overlap_param_gather=True)]
+    results = run_ranks(vpp_runs, WORLD, specs, timeout=380)
+    for r in results:
+        step_end, aligned, unaligned = r
+        assert [rep.step for rep in aligned["reports"]] == [3, 5]
+        for other in (aligned, unaligned):
+            for a, b in zip(step_end["params"], other["params"]):
+                _assert_params_equal(a, b, "layer-wise (VPP) vs step-end")
+    by_stage = {}
+    for r in results:
+        by_stage.setdefault(r[1]["pp_rank"], []).append(r[1]["params"])
+    for stage in by_stage.values():
+        for a, b in zip(*stage):
+            _assert_params_equal(a, b, "replicas after the last sync")

@@ -73,3 +73,26 @@ def test_gta_random_density_keeps_replicas_identical_and_sends_what_it_says():
         _assert_params_equal(layerwise["params"], step_end["params"], "layer-wise vs step-end")
         ratio = layerwise["reports"][0].payload_bytes / plain["reports"][0].payload_bytes
         assert ratio == pytest.approx(traffic_ratio("count", True, True)) == 1.5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["magnitude", "random"])
+def test_tied_embeddings_stay_equal_under_sparsification_with_pipeline_parallelism(method):
+    """PP=2 with tied word embeddings: the first stage's embedding and the last stage's output
+    layer are one weight kept in two copies (Megatron all-reduces their gradients, never their
+    values). Each copy is sharded differently, so a per-shard sparsification mask would differ
+    between them; they are kept dense, so the copies stay equal after every sync."""
+    gta = dict(reducer="gta", consensus_method="count", sparsification_method=method, density=0.3)
+    spec = default_spec(steps=5, local_sgd=EDIT, outer=OUTER, gta=gta, tied=True)
+    results = run_ranks(megatron_runs, 4, [spec], tp=1, pp=2, timeout=280)
+    copies = {}
+    for r in results:
+        run = r["runs"][0]
+        assert [rep.step for rep in run["reports"]] == [3, 5]
+        for name, value in run["params"].items():
+            if name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight"):
+                copies.setdefault(run["worker"], []).append((run["pp_rank"], name, value))
+    for worker, found in copies.items():
+        assert sorted(p for p, _, _ in found) == [0, 1], found
+        (_, a_name, a), (_, b_name, b) = sorted(found, key=lambda x: x[0])
+        assert torch.equal(a, b), f"worker {worker}: {a_name} != {b_name}"

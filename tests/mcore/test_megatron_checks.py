@@ -96,6 +96,14 @@ def test_refuses_per_token_loss():
     assert "--calculate-per-token-loss" in message and "not supported yet" in message
 
 
+@pytest.mark.skipif(not _has(DistributedDataParallelConfig, "fp8_param_gather"),
+                    reason="this megatron-core has no fp8_param_gather")
+def test_refuses_fp8_param_gather():
+    """FP8 parameter buffers hold FP8 bytes: EDiT's fp32 outer step cannot be written there."""
+    message = _fails(ConfigError, LAYERWISE, _model(), _ddp(fp8_param_gather=True))
+    assert "--fp8-param-gather" in message
+
+
 def test_layerwise_needs_overlap_param_gather():
     message = _fails(ConfigError, LAYERWISE, _model(), _ddp(overlap_param_gather=False))
     assert "--overlap-param-gather" in message

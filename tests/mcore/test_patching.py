@@ -11,6 +11,7 @@ import megatron_edit.api as api
 from megatron_edit.mcore import compat
 from megatron_edit.mcore.session import SESSION
 from megatron_edit import (
+    ConfigError,
     LocalSGDConfig,
     OuterOptimizerConfig,
     PatchError,
@@ -138,6 +139,33 @@ def test_patch_unpatch_patch_again(originals):
 def test_outer_config_without_local_config_is_refused(originals):
     with pytest.raises(ValueError, match="local_sgd_config"):
         patch_megatron_for_local_sgd(outer_optim_config=OuterOptimizerConfig())
+    assert _installed() == originals
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, fragment",
+    [
+        (("abc",), {}, "local_sgd_config must be a LocalSGDConfig or None, got str"),
+        (({"local_sgd_sync_interval": 4},), {}, "LocalSGDConfig(**d)"),
+        ((OuterOptimizerConfig(), LocalSGDConfig()), {}, "wrong order"),
+        ((LocalSGDConfig(),), {"gta_config": OuterOptimizerConfig()}, "gta_config must be a GTAConfig"),
+        ((LocalSGDConfig(),), {"outer_optim_config": {"lr": 1.0}}, "outer_optim_config must be"),
+    ],
+    ids=["string", "dict", "swapped", "outer-as-gta", "dict-outer"],
+)
+def test_arguments_of_the_wrong_class_are_refused_before_patching(originals, args, kwargs, fragment):
+    # Before: accepted, then failed inside Megatron (swapped configs at step 1).
+    with pytest.raises(TypeError) as info:
+        patch_megatron_for_local_sgd(*args, **kwargs)
+    assert fragment in str(info.value)
+    assert _installed() == originals and not is_patched()
+
+
+def test_a_config_changed_after_construction_is_validated_again(originals):
+    cfg = LocalSGDConfig()
+    cfg.use_async = "no"  # dataclass fields can be assigned; the check runs again at patch time
+    with pytest.raises(ConfigError, match="use_async.*True or False"):
+        patch_megatron_for_local_sgd(cfg)
     assert _installed() == originals
 
 

@@ -93,6 +93,39 @@ def test_launcher_passes_everything_after_the_script_to_it():
     assert opts.script_args == ["--use-local-sgd", "--cpu", "--no-runtime-patches"]
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_launcher_refuses_a_bad_edit_flag_before_megatron_in_one_line(tmp_path, monkeypatch, capsys, rank):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise AssertionError('the script must not run')\n")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(launch, "_use_cpu", lambda opts: pytest.fail("checked after the flags"))
+    with pytest.raises(SystemExit) as info:
+        launch.main([str(script), "--num-layers", "2", "--use-local-sgd", "--local-sgd-sync-time", "5"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    if rank == "0":
+        assert err.count("\n") == 1 and err.startswith("megatron_edit: error: --local-sgd-sync-time"), err
+        assert "--local-sgd-async" in err
+    else:
+        assert err == ""
+
+
+def test_launcher_reports_a_config_error_from_the_script_in_one_line(tmp_path, monkeypatch, capsys):
+    # What Megatron's validate_args raises through the lm-validate-args patch, on every rank.
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("from megatron_edit.config import ConfigError\n"
+                      "raise ConfigError('--ckpt-format torch with --use-local-sgd: use torch_dist')\n")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(launch, "_use_cpu", lambda opts: False)
+    monkeypatch.setattr(launch, "_set_up_path", lambda script: None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as info:
+        launch.main(["--no-runtime-patches", str(script), "--use-local-sgd"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "megatron_edit: error: --ckpt-format torch with --use-local-sgd: use torch_dist\n"
+
+
 def test_launcher_on_cpu_requires_gloo():
     with pytest.raises(SystemExit, match="--distributed-backend gloo"):
         launch._check_backend(["--num-layers", "2"])
@@ -202,6 +235,12 @@ def test_flags_through_the_package_provider_compose_and_are_added_once():
          ConfigError, "--save-interval"),
         ((), dict(check_weight_hash_across_dp_replicas_interval=4, load="ckpt", save_interval=8,
                   exit_interval=8), None, None),
+        # The interval is a multiple of H: the message must not ask for one.
+        (("--local-sgd-async",), dict(check_weight_hash_across_dp_replicas_interval=4, train_iters=20),
+         ConfigError, "A-EDiT cannot check replica hashes at all"),
+        # Before: refused only at the first save, after training, leaving an empty folder.
+        ((), dict(ckpt_format="torch", save="ckpt"), ConfigError, "--ckpt-format torch_dist"),
+        ((), dict(ckpt_format="torch_dist", save="ckpt"), None, None),
         ((), dict(optimizer="muon", use_distributed_optimizer=False), NotSupportedYet, "--optimizer muon"),
         ((), dict(optimizer="sgd"), None, None),
         ((), dict(optimizer_cuda_graph=True), ConfigError, "--optimizer-cuda-graph"),
@@ -211,8 +250,9 @@ def test_flags_through_the_package_provider_compose_and_are_added_once():
          "layerwise-needs-overlap-param-gather", "step-end-without-overlap", "fp16", "loss-scale",
          "fsdp2", "moe", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
-         "hash-check-save-interval", "hash-check-resume-aligned", "emerging-optimizer",
-         "sgd", "optimizer-cuda-graph", "gtp-remat"],
+         "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-async",
+         "ckpt-format-torch", "ckpt-format-torch-dist", "emerging-optimizer", "sgd",
+         "optimizer-cuda-graph", "gtp-remat"],
 )
 def test_validation_through_the_package_provider(argv, options, error, match):
     args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4",
@@ -224,8 +264,31 @@ def test_validation_through_the_package_provider(argv, options, error, match):
             validate_local_sgd_args(args)
 
 
-def test_validation_does_nothing_without_use_local_sgd():
-    validate_local_sgd_args(_megatron_like_args(use_distributed_optimizer=False, fp16=True))
+def test_validation_does_nothing_without_use_local_sgd(caplog):
+    with caplog.at_level("WARNING", logger="megatron_edit"):
+        validate_local_sgd_args(_megatron_like_args(use_distributed_optimizer=False, fp16=True))
+    assert not caplog.records
+
+
+def test_edit_flags_without_use_local_sgd_are_warned_about(caplog):
+    # Warned, not refused: dropping --use-local-sgd from a shared command line runs the baseline.
+    with caplog.at_level("WARNING", logger="megatron_edit"):
+        validate_local_sgd_args(_megatron_like_args("--local-sgd-sync-interval", "8", "--local-sgd-debug"))
+    (record,) = caplog.records
+    assert "--local-sgd-sync-interval, --local-sgd-debug given without --use-local-sgd" in record.getMessage()
+
+
+@pytest.mark.parametrize("argv, iters, fragment", [
+    (("--local-sgd-warmup-steps", "20"), 20, "EDiT never trains locally"),
+    (("--local-sgd-warmup-steps", "4", "--local-sgd-sync-interval", "17"), 20, "never sync"),
+    (("--local-sgd-warmup-steps", "4", "--local-sgd-sync-interval", "16"), 20, None),
+])
+def test_warmup_or_interval_beyond_the_run_is_warned_about(caplog, argv, iters, fragment):
+    args = _megatron_like_args("--use-local-sgd", *argv, train_iters=iters)
+    with caplog.at_level("WARNING", logger="megatron_edit"):
+        validate_local_sgd_args(args)
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if fragment and fragment in m] if fragment else not messages, messages
 
 
 class _Report:
@@ -556,6 +619,10 @@ def test_e2e_loss_decreases(request, route):
     assert sorted(lines) == list(range(1, ITERS + 1))
     losses = [_field(lines[i], "lm loss") for i in sorted(lines)]
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
+    log = _run(request, route)["first"]
+    # The noise the launcher and the CPU adapter silence (36 RNG lines a run before).
+    assert "CPU RNG state changed within GPU RNG context" not in log
+    assert "FutureWarning" not in log
 
 
 @pytest.mark.slow
