@@ -127,7 +127,7 @@ from .patching import VersionRange
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = VersionRange("0.16.0", "0.17.0")
+SUPPORTED = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose checkpoints carry the EDiT state (the patches below)."""
 NOT_YET = VersionRange(compat.SUPPORTED.minimum, SUPPORTED.minimum)
 """Releases megatron_edit trains on but cannot checkpoint EDiT with yet: saving or loading the

@@ -196,7 +196,7 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
 
     v = SUPPORTED
     registry.add(Patch("ckpt-distopt-state-dict", f"{_DISTOPT}.state_dict", wrap_state_dict, v, ("self",),
-                       "complete a pending sync; 0.16.1 w/o apex/TE, every optimizer: zero Adam state "
+                       "complete a pending sync; 0.16-0.19 w/o apex/TE, every optimizer: zero Adam state "
                        "before 'step' is read"))
     registry.add(Patch("ckpt-distopt-sharded-state-dict", f"{_DISTOPT}.sharded_state_dict",
                        wrap_sharded_state_dict, v,
@@ -206,14 +206,14 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
     registry.add(Patch("ckpt-distopt-load-state-dict", f"{_DISTOPT}.load_state_dict", wrap_load_state_dict, v,
                        ("self", "state_dict"),
                        "restore EDiT state (with an outer step at load after a worker-count change) "
-                       "and each worker's model; 0.16.1 w/o apex/TE, every optimizer: load under "
+                       "and each worker's model; 0.16-0.19 w/o apex/TE, every optimizer: load under "
                        "no_grad, one Adam step tensor per param with the checkpoint's value"))
     registry.add(Patch("ckpt-distopt-set-main-param-state", f"{_DISTOPT}._set_main_param_and_optimizer_states",
                        wrap_set_main_param_state, v, ("self", "model_param", "tensors"),
-                       "decode other saved workers' main params; 0.16.1 w/o apex/TE, every "
+                       "decode other saved workers' main params; 0.16-0.19 w/o apex/TE, every "
                        "optimizer: copy under no_grad, tolerate a missing per-param Adam step"))
-    registry.add(Patch("ckpt-dist-checkpointing-load", "megatron.core.dist_checkpointing:load", wrap_dist_load, v,
-                       ("sharded_state_dict", "checkpoint_dir", "sharded_strategy", "common_strategy"),
+    dist_load = "megatron.core.dist_checkpointing:load"
+    registry.add(Patch("ckpt-dist-checkpointing-load", dist_load, wrap_dist_load, v, compat.params(dist_load),
                        "read the EDiT record first and fit the load to the checkpoint; clear errors "
                        "for what is missing or cannot reshard"))
     # The legacy format: a ChainedOptimizer of several optimizers bypasses the

@@ -11,9 +11,11 @@ Megatron loads any checkpoint with its optimizer. They are applied to every
 * alone, for plain megatron-core, by :func:`megatron_edit.patch_megatron_load_fixes`
   (:func:`add_load_fix_patches`).
 
-megatron-core 0.16.1 without apex / transformer-engine (torch AdamW fallback) mishandles Adam's
-state when loading a distributed-optimizer checkpoint; a load needs three fixes
-(:data:`TORCH_ADAM_LOAD_BUGS` names the versions):
+megatron-core without apex / transformer-engine (torch AdamW fallback) mishandles Adam's state
+when loading a distributed-optimizer checkpoint; a load needs three fixes (:data:`TORCH_ADAM_LOAD_BUGS`
+names the versions: every release megatron_edit checkpoints on, 0.16.0 - 0.19.2; each defect was
+re-checked in 0.17.1, 0.18.2 and 0.19.2 by reading the code, and on 0.19.2 by the checkpoint tests
+with the fix off):
 
 1. ``state_dict()`` reads Adam's ``step`` from the optimizer state, which is empty before the
    first step; ``sharded_state_dict(is_loading=True)`` calls it, so loading into a fresh run
@@ -30,6 +32,11 @@ state when loading a distributed-optimizer checkpoint; a load needs three fixes
 A fourth shows with ``fully_reshardable``: its checkpoint has no per-parameter ``step`` but
 ``_set_main_param_and_optimizer_states`` copies every key of torch Adam's state (KeyError).
 Fix: the missing ``step`` is left as it is (fix 3 then sets it).
+
+A fifth, :data:`FULLY_RESHARDABLE_PADDING_BUG` (same releases): ``fully_reshardable`` drops the
+padding between buckets in its world tensors but slices them at padded offsets, so state after
+a padded bucket lands in the wrong place (megatron-core's own warning "param range exceeds
+unpadded buffer"). Not fixable from outside: refused with more than one bucket per buffer.
 """
 
 from __future__ import annotations
@@ -42,9 +49,9 @@ from ..config import NotSupportedYet
 from .checkpoint_layout import CheckpointStateError
 from .patching import Patch, PatchRegistry, VersionRange
 
-TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.17.0")
+TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose distributed optimizer needs the torch-Adam load fixes."""
-FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.17.0")
+FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose ``fully_reshardable`` format misplaces state after a padded
 bucket (the world tensors drop the padding between buckets, the parameter offsets do not)."""
 
@@ -164,12 +171,12 @@ def fix_set_main_param_state(original):
 
 LOAD_FIXES = (
     ("fix-distopt-state-dict", "state_dict", fix_state_dict, ("self",),
-     "0.16.1 w/o apex/TE: zero Adam state before 'step' is read (fix 1)"),
+     "0.16-0.19 w/o apex/TE: zero Adam state before 'step' is read (fix 1)"),
     ("fix-distopt-load-state-dict", "load_state_dict", fix_load_state_dict, ("self", "state_dict"),
-     "0.16.1 w/o apex/TE: load under no_grad, one Adam step tensor per param (fixes 2, 3)"),
+     "0.16-0.19 w/o apex/TE: load under no_grad, one Adam step tensor per param (fixes 2, 3)"),
     ("fix-distopt-set-main-param-state", "_set_main_param_and_optimizer_states", fix_set_main_param_state,
      ("self", "model_param", "tensors"),
-     "0.16.1 w/o apex/TE: copy main params under no_grad; tolerate a missing Adam step (fixes 2, 4)"),
+     "0.16-0.19 w/o apex/TE: copy main params under no_grad; tolerate a missing Adam step (fixes 2, 4)"),
 )
 """(patch id, DistributedOptimizer method, wrap, parameters, description) of each fix."""
 

@@ -169,24 +169,28 @@ def test_a_config_changed_after_construction_is_validated_again(originals):
     assert _installed() == originals
 
 
-@pytest.mark.parametrize("version", ["0.9.0", "0.11.0", "0.17.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.9.0", "0.11.0", "0.20.0", "0.21.1", "1.0.0"])
 def test_unsupported_version_is_refused(originals, monkeypatch, version):
     monkeypatch.setattr(api, "megatron_core_version", lambda: version)
     with pytest.raises(UnsupportedMegatronVersion) as info:
         patch_megatron_for_local_sgd(LocalSGDConfig())
     message = str(info.value)
     assert f"megatron-core {version} is installed" in message
-    assert "supports megatron-core >=0.12.0,<0.17.0" in message
+    assert "supports megatron-core >=0.12.0,<0.20.0" in message
+    assert "0.19.2" in message  # the newest tested release, to install instead
+    newer = _vt(version) >= (0, 20)
+    assert ("newer than the newest release megatron_edit was checked against" in message) == newer
     assert isinstance(info.value, PatchError)
     assert _installed() == originals
     assert not is_patched() and SESSION.runtime is None
 
 
 def test_supported_range():
-    assert str(SUPPORTED) == ">=0.12.0,<0.17.0"
-    for version in ("0.12.0", "0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.0", "0.16.1", "0.16.1rc0"):
+    assert str(SUPPORTED) == ">=0.12.0,<0.20.0"
+    for version in ("0.12.0", "0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.0", "0.16.1",
+                    "0.16.1rc0", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2"):
         assert SUPPORTED.contains(version), version
-    for version in ("0.11.0", "0.11.9", "0.17.0", "0.17.0rc1", "0.9.0", "1.16.0"):
+    for version in ("0.11.0", "0.11.9", "0.20.0", "0.20.0rc1", "0.9.0", "1.16.0"):
         assert not SUPPORTED.contains(version), version
 
 
