@@ -26,7 +26,6 @@ import statistics
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -95,6 +95,6 @@ def test_edit_checkpoint_loads_into_plain_megatron(saved):
     optimizer: every replica gets worker 0's state."""
     log = _run(saved["workdir"], "--num-distributed-optimizer-instances", "2", *HASH, "--load", "edit",
                "--ckpt-step", str(SAVE_AT))
-    assert f"successfully loaded checkpoint from edit" in log
+    assert "successfully loaded checkpoint from edit" in log
     assert _hash_checks(log) == [SAVE_AT, 12]
     _assert_loss_goes_on(log, saved["edit"], SAVE_AT + 1)
