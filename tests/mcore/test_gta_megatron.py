@@ -82,7 +82,7 @@ def test_gta_random_density_keeps_replicas_identical_and_sends_what_it_says():
     _version_tuple(megatron_core_version()) < (0, 13),
     reason="megatron-core 0.12's distributed optimizer cannot be built for tied embeddings with PP=2 "
            "and several buckets: plain Megatron (no EDiT) fails the same assertion ('each param only "
-           "belongs to a single bucket.); runs on the newer CI lanes (0.16.1, 0.19.2)")
+           "belongs to a single bucket'); runs on the newer CI lanes (0.16.1, 0.19.2)")
 @pytest.mark.parametrize("method", ["magnitude", "random"])
 def test_tied_embeddings_stay_equal_under_sparsification_with_pipeline_parallelism(method):
     """PP=2 with tied word embeddings: the first stage's embedding and the last stage's output
