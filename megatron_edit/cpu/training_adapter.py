@@ -11,12 +11,14 @@ model parallelism and seeds). On top of that, Megatron-LM's training code needs:
 * ``initialize_megatron(allow_no_cuda=True)``: otherwise it asserts "Megatron requires CUDA".
   Wrapped where it is looked up (``megatron.training.training`` and ``.initialize``).
 * ``fused_kernels.load``: builds CUDA kernels with nvcc; there is nothing to build on CPU.
-* ``compile_helpers``: runs ``make`` for the dataset index helpers; skipped when the compiled
-  ``helpers_cpp`` is importable (the megatron-core wheel ships it; a source checkout does not,
-  and then ``make`` runs as usual, which needs a compiler and pybind11).
 * ``get_device_arch_version`` (called with TP or CP > 1 in ``validate_args``): there is no device
   to query; reported as 0 (pre-Blackwell), so Megatron expects ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
   which :func:`prepare_environment` sets (it also turns ``torch.compile`` off, see there).
+
+Not here: skipping ``compile_helpers``' ``make`` when the compiled dataset helpers are
+importable is needed on GPUs too (the megatron-core wheel has no Makefile), so it is the
+``lm-compile-helpers`` patch of :mod:`megatron_edit.training.patches`, which the launcher applies
+on every device.
 
 Also needed, outside this module: ``psutil`` installed (the async checkpoint writer dies
 without it and the run hangs), and Megatron-LM's own Python dependencies (see
@@ -28,7 +30,6 @@ them (and :func:`megatron_edit.cpu_adapter.deactivate` the megatron-core part).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from typing import List, Optional
@@ -67,16 +68,6 @@ def _no_fused_kernels(original):
     return load
 
 
-def _helpers_if_missing(original):
-    def compile_helpers():
-        # The wheel ships the compiled helpers; `make` would rebuild them in site-packages.
-        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
-            return None
-        return original()
-
-    return compile_helpers
-
-
 def _no_device_arch(original):
     def get_device_arch_version():
         return 0  # no GPU: behave as a pre-Blackwell device (CUDA_DEVICE_MAX_CONNECTIONS=1)
@@ -95,9 +86,6 @@ def _build_registry() -> PatchRegistry:
     registry.add(Patch(
         "cpu-fused-kernels", "megatron.legacy.fused_kernels:load", _no_fused_kernels, SUPPORTED,
         ("args",), "CPU: no CUDA kernels to build"))
-    registry.add(Patch(
-        "cpu-compile-helpers", "megatron.core.datasets.utils:compile_helpers", _helpers_if_missing,
-        SUPPORTED, (), "CPU: skip make when the compiled dataset helpers are importable"))
     registry.add(Patch(
         "cpu-device-arch", "megatron.training.arguments:get_device_arch_version", _no_device_arch,
         SUPPORTED, (), "CPU: no device to query; report a pre-Blackwell architecture"))
