@@ -5,10 +5,13 @@
     python -m megatron_edit.launch [launcher options] pretrain_gpt.py <Megatron args> --use-local-sgd ...
     torchrun --nproc_per_node 8 -m megatron_edit.launch pretrain_gpt.py ...
 
-Per process: patch Megatron (``patch_megatron_for_local_sgd()``: megatron-core for the algorithm,
-``megatron.training`` for the flags, their validation and the metrics in the log), activate the
-CPU adapters when there is no GPU, then run the script as ``__main__`` with ``sys.argv`` set to
-the script and its arguments. The same thing by hand, at the top of a script::
+Per process: activate the CPU adapters when there is no GPU, apply the start-up patches on every
+device and route (``lm-compile-helpers``: no ``make`` when the compiled dataset helpers are
+importable, see :mod:`megatron_edit.training.patches`), patch Megatron
+(``patch_megatron_for_local_sgd()``: megatron-core for the algorithm, ``megatron.training`` for
+the flags, their validation and the metrics in the log), then run the script as ``__main__``
+with ``sys.argv`` set to the script and its arguments. The same thing by hand, at the top of a
+script (that one applies ``lm-compile-helpers`` too)::
 
     from megatron_edit import patch_megatron_for_local_sgd
     patch_megatron_for_local_sgd()
@@ -61,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-runtime-patches", action="store_true",
         help="Do not patch Megatron (a fork with patches/ applied integrates EDiT itself); "
-             "only the device set-up is done.",
+             "only the device set-up and the start-up patches (lm-compile-helpers) are done.",
     )
     parser.add_argument(
         "--threads", type=int, default=None,
@@ -212,6 +215,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     _set_up_path(opts.script)
     if cpu:
         cpu_training_adapter.activate()
+    from .training.patches import apply_startup_patches
+
+    startup = apply_startup_patches()
     if not opts.no_runtime_patches:
         from .api import patch_megatron_for_local_sgd
 
@@ -219,7 +225,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if _rank0():
         print(
             f"megatron_edit.launch: {opts.script} on {'CPU (gloo)' if cpu else 'GPU'}"
-            f"{'' if opts.no_runtime_patches else ', EDiT runtime patches applied'}",
+            f"{'' if opts.no_runtime_patches else ', EDiT runtime patches applied'}"
+            f"{''.join(f', {p.id}' for p in startup.patches if startup.is_applied(p.id))}",
             flush=True,
         )
     sys.argv = [opts.script, *opts.script_args]

@@ -16,6 +16,8 @@
 #   CKPT_DIR        --save/--load directory                                 [none]
 #   TB_DIR          --tensorboard-dir                                       [none]
 #   DEVICE          gpu | cpu (cpu: gloo, fp32, for trying the flags out)   [gpu]
+#   PYTHON          the interpreter; gpu: transformer-engine is looked for   [python]
+#                   in it, and without it the local-layer flags are added
 #
 # Why these EDiT settings (arXiv 2412.07210; starting points, not tuned on GPUs here):
 # * One worker per node (WORKERS = nodes): Megatron's distributed-optimizer instances are
@@ -93,9 +95,19 @@ if [ "${EDIT_PENALTY:-$([ "$SIZE" = tiny ] && echo 0 || echo 1)}" = 1 ]; then
               --local-sgd-clip-pseudo-grad "${EDIT_CLIP:-10}")
 fi
 
+# GPU: with transformer-engine, Megatron's defaults (TE layers, fused kernels). Without it,
+# Megatron-LM's local layers and no fusions that need TE or apex, so pretrain_gpt.py still runs
+# (slower). One line on stderr says which (stdout stays clean for callers that capture it).
 if [ "${DEVICE:-gpu}" = cpu ]; then
   DEVICE_ARGS=(--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion
                --no-persist-layer-norm --attention-dropout 0 --hidden-dropout 0)
-else
+elif "${PYTHON:-python}" -c 'import transformer_engine' >/dev/null 2>&1; then
   DEVICE_ARGS=(--bf16)
+  echo "edit_flags.sh: transformer-engine found: Megatron's default transformer implementation" >&2
+else
+  DEVICE_ARGS=(--bf16 --transformer-impl local --no-rope-fusion --no-gradient-accumulation-fusion
+               --no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion
+               --no-bias-dropout-fusion)
+  echo "edit_flags.sh: transformer-engine not importable by ${PYTHON:-python}: adding" \
+       "${DEVICE_ARGS[*]:1} (Megatron-LM's local layers, no TE/apex fusions)" >&2
 fi

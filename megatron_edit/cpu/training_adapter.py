@@ -13,12 +13,14 @@ model parallelism and seeds). On top of that, Megatron-LM's training code needs:
   parameters differ between releases (:data:`megatron_edit.mcore.compat.TRAINING_SIGNATURES`).
 * ``fused_kernels.load`` (core_v0.16 only; ``megatron.legacy`` is gone since core_v0.17): builds
   CUDA kernels with nvcc; there is nothing to build on CPU.
-* ``compile_helpers``: runs ``make`` for the dataset index helpers; skipped when the compiled
-  ``helpers_cpp`` is importable (the megatron-core wheel ships it; a source checkout does not,
-  and then ``make`` runs as usual, which needs a compiler and pybind11).
 * ``get_device_arch_version`` (called with TP or CP > 1 in ``validate_args``): there is no device
   to query; reported as 0 (pre-Blackwell), so Megatron expects ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
   which :func:`prepare_environment` sets (it also turns ``torch.compile`` off, see there).
+
+Not here: skipping ``compile_helpers``' ``make`` when the compiled dataset helpers are
+importable is needed on GPUs too (the megatron-core wheel has no Makefile), so it is the
+``lm-compile-helpers`` patch of :mod:`megatron_edit.training.patches`, which the launcher applies
+on every device.
 
 Also needed, outside this module: ``psutil`` installed (the async checkpoint writer dies
 without it and the run hangs), and Megatron-LM's own Python dependencies (see
@@ -30,7 +32,6 @@ them (and :func:`megatron_edit.cpu.adapter.deactivate` the megatron-core part).
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 import sys
@@ -74,16 +75,6 @@ def _no_fused_kernels(original):
     return load
 
 
-def _helpers_if_missing(original):
-    def compile_helpers():
-        # The wheel ships the compiled helpers; `make` would rebuild them in site-packages.
-        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
-            return None
-        return original()
-
-    return compile_helpers
-
-
 def _no_device_arch(original):
     def get_device_arch_version():
         return 0  # no GPU: behave as a pre-Blackwell device (CUDA_DEVICE_MAX_CONNECTIONS=1)
@@ -107,8 +98,6 @@ def _build_registry() -> PatchRegistry:
     # Gone with megatron.legacy (core_v0.17+; no wheel ships it).
     add("cpu-fused-kernels", "megatron.legacy.fused_kernels:load", _no_fused_kernels,
         "CPU: no CUDA kernels to build")
-    add("cpu-compile-helpers", "megatron.core.datasets.utils:compile_helpers", _helpers_if_missing,
-        "CPU: skip make when the compiled dataset helpers are importable", names=())
     add("cpu-device-arch", "megatron.training.arguments:get_device_arch_version", _no_device_arch,
         "CPU: no device to query; report a pre-Blackwell architecture", names=())
     return registry

@@ -25,6 +25,16 @@ files in ``patches/`` call the same functions from Megatron-LM's source and set
 then stand aside. The ``worker-local-*`` patches apply on both routes (the fork does not make
 those calls itself).
 
+Start-up, on every device and both routes: Megatron-LM's ``initialize_megatron`` runs
+``compile_helpers`` (``make`` in the installed ``megatron/core/datasets``). The megatron-core
+wheel ships the compiled ``helpers_cpp`` but no Makefile, so ``make`` fails and the run exits at
+"compiling dataset index builder". :func:`add_startup_patches` declares the patch that skips
+``make`` when ``helpers_cpp`` is importable (a source checkout without it builds as usual). The
+launcher applies it before the script runs (:func:`apply_startup_patches`), on both routes: a
+fork calls ``patch_megatron_for_local_sgd`` only after ``initialize_megatron``.
+:func:`add_training_patches` declares it too (a script that calls ``patch_megatron_for_local_sgd``
+itself), unless the launcher already applied it.
+
 Names Megatron-LM binds at import (``DDP``, ``get_megatron_optimizer``, ``finalize_model_grads``,
 the checkpoint functions) need no patch by name: the core patches wrap methods of the classes
 those names refer to, so ``isinstance(model, DDP)`` holds and the bound names stay the real
@@ -37,6 +47,7 @@ params norm, timers) are that rank's worker's.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from typing import Callable, Dict, List, Optional
 
@@ -55,6 +66,9 @@ NATIVE_MARKER = "MEGATRON_EDIT_NATIVE"
 _ARGS = "megatron.training.arguments"
 _INIT = "megatron.training.initialize"
 _TRAINING = "megatron.training.training"
+_DATASETS_UTILS = "megatron.core.datasets.utils"
+HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
+"""The compiled dataset index helpers; ``compile_helpers`` builds them with ``make``."""
 
 
 class _TrainingLogState:
@@ -96,6 +110,41 @@ def is_native(module_name: str) -> bool:
     return bool(getattr(importlib.import_module(module_name), NATIVE_MARKER, False))
 
 
+def _skip_make_when_helpers_are_built(original):
+    def compile_helpers():
+        # The wheel ships helpers_cpp but no Makefile: `make` there fails and the run exits.
+        if importlib.util.find_spec(HELPERS_MODULE) is not None:
+            return None
+        return original()  # a source checkout without the built helpers: Megatron's `make`
+
+    return compile_helpers
+
+
+def add_startup_patches(registry: PatchRegistry) -> List[str]:
+    """Declare the start-up patches (every device, both routes); returns their ids."""
+    registry.add(Patch(
+        "lm-compile-helpers", f"{_DATASETS_UTILS}:compile_helpers",
+        _skip_make_when_helpers_are_built, compat.TRAINING_SUPPORTED, (),
+        "skip make when the compiled dataset helpers (helpers_cpp) are importable"))
+    return ["lm-compile-helpers"]
+
+
+def apply_startup_patches() -> PatchRegistry:
+    """Apply the start-up patches for the installed megatron-core (the launcher, before the
+    script runs; a no-op when they are applied already); returns their registry (``.revert()``
+    undoes them)."""
+    registry = PatchRegistry()
+    add_startup_patches(registry)
+    if not _startup_patches_applied():  # by another registry: once is enough
+        registry.apply(compat.megatron_core_version())
+    return registry
+
+
+def _startup_patches_applied() -> bool:
+    utils = importlib.import_module(_DATASETS_UTILS)
+    return getattr(utils.compile_helpers, "_megatron_edit_patch", None) is not None
+
+
 def add_training_patches(
     registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
 ) -> List[str]:
@@ -103,10 +152,13 @@ def add_training_patches(
 
     Modules of a fork with the native integration (``MEGATRON_EDIT_NATIVE``) get none of the
     ``lm-*`` patches; the ``worker-local-*`` ones (:func:`add_worker_local_patches`) apply on
-    both routes.
+    both routes. ``lm-compile-helpers`` (:func:`add_startup_patches`) is declared unless the
+    launcher applied it already.
     """
     state = _TrainingLogState()
     added: List[str] = []
+    if not _startup_patches_applied():
+        added += add_startup_patches(registry)
 
     def add(patch: Patch) -> None:
         registry.add(patch)

@@ -59,6 +59,9 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         use_megatron_fsdp=get("use_megatron_fsdp", False),
         use_custom_fsdp=get("use_custom_fsdp", False),
         overlap_param_gather=get("overlap_param_gather", False),
+        # The parameter buffers hold FP8 bytes: refused, naming --fp8-param-gather.
+        fp8_param_gather=get("fp8_param_gather", False),
+        reuse_grad_buf_for_mxfp8_param_ag=get("reuse_grad_buf_for_mxfp8_param_ag", False),
     )
     check_megatron_options(local, model_options, ddp_options)
     # DDP's group for the instances is data x context parallel.
