@@ -45,6 +45,7 @@ from ..mcore.patching import Patch, PatchRegistry
 from ..mcore.runtime import LocalSGDRuntime
 from ..mcore.session import current_runtime
 from .flags import with_local_sgd_args
+from .global_budget import GlobalBudget
 from .metrics import SyncMetrics, training_log_fields
 from .validation import validate_local_sgd_args
 from .worker_local import add_worker_local_patches
@@ -184,7 +185,41 @@ def add_training_patches(
         add(Patch("lm-print-rank-last", f"{_TRAINING}:print_rank_last", wrap_print_rank_last, v,
                   ("message",), "EDiT sync metrics on training_log's console line"))
     added += add_worker_local_patches(registry, runtime_ref)
+    added += add_global_budget_patches(registry, runtime_ref)
     return added
+
+
+def add_global_budget_patches(
+    registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
+) -> List[str]:
+    """Declare the :class:`GlobalBudget` patches (A-EDiT in Megatron-LM's training loop);
+    returns their ids. Applied on both routes: the fork in ``patches/`` does not do this."""
+    budget = GlobalBudget(runtime_ref)
+    v = TRAINING_SUPPORTED
+    patches = [
+        Patch("a-edit-loop-cap", f"{_TRAINING}:setup_model_and_optimizer",
+              budget.wrap_setup_model_and_optimizer, v,
+              ("model_provider_func", "model_type", "checkpointing_context"),
+              "A-EDiT: the loop may run to --train-iters x workers (data sets built for that)"),
+        Patch("a-edit-end-at-final-sync", f"{_TRAINING}:train_step", budget.wrap_train_step, v,
+              ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler",
+               "config", "forward_backward_func", "iteration"),
+              "A-EDiT: every worker leaves the loop right after the final sync"),
+        Patch("a-edit-common-iteration", f"{_TRAINING}:train", budget.wrap_train, v,
+              ("forward_step_func", "model", "optimizer", "opt_param_scheduler",
+               "train_data_iterator", "valid_data_iterator", "process_non_loss_data_func",
+               "config", "checkpointing_context", "non_loss_data_func"),
+              "A-EDiT: train returns --train-iters, the common iteration, on every worker"),
+        Patch("a-edit-save-exit-at-sync", f"{_TRAINING}:checkpoint_and_decide_exit",
+              budget.wrap_checkpoint_and_decide_exit, v,
+              ("model", "optimizer", "opt_param_scheduler", "iteration",
+               "num_floating_point_operations_so_far", "checkpointing_context",
+               "train_data_iterator"),
+              "A-EDiT: --save-interval / --exit-interval in global progress, at a sync"),
+    ]
+    for patch in patches:
+        registry.add(patch)
+    return [p.id for p in patches]
 
 
 def check_import_bindings() -> Dict[str, bool]:

@@ -55,13 +55,12 @@ PROBE = REPO / "tests" / "training" / "megatron_lm_traffic_probe.py"
         ((), dict(log_params_norm=True, timing_log_level=2, log_timers_to_tensorboard=True), None),
         (("--local-sgd-async",), dict(log_params_norm=True, timing_log_level=2, train_iters=100), None),
         (("--local-sgd-async",), dict(train_iters=None, train_samples=1000), "--train-iters"),
-        (("--local-sgd-async",), dict(train_iters=100, save_interval=10), "--save-interval"),
-        (("--local-sgd-async",), dict(train_iters=100, exit_interval=10), "--exit-interval"),
+        (("--local-sgd-async",), dict(train_iters=100, save_interval=10, exit_interval=20), None),
     ],
     ids=["exit-duration", "signal-handler", "signal-handler-async", "straggler", "energy",
          "rerun-report-stats", "rerun-validate", "rerun-disabled", "adlr-autoresume",
          "worker-local-logging", "worker-local-logging-async", "async-needs-train-iters",
-         "async-save-interval", "async-exit-interval"],
+         "async-save-exit-interval-at-syncs"],
 )
 def test_options_with_collectives_across_workers(argv, options, match):
     args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4",
