@@ -290,6 +290,21 @@ TRAINING_SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]]
         (VersionRange("0.16.0", "0.19.0"), _EVALUATE),
         (_V19, _EVALUATE + ("pg_collection", "p2p_communicator")),
     ),
+    # A-EDiT's global budget (megatron_edit.training.global_budget): 0.19 puts model_type first.
+    f"{_LM_TRAINING}:setup_model_and_optimizer": (
+        (VersionRange("0.16.0", "0.19.0"), ("model_provider_func", "model_type", "checkpointing_context")),
+        (_V19, ("model_type", "model_provider_func", "checkpointing_context", "cfg_container", "pg_collection")),
+    ),
+    f"{_LM_TRAINING}:train": (
+        (TRAINING_SUPPORTED, ("forward_step_func", "model", "optimizer", "opt_param_scheduler",
+                              "train_data_iterator", "valid_data_iterator", "process_non_loss_data_func",
+                              "config", "checkpointing_context", "non_loss_data_func", "inference_model")),
+    ),
+    f"{_LM_TRAINING}:checkpoint_and_decide_exit": (
+        (TRAINING_SUPPORTED, ("model", "optimizer", "opt_param_scheduler", "iteration",
+                              "num_floating_point_operations_so_far", "checkpointing_context",
+                              "train_data_iterator")),
+    ),
     f"{_LM_TRAINING}:calc_params_l2_norm": ((TRAINING_SUPPORTED, ("model", "force_create_fp32_copy")),),
     f"{_LM_TRAINING}:get_attr_wrapped_model": (
         (TRAINING_SUPPORTED, ("model", "attr", "allow_none", "return_model_obj")),

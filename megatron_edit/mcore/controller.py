@@ -23,12 +23,19 @@ Two ways to run a sync, same numbers:
   then the all-gather runs.
 * ``step_end``: all exchanges run, blocking, right after the inner optimizer update and before
   Megatron copies main params into the model and gathers them.
+
+This module is long because it holds one state machine: the step count, warmup, when each sync
+is due (EDiT) or planned (A-EDiT, with its global progress and the per-worker counters a
+checkpoint taken at a sync carries), and the layer-wise hooks all read and write the same
+counters; split over files they would be harder to keep consistent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -44,6 +51,28 @@ from . import compat
 from .shards import build_layout
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncPoint:
+    """A-EDiT: the latest sync as every rank of every worker saw it (from the all-reduced
+    schedule, so identical everywhere)."""
+
+    step: int
+    """This worker's step count at the sync."""
+    worker_steps: List[int]
+    """Every worker's step count at the sync."""
+    last_exchange: List[int]
+    """Every worker's step count at its latest real exchange (this one unless skipped)."""
+    interval: Optional[List[int]]
+    """Steps each worker takes until the next sync (None after the final one)."""
+    skipped: bool
+    final: bool
+
+    @property
+    def global_progress(self) -> float:
+        """Synchronous iterations of global progress at the sync: worker-steps / workers."""
+        return sum(self.worker_steps) / len(self.worker_steps)
 
 
 class LocalSGD:
@@ -84,6 +113,10 @@ class LocalSGD:
         self._progress_scale = 1.0
         self._step_progress = 1.0
         self._rate_history: List[tuple] = []  # (interval steps [W], interval seconds [W])
+        self.global_progress = 0.0
+        """Synchronous iterations of global progress: 1 per warmup step, ``last_step_progress``
+        per local step; with A-EDiT equal on every worker at each sync (worker-steps / workers)."""
+        self.last_sync: Optional[SyncPoint] = None
         self._in_step = False
         self._synced_in_step = False
 
@@ -226,6 +259,8 @@ class LocalSGD:
         """After the optimizer step: count it, and schedule the layer-wise sync if due."""
         self._in_step = False
         self.steps_done += 1
+        self.global_progress += self._step_progress
+        self._snap_progress()  # step-end: the sync ran inside this step
         if self.config.use_async and self.steps_done == self.config.local_sgd_warmup_steps:
             self._interval_start, self._interval_start_step = self.clock(), self.steps_done
             self._train_start = self._interval_start
@@ -233,11 +268,25 @@ class LocalSGD:
             return
         if self.config.sync_mode == "step_end":
             assert self._synced_in_step, "step-end sync did not run inside the optimizer step"
-            return
-        if self._start_sync(self.steps_done):
+        elif self._start_sync(self.steps_done):
             self.sync.mark_pending()
             if self.finished or (not self.config.use_async and self.steps_done == self.last_step):
                 self.complete_now()
+        self._snap_progress()
+
+    def _snap_progress(self) -> None:
+        """At an A-EDiT sync every worker's global progress is worker-steps / workers: set it
+        exactly (no float drift between workers)."""
+        if self.at_sync:
+            self.global_progress = self.last_sync.global_progress
+
+    @property
+    def at_sync(self) -> bool:
+        """A-EDiT: this worker has just taken the step of its latest sync (nothing trained since):
+        every worker is at the same logical point, the only one they share between syncs."""
+        return (
+            self.last_sync is not None and self.last_sync.step == self.steps_done and not self._in_step
+        )
 
     def complete_now(self) -> None:
         """Complete a pending layer-wise sync now and all-gather the parameters inside the worker
@@ -293,6 +342,7 @@ class LocalSGD:
         )
         # The run's last sync is never skipped: the workers end with identical models.
         skip = not final and asynchronous.skip_sync(schedule.steps_since_exchange, c.min_total_global_steps)
+        interval = None
         if final:
             self.finished = True
             self._next_sync_at = None
@@ -310,6 +360,15 @@ class LocalSGD:
             me = self.sync_group.rank
             self._next_sync_at = step + int(interval[me])
             self._progress_scale = asynchronous.progress_per_step(interval, me)
+        steps = [int(n) for n in schedule.steps]
+        self.last_sync = SyncPoint(
+            step=step,
+            worker_steps=steps,
+            last_exchange=[n - int(k) for n, k in zip(steps, schedule.steps_since_exchange)] if skip else steps,
+            interval=None if interval is None else [int(n) for n in interval],
+            skipped=skip,
+            final=final,
+        )
         self._interval_start, self._interval_start_step = self.clock(), step
         return schedule, skip, final
 
@@ -353,6 +412,10 @@ class LocalSGD:
             "final_planned": self._final_planned,
             "progress_scale": self._progress_scale,
             "rate_history": [(a.clone(), b.clone()) for a, b in self._rate_history],
+            "global_progress": self.global_progress,
+            # Saved right after an A-EDiT sync (Megatron-LM saves only there): every worker's
+            # counters and plan, so each worker resumes with its own.
+            "sync_point": dataclasses.asdict(self.last_sync) if self.at_sync else None,
         }
 
     def load_extra_state(self, state: dict) -> None:
@@ -368,8 +431,35 @@ class LocalSGD:
         self._final_planned = bool(state.get("final_planned", False))
         self._progress_scale = float(state.get("progress_scale", 1.0))
         self._rate_history = list(state.get("rate_history", []))
+        self.global_progress = float(state.get("global_progress", self.steps_done))
+        point = state.get("sync_point")
+        if point is not None:
+            self._resume_at_sync(SyncPoint(**point))
         if self._next_sync_at is not None:
             self._interval_start = self._train_start = self.clock()
+            self._interval_start_step = self.steps_done
+
+    def _resume_at_sync(self, point: SyncPoint) -> None:
+        """A checkpoint taken right after an A-EDiT sync: this worker's own counters and plan
+        (the record holds worker 0's)."""
+        me = self.sync_group.rank
+        if len(point.worker_steps) != self.num_workers:
+            raise ValueError(
+                f"A-EDiT checkpoint state of {len(point.worker_steps)} workers, this run has "
+                f"{self.num_workers}"
+            )
+        self.steps_done = point.worker_steps[me]
+        self._last_sync_step = point.last_exchange[me]
+        point.step = self.steps_done
+        self.last_sync = point
+        self.global_progress = point.global_progress
+        self.finished = point.final
+        if point.interval is None:
+            self._next_sync_at, self._progress_scale = None, 1.0
+        else:
+            interval = torch.tensor(point.interval, dtype=torch.int64)
+            self._next_sync_at = self.steps_done + point.interval[me]
+            self._progress_scale = asynchronous.progress_per_step(interval, me)
 
     def chunk_span(self, shard) -> Optional[Tuple[int, int, int]]:
         """Quantized exchange with error feedback: (offset, length, padded length) of the chunk

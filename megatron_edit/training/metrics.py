@@ -128,5 +128,15 @@ def training_log_fields(
     if writer and iteration % args.tensorboard_log_interval == 0:
         metrics.write(writer, wandb_writer, iteration)
     if iteration % args.log_interval == 0 or is_first_iteration:
-        return metrics.console(reset=not is_first_iteration)
+        return metrics.console(reset=not is_first_iteration) + global_progress_field(controllers[0])
     return ""
+
+
+def global_progress_field(controller) -> str:
+    """A-EDiT: the console field with global progress (synchronous iterations, the same on every
+    worker at a sync) over the run's length; Megatron's ``iteration n/m`` on the same line is
+    this worker's own step count over the loop's cap. Empty otherwise."""
+    budget = getattr(controller, "budget_steps", None)
+    if not controller.config.use_async or budget is None:
+        return ""
+    return f" global iteration: {controller.global_progress:.2f}/{budget // controller.num_workers} |"

@@ -56,6 +56,7 @@ from ..mcore.patching import Patch, PatchRegistry
 from ..mcore.runtime import LocalSGDRuntime
 from ..mcore.session import current_runtime
 from .flags import with_local_sgd_args
+from .global_budget import GlobalBudget
 from .metrics import SyncMetrics, training_log_fields
 from .validation import validate_local_sgd_args
 from .worker_local import add_worker_local_patches
@@ -236,7 +237,35 @@ def add_training_patches(
         declare("lm-print-rank-last", f"{_TRAINING}:print_rank_last", wrap_print_rank_last,
                 "EDiT sync metrics on training_log's console line")
     added += add_worker_local_patches(registry, runtime_ref)
+    added += add_global_budget_patches(registry, runtime_ref)
     return added
+
+
+def add_global_budget_patches(
+    registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
+) -> List[str]:
+    """Declare the :class:`GlobalBudget` patches (A-EDiT in Megatron-LM's training loop);
+    returns their ids. Applied on both routes: the fork in ``patches/`` does not do this."""
+    budget = GlobalBudget(runtime_ref)
+    v = compat.TRAINING_SUPPORTED
+    def patch(pid, name, wrap, description):
+        target = f"{_TRAINING}:{name}"  # signatures per release: compat.TRAINING_SIGNATURES
+        return Patch(pid, target, wrap, v, compat.params(target) if v.contains(installed) else (), description)
+
+    installed = compat.megatron_core_version()
+    patches = [
+        patch("a-edit-loop-cap", "setup_model_and_optimizer", budget.wrap_setup_model_and_optimizer,
+              "A-EDiT: the loop may run to --train-iters x workers (data sets built for that)"),
+        patch("a-edit-end-at-final-sync", "train_step", budget.wrap_train_step,
+              "A-EDiT: every worker leaves the loop right after the final sync"),
+        patch("a-edit-common-iteration", "train", budget.wrap_train,
+              "A-EDiT: train returns --train-iters, the common iteration, on every worker"),
+        patch("a-edit-save-exit-at-sync", "checkpoint_and_decide_exit", budget.wrap_checkpoint_and_decide_exit,
+              "A-EDiT: --save-interval / --exit-interval in global progress, at a sync"),
+    ]
+    for patch in patches:
+        registry.add(patch)
+    return [p.id for p in patches]
 
 
 def check_import_bindings() -> Dict[str, bool]:

@@ -192,14 +192,30 @@ def _check_cross_worker_options(local, args: argparse.Namespace) -> None:
                 "different numbers of iterations and must all end at one final sync, placed at "
                 "the last iteration."
             )
-        for flag in ("save_interval", "exit_interval"):
-            if get(flag):
-                raise ConfigError(
-                    f"--{flag.replace('_', '-')} with --local-sgd-async: A-EDiT workers reach a given "
-                    "iteration at different times (and between different syncs), so a checkpoint "
-                    "or exit there would wait on collectives some workers never join. Save at the "
-                    "end of training (--save without --save-interval) or use synchronous EDiT."
-                )
+        # --save-interval / --exit-interval count global progress and act at syncs
+        # (training.global_budget); these would act at a worker's own iteration.
+        if get("non_persistent_save_interval"):
+            raise ConfigError(
+                "--non-persistent-save-interval with --local-sgd-async: Megatron takes it at each "
+                "worker's own iterations, which A-EDiT workers reach at different times (and "
+                "between different syncs), so the save would wait on collectives some workers "
+                "never join. Use --save-interval (with A-EDiT it counts global progress and saves "
+                "at a sync)."
+            )
+        if get("async_save"):
+            raise ConfigError(
+                "--async-save with --local-sgd-async: until an asynchronous save has finished, "
+                "Megatron all-reduces its completion over all ranks at every iteration, which "
+                "A-EDiT workers reach at different times (and between different syncs), so it "
+                "would hang. Drop --async-save (A-EDiT saves synchronously, at a sync)."
+            )
+        if get("rampup_batch_size"):
+            raise ConfigError(
+                "--rampup-batch-size with --local-sgd-async: Megatron saves a checkpoint whenever "
+                "the batch size changes, at each worker's own iteration, which A-EDiT workers "
+                "reach at different times, so the save would hang. Use a fixed "
+                "--global-batch-size."
+            )
     if compat.packed_sequence_stats_all_reduced():
         for flag in ("sft", "dataloader_inter_document_masking"):
             if get(flag):

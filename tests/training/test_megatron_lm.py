@@ -311,6 +311,7 @@ class _Report:
 class _Controller:
     def __init__(self):
         self.reports = []
+        self.config = SimpleNamespace(use_async=False)
 
     def drain_reports(self):
         reports, self.reports = self.reports, []

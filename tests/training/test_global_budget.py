@@ -1,0 +1,202 @@
+"""A-EDiT's global budget in Megatron-LM's training loop (megatron_edit.training.global_budget).
+
+End to end (needs MEGATRON_LM_DIR, see tests/training/test_megatron_lm.py; skipped with that
+message otherwise): the unmodified ``pretrain_gpt.py`` through ``megatron_edit.launch`` on 2 CPU
+processes over gloo, 2 A-EDiT workers of one rank each, worker 1 slowed down (it sleeps in every
+optimizer step, ``tests/training/megatron_lm_traffic_probe.py``). The fast worker runs more than
+``--train-iters`` steps, the slow one fewer, together exactly the budget; both leave the loop at
+the final sync, report the common iteration, and checkpoints land at syncs with a common label.
+The decisions themselves are tested without the checkout.
+"""
+
+import json
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_edit.config import ConfigError
+from megatron_edit.training import global_budget as gb
+from megatron_edit.training.validation import validate_local_sgd_args
+from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, REPO, TINY, _env, _megatron_like_args
+
+PROBE = REPO / "tests" / "training" / "megatron_lm_traffic_probe.py"
+
+
+# ================================================================ without the checkout
+def test_intervals_count_global_progress():
+    assert gb.crossed(4.0, 8.0, 6) and not gb.crossed(6.0, 11.5, 6) and gb.crossed(11.5, 12.0, 6)
+    assert not gb.crossed(0.0, 100.0, None) and not gb.crossed(0.0, 100.0, 0)
+    assert gb.checkpoint_iteration(12.999) == 12 and gb.checkpoint_iteration(16.0) == 16
+
+
+@pytest.mark.parametrize("flag, options", [
+    ("--non-persistent-save-interval", dict(non_persistent_save_interval=5)),
+    ("--rampup-batch-size", dict(rampup_batch_size=["4", "4", "100"])),
+    ("--async-save", dict(async_save=True, save="ckpt", save_interval=10)),
+])
+def test_saves_at_a_workers_own_iteration_are_refused(flag, options):
+    args = _megatron_like_args("--use-local-sgd", "--local-sgd-async", train_iters=100, **options)
+    with pytest.raises(ConfigError, match=flag):
+        validate_local_sgd_args(args)
+
+
+def test_save_and_exit_intervals_are_accepted_with_a_edit():
+    validate_local_sgd_args(_megatron_like_args(
+        "--use-local-sgd", "--local-sgd-async", train_iters=100, save_interval=10, exit_interval=50))
+
+
+class _Controller:
+    def __init__(self, workers=2):
+        self.config = SimpleNamespace(use_async=True)
+        self.num_workers = workers
+        self.global_progress = 0.0
+        self.finished = False
+        self.last_sync = None
+        self.at_sync = False
+
+
+def _budget(controller, monkeypatch, args):
+    monkeypatch.setattr(gb, "_get_args", lambda: args)
+    runtime = SimpleNamespace(controllers={object(): controller})
+    return gb.GlobalBudget(lambda: runtime)
+
+
+def test_loop_cap_end_and_common_iteration(monkeypatch):
+    controller = _Controller()
+    args = SimpleNamespace(train_iters=10, iteration=0, rank=0, curr_iteration=None)
+    budget = _budget(controller, monkeypatch, args)
+    budget.wrap_setup_model_and_optimizer(lambda: "built")()
+    assert args.train_iters == 20 and budget.train_iters == 10  # T x W, after the scheduler
+    step = budget.wrap_train_step(lambda: "stepped")
+    args.curr_iteration = 12
+    assert step() == "stepped" and args.train_iters == 20
+    controller.finished = True
+    step()
+    assert args.train_iters == 13  # the loop ends after this iteration
+    assert budget.wrap_train(lambda: (13, 1.5))() == (10, 1.5)
+    assert args.train_iters == 10
+    controller.finished = False
+    with pytest.raises(RuntimeError, match="before A-EDiT's final sync"):
+        budget.wrap_train(lambda: (20, 0.0))()
+
+
+def test_saves_and_exits_only_at_real_syncs(monkeypatch):
+    controller = _Controller()
+    args = SimpleNamespace(train_iters=16, iteration=0, rank=0, save="ckpt", save_interval=6,
+                           exit_interval=None)
+    budget = _budget(controller, monkeypatch, args)
+    budget.wrap_setup_model_and_optimizer(lambda: None)()
+    saved, seen = [], []
+    monkeypatch.setattr(budget, "save", lambda label, *a: saved.append(label))
+
+    def original(*call):  # Megatron's own: must not see the intervals
+        seen.append((args.save_interval, args.exit_interval))
+        return False
+
+    decide = budget.wrap_checkpoint_and_decide_exit(original)
+
+    def at(progress, steps, skipped=False, final=False, sync=True):
+        controller.at_sync = sync
+        controller.last_sync = SimpleNamespace(global_progress=progress, skipped=skipped, final=final)
+        return decide(*[None] * 7)
+
+    assert not at(3.0, 6, sync=False)  # between syncs: never
+    assert not at(5.0, 10) and saved == []
+    assert not at(7.5, 15, skipped=True) and saved == []  # a skipped sync: replicas differ
+    assert not at(8.0, 16) and saved == [8]  # past 6: the first real sync after it
+    assert not at(11.0, 22) and saved == [8]
+    assert not at(16.0, 32, final=True) and saved == [8]  # 16 % 6: Megatron saves after the loop
+    assert set(seen) == {(None, None)} and args.save_interval == 6
+    args.exit_interval = 12
+    budget._progress_at_last_sync = 8.0
+    assert at(12.5, 25) and saved == [8, 12]  # exit (with a save) at the sync past 12
+
+
+# ================================================================ with the checkout
+# The slow worker sleeps SLOW_SECONDS per step on top of the step itself, so it is clearly the
+# slower one even on a loaded machine (2-4 s per step here at load 50 on 2 cores).
+T = 12
+WARMUP, H = 2, 2
+SLOW_SECONDS = 3.0
+SYNC_SECONDS = 10
+SAVE_INTERVAL = 4  # the first sync after warmup is at global iteration WARMUP + H = 4, always
+
+
+@pytest.fixture(scope="module")
+def straggler_run(tmp_path_factory):
+    if not HAVE_CHECKOUT:
+        pytest.skip(HOW_TO_RUN)
+    workdir = tmp_path_factory.mktemp("budget")
+    out = workdir / "traffic"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(PROBE), str(out), "--cpu", str(CHECKOUT / "pretrain_gpt.py"), *TINY,
+           "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+           "--overlap-grad-reduce", "--overlap-param-gather", "--use-local-sgd",
+           "--local-sgd-sync-interval", str(H), "--local-sgd-warmup-steps", str(WARMUP),
+           "--local-sgd-async", "--local-sgd-sync-time", str(SYNC_SECONDS),
+           "--local-sgd-min-total-global-steps", "0", "--train-iters", str(T),
+           "--save", "ckpt", "--save-interval", str(SAVE_INTERVAL), "--ckpt-format", "torch_dist",
+           "--local-sgd-debug"]
+    env = {**_env(), "MEGATRON_EDIT_PROBE_SLOW": f"1:{SLOW_SECONDS}"}
+    try:
+        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"A-EDiT through pretrain_gpt.py hung (no exit in {e.timeout} s):\n"
+                    f"{(e.stdout or b'')[-4000:]!r}\n{(e.stderr or b'')[-4000:]!r}")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n...\n{log[-8000:]}"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return SimpleNamespace(log=log, ranks=ranks, workdir=workdir)
+
+
+def _steps_per_worker(run):
+    """Each rank's last training iteration (the probe records Megatron's 1-based iteration)."""
+    return [max(r["iteration"] for r in data["records"] if r["iteration"] is not None)
+            for data in run.ranks]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_e2e_a_edit_shares_the_budget_and_ends_together(straggler_run):
+    run = straggler_run
+    fast, slow = _steps_per_worker(run)
+    assert fast > T > slow, (fast, slow)  # the fast worker used the slow one's share
+    assert fast + slow == T * 2, (fast, slow)  # the budget exactly: T x workers worker-steps
+    # Both workers reached the final sync (the last schedule all-reduce is at each one's last
+    # step), and nothing after it hung.
+    for data, last in zip(run.ranks, (fast, slow)):
+        plans = [r["iteration"] for r in data["records"] if any("_plan_async" in f for f in r["stack"])]
+        assert plans and plans[-1] == last, (data["rank"], plans, last)
+    # Megatron's log (the last rank: the slow worker) is sane: iterations count up to its own
+    # last step over the loop's cap T x W, and the global iteration reaches T.
+    lines = re.findall(r"\] iteration\s+(\d+)/\s*(\d+) \|.*?global iteration: ([0-9.]+)/(\d+) \|",
+                       run.log)
+    assert [int(i) for i, *_ in lines] == list(range(1, slow + 1))
+    assert {int(cap) for _, cap, _, _ in lines} <= {2 * T, slow}
+    progress = [float(p) for _, _, p, _ in lines]
+    assert progress == sorted(progress) and progress[-1] == pytest.approx(T)
+    assert {int(t) for *_, t in lines} == {T}
+    # The common iteration: Megatron's final save and evaluation after the loop use T.
+    assert re.search(rf"saved checkpoint from iteration\s+{T} ", run.log), run.log[-3000:]
+    assert (run.workdir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(T)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_e2e_checkpoints_at_syncs_with_a_common_label(straggler_run):
+    run = straggler_run
+    saved = sorted({int(i) for i in re.findall(r"saved checkpoint from iteration\s+(\d+) ", run.log)})
+    # At the first sync (global iteration 4) and at the final one (12, a multiple of 4); any in
+    # between at the first real sync past a multiple of 4, labelled with its global iteration.
+    assert saved[0] == WARMUP + H and saved[-1] == T, saved
+    for label in saved:
+        assert (run.workdir / "ckpt" / f"iter_{label:07d}").is_dir(), label
+    # Each save is an all-ranks collective right after a sync, at each worker's own iteration.
+    for data in run.ranks:
+        saves = sorted({r["iteration"] for r in data["records"]
+                        if any("save_checkpoint" in f for f in r["stack"])})
+        plans = {r["iteration"] for r in data["records"] if any("_plan_async" in f for f in r["stack"])}
+        assert saves and set(saves) <= plans | {None}, (data["rank"], saves, plans)
