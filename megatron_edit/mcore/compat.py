@@ -254,6 +254,9 @@ _TRAIN_STEP = ("forward_step_func", "data_iterator", "model", "optimizer", "opt_
                "config", "forward_backward_func", "iteration")
 _EVALUATE = ("forward_step_func", "data_iterator", "model", "process_non_loss_data_func",
              "config", "verbose", "non_loss_data_func", "eval_iters")
+_TRAIN = ("forward_step_func", "model", "optimizer", "opt_param_scheduler", "train_data_iterator",
+          "valid_data_iterator", "process_non_loss_data_func", "config", "checkpointing_context",
+          "non_loss_data_func", "inference_model")
 _TRAINING_LOG = ("loss_dict", "total_loss_dict", "learning_rate", "iteration", "loss_scale",
                  "report_memory_flag", "skipped_iter", "grad_norm", "params_norm",
                  "num_zeros_in_grad", "max_attention_logit", "pg_collection", "is_first_iteration")
@@ -296,9 +299,8 @@ TRAINING_SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]]
         (_V19, ("model_type", "model_provider_func", "checkpointing_context", "cfg_container", "pg_collection")),
     ),
     f"{_LM_TRAINING}:train": (
-        (TRAINING_SUPPORTED, ("forward_step_func", "model", "optimizer", "opt_param_scheduler",
-                              "train_data_iterator", "valid_data_iterator", "process_non_loss_data_func",
-                              "config", "checkpointing_context", "non_loss_data_func", "inference_model")),
+        (VersionRange("0.16.0", "0.19.0"), _TRAIN),
+        (_V19, _TRAIN + ("p2p_communicator", "pg_collection")),
     ),
     f"{_LM_TRAINING}:checkpoint_and_decide_exit": (
         (TRAINING_SUPPORTED, ("model", "optimizer", "opt_param_scheduler", "iteration",
