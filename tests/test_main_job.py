@@ -114,9 +114,30 @@ def test_help_shows_the_defaults_the_job_uses(job, monkeypatch, capsys):
                           ("--log-interval", "10"), ("--local-sgd-sync-time", "600.0"),
                           ("--outer-optimizer", "sgd"), ("--local-sgd-ewma-alpha", "0.02")]:
         assert re.search(rf"{re.escape(flag)} \S+ .*?\(default: {re.escape(default)}\)", text), flag
-    assert "Momentum of the outer SGD, in [0, 1) (default: 0.9; SGD only, other optimizers take " \
-           "theirs in --outer-optimizer-kwargs). --outer" in text
-    assert "(default: 0.7 with SGD; required with another outer optimizer). --outer" in text
+    assert "Momentum of the outer SGD, in [0, 1) (default in this job: 0.0; SGD only, other " \
+           "optimizers take theirs in --outer-optimizer-kwargs). --outer" in text
+    assert "(default in this job: 0.8 with SGD; required with another outer optimizer). --outer" in text
+    assert "Nesterov momentum for the outer SGD (default in this job: off; SGD only)." in text
+
+
+def test_outer_sgd_defaults_of_the_job_apply_only_where_unset(job):
+    """The job's outer SGD (lr 0.8, no momentum): for SGD where neither a flag nor
+    --outer-optimizer-kwargs sets the value; never with another optimizer or --mode baseline."""
+    parse = job.build_parser().parse_args
+
+    def outer(argv):
+        args = parse(argv)
+        job.apply_outer_defaults(args)
+        return args.outer_optimizer_lr, args.outer_optimizer_momentum, args.outer_optimizer_nesterov
+
+    assert outer([]) == (0.8, 0.0, False)
+    assert outer(["--outer-optimizer-momentum", "0.9", "--outer-optimizer-nesterov"]) == (0.8, 0.9, True)
+    assert outer(["--outer-optimizer-kwargs", '{"lr": 0.5}']) == (None, 0.0, False)
+    assert outer(["--outer-optimizer", "adam", "--outer-optimizer-lr", "0.01"]) == (0.01, None, None)
+    assert outer(["--mode", "baseline"]) == (None, None, None)
+    args = parse([])
+    job.apply_outer_defaults(args)
+    job.check_args(args, job.build_parser())  # accepted: a valid outer SGD
 
 
 def test_help_is_printed_once(job, monkeypatch, capsys):
@@ -296,6 +317,8 @@ def test_readme_flag_table_matches_both_parsers(job):
             assert default.split(" (")[0] == _as_text(expected), (flag, default, expected)
         if flag == "--use-local-sgd":
             assert main_job.startswith("refused"), main_job
+        elif key in job.MAIN_JOB_OUTER_SGD:
+            assert main_job == f"{_as_text(job.MAIN_JOB_OUTER_SGD[key])} with SGD", (flag, main_job)
         elif main.get_default(dest) == expected:
             assert main_job == "=", (flag, main_job)
         else:
