@@ -6,8 +6,10 @@ setup(
     description="EDiT / A-EDiT local SGD for Megatron-LM as runtime patches (arXiv 2412.07210)",
     packages=find_packages(include=["megatron_edit", "megatron_edit.*"]),
     python_requires=">=3.10",
-    # torch is not pinned here on purpose: install it first (CPU: torch==2.13.0) so pip does not
-    # pull a CUDA build; megatron-core's partial distributed optimizer is needed.
-    install_requires=["megatron-core>=0.12.0,<0.17", "einops", "numpy", "psutil"],
-    extras_require={"test": ["pytest", "pytest-timeout", "psutil"]},
+    # torch is not pinned here on purpose: install it first (Python 3.11: the CPU build
+    # torch==2.13.0, so pip does not pull a CUDA build; Python 3.12, which megatron-core 0.17+
+    # needs: torch>=2.8, see scripts/setup_env.sh). megatron-core's partial distributed optimizer
+    # is needed (0.12+); 0.20+ is refused until checked.
+    install_requires=["megatron-core>=0.12.0,<0.20", "einops", "numpy", "psutil"],
+    extras_require={"test": ["pytest", "pytest-timeout", "psutil"], "bench": ["matplotlib"]},
 )

@@ -24,7 +24,9 @@ from .api import (
     is_patched,
     megatron_core_version,
     patch_megatron_for_local_sgd,
+    patch_megatron_load_fixes,
     unpatch_megatron_for_local_sgd,
+    unpatch_megatron_load_fixes,
 )
 from .arguments import configs_from_args, local_sgd_args_provider
 from .config import ConfigError, GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig
@@ -52,5 +54,7 @@ __all__ = [
     "local_sgd_args_provider",
     "megatron_core_version",
     "patch_megatron_for_local_sgd",
+    "patch_megatron_load_fixes",
     "unpatch_megatron_for_local_sgd",
+    "unpatch_megatron_load_fixes",
 ]

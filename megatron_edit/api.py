@@ -13,10 +13,11 @@ from typing import List, Optional
 
 from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from .mcore.checkpoint_patches import add_checkpoint_patches
-from .mcore.compat import SUPPORTED, megatron_core_version
+from .mcore.compat import SUPPORTED, TESTED, megatron_core_version
 from .mcore.controller import LocalSGD
+from .mcore.load_fixes import add_load_fix_patches
 from .mcore.patches import build_registry
-from .mcore.patching import PatchError, PatchRegistry
+from .mcore.patching import PatchError, PatchRegistry, _version_tuple
 from .mcore.runtime import LocalSGDRuntime, get_local_sgd as _get
 from .mcore.session import SESSION
 
@@ -27,14 +28,15 @@ class UnsupportedMegatronVersion(PatchError):
     """The installed megatron-core is outside the range megatron_edit supports."""
 
 
-def build_full_registry(runtime_ref) -> PatchRegistry:
+def build_full_registry(runtime_ref, need_training: bool = False) -> PatchRegistry:
     """Every patch, in application order: the EDiT patches, the checkpoint patches
     (:mod:`megatron_edit.mcore.checkpoint`: EDiT state in torch_dist checkpoints), and
-    Megatron-LM's training patches when ``megatron.training`` is importable (it is not on
-    PyPI)."""
+    Megatron-LM's training patches when ``megatron.training`` is there (a Megatron-LM checkout
+    on the path; since 0.17 also the copy in the megatron-core wheel). ``need_training``: it
+    must import (Megatron-LM's route), otherwise a failing import only leaves them out."""
     registry = build_registry(runtime_ref)
     add_checkpoint_patches(registry, runtime_ref)
-    _add_training_patches(registry, runtime_ref)
+    _add_training_patches(registry, runtime_ref, need_training)
     return registry
 
 
@@ -72,10 +74,7 @@ def patch_megatron_for_local_sgd(
     """
     version = megatron_core_version()
     if not SUPPORTED.contains(version):
-        raise UnsupportedMegatronVersion(
-            f"megatron_edit supports megatron-core {SUPPORTED}; megatron-core {version} is "
-            f"installed. Install a supported release, e.g. pip install megatron-core==0.16.1."
-        )
+        raise UnsupportedMegatronVersion(unsupported_message(version))
     _check_configs(local_sgd_config, outer_optim_config, gta_config)
     SESSION.runtime = LocalSGDRuntime(
         local_sgd_config,
@@ -84,11 +83,29 @@ def patch_megatron_for_local_sgd(
         configs_from=None if local_sgd_config is not None else _configs_from_megatron_args,
     )
     if SESSION.registry is None:
-        SESSION.registry = build_full_registry(lambda: SESSION.runtime)
+        SESSION.registry = build_full_registry(lambda: SESSION.runtime, need_training=local_sgd_config is None)
+    if SESSION.fixes_registry is not None:
+        SESSION.fixes_registry.revert()  # the full registry composes the same fixes
     applied = SESSION.registry.apply(version)
     if applied:
         _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
     return [p.id for p in SESSION.registry.patches if SESSION.registry.is_applied(p.id)]
+
+
+def unsupported_message(version: str) -> str:
+    """Why ``version`` is refused, naming it, the supported releases and what to install."""
+    newest = TESTED[-1]
+    if _version_tuple(version) >= _version_tuple(SUPPORTED.below):
+        why = (f"it is newer than the newest release megatron_edit was checked against "
+               f"({newest}): the patches wrap Megatron internals that change between releases")
+    else:
+        why = "it has no partial distributed optimizer (one instance per EDiT worker)"
+    return (
+        f"megatron_edit supports megatron-core {SUPPORTED} (tested: {', '.join(TESTED)}); "
+        f"megatron-core {version} is installed, and {why}. Install a supported release: "
+        f"pip install megatron-core=={newest} (Python 3.12+), or megatron-core==0.16.1 on "
+        f"Python 3.10 / 3.11."
+    )
 
 
 def _check_configs(local_sgd_config, outer_optim_config, gta_config) -> None:
@@ -116,18 +133,38 @@ def _check_configs(local_sgd_config, outer_optim_config, gta_config) -> None:
             value.__post_init__()
 
 
-def _add_training_patches(registry: PatchRegistry, runtime_ref) -> None:
-    """Flags, validation and metrics in Megatron-LM's training code, when it is importable."""
+def _add_training_patches(registry: PatchRegistry, runtime_ref, required: bool) -> None:
+    """Flags, validation and metrics in Megatron-LM's training code, when it is there."""
     import importlib.util
 
     try:
         found = importlib.util.find_spec("megatron.training") is not None
     except (ImportError, ValueError):
         found = False
-    if found:
+    if not found:
+        return
+    declared = PatchRegistry()
+    try:
         from .training.patches import add_training_patches
 
-        add_training_patches(registry, runtime_ref)
+        add_training_patches(declared, runtime_ref)  # imports megatron.training
+    except PatchError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to import Megatron-LM's training code
+        problem = (
+            f"megatron.training is installed but does not import ({type(e).__name__}: {e}); "
+            f"Megatron-LM's own dependencies: pip install -r scripts/requirements-megatron-lm.txt "
+            f"(on a machine without a GPU, importing it needs torch >= 2.8: older triton fails "
+            f"there)"
+        )
+        if required:
+            raise PatchError(f"megatron_edit: {problem}.") from e
+        # megatron-core alone (configs passed) needs none of them; since 0.17 the wheel ships
+        # megatron/training whether or not its dependencies are installed.
+        logger.warning("megatron_edit: %s. Its training patches are left out.", problem)
+        return
+    for patch in declared.patches:
+        registry.add(patch)
 
 
 def unpatch_megatron_for_local_sgd() -> List[str]:
@@ -135,6 +172,29 @@ def unpatch_megatron_for_local_sgd() -> List[str]:
     reverted = SESSION.registry.revert() if SESSION.registry else []
     SESSION.runtime = None
     return reverted
+
+
+def patch_megatron_load_fixes() -> List[str]:
+    """Plain Megatron (no EDiT): apply only the fixes of megatron-core's own distributed-optimizer
+    load defects (:mod:`megatron_edit.mcore.load_fixes`: megatron-core 0.16.x without apex or
+    transformer-engine cannot load a checkpoint with its optimizer otherwise). Returns the patch
+    ids now active for them; nothing to do while :func:`patch_megatron_for_local_sgd` is in
+    effect (its checkpoint patches include the fixes)."""
+    version = megatron_core_version()
+    if SESSION.registry is not None and SESSION.registry.is_applied():
+        return [p.id for p in SESSION.registry.patches
+                if p.id.startswith("ckpt-distopt") and SESSION.registry.is_applied(p.id)]
+    if SESSION.fixes_registry is None:
+        SESSION.fixes_registry = add_load_fix_patches(PatchRegistry())
+    applied = SESSION.fixes_registry.apply(version)
+    if applied:
+        _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
+    return [p.id for p in SESSION.fixes_registry.patches if SESSION.fixes_registry.is_applied(p.id)]
+
+
+def unpatch_megatron_load_fixes() -> List[str]:
+    """Undo :func:`patch_megatron_load_fixes`; returns the ids reverted."""
+    return SESSION.fixes_registry.revert() if SESSION.fixes_registry else []
 
 
 def is_patched() -> bool:

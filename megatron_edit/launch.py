@@ -17,10 +17,17 @@ The EDiT flags among the script's arguments are checked before Megatron is impor
 flag (then, or in Megatron's ``validate_args``) ends every rank with exit code 2 and one line on
 rank 0 naming the flag, not a traceback per rank.
 
-The script's directory goes on ``sys.path`` *after* the installed packages, so ``megatron.core``
-is the installed megatron-core that megatron_edit was checked against and ``megatron.training``
-(not on PyPI) comes from the script's Megatron-LM checkout; both must be the same release
-(refused otherwise).
+Which ``megatron``: ``megatron.core`` is always the installed megatron-core (the release
+megatron_edit checks its patches against): it is imported before the script's directory goes on
+``sys.path``. The directory then goes *first* on ``sys.path``, as ``python pretrain_gpt.py``
+would put it, so everything else under ``megatron/`` (``megatron.training``,
+``megatron.post_training``, ...) and the script's own modules come from the script's Megatron-LM
+checkout. That matters since megatron-core 0.17, whose wheels ship ``megatron/training`` too
+(the matching tag's copy): a fork with ``patches/`` applied must run its own copy, not the
+wheel's. The checkout and the installed megatron-core must be the same release line (same
+major.minor, as its ``megatron/core/package_info.py`` says: tag core_v0.19.0 says 0.19.1 and runs
+on megatron-core 0.19.2, whose wheel ships that tag's ``megatron/training`` byte for byte);
+another release is refused.
 """
 
 from __future__ import annotations
@@ -103,21 +110,43 @@ def _checkout_version(script_dir: str) -> Optional[str]:
     return ".".join(p.group(1) for p in parts) if all(parts) else None
 
 
+def _release_line(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
 def _set_up_path(script: str) -> None:
-    """Script directory after site-packages; refuse a checkout of another release."""
+    """``megatron.core`` from the installed release, the rest of ``megatron`` and the script's
+    modules from the script's checkout (first on ``sys.path``); refuse a checkout of another
+    release line."""
+    from .mcore.compat import MEGATRON_LM_TAGS
+
     script_dir = os.path.dirname(os.path.abspath(script))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != script_dir]
-    sys.path.append(script_dir)
-    import megatron.core
+    import megatron.core  # the installed release, before the checkout can shadow it
 
     installed = megatron.core.__version__
     checkout = _checkout_version(script_dir)
-    if checkout is not None and checkout != installed:
+    if checkout is not None and _release_line(checkout) != _release_line(installed):
+        tag = MEGATRON_LM_TAGS.get(_release_line(installed), f"core_v{_release_line(installed)}.x")
         raise SystemExit(
-            f"megatron_edit.launch: {script_dir} is Megatron-LM with megatron-core {checkout}, but "
-            f"megatron-core {installed} is installed; check out the matching tag "
-            f"(core_v{installed}) or install megatron-core=={checkout}."
+            f"megatron_edit.launch: {script_dir} is Megatron-LM for megatron-core {checkout} (its "
+            f"megatron/core/package_info.py), but megatron-core {installed} is installed: its "
+            f"training code would run on another release's megatron.core. Check out Megatron-LM "
+            f"tag {tag} (the {_release_line(installed)} release line), or install the matching "
+            f"megatron-core: pip install 'megatron-core=={_release_line(checkout)}.*'."
         )
+    training = sys.modules.get("megatron.training")
+    if training is not None and checkout is not None and not os.path.abspath(
+            training.__file__).startswith(os.path.join(script_dir, "")):
+        raise SystemExit(
+            f"megatron_edit.launch: megatron.training was imported from {training.__file__} "
+            f"before the launcher could put {script_dir} first; start the script through "
+            f"the launcher before importing megatron.training."
+        )
+    sys.path.insert(0, script_dir)
+    if checkout is not None and checkout != installed and _rank0():
+        print(f"megatron_edit.launch: Megatron-LM {script_dir} (megatron-core {checkout}) with "
+              f"the installed megatron-core {installed}: same release line", flush=True)
 
 
 def quiet_upstream_warnings() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .api import build_full_registry
+from .api import build_full_registry, unsupported_message
 from .mcore import compat
 from .mcore.compat import megatron_core_version
 from .mcore.session import SESSION
@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     version = megatron_core_version()
     print(f"megatron-core {version} installed")
     if not compat.is_supported(version):
-        print(f"megatron_edit supports megatron-core {compat.SUPPORTED}: nothing would be patched")
+        print(f"{unsupported_message(version)} Nothing would be patched.")
         return 1
     registry = SESSION.registry or build_full_registry(lambda: None)
     for pid, target, versions, applied, description in registry.table():

@@ -139,15 +139,15 @@ class TrafficCounter:
     """Counts every collective whose group spans more than one worker, by wrapping
     ``torch.distributed`` and the two functions megatron-core's buckets bound at import.
 
-    Payload convention (the one ``megatron_edit.exchange.groups.SyncGroup`` uses): all-reduce and broadcast
-    count the tensor; all-gather counts its output (every worker's part); reduce-scatter its
-    input. These are the bytes handed to the collective, not what gloo puts on the wire (a ring
-    all-reduce over n peers sends 2(n-1)/n times the tensor per rank, plus headers).
+    Byte convention (the one ``megatron_edit.exchange.groups.SyncGroup`` uses): what this rank
+    sends with ring algorithms over a group of n ranks: an all-reduce of S bytes 2(n-1)/n S, an
+    all-gather (n-1)/n of its output, a reduce-scatter and an all-to-all (n-1)/n of their input,
+    a broadcast S. (Two workers: an all-reduce sends its tensor once.) Headers not included.
     """
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
-             "_reduce_scatter_base", "reduce_scatter", "broadcast", "barrier", "all_gather_object",
-             "broadcast_object_list")
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base",
+             "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter", "all_to_all_single", "broadcast",
+             "barrier", "all_gather_object", "broadcast_object_list")
 
     def __init__(self, worker_of_rank: Dict[int, int]):
         import megatron.core.distributed.param_and_grad_buffer as pgb
@@ -176,17 +176,20 @@ class TrafficCounter:
         def nbytes(t):
             return t.numel() * t.element_size() if torch.is_tensor(t) else 0
 
+        n = dist.get_world_size(group)
         if name in ("all_gather",):
             parts = args[0] if args else kwargs.get("tensor_list")
-            return sum(nbytes(t) for t in parts)
-        if name in ("all_gather_into_tensor", "_all_gather_base", "dist_all_gather_func"):
-            return nbytes(args[0] if args else kwargs.get("output_tensor"))
-        if name in ("reduce_scatter_tensor", "_reduce_scatter_base", "dist_reduce_scatter_func"):
-            return nbytes(args[1] if len(args) > 1 else kwargs.get("input"))
+            return (n - 1) * sum(nbytes(t) for t in parts) // n
+        if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "dist_all_gather_func"):
+            return (n - 1) * nbytes(args[0] if args else kwargs.get("output_tensor")) // n
+        if name in ("reduce_scatter_tensor", "_reduce_scatter_base", "dist_reduce_scatter_func", "all_to_all_single"):
+            return (n - 1) * nbytes(args[1] if len(args) > 1 else kwargs.get("input")) // n
         if name == "reduce_scatter":
             parts = args[1] if len(args) > 1 else kwargs.get("input_list")
-            return sum(nbytes(t) for t in parts)
-        if name in ("all_reduce", "broadcast"):
+            return (n - 1) * sum(nbytes(t) for t in parts) // n
+        if name == "all_reduce":
+            return 2 * (n - 1) * nbytes(args[0] if args else kwargs.get("tensor")) // n
+        if name == "broadcast":
             return nbytes(args[0] if args else kwargs.get("tensor"))
         return 0  # barrier, object collectives (not used by training steps)
 

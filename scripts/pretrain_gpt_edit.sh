@@ -7,10 +7,11 @@
 # half the GPUs each) and for checking a configuration before going multi-node. On a machine
 # without a GPU, DEVICE=cpu SIZE=tiny NPROC=4 runs the tiny model over gloo (about 20 s).
 # Environment variables and the reasoning behind the defaults: scripts/edit_flags.sh.
-# Megatron-LM's checkout must be at the tag of the installed megatron-core (core_v0.16.1).
+# Megatron-LM's checkout must be at the tag of the installed megatron-core's release line
+# (core_v0.16.1 for 0.16.x, core_v0.19.0 for 0.19.x).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-: "${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1}"
+: "${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout at the tag of the installed megatron-core (core_v0.16.1 or core_v0.19.0)}"
 PYTHON=${PYTHON:-python}
 if [ "${DEVICE:-gpu}" = cpu ]; then NPROC=${NPROC:-4}; else NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}; fi
 WORKERS=${WORKERS:-2}

@@ -12,7 +12,7 @@
 # Environment variables and the reasoning behind the defaults: scripts/edit_flags.sh.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-: "${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1}"
+: "${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR to a Megatron-LM checkout at the tag of the installed megatron-core (core_v0.16.1 or core_v0.19.0)}"
 : "${NNODES:?set NNODES}"
 : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of one node}"
 PYTHON=${PYTHON:-python}

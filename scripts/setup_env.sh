@@ -1,13 +1,47 @@
 #!/usr/bin/env bash
-# Create .venv with everything megatron_edit, its CPU main job and its tests need.
-# torch is installed first and pinned to the CPU build (2.13.0) so nothing pulls CUDA wheels;
-# PyPI's `apex` is an unrelated package and is never installed.
+# Create a virtual environment with everything megatron_edit, its CPU main job and its tests need.
+#
+#   bash scripts/setup_env.sh                                   # .venv: megatron-core 0.16.1, Python 3.11
+#   VENV=.venv-newest MEGATRON_CORE=0.19.2 bash scripts/setup_env.sh   # Python 3.12 (pyenv 3.12.1)
+#   VENV=.venv-oldest MEGATRON_CORE=0.12.3 bash scripts/setup_env.sh
+#
+# torch is installed first and pinned, so nothing else pulls another build:
+#  - Python 3.11: torch 2.13.0, the CPU build (a wheel on this machine's local index);
+#  - Python 3.12 (megatron-core 0.17+ needs it): torch 2.8.0 from the package index. There is no
+#    CPU build here for 3.12, so it is the CUDA build (it runs on the CPU; about 6 GB with its
+#    CUDA libraries). 2.8 is the oldest whose triton finds its driver lazily: with an older one,
+#    importing megatron.training (shipped in megatron-core 0.17+ wheels) fails without a GPU.
+# megatron-core 0.17+ ships Megatron-LM's megatron/training, so its Python dependencies
+# (scripts/requirements-megatron-lm.txt) are installed too: the training patches are then
+# checked against it. PyPI's `apex` is an unrelated package and is never installed.
+#
+# Overrides: VENV, MEGATRON_CORE, PYTHON (the interpreter that creates the venv), TORCH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 MEGATRON_CORE=${MEGATRON_CORE:-0.16.1}
-python3 -m venv "$VENV"
+minor=$(echo "$MEGATRON_CORE" | cut -d. -f2)
+if [ "$minor" -ge 17 ]; then
+    # megatron-core 0.17+ requires Python 3.12; pyenv has it on these machines.
+    PYTHON=${PYTHON:-$(PYENV_VERSION=3.12.1 pyenv which python 2>/dev/null || echo python3.12)}
+else
+    PYTHON=${PYTHON:-python3}
+fi
+py=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$minor" -ge 17 ] && [ "$py" != 3.12 ] && [ "$py" != 3.13 ]; then
+    echo "setup_env.sh: megatron-core $MEGATRON_CORE needs Python 3.12+, $PYTHON is $py;" \
+         "set PYTHON (e.g. PYTHON=\$(PYENV_VERSION=3.12.1 pyenv which python))" >&2
+    exit 2
+fi
+case "$py" in
+    3.11|3.10) TORCH=${TORCH:-2.13.0} ;;
+    *) TORCH=${TORCH:-2.8.0} ;;
+esac
+"$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q torch==2.13.0
+"$VENV/bin/python" -m pip install -q "torch==$TORCH"
 "$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE" -e ".[test]"
-"$VENV/bin/python" -W ignore -c "import torch, megatron.core, megatron_edit; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| megatron_edit', megatron_edit.__version__)"
+if [ "$minor" -ge 17 ]; then
+    "$VENV/bin/python" -m pip install -q -r scripts/requirements-megatron-lm.txt
+fi
+"$VENV/bin/python" -W ignore -c "import torch, megatron.core, megatron_edit; print('python', '$py', '| torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| megatron_edit', megatron_edit.__version__)"

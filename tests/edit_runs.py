@@ -10,6 +10,7 @@ the tests compare. ``simulate_edit`` is an independent implementation of EDiT in
 
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List
 
 import torch
@@ -421,3 +422,73 @@ def async_runs(rank, world_size, spec):
     me.unpatch_megatron_for_local_sgd()
     return dict(worker=worker, steps=steps, reports=reports, params=named_params(ddp),
                 seconds=_time.monotonic() - t0, finished=controller.finished, progress=progress)
+
+
+def vpp_runs(rank, world_size, specs):
+    """Virtual pipeline parallelism (PP=2 x VPP=2, 2 workers of one rank): Megatron-LM's set-up
+    (one DDP per model chunk, bucketing only in the first, the interleaved schedule with
+    overlapped point-to-point, ``param_sync_func`` when ``align_param_gather``), one run per spec;
+    returns every chunk's parameters and the sync reports."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from gpt_utils import forward_step
+
+    pp, vp, micro = 2, 2, 4
+    ps.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+                                 num_distributed_optimizer_instances=2)
+    pp_rank, dp_rank, dp = ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    out = []
+    for spec in specs:
+        me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**spec["local_sgd"]), me.OuterOptimizerConfig(**spec["outer"]))
+        config = tiny_gpt_config(num_layers=4, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+                                 pipeline_dtype=torch.float32, batch_p2p_comm=False, overlap_p2p_comm=True)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=spec["overlap_param_gather"],
+            align_param_gather=spec["align"], num_distributed_optimizer_instances=2, bucket_size=3000)
+        chunks = []
+        for i in range(vp):
+            model_parallel_cuda_manual_seed(1234 + i)
+            torch.manual_seed(1234 + i)
+            # megatron-core >= 0.13 takes the virtual stage as an argument; older versions read it
+            # from parallel_state, which Megatron-LM's get_model set before building each chunk.
+            stage = dict(vp_stage=i) if "vp_stage" in inspect.signature(GPTModel.__init__).parameters else {}
+            if not stage:
+                ps.set_virtual_pipeline_model_parallel_rank(i)
+            module = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB_SIZE,
+                              max_sequence_length=SEQ_LENGTH, pre_process=pp_rank == 0 and i == 0,
+                              post_process=pp_rank == pp - 1 and i == vp - 1, **stage)
+            chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                                  disable_bucketing=i > 0))
+        config.no_sync_func = [c.no_sync for c in chunks]
+        config.grad_sync_func = [c.start_grad_sync for c in chunks]
+        if spec["align"]:
+            config.param_sync_func = [c.start_param_sync for c in chunks]
+        config.finalize_model_grads_func = finalize_model_grads
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=True),
+            chunks)
+        controllers = me.get_local_sgd(optimizer)
+        batches = make_batches(spec["steps"], dp * micro, seed=0)
+        for step in range(spec["steps"]):
+            mine = rank_micro_batches(batches[step], dp_rank, dp, num_microbatches=micro)
+            for c in chunks:
+                c.zero_grad_buffer()
+            optimizer.zero_grad()
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=[iter(mine) for _ in chunks], model=chunks,
+                num_microbatches=micro, seq_length=SEQ_LENGTH, micro_batch_size=mine.shape[1], forward_only=False)
+            optimizer.step()
+        for c in chunks:
+            c.start_param_sync(force_sync=True)
+        out.append(dict(params=[named_params(c) for c in chunks],
+                        reports=[r for c in controllers for r in c.drain_reports()], pp_rank=pp_rank,
+                        worker=dp_rank))
+        me.unpatch_megatron_for_local_sgd()
+    return out

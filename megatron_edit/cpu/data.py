@@ -2,7 +2,8 @@
 
 The demo trains a small GPT with EDiT on real English text, but this project may never download
 anything. The text therefore comes from the machine itself: the docstrings of a fixed list of
-CPython standard-library modules, which every CPython 3.11 install carries byte for byte. The
+CPython standard-library modules, which every install of one CPython minor version carries byte
+for byte (3.11 and 3.12 docstrings differ, so each has its own corpus). The
 text goes through the same path a Megatron-LM run uses: a byte-level tokenizer writes an
 `IndexedDataset` (`.bin`/`.idx`), and megatron-core's `BlendedMegatronDatasetBuilder` builds
 `GPTDataset` train/valid/test splits over it, with Megatron's own document shuffling, sample index
@@ -36,7 +37,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from ..mcore.compat import tokenizer_base
 
-# Modules whose public names and docstrings are the same on every standard CPython 3.11 build.
+# Modules whose public names and docstrings are the same on every standard CPython build of one
+# minor version (checked on 3.11 and 3.12).
 # Left out on purpose: modules whose public names differ between platforms (os, subprocess,
 # selectors, asyncio, multiprocessing, socket, webbrowser, getpass, ...) or with optional external
 # libraries (hashlib, sqlite3, bz2, lzma, and ftplib, http.client, urllib.request and the other
@@ -62,6 +64,11 @@ STDLIB_MODULES: Tuple[str, ...] = tuple(sorted("""
     xml.sax.handler xml.sax.saxutils xmlrpc.client xmlrpc.server zipapp zipfile zipimport zlib
     zoneinfo
 """.split()))
+
+# Public names that debuggers and test runners replace at run time (pytest's debugging plugin
+# swaps pdb.set_trace for its own): taking them would make the text depend on the process. On
+# 3.11 pdb.set_trace has no docstring anyway; on 3.12 it has one.
+_REPLACED_AT_RUN_TIME = frozenset({"pdb.set_trace"})
 
 DOCUMENT_SEPARATOR = "\n\n\n"
 """Joins documents in `build_corpus`; never occurs inside a document (normalisation caps blank
@@ -115,9 +122,9 @@ def _module_documents(module_name: str) -> List[List[Tuple[str, str]]]:
         module = importlib.import_module(module_name)
     groups = [[(module_name, _own_doc(module))]]
     for name, obj in sorted(vars(module).items()):
-        if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
-            continue
         title = f"{module_name}.{name}"
+        if name.startswith("_") or title in _REPLACED_AT_RUN_TIME or getattr(obj, "__module__", None) != module_name:
+            continue
         if inspect.isclass(obj):
             group = [(title, _own_doc(obj))]
             for member_name, member in sorted(vars(obj).items()):

@@ -4,13 +4,15 @@ CPU / gloo only, for the end-to-end tests and for trying the ``pretrain_gpt.py``
 machine without a GPU. It must never be active on a GPU run: :func:`activate` refuses when
 ``torch.cuda.is_available()``.
 
-:mod:`megatron_edit.cpu_adapter` already makes megatron-core run on CPU (device, RNG, streams,
+:mod:`megatron_edit.cpu.adapter` already makes megatron-core run on CPU (device, RNG, streams,
 type names; it also reports one CUDA device, which Megatron-LM's ``initialize`` needs to set up
 model parallelism and seeds). On top of that, Megatron-LM's training code needs:
 
 * ``initialize_megatron(allow_no_cuda=True)``: otherwise it asserts "Megatron requires CUDA".
-  Wrapped where it is looked up (``megatron.training.training`` and ``.initialize``).
-* ``fused_kernels.load``: builds CUDA kernels with nvcc; there is nothing to build on CPU.
+  Wrapped where it is looked up (``megatron.training.training`` and ``.initialize``); its
+  parameters differ between releases (:data:`megatron_edit.mcore.compat.TRAINING_SIGNATURES`).
+* ``fused_kernels.load`` (core_v0.16 only; ``megatron.legacy`` is gone since core_v0.17): builds
+  CUDA kernels with nvcc; there is nothing to build on CPU.
 * ``compile_helpers``: runs ``make`` for the dataset index helpers; skipped when the compiled
   ``helpers_cpp`` is importable (the megatron-core wheel ships it; a source checkout does not,
   and then ``make`` runs as usual, which needs a compiler and pybind11).
@@ -23,12 +25,13 @@ without it and the run hangs), and Megatron-LM's own Python dependencies (see
 ``scripts/requirements-megatron-lm.txt``).
 
 Every replacement is a declared :class:`~megatron_edit.patching.Patch`; :func:`deactivate` undoes
-them (and :func:`megatron_edit.cpu_adapter.deactivate` the megatron-core part).
+them (and :func:`megatron_edit.cpu.adapter.deactivate` the megatron-core part).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 from typing import List, Optional
@@ -36,12 +39,14 @@ from typing import List, Optional
 import torch
 
 from . import adapter as cpu_adapter
-from ..mcore.patching import Patch, PatchRegistry, VersionRange
+from ..mcore import compat
+from ..mcore.patching import Patch, PatchRegistry
 
 __all__ = ["activate", "deactivate", "is_active"]
 
-# Written against Megatron-LM core_v0.16.1 (its megatron-core is 0.16.1).
-SUPPORTED = VersionRange("0.16.0", "0.17.0")
+# Written against Megatron-LM core_v0.16.1 and core_v0.19.0 (their megatron-core: 0.16.1, 0.19.x);
+# the releases between differ only in what compat.TRAINING_SIGNATURES lists.
+SUPPORTED = compat.TRAINING_SUPPORTED
 
 _registry: Optional[PatchRegistry] = None
 
@@ -51,11 +56,13 @@ def is_active() -> bool:
 
 
 def _allow_no_cuda(original):
+    # allow_no_cuda is the fourth parameter until 0.18, the first since (compat).
+    signature = inspect.signature(original)
+
     def initialize_megatron(*args, **kwargs):
-        kwargs["allow_no_cuda"] = True
-        if len(args) > 3:  # (extra_args_provider, args_defaults, ignore_unknown_args, allow_no_cuda)
-            args = args[:3] + args[4:]
-        return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["allow_no_cuda"] = True
+        return original(*bound.args, **bound.kwargs)
 
     return initialize_megatron
 
@@ -86,21 +93,24 @@ def _no_device_arch(original):
 
 def _build_registry() -> PatchRegistry:
     registry = PatchRegistry()
-    init_params = ("extra_args_provider", "args_defaults", "ignore_unknown_args", "allow_no_cuda")
+    installed = compat.megatron_core_version()
+
+    def add(pid, target, wrap, description, names=None):
+        versions = compat.release_range(target) if names is None else SUPPORTED
+        if names is None:
+            names = compat.params(target) if versions.contains(installed) else ()
+        registry.add(Patch(pid, target, wrap, versions, names, description))
+
     for where in ("training", "initialize"):
-        registry.add(Patch(
-            f"cpu-initialize-megatron-{where}", f"megatron.training.{where}:initialize_megatron",
-            _allow_no_cuda, SUPPORTED, init_params,
-            "CPU: initialize_megatron(allow_no_cuda=True)"))
-    registry.add(Patch(
-        "cpu-fused-kernels", "megatron.legacy.fused_kernels:load", _no_fused_kernels, SUPPORTED,
-        ("args",), "CPU: no CUDA kernels to build"))
-    registry.add(Patch(
-        "cpu-compile-helpers", "megatron.core.datasets.utils:compile_helpers", _helpers_if_missing,
-        SUPPORTED, (), "CPU: skip make when the compiled dataset helpers are importable"))
-    registry.add(Patch(
-        "cpu-device-arch", "megatron.training.arguments:get_device_arch_version", _no_device_arch,
-        SUPPORTED, (), "CPU: no device to query; report a pre-Blackwell architecture"))
+        add(f"cpu-initialize-megatron-{where}", f"megatron.training.{where}:initialize_megatron",
+            _allow_no_cuda, "CPU: initialize_megatron(allow_no_cuda=True)")
+    # Gone with megatron.legacy (core_v0.17+; no wheel ships it).
+    add("cpu-fused-kernels", "megatron.legacy.fused_kernels:load", _no_fused_kernels,
+        "CPU: no CUDA kernels to build")
+    add("cpu-compile-helpers", "megatron.core.datasets.utils:compile_helpers", _helpers_if_missing,
+        "CPU: skip make when the compiled dataset helpers are importable", names=())
+    add("cpu-device-arch", "megatron.training.arguments:get_device_arch_version", _no_device_arch,
+        "CPU: no device to query; report a pre-Blackwell architecture", names=())
     return registry
 
 
@@ -122,7 +132,7 @@ def prepare_environment() -> None:
 def activate() -> List[str]:
     """Make Megatron-LM's training code run on CPU (idempotent); returns the patch ids applied.
 
-    Activates :mod:`megatron_edit.cpu_adapter` too. Refuses when CUDA is available.
+    Activates :mod:`megatron_edit.cpu.adapter` too. Refuses when CUDA is available.
     """
     global _registry
     if torch.cuda.is_available():
@@ -131,11 +141,9 @@ def activate() -> List[str]:
         )
     prepare_environment()
     cpu_adapter.activate()
-    from megatron.core import package_info
-
     if _registry is None:
         _registry = _build_registry()
-    return _registry.apply(package_info.__version__)
+    return _registry.apply(compat.megatron_core_version())
 
 
 def deactivate() -> None:

@@ -60,9 +60,11 @@ class QuantizedExchange:
         offsets = [sum(sizes[:w]) for w in range(workers)]
         return sizes, offsets, per, chunk_bytes
 
-    def chunk_length(self, numel: int) -> int:
-        """Elements of the (padded) chunk of a ``numel`` shard that this worker reduces."""
-        return self._chunks(numel)[2]
+    def chunk_span(self, numel: int):
+        """(offset, length, padded length) of the chunk of a ``numel`` shard this worker reduces."""
+        sizes, offsets, per, _ = self._chunks(numel)
+        me = self.sync_group.rank
+        return offsets[me], sizes[me], per
 
     def _encode_padded(self, values: torch.Tensor, per: int) -> torch.Tensor:
         if values.numel() < per:

@@ -7,6 +7,9 @@
 * :mod:`.checks`: Megatron options refused with EDiT;
 * :mod:`.runtime`, :mod:`.session`: the live state the patches consult;
 * :mod:`.patches`: the DDP / bucket / optimizer patches;
-* :mod:`.checkpoint`, :mod:`.checkpoint_layout`: EDiT state in ``torch_dist`` checkpoints;
+* :mod:`.checkpoint` (the format), :mod:`.checkpoint_record`, :mod:`.checkpoint_space`
+  (per-parameter tensors), :mod:`.checkpoint_resume` (exact and elastic resume),
+  :mod:`.checkpoint_layout` (keys, replica ids), :mod:`.checkpoint_patches`: EDiT state in
+  ``torch_dist`` checkpoints;
 * :mod:`.load_fixes`: workarounds for megatron-core's own checkpoint-load defects.
 """

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import List
-
 import torch
 
 PREFIX = "local_sgd."
@@ -26,8 +24,17 @@ class CheckpointStateError(RuntimeError):
 
 
 def worker_key(key: str, worker: int) -> str:
-    """Checkpoint key of worker ``worker``'s copy of Megatron's optimizer key ``key``."""
-    return f"{PREFIX}worker_{worker}.{key}"
+    """Checkpoint key of worker ``worker``'s copy of Megatron's optimizer key ``key`` (worker 0
+    writes Megatron's own keys)."""
+    return f"{PREFIX}worker_{worker}.{key}" if worker else key
+
+
+def retarget(key: str, megatron_key: str, worker: int) -> str:
+    """``key`` (Megatron's optimizer key ``megatron_key``, possibly behind a worker part and
+    the prefixes Megatron adds later, e.g. ``chained_0.``) as worker ``worker``'s key."""
+    head = key[: len(key) - len(megatron_key)]
+    head = _WORKER_KEY.sub(lambda m: "." if m.group(0).startswith(".") else "", head)
+    return head + worker_key(megatron_key, worker)
 
 
 def _is_local_sgd_key(key: str) -> bool:
@@ -56,36 +63,6 @@ class _Layout:
             intra_rank=optimizer.data_parallel_group.rank(),
             dp_group_idx=int(optimizer.data_parallel_group_idx),
         )
-
-
-@dataclasses.dataclass
-class _BucketSlot:
-    """This rank's shard of one bucket, as a slice of a bucket-space checkpoint tensor."""
-
-    shard: object  # local_sgd.BucketShard
-    name: str  # "gbuf_<i>.bucket_<j>"
-    numel_unpadded: int
-    offset: int
-    length: int  # 0 when the whole shard is end-of-bucket padding
-
-
-def _bucket_slots(optimizer, controller, layout: _Layout) -> List[_BucketSlot]:
-    """The controller's shards, matched to Megatron's buffers and buckets (same order)."""
-    slots = []
-    shards = iter(controller.shards)
-    for gbuf_idx, buffer in enumerate(optimizer.buffers):
-        for bucket_maps in optimizer.gbuf_ranges[gbuf_idx].values():
-            for bucket_idx in range(len(bucket_maps)):
-                bucket = buffer.buckets[bucket_idx]
-                shard = next(shards)
-                assert shard.bucket is bucket, "LocalSGD shards and Megatron buckets disagree"
-                offset = layout.intra_rank * shard.numel
-                length = max(0, min(shard.numel, bucket.numel_unpadded - offset))
-                slots.append(
-                    _BucketSlot(shard, f"gbuf_{gbuf_idx}.bucket_{bucket_idx}", bucket.numel_unpadded, offset, length)
-                )
-    assert next(shards, None) is None, "LocalSGD has shards Megatron's optimizer does not"
-    return slots
 
 
 # --------------------------------------------------------------------------- save layout

@@ -1,21 +1,21 @@
 """The checkpoint patches: EDiT state in and out of Megatron's distributed-optimizer checkpoints.
 
-Wraps ``DistributedOptimizer.state_dict`` / ``sharded_state_dict`` / ``load_state_dict`` (and
-``dist_checkpointing.load`` for a clear error when the EDiT part is missing): a pending sync is
+Wraps ``DistributedOptimizer.state_dict`` / ``sharded_state_dict`` / ``load_state_dict`` /
+``_set_main_param_and_optimizer_states`` and ``dist_checkpointing.load``: a pending sync is
 completed before anything is read, worker k >= 1's optimizer part is renamed
-(:mod:`.checkpoint_layout`), the EDiT part is added (:mod:`.checkpoint`), and megatron-core's own
-load defects are fixed on the releases that have them (:mod:`.load_fixes`). On releases that
-cannot carry EDiT state yet, saving or loading an EDiT optimizer is refused; the legacy ``torch``
-format is refused everywhere.
+(:mod:`.checkpoint_layout`), the EDiT part is added (:mod:`.checkpoint`); before a load the
+checkpoint's record is read and the requests fitted to it (:mod:`.checkpoint_resume`: another
+worker count, a synchronous checkpoint, clear errors for what is missing); after it the EDiT
+state is restored. megatron-core's own load defects (:mod:`.load_fixes`) are fixed in the same
+wraps for every distributed optimizer, EDiT or not, on the releases that have them. On releases
+that cannot carry EDiT state yet, saving or loading an EDiT optimizer is refused; the legacy
+``torch`` format is refused everywhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from typing import Callable, Optional
-
-import torch
 
 from ..config import NotSupportedYet
 from . import compat
@@ -23,27 +23,24 @@ from .checkpoint import (
     NOT_YET,
     SUPPORTED,
     SUPPORTED_SHARDING_TYPES,
-    _check_record,
-    check_checkpoint_has_local_sgd_state,
     load_local_sgd_state,
     local_sgd_sharded_state_dict,
-    _refresh_model_from_mains,
+    prepare_load,
 )
 from .checkpoint_layout import (
     CheckpointStateError,
-    _bucket_slots,
     _drop_worker_model_entries,
     _Layout,
     _rename_for_worker,
     _sharding_type,
     _unalias_from_model,
 )
+from .checkpoint_resume import capture_of
 from .load_fixes import (
-    _adam_state_of,
-    _needs_torch_adam_fixes,
     _refuse_broken_fully_reshardable,
-    init_missing_adam_state,
-    restore_adam_steps,
+    fix_load_state_dict,
+    fix_set_main_param_state,
+    fix_state_dict,
 )
 from .patching import Patch, PatchRegistry
 
@@ -65,13 +62,13 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
         return runtime.controllers.get(optimizer) if runtime is not None else None
 
     def wrap_state_dict(original):
+        fixed = fix_state_dict(original)  # megatron-core's own load defects, for every optimizer
+
         def wrapper(self, *args, **kwargs):
             controller = controller_of(self)
             if controller is not None:
                 controller.flush()
-                if _needs_torch_adam_fixes(self):
-                    init_missing_adam_state(self)
-            return original(self, *args, **kwargs)
+            return fixed(self, *args, **kwargs)
 
         return wrapper
 
@@ -85,8 +82,6 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
             if controller._in_step:
                 raise RuntimeError("megatron_edit: a checkpoint cannot be taken inside an optimizer step.")
             controller.flush()  # a due layer-wise sync completes now, with the same numbers
-            if _needs_torch_adam_fixes(self):
-                init_missing_adam_state(self)
             if not is_loading and self.ddp_config.overlap_param_gather:
                 controller.gather_params_in_worker()
             state = original(*bound.args, **bound.kwargs)
@@ -99,55 +94,53 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
                 )
             _refuse_broken_fully_reshardable(self, sharding_type)
             layout = _Layout.of(self, controller)
+            model_state = bound.arguments["model_sharded_state_dict"]
             if layout.worker > 0:
                 _rename_for_worker(state, sharding_type, layout)
                 if is_loading:
                     _unalias_from_model(state, self)
-                else:
-                    _drop_worker_model_entries(bound.arguments["model_sharded_state_dict"], self)
-            state["local_sgd"] = local_sgd_sharded_state_dict(self, controller, is_loading)
+            # Built before worker k's model entries are dropped: EDiT's per-parameter entries
+            # take their keys from them.
+            state["local_sgd"] = local_sgd_sharded_state_dict(self, controller, state, model_state,
+                                                              sharding_type, is_loading)
+            if layout.worker > 0 and not is_loading:
+                _drop_worker_model_entries(model_state, self)
             return state
 
         return wrapper
 
     def wrap_load_state_dict(original):
+        fixed = fix_load_state_dict(original)
+
         def wrapper(self, state_dict, *args, **kwargs):
             controller = controller_of(self)
             if controller is None:
-                return original(self, state_dict, *args, **kwargs)
+                return fixed(self, state_dict, *args, **kwargs)
             part = state_dict.get("local_sgd") if isinstance(state_dict, dict) else None
             is_checkpoint = isinstance(state_dict, dict) and "param_state" in state_dict
             if is_checkpoint and part is None:
                 raise CheckpointStateError(
-                    "megatron_edit: the optimizer state being loaded has no EDiT (local SGD) part: "
-                    "the checkpoint was saved without local SGD. Load only the model "
-                    "(--no-load-optim / --finetune) to start EDiT from it."
+                    "megatron_edit: the optimizer state being loaded has no EDiT (local SGD) part: it "
+                    "was not loaded through this EDiT optimizer's sharded_state_dict(is_loading=True)."
                 )
             if part is not None:
-                layout = _Layout.of(self, controller)
-                _check_record(part.get("record"), layout, _bucket_slots(self, controller, layout), "this checkpoint")
                 state_dict = {k: v for k, v in state_dict.items() if k != "local_sgd"}
-            fixes = _needs_torch_adam_fixes(self)
-            with torch.no_grad() if fixes else contextlib.nullcontext():  # fix 2
-                result = original(self, state_dict, *args, **kwargs)
-            if fixes:
-                restore_adam_steps(self, state_dict)  # fix 3
+            result = fixed(self, state_dict, *args, **kwargs)
             if part is not None:
-                load_local_sgd_state(self, controller, part)
-                if controller.num_workers > 1:
-                    _refresh_model_from_mains(self, controller)
+                load_local_sgd_state(self, controller, part, state_dict)
             return result
 
         return wrapper
 
     def wrap_set_main_param_state(original):
+        fixed = fix_set_main_param_state(original)
+
         def wrapper(self, model_param, tensors, *args, **kwargs):
-            if controller_of(self) is None or not _needs_torch_adam_fixes(self):
-                return original(self, model_param, tensors, *args, **kwargs)
-            if "step" not in tensors:  # fix 4: the checkpoint has no per-param step; keep ours
-                tensors = dict(tensors, step=_adam_state_of(self, model_param)["step"])
-            with torch.no_grad():  # fix 2
-                return original(self, model_param, tensors, *args, **kwargs)
+            captured = capture_of(self)
+            if captured is not None:  # decoding another saved worker's main params
+                captured[model_param] = tensors
+                return None
+            return fixed(self, model_param, tensors, *args, **kwargs)
 
         return wrapper
 
@@ -155,7 +148,7 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
         def wrapper(sharded_state_dict, checkpoint_dir, *args, **kwargs):
             runtime = runtime_ref()
             if runtime is not None and len(runtime.controllers) > 0:
-                check_checkpoint_has_local_sgd_state(sharded_state_dict, checkpoint_dir)
+                prepare_load(sharded_state_dict, checkpoint_dir, original)
             return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
         return wrapper
@@ -203,23 +196,26 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
 
     v = SUPPORTED
     registry.add(Patch("ckpt-distopt-state-dict", f"{_DISTOPT}.state_dict", wrap_state_dict, v, ("self",),
-                       "complete a pending sync; 0.16.1 w/o apex/TE: zero Adam state before 'step' is read"))
+                       "complete a pending sync; 0.16-0.19 w/o apex/TE, every optimizer: zero Adam state "
+                       "before 'step' is read"))
     registry.add(Patch("ckpt-distopt-sharded-state-dict", f"{_DISTOPT}.sharded_state_dict",
                        wrap_sharded_state_dict, v,
                        ("self", "model_sharded_state_dict", "is_loading", "sharding_type", "metadata"),
-                       "EDiT state (anchor, outer state, counters) + each worker's optimizer state "
-                       "under its own keys in torch_dist checkpoints"))
+                       "EDiT state (per-parameter anchor, outer state, residuals; counters) + each "
+                       "worker's optimizer state under its own keys in torch_dist checkpoints"))
     registry.add(Patch("ckpt-distopt-load-state-dict", f"{_DISTOPT}.load_state_dict", wrap_load_state_dict, v,
                        ("self", "state_dict"),
-                       "restore EDiT state and each worker's model; 0.16.1 w/o apex/TE: load under "
+                       "restore EDiT state (with an outer step at load after a worker-count change) "
+                       "and each worker's model; 0.16-0.19 w/o apex/TE, every optimizer: load under "
                        "no_grad, one Adam step tensor per param with the checkpoint's value"))
     registry.add(Patch("ckpt-distopt-set-main-param-state", f"{_DISTOPT}._set_main_param_and_optimizer_states",
                        wrap_set_main_param_state, v, ("self", "model_param", "tensors"),
-                       "0.16.1 w/o apex/TE: copy loaded main params under no_grad; tolerate the "
-                       "checkpoint's missing per-param Adam step"))
-    registry.add(Patch("ckpt-dist-checkpointing-load", "megatron.core.dist_checkpointing:load", wrap_dist_load, v,
-                       ("sharded_state_dict", "checkpoint_dir", "sharded_strategy", "common_strategy"),
-                       "clear error when a checkpoint lacks (part of) the EDiT state"))
+                       "decode other saved workers' main params; 0.16-0.19 w/o apex/TE, every "
+                       "optimizer: copy under no_grad, tolerate a missing per-param Adam step"))
+    dist_load = "megatron.core.dist_checkpointing:load"
+    registry.add(Patch("ckpt-dist-checkpointing-load", dist_load, wrap_dist_load, v, compat.params(dist_load),
+                       "read the EDiT record first and fit the load to the checkpoint; clear errors "
+                       "for what is missing or cannot reshard"))
     # The legacy format: a ChainedOptimizer of several optimizers bypasses the
     # DistributedOptimizer methods, so both are refused.
     for owner, name in ((_DISTOPT, "distopt"), (_CHAINED, "chained")):

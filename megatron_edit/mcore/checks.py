@@ -7,6 +7,8 @@ Megatron's config objects, and Megatron-LM's argument validation
 
 from __future__ import annotations
 
+import math
+
 from ..config import ConfigError, NotSupportedYet, LocalSGDConfig
 from . import compat
 
@@ -71,6 +73,25 @@ def check_optimizer_options(config, has_grad_scaler: bool) -> None:
         )
     if getattr(config, "optimizer_cpu_offload", False):
         raise NotSupportedYet("--optimizer-cpu-offload with --use-local-sgd is not supported yet.")
+    if getattr(config, "optimizer_cuda_graph", False):  # 0.17+
+        raise ConfigError(
+            "--use-local-sgd does not work with --optimizer-cuda-graph (OptimizerConfig."
+            "optimizer_cuda_graph): a captured optimizer step cannot run the outer sync."
+        )
+    threshold = getattr(config, "grad_norm_skip_threshold", float("inf"))  # 0.18+
+    if threshold is not None and math.isfinite(threshold):
+        raise ConfigError(
+            f"OptimizerConfig.grad_norm_skip_threshold={threshold} with --use-local-sgd: each EDiT "
+            "worker has its own gradient norm, so one worker would skip a step the others take "
+            "and the workers' schedules would drift apart. Leave it at inf (the default)."
+        )
+    optimizer = getattr(config, "optimizer", "adam")
+    if optimizer not in ("adam", "sgd"):
+        raise NotSupportedYet(
+            f"--optimizer {optimizer} with --use-local-sgd is not supported yet: EDiT was checked "
+            "with Megatron's distributed optimizer over Adam and SGD (its checkpoints carry "
+            "their state); use --optimizer adam or sgd."
+        )
     if has_grad_scaler:
         raise NotSupportedYet(
             "fp16 with loss scaling and --use-local-sgd is not supported yet: a skipped step on "

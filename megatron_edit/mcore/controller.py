@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -130,6 +130,10 @@ class LocalSGD:
     def capture_anchor(self) -> None:
         """Anchor := the current main params (at the end of warmup); outer state starts empty."""
         self.outer_state.capture(self.shards)
+        self.restart_async_schedule()
+
+    def restart_async_schedule(self) -> None:
+        """A-EDiT: plan the next sync as after warmup (first interval from ``steps_done``)."""
         if self.config.use_async:
             self._plan_first_interval()
 
@@ -141,6 +145,14 @@ class LocalSGD:
         interval = torch.full((workers,), first, dtype=torch.int64)
         if self.budget_steps is not None:
             remaining = self.budget_steps - workers * self.steps_done
+            if remaining < 2 * self.config.min_total_global_steps and dist.get_rank() == 0:
+                logger.warning(
+                    "megatron_edit: A-EDiT's budget after warmup is %d worker-steps and "
+                    "--local-sgd-min-total-global-steps is %d: every sync before the final one "
+                    "will be skipped (only the final sync exchanges). Lower "
+                    "--local-sgd-min-total-global-steps or train longer.",
+                    remaining, self.config.min_total_global_steps,
+                )
             if first * workers * 1.5 >= remaining:
                 interval = asynchronous.plan_final_interval(torch.ones(workers), remaining)
                 self._final_planned = True
@@ -359,11 +371,13 @@ class LocalSGD:
         if self._next_sync_at is not None:
             self._interval_start = self._train_start = self.clock()
 
-    def chunk_length(self, shard) -> int:
-        """Quantized exchange: elements of the chunk of ``shard``'s result this worker reduces
-        (0 without a quantized exchange)."""
+    def chunk_span(self, shard) -> Optional[Tuple[int, int, int]]:
+        """Quantized exchange with error feedback: (offset, length, padded length) of the chunk
+        of ``shard``'s result this worker reduces (its ``chunk_residual``); None without."""
         quant = self.sync._quant
-        return quant.chunk_length(shard.numel) if quant is not None else 0
+        if quant is None or not quant.error_feedback:
+            return None
+        return quant.chunk_span(shard.numel)
 
     def state_bytes(self) -> int:
         """Bytes of EDiT state on this rank: anchor + outer optimizer state."""

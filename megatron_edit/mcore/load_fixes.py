@@ -1,13 +1,21 @@
 """Workarounds for megatron-core's own defects when loading a distributed-optimizer checkpoint.
 
 These have nothing to do with EDiT: they show whenever apex and transformer-engine are absent
-(megatron-core then falls back to torch's Adam / AdamW), not only on CPU. EDiT promises exact
-resume, so while it is on the checkpoint patches (:mod:`megatron_edit.mcore.checkpoint`) apply
-these fixes, each gated on the releases that need it.
+(megatron-core then falls back to torch's Adam / AdamW), not only on CPU, also when plain
+Megatron loads any checkpoint with its optimizer. They are applied to every
+``DistributedOptimizer`` (EDiT or not):
 
-megatron-core 0.16.1 without apex / transformer-engine (torch AdamW fallback) mishandles Adam's
-state when loading a distributed-optimizer checkpoint; exact resume needs three fixes, applied
-by the checkpoint patches while EDiT is on (:data:`TORCH_ADAM_LOAD_BUGS` names the versions):
+* by :func:`megatron_edit.patch_megatron_for_local_sgd` (the checkpoint patches compose them
+  into their wraps, so a Megatron-LM run launched through ``megatron_edit.launch`` has them
+  with or without ``--use-local-sgd``);
+* alone, for plain megatron-core, by :func:`megatron_edit.patch_megatron_load_fixes`
+  (:func:`add_load_fix_patches`).
+
+megatron-core without apex / transformer-engine (torch AdamW fallback) mishandles Adam's state
+when loading a distributed-optimizer checkpoint; a load needs three fixes (:data:`TORCH_ADAM_LOAD_BUGS`
+names the versions: every release megatron_edit checkpoints on, 0.16.0 - 0.19.2; each defect was
+re-checked in 0.17.1, 0.18.2 and 0.19.2 by reading the code, and on 0.19.2 by the checkpoint tests
+with the fix off):
 
 1. ``state_dict()`` reads Adam's ``step`` from the optimizer state, which is empty before the
    first step; ``sharded_state_dict(is_loading=True)`` calls it, so loading into a fresh run
@@ -24,19 +32,26 @@ by the checkpoint patches while EDiT is on (:data:`TORCH_ADAM_LOAD_BUGS` names t
 A fourth shows with ``fully_reshardable``: its checkpoint has no per-parameter ``step`` but
 ``_set_main_param_and_optimizer_states`` copies every key of torch Adam's state (KeyError).
 Fix: the missing ``step`` is left as it is (fix 3 then sets it).
+
+A fifth, :data:`FULLY_RESHARDABLE_PADDING_BUG` (same releases): ``fully_reshardable`` drops the
+padding between buckets in its world tensors but slices them at padded offsets, so state after
+a padded bucket lands in the wrong place (megatron-core's own warning "param range exceeds
+unpadded buffer"). Not fixable from outside: refused with more than one bucket per buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from .checkpoint_layout import CheckpointStateError
-from .patching import VersionRange
 from ..config import NotSupportedYet
+from .checkpoint_layout import CheckpointStateError
+from .patching import Patch, PatchRegistry, VersionRange
 
-TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.17.0")
+TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose distributed optimizer needs the torch-Adam load fixes."""
-FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.17.0")
+FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose ``fully_reshardable`` format misplaces state after a padded
 bucket (the world tensors drop the padding between buckets, the parameter offsets do not)."""
 
@@ -109,3 +124,66 @@ def _refuse_broken_fully_reshardable(optimizer, sharding_type: str) -> None:
                 f"cannot be exact. Use 'dp_reshardable' (Megatron-LM's default, without "
                 f"--dist-ckpt-optim-fully-reshardable), or one bucket per buffer."
             )
+
+
+# --------------------------------------------------------------------------- the wraps
+_DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
+
+
+def fix_state_dict(original):
+    """Fix 1 around ``DistributedOptimizer.state_dict``."""
+
+    def wrapper(self, *args, **kwargs):
+        if _needs_torch_adam_fixes(self):
+            init_missing_adam_state(self)
+        return original(self, *args, **kwargs)
+
+    return wrapper
+
+
+def fix_load_state_dict(original):
+    """Fixes 2 and 3 around ``DistributedOptimizer.load_state_dict``."""
+
+    def wrapper(self, state_dict, *args, **kwargs):
+        fixes = _needs_torch_adam_fixes(self) and isinstance(state_dict, dict)
+        with torch.no_grad() if fixes else contextlib.nullcontext():
+            result = original(self, state_dict, *args, **kwargs)
+        if fixes:
+            restore_adam_steps(self, state_dict)
+        return result
+
+    return wrapper
+
+
+def fix_set_main_param_state(original):
+    """Fixes 2 and 4 around ``DistributedOptimizer._set_main_param_and_optimizer_states``."""
+
+    def wrapper(self, model_param, tensors, *args, **kwargs):
+        if not _needs_torch_adam_fixes(self):
+            return original(self, model_param, tensors, *args, **kwargs)
+        if "step" not in tensors:  # fix 4: the checkpoint has no per-param step; keep ours
+            tensors = dict(tensors, step=_adam_state_of(self, model_param)["step"])
+        with torch.no_grad():  # fix 2
+            return original(self, model_param, tensors, *args, **kwargs)
+
+    return wrapper
+
+
+LOAD_FIXES = (
+    ("fix-distopt-state-dict", "state_dict", fix_state_dict, ("self",),
+     "0.16-0.19 w/o apex/TE: zero Adam state before 'step' is read (fix 1)"),
+    ("fix-distopt-load-state-dict", "load_state_dict", fix_load_state_dict, ("self", "state_dict"),
+     "0.16-0.19 w/o apex/TE: load under no_grad, one Adam step tensor per param (fixes 2, 3)"),
+    ("fix-distopt-set-main-param-state", "_set_main_param_and_optimizer_states", fix_set_main_param_state,
+     ("self", "model_param", "tensors"),
+     "0.16-0.19 w/o apex/TE: copy main params under no_grad; tolerate a missing Adam step (fixes 2, 4)"),
+)
+"""(patch id, DistributedOptimizer method, wrap, parameters, description) of each fix."""
+
+
+def add_load_fix_patches(registry: PatchRegistry) -> PatchRegistry:
+    """The fixes as patches of their own, for plain Megatron (EDiT's checkpoint patches compose
+    the same wraps into theirs: never apply both registries)."""
+    for patch_id, method, wrap, params, description in LOAD_FIXES:
+        registry.add(Patch(patch_id, f"{_DISTOPT}.{method}", wrap, TORCH_ADAM_LOAD_BUGS, params, description))
+    return registry

@@ -16,6 +16,8 @@ from .runtime import LocalSGDRuntime
 class Session:
     runtime: Optional[LocalSGDRuntime] = None
     registry: Optional[PatchRegistry] = None
+    fixes_registry: Optional[PatchRegistry] = None
+    """megatron-core's load fixes alone (plain Megatron); the full registry includes them."""
 
 
 SESSION = Session()

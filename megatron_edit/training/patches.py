@@ -40,7 +40,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Dict, List, Optional
 
-from ..mcore.compat import TRAINING_SUPPORTED
+from ..mcore import compat
 from ..mcore.patching import Patch, PatchRegistry
 from ..mcore.runtime import LocalSGDRuntime
 from ..mcore.session import current_runtime
@@ -164,25 +164,25 @@ def add_training_patches(
 
         return print_rank_last
 
-    v = TRAINING_SUPPORTED
+    def declare(pid, target, wrap, description):
+        # Signature and releases from compat.TRAINING_SIGNATURES: initialize stops binding
+        # parse_args / validate_args in 0.18 (scripts call arguments.parse_and_validate_args).
+        versions = compat.release_range(target)
+        names = compat.params(target) if versions.contains(compat.megatron_core_version()) else ()
+        add(Patch(pid, target, wrap, versions, names, description))
+
     if not is_native(_ARGS):
-        for module in (_ARGS, _INIT):  # initialize binds both names at import
+        for module in (_ARGS, _INIT):  # until 0.18 initialize binds both names at import
             where = module.rsplit(".", 1)[1]
-            add(Patch(f"lm-parse-args-{where}", f"{module}:parse_args", wrap_parse_args, v,
-                      ("extra_args_provider", "ignore_unknown_args"),
-                      "add the EDiT flags to Megatron's parser, whatever extra_args_provider"))
-            add(Patch(f"lm-validate-args-{where}", f"{module}:validate_args", wrap_validate_args, v,
-                      ("args", "defaults"),
-                      "check the EDiT flags with Megatron's options at start-up"))
+            declare(f"lm-parse-args-{where}", f"{module}:parse_args", wrap_parse_args,
+                    "add the EDiT flags to Megatron's parser, whatever extra_args_provider")
+            declare(f"lm-validate-args-{where}", f"{module}:validate_args", wrap_validate_args,
+                    "check the EDiT flags with Megatron's options at start-up")
     if not is_native(_TRAINING):
-        add(Patch("lm-training-log", f"{_TRAINING}:training_log", wrap_training_log, v,
-                  ("loss_dict", "total_loss_dict", "learning_rate", "iteration", "loss_scale",
-                   "report_memory_flag", "skipped_iter", "grad_norm", "params_norm",
-                   "num_zeros_in_grad", "max_attention_logit", "pg_collection",
-                   "is_first_iteration"),
-                  "EDiT sync metrics to TensorBoard / W&B at Megatron's intervals"))
-        add(Patch("lm-print-rank-last", f"{_TRAINING}:print_rank_last", wrap_print_rank_last, v,
-                  ("message",), "EDiT sync metrics on training_log's console line"))
+        declare("lm-training-log", f"{_TRAINING}:training_log", wrap_training_log,
+                "EDiT sync metrics to TensorBoard / W&B at Megatron's intervals")
+        declare("lm-print-rank-last", f"{_TRAINING}:print_rank_last", wrap_print_rank_last,
+                "EDiT sync metrics on training_log's console line")
     added += add_worker_local_patches(registry, runtime_ref)
     return added
 

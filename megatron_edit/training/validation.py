@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 from ..arguments import changed_flags, configs_from_args
 from ..config import ConfigError, NotSupportedYet
+from ..mcore import compat
 from ..mcore.checks import check_megatron_options, check_optimizer_options, check_workers
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,13 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         return
     local = configs[0]
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    # First: Megatron's validate_args turns --use-distributed-optimizer off for these (0.18+).
+    if get("optimizer", "adam") not in ("adam", "sgd") or get("use_layer_wise_distributed_optimizer"):
+        raise NotSupportedYet(
+            f"--optimizer {get('optimizer')} with --use-local-sgd is not supported yet: Megatron-LM "
+            "trains it with its layer-wise optimizer, not the distributed optimizer EDiT attaches "
+            "to. Use --optimizer adam or sgd with --use-distributed-optimizer."
+        )
     # The same checks the DDP / optimizer patches run, on Megatron's flags.
     model_options = SimpleNamespace(
         cuda_graph_impl=get("cuda_graph_impl", "none") or "none",
@@ -62,6 +70,7 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         use_precision_aware_optimizer=get("use_precision_aware_optimizer", False),
         overlap_param_gather_with_optimizer_step=get("overlap_param_gather_with_optimizer_step", False),
         optimizer_cpu_offload=get("optimizer_cpu_offload", False),
+        optimizer_cuda_graph=get("optimizer_cuda_graph", False),
     )
     # Megatron builds a grad scaler for fp16, and for any --loss-scale.
     check_optimizer_options(optimizer_options, bool(get("fp16")) or bool(get("loss_scale")))
@@ -102,6 +111,12 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
         raise ConfigError("--use-local-sgd does not work with --use-torch-fsdp2.")
     if getattr(args, "num_experts", None):
         raise NotSupportedYet("--use-local-sgd with MoE (--num-experts) is not supported yet.")
+    if (getattr(args, "gtp_weight_remat_size", 1) or 1) > 1:  # 0.19+
+        raise NotSupportedYet(
+            "--tensor-parallel-num-weight-shards > 1 (GTP weight rematerialisation) with "
+            "--use-local-sgd is not supported yet: it adds a data-distribution axis across the "
+            "workers' data-parallel groups."
+        )
     if getattr(args, "ckpt_format", "torch_dist") == "torch":
         raise ConfigError(
             "--ckpt-format torch with --use-local-sgd: the legacy format gathers the optimizer "
@@ -181,6 +196,14 @@ def _check_cross_worker_options(local, args: argparse.Namespace) -> None:
                     "iteration at different times (and between different syncs), so a checkpoint "
                     "or exit there would wait on collectives some workers never join. Save at the "
                     "end of training (--save without --save-interval) or use synchronous EDiT."
+                )
+    if compat.packed_sequence_stats_all_reduced():
+        for flag in ("sft", "dataloader_inter_document_masking"):
+            if get(flag):
+                raise NotSupportedYet(
+                    f"--{flag.replace('_', '-')} with --use-local-sgd is not supported yet: with "
+                    "packed sequences Megatron-LM all-reduces their length statistics over all "
+                    f"ranks after every iteration, {_BETWEEN_SYNCS}."
                 )
     if get("log_straggler"):
         raise ConfigError(

@@ -8,13 +8,17 @@ step: each such collective is a barrier across workers, and with A-EDiT a deadlo
 
 from __future__ import annotations
 
+import copy
+import inspect
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Callable, List, Optional
 
 from ..algorithm.schedule import is_sync_step
-from ..mcore.compat import TRAINING_SUPPORTED
-from ..mcore.patching import Patch, PatchRegistry
+from ..config import NotSupportedYet
+from ..mcore import compat
+from ..mcore.patching import Patch, PatchRegistry, VersionRange
 from ..mcore.runtime import LocalSGDRuntime
 
 _TRAINING = "megatron.training.training"
@@ -24,6 +28,7 @@ _PS = "megatron.core.parallel_state"
 _TIMERS = "megatron.core.timers"
 _RERUN = "megatron.core.rerun_state_machine"
 _SIGNALS = "megatron.training.dist_signal_handler"
+_V19 = VersionRange("0.19.0", compat.TRAINING_SUPPORTED.below)
 
 
 class WorkerLocalCollectives:
@@ -40,9 +45,14 @@ class WorkerLocalCollectives:
       loss) and ``calc_params_l2_norm`` (``--log-params-norm``), ``parallel_state.
       get_data_parallel_group`` hands out the worker's data-parallel group for the full one
       (with context parallelism; without it only when the context-parallel size is 1, where
-      the two are the same ranks). Those functions use the group only to average figures for
-      the log: the figures become the worker's own. Gradients are untouched (DDP and the
-      distributed optimizer keep the groups they were built with).
+      the two are the same ranks), and ``get_expert_data_parallel_group`` the worker's expert
+      one (0.19's ``calc_params_l2_norm`` reduces over it too; without MoE it spans every
+      data-parallel rank). Since 0.19 ``train_step`` and ``evaluate`` take the loss group from
+      the model's ``pg_collection`` instead: there ``get_attr_wrapped_model(model,
+      "pg_collection")`` returns a copy whose ``dp_cp`` groups are the worker's. Those
+      functions use the groups only to average figures for the log: the figures become the
+      worker's own. Gradients are untouched (DDP and the distributed optimizer keep the groups
+      they were built with).
     * **Timers.** The barriers of Megatron's ``Timers`` (``--timing-log-level`` >= 1 with
       ``--barrier-with-L1-time``, Megatron's default; the interval timer at every log line) and
       the gather behind their console / TensorBoard report span the worker's ranks (its
@@ -56,6 +66,11 @@ class WorkerLocalCollectives:
     * **Signal handler** (``--exit-signal-handler``): its check, an all-gather over the world,
       runs only after steps where the workers meet anyway (synchronous warmup steps and syncs);
       a signal is acted on at the next of them.
+
+    * **Packed sequences** (0.18+): Megatron-LM all-reduces their sequence-length statistics
+      over all ranks every iteration; refused at start-up (``--sft``,
+      ``--dataloader-inter-document-masking``) and, for scripts that pass ``cu_seqlens``
+      otherwise, at the first such iteration.
 
     What cannot be kept inside the worker is refused in :func:`validate_local_sgd_args`.
     """
@@ -117,19 +132,70 @@ class WorkerLocalCollectives:
         return region
 
     def wrap_get_data_parallel_group(self, original):
-        def get_data_parallel_group(
-            with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False
-        ):
+        # Keywords only: the parameters after the first differ between releases (compat:
+        # independent_all_gather in 0.16-0.17, with_gtp_remat second since 0.19).
+        names = tuple(inspect.signature(original).parameters)
+
+        def get_data_parallel_group(*args, **kwargs):
+            kwargs.update(zip(names, args))
             if (
                 self.in_reporting()
-                and not partial_data_parallel
-                and not independent_all_gather
-                and (with_context_parallel or _context_parallel_size() == 1)
+                and not kwargs.get("partial_data_parallel", False)
+                and not kwargs.get("independent_all_gather", False)
+                and (kwargs.get("with_context_parallel", False) or _context_parallel_size() == 1)
             ):
-                return original(with_context_parallel=True, partial_data_parallel=True)
-            return original(with_context_parallel, partial_data_parallel, independent_all_gather)
+                kwargs.update(with_context_parallel=True, partial_data_parallel=True)
+            return original(**kwargs)
 
         return get_data_parallel_group
+
+    def wrap_get_expert_data_parallel_group(self, original):
+        names = tuple(inspect.signature(original).parameters)
+
+        def get_expert_data_parallel_group(*args, **kwargs):
+            kwargs.update(zip(names, args))
+            if self.in_reporting() and not kwargs.get("partial_expert_data_parallel", False):
+                # Without MoE (refused with local SGD) the expert data-parallel group spans
+                # every data-parallel rank; its partial group is the worker's.
+                kwargs["partial_expert_data_parallel"] = True
+            return original(**kwargs)
+
+        return get_expert_data_parallel_group
+
+    def wrap_get_attr_wrapped_model(self, original):
+        def get_attr_wrapped_model(model, attr, *args, **kwargs):
+            found = original(model, attr, *args, **kwargs)
+            if attr != "pg_collection" or found is None or not self.in_reporting():
+                return found
+            # train_step / evaluate (0.19+) average the logged losses over the model's
+            # process-group collection: a copy whose data-parallel groups are the worker's.
+            # DDP and the optimizer keep the groups they were built with.
+            from megatron.core import parallel_state
+
+            worker = parallel_state.get_data_parallel_group(
+                with_context_parallel=True, partial_data_parallel=True)
+            local = copy.copy(found)
+            for name in ("dp_cp", "dp_cp_gtp_remat"):
+                if getattr(found, name, None) is not None:
+                    setattr(local, name, worker)
+            return local
+
+        return get_attr_wrapped_model
+
+    def wrap_consume_seqlen_stats(self, original):
+        def consume_seqlen_stats_in_iteration():
+            training = sys.modules.get(_TRAINING)
+            if self.controllers() and getattr(training, "_seqlen_stats_active", False):
+                raise NotSupportedYet(
+                    "megatron_edit: this run trains on packed sequences (cu_seqlens: --sft, "
+                    "--dataloader-inter-document-masking, or a script that passes them), for "
+                    "which Megatron-LM all-reduces sequence-length statistics over all ranks "
+                    "every iteration: a barrier across EDiT workers between syncs. Packed "
+                    "sequences with --use-local-sgd are not supported yet."
+                )
+            return original()
+
+        return consume_seqlen_stats_in_iteration
 
     def wrap_timers_call(self, original):
         def __call__(timers, name, log_level=None):
@@ -191,9 +257,10 @@ class WorkerLocalCollectives:
                     f"{'save a checkpoint and ' if should_checkpoint else ''}stop (exit code "
                     f"{exit_code}) after re-running iteration {machine.current_iteration}. With "
                     "--use-local-sgd the re-run vote is taken inside the worker (a vote across "
-                    "workers would be a barrier every step), but a checkpoint and a clean exit "
-                    "need every worker, so the job stops here instead; resume from the latest "
-                    "checkpoint. The log above says what failed validation."
+                    f"workers would be a barrier every step), but "
+                    f"{'a checkpoint and ' if should_checkpoint else ''}a clean exit need every "
+                    "worker, so the job stops here instead; resume from the latest checkpoint. "
+                    "The log above says what failed validation."
                 )
             return should_checkpoint, should_exit, exit_code
 
@@ -221,23 +288,38 @@ def add_worker_local_patches(
     """Declare the :class:`WorkerLocalCollectives` patches; returns their ids. Applied on both
     routes: the fork in ``patches/`` does not make these calls itself."""
     wl = WorkerLocalCollectives(runtime_ref)
-    v = TRAINING_SUPPORTED
+    v = compat.TRAINING_SUPPORTED
+    installed = compat.megatron_core_version()
+
+    def tracked(pid, target, wrap, description, versions=None):
+        # Releases and signature from compat (TRAINING_SIGNATURES / SIGNATURES).
+        versions = versions or compat.release_range(target)
+        names = compat.params(target) if versions.contains(installed) else ()
+        return Patch(pid, target, wrap, versions, names, description)
+
     patches = [
-        Patch("worker-local-train-step", f"{_TRAINING}:train_step", wl.wrap_reporting_region, v,
-              ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler",
-               "config", "forward_backward_func", "iteration"),
-              "the logged training loss is averaged over the worker, not all data-parallel ranks"),
-        Patch("worker-local-evaluate", f"{_TRAINING}:evaluate", wl.wrap_reporting_region, v,
-              ("forward_step_func", "data_iterator", "model", "process_non_loss_data_func",
-               "config", "verbose", "non_loss_data_func", "eval_iters"),
-              "the validation loss is averaged over the worker"),
-        Patch("worker-local-params-norm", f"{_TRAINING}:calc_params_l2_norm",
-              wl.wrap_reporting_region, v, ("model", "force_create_fp32_copy"),
-              "--log-params-norm: the norm of the worker's model"),
-        Patch("worker-local-dp-group", f"{_PS}:get_data_parallel_group",
-              wl.wrap_get_data_parallel_group, v,
-              ("with_context_parallel", "partial_data_parallel", "independent_all_gather"),
-              "inside those three: the worker's data-parallel group for the full one"),
+        tracked("worker-local-train-step", f"{_TRAINING}:train_step", wl.wrap_reporting_region,
+                "the logged training loss is averaged over the worker, not all data-parallel ranks"),
+        tracked("worker-local-evaluate", f"{_TRAINING}:evaluate", wl.wrap_reporting_region,
+                "the validation loss is averaged over the worker"),
+        tracked("worker-local-params-norm", f"{_TRAINING}:calc_params_l2_norm",
+                wl.wrap_reporting_region, "--log-params-norm: the norm of the worker's model"),
+        tracked("worker-local-dp-group", f"{_PS}:get_data_parallel_group",
+                wl.wrap_get_data_parallel_group,
+                "inside those three: the worker's data-parallel group for the full one", v),
+        # 0.19: calc_params_l2_norm reduces over the expert data-parallel group too, and
+        # train_step / evaluate take their groups from the model's pg_collection.
+        tracked("worker-local-expert-dp-group", f"{_PS}:get_expert_data_parallel_group",
+                wl.wrap_get_expert_data_parallel_group,
+                "inside those three: the worker's expert data-parallel group for the full one",
+                _V19),
+        tracked("worker-local-pg-collection", f"{_TRAINING}:get_attr_wrapped_model",
+                wl.wrap_get_attr_wrapped_model,
+                "inside train_step / evaluate: the model's pg_collection with the worker's "
+                "data-parallel groups (the logged losses)", _V19),
+        tracked("worker-local-seqlen-stats", f"{_TRAINING}:consume_seqlen_stats_in_iteration",
+                wl.wrap_consume_seqlen_stats,
+                "packed sequences (a world all-reduce per iteration) refused with local SGD"),
         Patch("worker-local-timer-barrier", f"{_TIMERS}:Timers.__call__", wl.wrap_timers_call, v,
               ("self", "name", "log_level"), "timer barriers span the worker, not the world"),
         Patch("worker-local-timers-gather", f"{_TIMERS}:dist_all_gather_func",

@@ -49,7 +49,8 @@ def test_corpus_is_substantial_english_text(corpus):
 
 def test_corpus_is_deterministic(corpus):
     assert data.build_corpus() == corpus
-    # A fresh interpreter with another hash seed and without torch imported first.
+    # A fresh interpreter with another hash seed, without torch imported first, and without
+    # pytest (whose debugging plugin replaces pdb.set_trace, documented since 3.12).
     script = (
         "import hashlib; from megatron_edit.cpu import data; "
         "print(hashlib.sha256(data.build_corpus().encode()).hexdigest())"
@@ -61,6 +62,27 @@ def test_corpus_is_deterministic(corpus):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == hashlib.sha256(corpus.encode()).hexdigest()
+
+
+# sha256 of build_corpus() per CPython minor version: its standard library's docstrings are the
+# text, so each minor version has its own corpus (the same on every build of it). To add a
+# version: run the command in the skip message on it and check the text looks like the others.
+CORPUS_SHA256 = {
+    (3, 11): "0d17ed9d469c40b764896278be94f72560f5634f74f4f6cca89d8275bd4123a8",
+    (3, 12): "e66fb13d79bad32825859ed39e704674e3e95c37c017b402a44dc017948c59f2",
+}
+
+
+def test_corpus_is_the_known_text_of_this_python(corpus):
+    """The corpus is pinned per Python minor version: a change to the module list, the
+    normalisation or the selection of docstrings shows here (and would silently change the main
+    job's data and every figure measured on it)."""
+    expected = CORPUS_SHA256.get(sys.version_info[:2])
+    if expected is None:
+        pytest.skip(f"no pinned corpus for Python {sys.version_info[0]}.{sys.version_info[1]}: add "
+                    "the output of python -c \"import hashlib; from megatron_edit.cpu import data; "
+                    "print(hashlib.sha256(data.build_corpus().encode()).hexdigest())\"")
+    assert hashlib.sha256(corpus.encode()).hexdigest() == expected
 
 
 def test_corpus_budget_gives_a_prefix(corpus):

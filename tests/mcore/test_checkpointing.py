@@ -6,14 +6,26 @@ Checkpoints are written the way a megatron-core user (and Megatron-LM's ``--save
 ``dist_checkpointing.save({'model': m, 'optimizer': opt.sharded_state_dict(m, metadata=...)})``.
 """
 
-import os
-import pickle
 import shutil
-from contextlib import contextmanager
 
 import pytest
 import torch
 
+from checkpoint_runs import (
+    DP_RESHARDABLE,
+    EDIT,
+    FULLY_RESHARDABLE,
+    PENALTY,
+    WORLD,
+    _drop_from_checkpoint,
+    _equal,
+    _garble_object,
+    _same_params,
+    corrupt_save_job,
+    load_errors_job,
+    model_only_and_legacy_job,
+    train_job,
+)
 from dist import run_ranks
 from megatron_edit.mcore import checkpoint as checkpointing, compat
 
@@ -23,272 +35,6 @@ pytestmark = pytest.mark.skipif(
     not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}",
 )
-
-WORLD = 4
-# Layer-wise sync overlapped with the forward pass; warmup 2, H=3: syncs after steps 5 and 8.
-EDIT = dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=2, sync_mode="layerwise")
-OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
-STEPS = 10
-DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}  # Megatron-LM's default
-FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
-# Pseudo-gradient penalty that really decides something: sharp weights, a binding clip, an
-# anomaly detector warm after one sync with a low threshold (as in test_penalty_megatron).
-PENALTY = dict(
-    local_sgd_sync_interval=2, local_sgd_warmup_steps=1, sync_mode="layerwise",
-    pseudo_gradnorm_reduce=True, weight_softmax_temperature=0.02, clip_pseudo_grad=0.25,
-    skip_anomaly=True, ewma_warmup_steps=1, ewma_threshold=0.5, ewma_alpha=0.5,
-)
-
-
-# ----------------------------------------------------------------------- inside the ranks
-@contextmanager
-def _children_allowed():
-    """Megatron's torch_dist writer starts helper processes; run_ranks' ranks are daemonic."""
-    import multiprocessing
-
-    config = multiprocessing.current_process()._config
-    was = config.get("daemon")
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        config["daemon"] = was
-
-
-def _setup(local_sgd, instances=2, outer=OUTER, bucket_size=3000):
-    """Patch, build the tiny GPT in DDP and its distributed optimizer; EDiT unless local_sgd
-    is None. The default bucket size gives 7 buckets (7 layer-wise sync groups)."""
-    import megatron_edit as me
-    from edit_runs import _build, default_spec
-
-    if local_sgd is None:
-        me.unpatch_megatron_for_local_sgd()
-    else:
-        me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**outer))
-    ddp, opt = _build(default_spec(instances=instances, bucket_size=bucket_size), 1, 1)
-    controllers = me.get_local_sgd(opt)
-    return ddp, opt, (controllers[0] if controllers else None)
-
-
-def _sharded(ddp, opt, metadata, is_loading=False):
-    model = ddp.module.sharded_state_dict()
-    return {"model": model, "optimizer": opt.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)}
-
-
-def _save(ddp, opt, path, metadata=DP_RESHARDABLE, fully_parallel=False, corrupt=None):
-    """``fully_parallel``: Megatron-LM's default save strategy (--ckpt-fully-parallel-save),
-    which spreads the writes over the data-parallel ranks holding each shard."""
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
-    os.makedirs(path, exist_ok=True)
-    state = _sharded(ddp, opt, metadata)
-    if corrupt:
-        corrupt(state)
-    strategy = get_default_save_sharded_strategy()
-    if fully_parallel:
-        strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True))
-    with _children_allowed():
-        dist_checkpointing.save(state, path, strategy)
-
-
-def _load(ddp, opt, path, metadata=DP_RESHARDABLE, optimizer=True):
-    from megatron.core import dist_checkpointing
-
-    if optimizer:
-        state = dist_checkpointing.load(_sharded(ddp, opt, metadata, is_loading=True), path)
-    else:  # --no-load-optim / --finetune
-        state = dist_checkpointing.load({"model": ddp.module.sharded_state_dict()}, path)
-    ddp.load_state_dict(state["model"])
-    if optimizer:
-        opt.load_state_dict(state["optimizer"])
-
-
-def _state(ddp, opt, ctl, gather=True) -> dict:
-    """Everything an exact resume must reproduce, on this rank. ``gather=False``: the model's
-    parameters as they are (right after a load they must already be the worker's own)."""
-    from gpt_utils import named_params
-
-    if gather:
-        ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync too
-    inner = opt.chained_optimizers[0].optimizer
-    adam = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in inner.state[p].items()}
-            for g in inner.param_groups for p in g["params"]]
-    out = dict(params=named_params(ddp), adam=adam, steps_done=None)
-    if ctl is not None:
-        outer = ctl.outer_optimizer
-        out.update(
-            steps_done=ctl.steps_done,
-            last_sync_step=ctl._last_sync_step,
-            anchors=[None if s.anchor is None else s.anchor.clone() for s in ctl.shards],
-            outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} if outer else None for s in ctl.shards],
-            mains=[s.read_current(torch.empty(s.numel)) for s in ctl.shards],
-            extra=ctl.extra_state() if hasattr(ctl, "extra_state") else None,
-            residuals=[(None if s.residual is None else s.residual.clone(),
-                        None if s.chunk_residual is None else s.chunk_residual.clone()) for s in ctl.shards],
-            collectives=ctl.sync_group.counters.collectives,
-            payload=ctl.sync_group.counters.payload_bytes,
-        )
-    return out
-
-
-def _train(ddp, opt, ctl, first, last, saves=None, snapshots=(), faults=()):
-    """Steps first..last on the same data as every other run; saves {step: [(path, metadata[,
-    fully_parallel])]};
-    ``faults`` as in edit_runs (a worker's parameters corrupted after its optimizer step)."""
-    from megatron.core import parallel_state as ps
-
-    from edit_runs import MICRO_BATCH, _inject_fault
-    from gpt_utils import make_batches, rank_micro_batches, train_step
-
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    batches = make_batches(STEPS, WORLD * MICRO_BATCH)  # always cut for 4 data-parallel ranks
-    per_rank = WORLD // dp
-    out = {}
-    for step in range(first, last + 1):
-        mine = torch.cat([rank_micro_batches(batches[step - 1], dp_rank * per_rank + i, WORLD) for i in range(per_rank)], 1)
-        train_step(ddp, opt, mine)
-        if faults:
-            worker = dp_rank // (dp // ctl.num_workers)
-            _inject_fault({"faults": faults}, step, worker, [m for sh in ctl.shards for m in sh.mains])
-        for path, metadata, *fully_parallel in (saves or {}).get(step, ()):
-            _save(ddp, opt, path, metadata, *fully_parallel)
-        if step in snapshots:
-            out[step] = _state(ddp, opt, ctl)
-    return out
-
-
-def train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=None, saves=None, snapshots=(),
-              bucket_size=3000, faults=()):
-    """One training run: optionally resume from ``load=(path, metadata, step)``, train to
-    ``steps``, return the final state, snapshots and the sync reports."""
-    import megatron_edit as me
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances)
-    ddp, opt, ctl = _setup(local_sgd, instances, bucket_size=bucket_size)
-    first = 1
-    loaded = None
-    if load is not None:
-        path, metadata, step = load
-        _load(ddp, opt, path, metadata)
-        loaded = _state(ddp, opt, ctl, gather=False)
-        first = step + 1
-    snaps = _train(ddp, opt, ctl, first, steps, saves, snapshots, faults)
-    out = dict(final=_state(ddp, opt, ctl), loaded=loaded, snapshots=snaps,
-               reports=ctl.drain_reports() if ctl else [], worker=ps.get_data_parallel_rank() // (ps.get_data_parallel_world_size() // instances))
-    me.unpatch_megatron_for_local_sgd()
-    return out
-
-
-def _drop_from_checkpoint(path, prefix):
-    """Remove every entry whose key starts with ``prefix`` from a torch_dist checkpoint."""
-    meta_path = os.path.join(path, ".metadata")
-    with open(meta_path, "rb") as f:
-        meta = pickle.load(f)
-
-    def keep(key):
-        return not str(getattr(key, "fqn", key)).startswith(prefix)
-
-    meta.state_dict_metadata = {k: v for k, v in meta.state_dict_metadata.items() if keep(k)}
-    meta.storage_data = {k: v for k, v in meta.storage_data.items() if keep(k)}
-    if isinstance(getattr(meta, "planner_data", None), dict):
-        meta.planner_data = {k: v for k, v in meta.planner_data.items() if keep(k)}
-    with open(meta_path, "wb") as f:
-        pickle.dump(meta, f)
-
-
-def _garble_object(path, prefix):
-    """Overwrite the stored bytes of the ShardedObject whose key starts with ``prefix``."""
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        meta = pickle.load(f)
-    (index,) = [k for k in meta.storage_data if k.fqn.startswith(prefix)]
-    info = meta.storage_data[index]
-    with open(os.path.join(path, info.relative_path), "r+b") as f:
-        f.seek(info.offset)
-        f.write(b"\x00garbage" * (info.length // 8) + b"\x00" * (info.length % 8))
-
-
-def load_errors_job(rank, world, cases, instances=2, plain_save=None):
-    """Try each load in ``cases`` ([(name, path)] or [(name, path, metadata)]) in turn; returns
-    {name: error message}. The errors must be raised on every rank (or the other ranks would
-    hang in the collectives)."""
-    import megatron_edit as me
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances)
-    if plain_save is not None:  # a checkpoint of ordinary (synchronous) Megatron training
-        ddp, opt, _ = _setup(None, instances)
-        _train(ddp, opt, None, 1, 1)
-        _save(ddp, opt, plain_save)
-    out = {}
-    for name, path, *metadata in cases:
-        ddp, opt, _ = _setup(EDIT, instances)
-        try:
-            _load(ddp, opt, path, *metadata)
-            out[name] = None
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            out[name] = f"{type(e).__name__}: {e}"
-        me.unpatch_megatron_for_local_sgd()
-    return out
-
-
-def model_only_and_legacy_job(rank, world, path, legacy_dir):
-    """Load only the model of an EDiT checkpoint taken between syncs, train two steps; then try
-    the legacy torch format."""
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
-    ddp, opt, ctl = _setup(EDIT)
-    _load(ddp, opt, path, optimizer=False)
-    loaded = _state(ddp, opt, ctl, gather=False)
-    after = _train(ddp, opt, ctl, 1, 2, snapshots=(2,))[2]
-    refused = {}
-    for name, call in (("save", lambda: opt.save_parameter_state(os.path.join(legacy_dir, "o.pt"))),
-                       ("load", lambda: opt.load_parameter_state(os.path.join(legacy_dir, "o.pt")))):
-        try:
-            call()
-            refused[name] = None
-        except Exception as e:  # noqa: BLE001
-            refused[name] = f"{type(e).__name__}: {e}"
-    return dict(loaded=loaded, after=after, refused=refused, worker=ps.get_data_parallel_rank() // 2)
-
-
-def corrupt_save_job(rank, world, path):
-    from megatron.core import parallel_state as ps
-
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
-    ddp, opt, ctl = _setup(EDIT)
-    _train(ddp, opt, ctl, 1, 3)
-
-    def corrupt(state):
-        state["optimizer"]["local_sgd"]["record"].data["steps_done"] = -1
-
-    _save(ddp, opt, path, corrupt=corrupt)
-
-
-# ----------------------------------------------------------------------- comparisons
-def _equal(a, b, what):
-    """Bit-for-bit equality of nested dicts / lists / tensors / numbers."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        assert torch.is_tensor(a) and torch.is_tensor(b), what
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), what
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), (what, a.keys(), getattr(b, "keys", lambda: b)())
-        for k in a:
-            _equal(a[k], b[k], f"{what}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{what}[{i}]")
-    else:
-        assert a == b, (what, a, b)
-
-
-def _same_params(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ----------------------------------------------------------------------- tests
@@ -441,31 +187,37 @@ def test_model_only_load_restarts_edit_from_worker_0_and_legacy_format_is_refuse
     assert _same_params(results[0]["after"]["params"], results[2]["after"]["params"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_missing_or_corrupted_edit_state_is_a_clear_error(runs, tmp_path):
     """Loading with EDiT on fails on every rank, never a silent fresh start: CheckpointStateError
-    naming the problem for a checkpoint of ordinary training and for one whose anchor or
-    worker-1 part was removed; NotSupportedYet for the optimizer format megatron-core 0.16
-    corrupts; torch.distributed.checkpoint's own unpickling error for garbled record bytes."""
+    naming the problem for a checkpoint whose anchor, worker-1 part or record was removed, and
+    for a record with an impossible step count; NotSupportedYet for the optimizer format
+    megatron-core 0.16 corrupts; torch.distributed.checkpoint's own unpickling error for garbled
+    record bytes. (A checkpoint without any EDiT state is one of synchronous training: it
+    loads, test_checkpoint_resume.)"""
     src = runs["ckpt"][7]
-    cases = {"plain": str(tmp_path / "plain")}
-    for name, prefix in (("no-anchor", "local_sgd.anchor"), ("no-worker-1", "local_sgd.worker_1.")):
+    cases = {}
+    for name, prefix in (("no-anchor", "local_sgd.anchor"), ("no-worker-1", "local_sgd.worker_1."),
+                         ("no-record", "local_sgd.record")):
         cases[name] = str(tmp_path / name)
         shutil.copytree(src, cases[name])
         _drop_from_checkpoint(cases[name], prefix)
     cases["garbled-record"] = str(tmp_path / "garbled")
     shutil.copytree(src, cases["garbled-record"])
     _garble_object(cases["garbled-record"], "local_sgd.record")
+    cases["bad-step-count"] = str(tmp_path / "bad_record")
+    run_ranks(corrupt_save_job, WORLD, cases["bad-step-count"], timeout=200)
     cases = [(name, path) for name, path in cases.items()]
     # 7 buckets: megatron-core 0.16's fully_reshardable format would misplace state.
     cases.insert(0, ("fully-reshardable-padded-buckets", src, FULLY_RESHARDABLE))
-    results = run_ranks(load_errors_job, WORLD, cases, plain_save=str(tmp_path / "plain"), timeout=250)
+    results = run_ranks(load_errors_job, WORLD, cases, timeout=250)
     expected = {
         "fully-reshardable-padded-buckets": "misplaces the optimizer state",
-        "plain": "has no EDiT (local SGD) state",
         "no-anchor": "is incomplete or corrupted",
-        "no-worker-1": "holds EDiT state of 1 worker(s)",
+        "no-worker-1": "entries missing (workers [1])",
+        "no-record": "has EDiT state but no EDiT record",
         "garbled-record": "UnpicklingError",  # torch.distributed.checkpoint's own error
+        "bad-step-count": "corrupted EDiT step count",
     }
     for r in results:
         for name, fragment in expected.items():
@@ -476,19 +228,12 @@ def test_missing_or_corrupted_edit_state_is_a_clear_error(runs, tmp_path):
                 assert message.startswith("CheckpointStateError"), (name, message)
 
 
-@pytest.mark.timeout(300)
-def test_corrupted_record_and_worker_count_change_are_refused(runs, tmp_path):
-    """A record with an impossible step count, and a 2-worker checkpoint loaded by 1 or 4
-    workers: CheckpointStateError naming the cause."""
-    path = str(tmp_path / "bad_record")
-    run_ranks(corrupt_save_job, WORLD, path, timeout=200)
-    (bad,) = {m for r in run_ranks(load_errors_job, WORLD, [("bad", path)], timeout=200) for m in r.values()}
-    assert bad.startswith("CheckpointStateError") and "corrupted EDiT step count" in bad, bad
-    for instances, fragment in ((1, "holds EDiT state of 2 workers, this run has 1"),
-                                (4, "holds EDiT state of 2 worker(s), this run has more")):
-        messages = {m for r in run_ranks(load_errors_job, WORLD, [("n", runs["ckpt"][7])], instances=instances,
-                                         timeout=200) for m in r.values()}
-        assert len(messages) == 1, messages
-        (message,) = messages
-        assert message and message.startswith("CheckpointStateError") and fragment in message, message
+def test_record_of_another_format_is_refused_with_what_to_do():
+    """A format-1 record (per-bucket EDiT state, before elastic checkpoints) or an unknown one."""
+    from megatron_edit.mcore.checkpoint_layout import CheckpointStateError
+    from megatron_edit.mcore.checkpoint_record import check_run_record
 
+    with pytest.raises(CheckpointStateError, match="format 'megatron_edit.local_sgd/1'.*--no-load-optim"):
+        check_run_record({"format": "megatron_edit.local_sgd/1"}, "the checkpoint")
+    with pytest.raises(CheckpointStateError, match="not readable"):
+        check_run_record({"format": "something else"}, "the checkpoint")

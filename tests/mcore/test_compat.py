@@ -4,6 +4,7 @@ worker (megatron-core 0.12.x reduces them over every rank)."""
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import types
 
@@ -29,36 +30,81 @@ def _resolve(target):
 
 def test_installed_release_is_supported_and_the_range_is_the_partial_distopt_releases():
     assert compat.is_supported(INSTALLED)
-    assert str(compat.SUPPORTED) == ">=0.12.0,<0.17.0"
+    assert str(compat.SUPPORTED) == ">=0.12.0,<0.20.0"
     assert all(compat.SUPPORTED.contains(v) for v in compat.TESTED)
-    for version in ("0.11.0", "0.9.0", "0.17.0", "1.0.0"):
+    assert compat.TESTED[-1] == "0.19.2"
+    for version in ("0.17.0", "0.18.2", "0.19.2"):
+        assert compat.is_supported(version), version
+    for version in ("0.11.0", "0.9.0", "0.20.0", "0.20.0rc0", "1.0.0"):
         assert not compat.is_supported(version), version
+    assert compat.TRAINING_SUPPORTED.minimum == "0.16.0"
+    assert compat.TRAINING_SUPPORTED.below == compat.SUPPORTED.below
 
 
-@pytest.mark.parametrize("target", sorted(compat.SIGNATURES))
+RELEASES = ("0.12.0", "0.12.3", "0.13.0", "0.13.1", "0.14.0", "0.15.0", "0.15.3", "0.16.0",
+            "0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
+
+
+def _training_importable() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.mark.parametrize("target", sorted(compat.SIGNATURES) + sorted(compat.TRAINING_SIGNATURES))
 def test_signature_table_matches_the_installed_release_exactly(target):
     """Every function megatron_edit wraps or calls by keyword has, in this release, exactly the
-    parameters the table lists for it (the patches refuse a mismatch at start-up)."""
-    assert tuple(inspect.signature(_resolve(target)).parameters) == compat.params(target)
+    parameters the table lists for it (the patches refuse a mismatch at start-up); where the
+    table says a function is gone, it is gone."""
+    if target in compat.TRAINING_SIGNATURES and not (
+        _training_importable() and compat.TRAINING_SUPPORTED.contains(INSTALLED)
+    ):
+        pytest.skip("Megatron-LM's megatron.training is not importable here (megatron-core < 0.17 "
+                    "ships none; a checkout on the path provides it: tests/training)")
+    if compat.release_range(target).contains(INSTALLED):
+        assert tuple(inspect.signature(_resolve(target)).parameters) == compat.params(target)
+    else:
+        with pytest.raises((ImportError, AttributeError)):
+            _resolve(target)
 
 
 def test_signature_ranges_cover_the_supported_releases_without_overlap():
-    for target, ranges in compat.SIGNATURES.items():
-        for version in ("0.12.0", "0.12.3", "0.13.0", "0.13.1", "0.14.0", "0.15.0", "0.15.3",
-                        "0.16.0", "0.16.1"):
-            matching = [names for versions, names in ranges if versions.contains(version)]
-            assert len(matching) == 1, (target, version)
-        with pytest.raises(LookupError, match="0.11.0"):
-            compat.params(target, "0.11.0")
+    for table, releases in ((compat.SIGNATURES, RELEASES),
+                            (compat.TRAINING_SIGNATURES, RELEASES[7:])):
+        for target, ranges in table.items():
+            existing = compat.release_range(target)
+            for version in releases:
+                matching = [names for versions, names in ranges if versions.contains(version)]
+                assert len(matching) == (1 if existing.contains(version) else 0), (target, version)
+            with pytest.raises(LookupError, match="0.11.0"):
+                compat.params(target, "0.11.0")
+            with pytest.raises(LookupError, match="0.20.0"):
+                compat.params(target, "0.20.0")
+    for target in compat.SIGNATURES:
+        assert compat.release_range(target) == compat.SUPPORTED, target
 
 
 def test_known_differences_are_in_the_table():
     ddp, bucket = compat._DDP + ".__init__", compat._BUCKET_GROUP + ".start_grad_sync"
     assert compat.params(ddp, "0.12.3")[-1] == "disable_bucketing"
     assert compat.params(ddp, "0.14.0")[-2:] == ("grad_comm_pgs", "model_comm_pgs")
-    assert compat.params(ddp, "0.15.3")[-1] == compat.params(ddp, "0.16.1")[-1] == "pg_collection"
+    assert compat.params(ddp, "0.15.3")[-1] == compat.params(ddp, "0.17.1")[-1] == "pg_collection"
+    assert compat.params(ddp, "0.18.2")[-1] == compat.params(ddp, "0.19.2")[-1] == "full_param_layout"
     assert compat.params(bucket, "0.15.3") == ("self",)
-    assert compat.params(bucket, "0.16.0") == ("self", "force_all_reduce")
+    assert compat.params(bucket, "0.16.0") == compat.params(bucket, "0.19.2") == ("self", "force_all_reduce")
+    load = "megatron.core.dist_checkpointing:load"
+    assert "common_strategy" in compat.params(load, "0.18.2")
+    assert "common_strategy" not in compat.params(load, "0.19.2")
+    dp = "megatron.core.parallel_state:get_data_parallel_group"
+    assert "independent_all_gather" in compat.params(dp, "0.17.1")
+    assert "independent_all_gather" not in compat.params(dp, "0.18.2")
+    assert compat.params(dp, "0.19.2")[1] == "with_gtp_remat"
+    init = "megatron.training.initialize:initialize_megatron"
+    assert compat.params(init, "0.17.1")[3] == compat.params(init, "0.18.2")[0] == "allow_no_cuda"
+    assert compat.release_range("megatron.training.initialize:parse_args").below == "0.18.0"
+    assert compat.packed_sequence_stats_all_reduced("0.18.0")
+    assert not compat.packed_sequence_stats_all_reduced("0.17.1")
 
 
 def test_call_kwargs_keeps_only_what_the_release_accepts():

@@ -224,3 +224,31 @@ def test_a_layerwise_sync_due_at_the_last_step_completes_before_the_run_ends():
         run = r["runs"][0]
         assert [rep.step for rep in run["reports"]] == [3, 6] and not run["pending_at_end"]
     _assert_params_equal(results[0]["runs"][0]["params"], results[2]["runs"][0]["params"], "workers at the end")
+
+
+@pytest.mark.timeout(400)
+def test_virtual_pipeline_layerwise_equals_step_end():
+    """PP=2 with two virtual stages per rank (Megatron-LM's VPP set-up: one DDP per chunk, the
+    interleaved schedule, and with align_param_gather the schedule gathers each chunk's
+    parameters itself): layer-wise syncs, aligned or not, give step-end's parameters bit for bit,
+    and the replicas are identical after the last sync."""
+    from edit_runs import vpp_runs
+
+    local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)
+    specs = [dict(local_sgd=dict(local, sync_mode="step_end"), outer=OUTER, steps=5, align=False,
+                  overlap_param_gather=False),
+             dict(local_sgd=local, outer=OUTER, steps=5, align=True, overlap_param_gather=True),
+             dict(local_sgd=local, outer=OUTER, steps=5, align=False, overlap_param_gather=True)]
+    results = run_ranks(vpp_runs, WORLD, specs, timeout=380)
+    for r in results:
+        step_end, aligned, unaligned = r
+        assert [rep.step for rep in aligned["reports"]] == [3, 5]
+        for other in (aligned, unaligned):
+            for a, b in zip(step_end["params"], other["params"]):
+                _assert_params_equal(a, b, "layer-wise (VPP) vs step-end")
+    by_stage = {}
+    for r in results:
+        by_stage.setdefault(r[1]["pp_rank"], []).append(r[1]["params"])
+    for stage in by_stage.values():
+        for a, b in zip(*stage):
+            _assert_params_equal(a, b, "replicas after the last sync")

@@ -160,3 +160,27 @@ def test_refuses_fp16_loss_scaling():
     with pytest.raises(NotSupportedYet, match="fp16.*not supported yet") as info:
         check_optimizer_options(config, has_grad_scaler=True)
     assert "--bf16" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "field, value, exc, match",
+    [
+        ("optimizer_cuda_graph", True, ConfigError, "--optimizer-cuda-graph"),  # 0.17+
+        ("grad_norm_skip_threshold", 10.0, ConfigError, "grad_norm_skip_threshold=10.0"),  # 0.18+
+        ("optimizer", "lion", NotSupportedYet, "--optimizer lion"),
+    ],
+    ids=["optimizer-cuda-graph", "grad-norm-skip", "other-optimizer"],
+)
+def test_refuses_newer_optimizer_options(field, value, exc, match):
+    """Options of newer releases that would desynchronise or bypass EDiT's step; on releases
+    without the field the config cannot carry it (set after construction: __post_init__ of
+    some releases checks it against transformer-engine)."""
+    config = _opt()
+    if not _has(OptimizerConfig, field):
+        pytest.skip(f"OptimizerConfig has no {field} in this megatron-core (see compat)")
+    setattr(config, field, value)
+    with pytest.raises(exc, match=match) as info:
+        check_optimizer_options(config, has_grad_scaler=False)
+    if exc is ConfigError:
+        assert type(info.value) is ConfigError
+    assert check_optimizer_options(_opt(optimizer="sgd"), has_grad_scaler=False) is None

@@ -169,24 +169,28 @@ def test_a_config_changed_after_construction_is_validated_again(originals):
     assert _installed() == originals
 
 
-@pytest.mark.parametrize("version", ["0.9.0", "0.11.0", "0.17.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.9.0", "0.11.0", "0.20.0", "0.21.1", "1.0.0"])
 def test_unsupported_version_is_refused(originals, monkeypatch, version):
     monkeypatch.setattr(api, "megatron_core_version", lambda: version)
     with pytest.raises(UnsupportedMegatronVersion) as info:
         patch_megatron_for_local_sgd(LocalSGDConfig())
     message = str(info.value)
     assert f"megatron-core {version} is installed" in message
-    assert "supports megatron-core >=0.12.0,<0.17.0" in message
+    assert "supports megatron-core >=0.12.0,<0.20.0" in message
+    assert "0.19.2" in message  # the newest tested release, to install instead
+    newer = _vt(version) >= (0, 20)
+    assert ("newer than the newest release megatron_edit was checked against" in message) == newer
     assert isinstance(info.value, PatchError)
     assert _installed() == originals
     assert not is_patched() and SESSION.runtime is None
 
 
 def test_supported_range():
-    assert str(SUPPORTED) == ">=0.12.0,<0.17.0"
-    for version in ("0.12.0", "0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.0", "0.16.1", "0.16.1rc0"):
+    assert str(SUPPORTED) == ">=0.12.0,<0.20.0"
+    for version in ("0.12.0", "0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.0", "0.16.1",
+                    "0.16.1rc0", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2"):
         assert SUPPORTED.contains(version), version
-    for version in ("0.11.0", "0.11.9", "0.17.0", "0.17.0rc1", "0.9.0", "1.16.0"):
+    for version in ("0.11.0", "0.11.9", "0.20.0", "0.20.0rc1", "0.9.0", "1.16.0"):
         assert not SUPPORTED.contains(version), version
 
 
@@ -369,3 +373,32 @@ def test_list_as_a_module():
     assert proc.returncode == 0, proc.stderr
     for pid in EXPECTED_IDS:
         assert pid in proc.stdout
+
+
+# --- megatron-core's load fixes alone (plain Megatron) ---------------------------------------
+
+
+def test_load_fixes_alone_patch_and_revert_and_give_way_to_the_full_registry(originals):
+    """patch_megatron_load_fixes(): the fixes of megatron-core's own load defects for plain
+    Megatron (one wrap per target, reverted exactly); patch_megatron_for_local_sgd() replaces them
+    (its checkpoint patches compose the same fixes), and while it is active the call does nothing."""
+    from megatron_edit import patch_megatron_load_fixes, unpatch_megatron_load_fixes
+    from megatron_edit.mcore.load_fixes import LOAD_FIXES, TORCH_ADAM_LOAD_BUGS
+
+    if not TORCH_ADAM_LOAD_BUGS.contains(INSTALLED):
+        assert patch_megatron_load_fixes() == []
+        return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    methods = [method for _, method, *_ in LOAD_FIXES]
+    before = {m: inspect.getattr_static(DistributedOptimizer, m) for m in methods}
+    assert patch_megatron_load_fixes() == [patch_id for patch_id, *_ in LOAD_FIXES]
+    for m in methods:
+        assert inspect.getattr_static(DistributedOptimizer, m).__wrapped__ is before[m]
+    assert patch_megatron_for_local_sgd(LocalSGDConfig()) == EXPECTED_IDS  # the fixes give way
+    for m in methods:
+        assert inspect.getattr_static(DistributedOptimizer, m).__wrapped__ is before[m], m  # one layer
+    assert set(patch_megatron_load_fixes()) <= set(EXPECTED_IDS)
+    unpatch_megatron_for_local_sgd()
+    assert unpatch_megatron_load_fixes() == []
+    assert {m: inspect.getattr_static(DistributedOptimizer, m) for m in methods} == before

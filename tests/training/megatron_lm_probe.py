@@ -24,15 +24,20 @@ def _parse_and_validate(init, argv, world_size, extra_args_provider=None):
 
 def main(checkout, spec_path):
     spec = json.load(open(spec_path))
-    sys.path.append(checkout)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4")
-    from megatron_edit import patch_megatron_for_local_sgd, unpatch_megatron_for_local_sgd
+    from megatron_edit import launch, patch_megatron_for_local_sgd, unpatch_megatron_for_local_sgd
     from megatron_edit.cpu import training_adapter as cpu_training_adapter
     from megatron_edit.training.patches import check_import_bindings
 
+    launch._set_up_path(os.path.join(checkout, "pretrain_gpt.py"))  # the launcher's megatron
     cpu_training_adapter.activate()
     out = {"patches": patch_megatron_for_local_sgd()}
-    import megatron.training.initialize as init
+    # Where Megatron-LM's scripts parse and validate (arguments.parse_and_validate_args since
+    # core_v0.18; initialize_megatron before, through the names initialize binds too).
+    import megatron.training.arguments as init
+    import megatron.training
+
+    out["training_from"] = os.path.dirname(megatron.training.__file__)
 
     def script_provider(parser):  # what pretrain_gpt.py-style scripts pass
         parser.add_argument("--my-script-flag", type=int, default=3)

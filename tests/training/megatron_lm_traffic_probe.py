@@ -11,7 +11,8 @@ bucket code) are the recording wrappers too. Each call made outside another reco
 (``all_gather_object`` calls ``all_gather`` itself) is recorded with: the training iteration it
 belongs to (Megatron's 1-based number as logged: ``args.curr_iteration + 1`` inside the training
 loop, None before it), the ranks of its group (world when None; for point-to-point ops this rank
-and its peer) and the Megatron / megatron_edit / script frames of its stack, innermost last.
+and its peer) and the Megatron / megatron_edit / script frames of its stack, innermost last
+(``training/training.py:train_step:2547``, ``megatron_edit/exchange/groups.py:all_reduce_sum:65``).
 ``MEGATRON_EDIT_PROBE_SLOW=2,3:0.3`` makes ranks 2 and 3 sleep 0.3 s per optimizer step;
 ``MEGATRON_EDIT_PROBE_NO_WORKER_LOCAL=1`` leaves out the ``worker-local-*`` patches (Megatron's
 collectives as they are, for comparison).
@@ -73,7 +74,12 @@ class Recorder:
         for info in inspect.stack(context=0)[3:]:
             path = info.filename.replace(os.sep, "/")
             if any(k in path for k in _KEEP):
-                short = path.rsplit("/megatron/", 1)[-1] if "/megatron/" in path else path.rsplit("/", 1)[-1]
+                if "/megatron_edit/" in path:  # e.g. megatron_edit/exchange/groups.py
+                    short = "megatron_edit/" + path.rsplit("/megatron_edit/", 1)[-1]
+                elif "/megatron/" in path:
+                    short = path.rsplit("/megatron/", 1)[-1]
+                else:
+                    short = path.rsplit("/", 1)[-1]
                 frames.append(f"{short}:{info.function}:{info.lineno}")
         return frames[::-1]  # outermost first
 

@@ -1,8 +1,10 @@
 """Megatron-LM integration: pretrain_gpt.py with the runtime patches and with patches/ applied.
 
-Most tests need a Megatron-LM checkout at tag core_v0.16.1 in the environment variable
-MEGATRON_LM_DIR (plus scripts/requirements-megatron-lm.txt installed); without it they are
-skipped with a message saying so. They run Megatron-LM in separate processes (importing
+Most tests need a Megatron-LM checkout at the tag of the installed megatron-core's release line
+(core_v0.16.1 for 0.16.x, core_v0.19.0 for 0.19.x: compat.MEGATRON_LM_TAGS) in the environment
+variable MEGATRON_LM_DIR (plus scripts/requirements-megatron-lm.txt installed); without it they
+are skipped with a message saying so. The fork patches are those of patches/<tag>/ for that
+release line. They run Megatron-LM in separate processes (importing
 ``megatron.training`` configures logging, and patching is process-global), end to end on 4 CPU
 processes over gloo with a tiny GPT on mock data. The tests without the checkout exercise the
 launcher's argument handling, the flag validation through the package's own provider, and the
@@ -23,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_edit import launch
+from megatron_edit.mcore import compat
 from megatron_edit.mcore.compat import megatron_core_version
 from megatron_edit.config import ConfigError, NotSupportedYet
 from megatron_edit.training.flags import add_local_sgd_args, with_local_sgd_args
@@ -30,7 +33,9 @@ from megatron_edit.training.metrics import SyncMetrics, merge_reports, training_
 from megatron_edit.training.validation import validate_local_sgd_args
 
 REPO = Path(__file__).resolve().parents[2]
-PATCHES = sorted((REPO / "patches").glob("*.patch"))
+INSTALLED = megatron_core_version()
+LINE = ".".join(INSTALLED.split(".")[:2])  # the installed release line, e.g. 0.19
+TAG = compat.MEGATRON_LM_TAGS.get(LINE, f"core_v{LINE}.x")
 
 _DIR = os.environ.get("MEGATRON_LM_DIR", "")
 CHECKOUT = Path(_DIR) if _DIR else None
@@ -40,10 +45,16 @@ HAVE_CHECKOUT = bool(
 )
 HOW_TO_RUN = (
     f"MEGATRON_LM_DIR is {'unset' if not _DIR else repr(_DIR) + ', not a Megatron-LM checkout'}: "
-    "set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1 (git clone "
-    "https://github.com/NVIDIA/Megatron-LM && git -C Megatron-LM checkout core_v0.16.1) and "
-    "pip install -r scripts/requirements-megatron-lm.txt to run these tests"
+    f"set MEGATRON_LM_DIR to a Megatron-LM checkout at tag {TAG}, the one of the installed "
+    f"megatron-core {INSTALLED} (git clone https://github.com/NVIDIA/Megatron-LM && git -C "
+    f"Megatron-LM checkout {TAG}) and pip install -r scripts/requirements-megatron-lm.txt to run "
+    "these tests"
 )
+# patches/<tag>/: the fork patches of each Megatron-LM release line (core_v0.16.1, core_v0.19).
+PATCH_DIRS = sorted(p for p in (REPO / "patches").iterdir() if p.is_dir())
+_LINE_DIRS = [p for p in PATCH_DIRS if p.name.startswith(f"core_v{LINE}")]
+PATCH_DIR = _LINE_DIRS[0] if len(_LINE_DIRS) == 1 else None
+PATCHES = sorted(PATCH_DIR.glob("*.patch")) if PATCH_DIR else []
 needs_checkout = pytest.mark.skipif(not HAVE_CHECKOUT, reason=HOW_TO_RUN)
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 HAVE_EDIT_CHECKPOINTING = importlib.util.find_spec("megatron_edit.mcore.checkpoint") is not None
@@ -124,19 +135,51 @@ def test_launcher_on_cpu_requires_gloo():
     launch._check_backend(["--distributed-backend=gloo"])
 
 
-def test_launcher_refuses_a_checkout_of_another_release(tmp_path, monkeypatch):
-    info = tmp_path / "megatron" / "core" / "package_info.py"
+def _fake_checkout(root, version, training_marker=None):
+    info = root / "megatron" / "core" / "package_info.py"
     info.parent.mkdir(parents=True)
-    info.write_text("MAJOR = 0\nMINOR = 11\nPATCH = 0\n")  # never the installed release
-    (tmp_path / "pretrain_gpt.py").write_text("")
+    major, minor, patch = version.split(".")
+    info.write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\n")
+    (info.parent / "__init__.py").write_text("raise ImportError('the checkout megatron.core')\n")
+    if training_marker is not None:
+        training = root / "megatron" / "training"
+        training.mkdir()
+        (training / "__init__.py").write_text(f"MARKER = {training_marker!r}\n")
+    (root / "pretrain_gpt.py").write_text(
+        "import megatron.core, megatron.training\n"
+        "print('CORE', megatron.core.__version__, megatron.core.__file__)\n"
+        "print('TRAINING', megatron.training.MARKER)\n")
+    return root / "pretrain_gpt.py"
+
+
+def test_launcher_refuses_a_checkout_of_another_release(tmp_path, monkeypatch):
+    script = _fake_checkout(tmp_path, "0.11.0")  # never the installed release line
     assert launch._checkout_version(str(tmp_path)) == "0.11.0"
     monkeypatch.setattr(sys, "path", list(sys.path))
-    installed = re.escape(megatron_core_version())
-    with pytest.raises(SystemExit, match=rf"megatron-core 0\.11\.0.*core_v{installed}"):
-        launch._set_up_path(str(tmp_path / "pretrain_gpt.py"))
-    # After site-packages: the installed megatron.core wins over the checkout's copy.
-    site = max(i for i, p in enumerate(sys.path) if p.endswith("site-packages"))
-    assert sys.path.index(str(tmp_path)) > site
+    installed = re.escape(INSTALLED)
+    with pytest.raises(SystemExit, match=rf"megatron-core 0\.11\.0.*megatron-core {installed} is "
+                                         rf"installed.*tag {TAG}.*megatron-core==0\.11\.\*"):
+        launch._set_up_path(str(script))
+    assert str(tmp_path) not in sys.path
+
+
+def test_launcher_runs_the_checkouts_training_code_on_the_installed_core(tmp_path):
+    """A checkout of the installed release line (another patch release: tag core_v0.19.0 says
+    0.19.1, the wheel is 0.19.2) is accepted; megatron.core stays the installed one while
+    megatron.training is the checkout's, even where the megatron-core wheel ships its own
+    (0.17+): a fork's patched copy must win. In a fresh process, through the launcher."""
+    major, minor, _ = INSTALLED.split(".")[:3]
+    script = _fake_checkout(tmp_path, f"{major}.{minor}.99", training_marker="the checkout's")
+    code = ("import sys; from megatron_edit import launch; "
+            f"launch._set_up_path({str(script)!r}); sys.argv = [{str(script)!r}]; "
+            f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"megatron-core {major}.{minor}.99) with the installed megatron-core {INSTALLED}" in proc.stdout
+    core = re.search(r"^CORE (\S+) (\S+)$", proc.stdout, re.M)
+    assert core.group(1) == INSTALLED and str(tmp_path) not in core.group(2)
+    assert "TRAINING the checkout's" in proc.stdout
 
 
 def _megatron_like_args(*argv, **megatron_options):
@@ -198,13 +241,18 @@ def test_flags_through_the_package_provider_compose_and_are_added_once():
         # Before: refused only at the first save, after training, leaving an empty folder.
         ((), dict(ckpt_format="torch", save="ckpt"), ConfigError, "--ckpt-format torch_dist"),
         ((), dict(ckpt_format="torch_dist", save="ckpt"), None, None),
+        ((), dict(optimizer="muon", use_distributed_optimizer=False), NotSupportedYet, "--optimizer muon"),
+        ((), dict(optimizer="sgd"), None, None),
+        ((), dict(optimizer_cuda_graph=True), ConfigError, "--optimizer-cuda-graph"),
+        ((), dict(gtp_weight_remat_size=2), NotSupportedYet, "--tensor-parallel-num-weight-shards"),
     ],
     ids=["ok", "no-distopt", "workers-do-not-divide", "cp-counts-as-data-parallel",
          "layerwise-needs-overlap-param-gather", "step-end-without-overlap", "fp16", "loss-scale",
          "fsdp2", "moe", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
          "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-async",
-         "ckpt-format-torch", "ckpt-format-torch-dist"],
+         "ckpt-format-torch", "ckpt-format-torch-dist", "emerging-optimizer", "sgd",
+         "optimizer-cuda-graph", "gtp-remat"],
 )
 def test_validation_through_the_package_provider(argv, options, error, match):
     args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4",
@@ -400,9 +448,13 @@ def test_flags_reach_megatrons_parser_next_to_the_scripts_own(probe):
     assert probe["flags"] == {"use_local_sgd": True, "local_sgd_sync_interval": H,
                               "my_script_flag": 5, "data_parallel_size": 4}
     lm = [p for p in probe["patches"] if p.startswith("lm-")]
+    # initialize binds parse_args / validate_args until core_v0.18 (compat.TRAINING_SIGNATURES).
+    binds = compat.release_range("megatron.training.initialize:parse_args").contains(INSTALLED)
     assert lm == ["lm-parse-args-arguments", "lm-validate-args-arguments",
-                  "lm-parse-args-initialize", "lm-validate-args-initialize",
+                  *(["lm-parse-args-initialize", "lm-validate-args-initialize"] if binds else []),
                   "lm-training-log", "lm-print-rank-last"]
+    # megatron.training is the checkout's, also where the megatron-core wheel ships one (0.17+).
+    assert Path(probe["training_from"]).resolve() == (CHECKOUT / "megatron" / "training").resolve()
 
 
 @needs_checkout
@@ -437,6 +489,20 @@ def test_names_megatron_binds_at_import_need_no_patch_and_everything_reverts(pro
     assert probe["wrapped_after_unpatch"] == [False] * 4
     assert "lm-training-log" in probe["reverted"]
     assert probe["cpu_adapter_active_after_deactivate"] is False
+
+
+def test_fork_patches_per_release_line():
+    """patches/core_v0.16.1 and patches/core_v0.19: two format-patch files each, editing only
+    Megatron-LM's arguments.py and training.py (never megatron/core)."""
+    assert [p.name for p in PATCH_DIRS] == ["core_v0.16.1", "core_v0.19"]
+    for folder in PATCH_DIRS:
+        files = sorted(folder.glob("*.patch"))
+        assert [f.name[:5] for f in files] == ["0001-", "0002-"], folder
+        for f in files:
+            edited = re.findall(r"^diff --git a/(\S+)", f.read_text(), re.M)
+            assert edited in (["megatron/training/arguments.py"], ["megatron/training/training.py"]), (f, edited)
+        # Named after the tag they apply to (core_v0.19: tag core_v0.19.0, the 0.19 line).
+        assert any(tag.startswith(folder.name) for tag in compat.MEGATRON_LM_TAGS.values()), folder
 
 
 @needs_checkout
@@ -519,13 +585,16 @@ def fork_runs(tmp_path_factory):
     the CPU (--no-runtime-patches): the fork calls megatron_edit itself."""
     if shutil.which("git") is None:
         pytest.skip("needs git")
+    if not PATCHES:
+        pytest.skip(f"patches/ has no fork patches for the {LINE} release line (there are: "
+                    f"{', '.join(p.name for p in PATCH_DIRS)})")
     fork = tmp_path_factory.mktemp("fork") / "Megatron-LM"
     shutil.copytree(CHECKOUT / "megatron", fork / "megatron",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     for name in ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
         shutil.copy(CHECKOUT / name, fork / name)
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "core_v0.16.1"],
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", PATCH_DIR.name],
                 ["am", "-q", *map(str, PATCHES)]):
         subprocess.run(git + cmd, cwd=fork, check=True, capture_output=True, text=True)
     workdir = fork.parent / "run"

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_edit.config import ConfigError
+from megatron_edit.mcore import compat
 from megatron_edit.training.validation import validate_local_sgd_args
 from megatron_edit.training.worker_local import WorkerLocalCollectives
 from test_megatron_lm import (
@@ -37,6 +38,9 @@ from test_megatron_lm import (
 )
 
 PROBE = REPO / "tests" / "training" / "megatron_lm_traffic_probe.py"
+PACKED_STATS = compat.packed_sequence_stats_all_reduced()
+SYNC = "megatron_edit/exchange/"  # the frames of a sync's exchange (megatron_edit.exchange)
+PLAN_ASYNC = "megatron_edit/mcore/controller.py:_plan_async"  # A-EDiT's schedule
 
 
 # ================================================================ without the checkout
@@ -57,11 +61,15 @@ PROBE = REPO / "tests" / "training" / "megatron_lm_traffic_probe.py"
         (("--local-sgd-async",), dict(train_iters=None, train_samples=1000), "--train-iters"),
         (("--local-sgd-async",), dict(train_iters=100, save_interval=10), "--save-interval"),
         (("--local-sgd-async",), dict(train_iters=100, exit_interval=10), "--exit-interval"),
+        # Packed sequences: a world all-reduce of their lengths every iteration since 0.18.
+        ((), dict(sft=True), "--sft" if PACKED_STATS else None),
+        ((), dict(dataloader_inter_document_masking=True),
+         "--dataloader-inter-document-masking" if PACKED_STATS else None),
     ],
     ids=["exit-duration", "signal-handler", "signal-handler-async", "straggler", "energy",
          "rerun-report-stats", "rerun-validate", "rerun-disabled", "adlr-autoresume",
          "worker-local-logging", "worker-local-logging-async", "async-needs-train-iters",
-         "async-save-interval", "async-exit-interval"],
+         "async-save-interval", "async-exit-interval", "sft", "inter-document-masking"],
 )
 def test_options_with_collectives_across_workers(argv, options, match):
     args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4",
@@ -104,28 +112,94 @@ def test_workers_meet_after_warmup_steps_and_syncs_only():
     assert not _worker_local().workers_meet()
 
 
-def test_inside_a_reporting_region_the_full_data_parallel_group_is_the_workers(monkeypatch):
+def _dp_0_16(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False):
+    return dict(cp=with_context_parallel, partial=partial_data_parallel, independent=independent_all_gather)
+
+
+def _dp_0_18(with_context_parallel=False, partial_data_parallel=False):
+    return dict(cp=with_context_parallel, partial=partial_data_parallel)
+
+
+def _dp_0_19(with_context_parallel=False, with_gtp_remat=True, partial_data_parallel=False):
+    return dict(cp=with_context_parallel, gtp=with_gtp_remat, partial=partial_data_parallel)
+
+
+@pytest.mark.parametrize("getter", [_dp_0_16, _dp_0_18, _dp_0_19], ids=["0.16-0.17", "0.18", "0.19"])
+def test_inside_a_reporting_region_the_full_data_parallel_group_is_the_workers(monkeypatch, getter):
+    """parallel_state.get_data_parallel_group of each release (compat.SIGNATURES): inside a
+    reporting region the full group becomes the worker's (partial) one; the caller's other
+    arguments pass through by name."""
     import megatron_edit.training.worker_local as tp
 
     monkeypatch.setattr(tp, "_context_parallel_size", lambda: 1)
     wl = _worker_local(_Controller(6))
-    get = wl.wrap_get_data_parallel_group(lambda *a, **k: (a, k))
-    worker = ((), dict(with_context_parallel=True, partial_data_parallel=True))
-    assert get(with_context_parallel=True) == ((True, False, False), {})  # outside: unchanged
+    get = wl.wrap_get_data_parallel_group(getter)
+    worker = getter(with_context_parallel=True, partial_data_parallel=True)
+    assert get(with_context_parallel=True) == getter(with_context_parallel=True)  # outside: unchanged
+    assert get(True) == getter(True)
     seen = []
-    region = wl.wrap_reporting_region(lambda: seen.extend([
-        get(with_context_parallel=True), get(), get(True, True), get(True, False, True)]))
+    calls = [dict(with_context_parallel=True), dict(), dict(with_context_parallel=True, partial_data_parallel=True)]
+    if getter is _dp_0_16:
+        calls.append(dict(with_context_parallel=True, independent_all_gather=True))
+    if getter is _dp_0_19:
+        calls.append(dict(with_context_parallel=True, with_gtp_remat=False))  # calc_params_l2_norm's
+    region = wl.wrap_reporting_region(lambda: seen.extend(get(**kwargs) for kwargs in calls))
     region()
-    assert seen == [worker, worker, ((True, True, False), {}), ((True, False, True), {})]
+    assert seen[:3] == [worker, worker, worker]
+    if getter is _dp_0_16:  # Megatron's own independent group is left alone
+        assert seen[3] == getter(with_context_parallel=True, independent_all_gather=True)
+    if getter is _dp_0_19:
+        assert seen[3] == getter(with_context_parallel=True, with_gtp_remat=False, partial_data_parallel=True)
     monkeypatch.setattr(tp, "_context_parallel_size", lambda: 2)  # DP without CP: no worker group
     seen.clear()
     region()
-    assert seen[1] == ((False, False, False), {})
+    assert seen[1] == getter()
     # Local SGD off (no EDiT optimizer): the region changes nothing.
     seen.clear()
     off = _worker_local()
     off.wrap_reporting_region(lambda: seen.append(off.in_reporting()))()
     assert seen == [False]
+
+
+def test_inside_a_reporting_region_the_expert_group_and_the_models_groups_are_the_workers(monkeypatch):
+    """0.19: calc_params_l2_norm reduces over the expert data-parallel group, train_step and
+    evaluate over the model's pg_collection.dp_cp: both become the worker's in the region."""
+    from megatron.core import parallel_state
+
+    def expert(check_initialized=True, with_gtp_remat=True, partial_expert_data_parallel=False):
+        return ("expert", with_gtp_remat, partial_expert_data_parallel)
+
+    collection = SimpleNamespace(dp_cp="all dp", dp_cp_gtp_remat="all dp", tp="tp", intra_dp_cp="worker")
+    model = SimpleNamespace(pg_collection=collection)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_group",
+                        lambda **kwargs: "worker" if kwargs.get("partial_data_parallel") else "all dp")
+    wl = _worker_local(_Controller(6))
+    get_expert = wl.wrap_get_expert_data_parallel_group(expert)
+    get_attr = wl.wrap_get_attr_wrapped_model(lambda m, attr, *a, **k: getattr(m, attr, None))
+    assert get_expert(with_gtp_remat=False) == ("expert", False, False)
+    assert get_attr(model, "pg_collection") is collection
+    seen = []
+    wl.wrap_reporting_region(lambda: seen.extend([
+        get_expert(with_gtp_remat=False), get_expert(False, False),
+        get_attr(model, "pg_collection"), get_attr(model, "tp_group")]))()
+    assert seen[0] == seen[1] == ("expert", False, True)
+    local = seen[2]
+    assert local is not collection and (local.dp_cp, local.dp_cp_gtp_remat, local.tp) == ("worker", "worker", "tp")
+    assert collection.dp_cp == "all dp"  # the model's own collection is untouched
+    assert seen[3] is None
+
+
+def test_packed_sequence_statistics_are_refused_with_local_sgd(monkeypatch):
+    import megatron_edit.training.worker_local as tp
+
+    training = SimpleNamespace(_seqlen_stats_active=True)
+    monkeypatch.setitem(sys.modules, tp._TRAINING, training)
+    consume = lambda: (1.0, 2.0)  # noqa: E731
+    with pytest.raises(ConfigError, match="--sft, --dataloader-inter-document-masking"):
+        _worker_local(_Controller(6)).wrap_consume_seqlen_stats(consume)()
+    assert _worker_local().wrap_consume_seqlen_stats(consume)() == (1.0, 2.0)  # local SGD off
+    training._seqlen_stats_active = False
+    assert _worker_local(_Controller(6)).wrap_consume_seqlen_stats(consume)() == (1.0, 2.0)
 
 
 def test_signal_check_waits_for_the_next_warmup_step_or_sync():
@@ -200,8 +274,12 @@ def test_megatrons_validate_args_refuses_options_that_cross_workers(probe_cases)
 @needs_checkout
 @pytest.mark.timeout(400)
 def test_worker_local_patches_are_applied_and_reverted(probe_cases):
+    since = lambda version: compat.version_at_least(version)  # noqa: E731
     ids = ["worker-local-train-step", "worker-local-evaluate", "worker-local-params-norm",
-           "worker-local-dp-group", "worker-local-timer-barrier", "worker-local-timers-gather",
+           "worker-local-dp-group",
+           *(["worker-local-expert-dp-group", "worker-local-pg-collection"] if since("0.19.0") else []),
+           *(["worker-local-seqlen-stats"] if since("0.18.0") else []),
+           "worker-local-timer-barrier", "worker-local-timers-gather",
            "worker-local-rerun-vote", "worker-local-rerun-exit", "worker-local-signal-check"]
     assert [p for p in probe_cases["patches"] if p.startswith("worker-local-")] == ids
     assert set(ids) <= set(probe_cases["reverted"])
@@ -228,8 +306,9 @@ if HAVE_TENSORBOARD:
     OPTIONS += ["--tensorboard-dir", "tb", "--log-timers-to-tensorboard"]
 
 
-def _traffic_run(workdir, extra, env=None, timeout=400):
-    """pretrain_gpt.py under the traffic probe on 4 CPU processes (2 workers x 2 shards)."""
+def _traffic_run(workdir, extra, env=None, timeout=900):
+    """pretrain_gpt.py under the traffic probe on 4 CPU processes (2 workers x 2 shards). The
+    timeout only guards against hangs: a run takes 1-2 minutes, much longer on a loaded machine."""
     out = workdir / "traffic"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
            str(PROBE), str(out), "--cpu", str(CHECKOUT / "pretrain_gpt.py"), *TINY, *EDIT, *extra]
@@ -249,9 +328,11 @@ def _has(record, *names):
     return any(name in frame for frame in _frames(record) for name in names)
 
 
-def _in_training_loop(record):
-    """Inside Megatron's ``train`` once iterations run (before the first one: start-up)."""
-    return record["iteration"] is not None and any(
+def _in_training_loop(record, first_step):
+    """Inside Megatron's ``train`` once iterations run. Before the first ``train_step`` it is
+    start-up, also where Megatron already counts iteration 1 (core_v0.19 sets the iteration
+    before its start-of-training barrier and replica check)."""
+    return record["iteration"] is not None and record["time"] >= first_step and any(
         frame.startswith("training/training.py:train:") for frame in _frames(record))
 
 
@@ -261,9 +342,10 @@ def _crossing(run):
     for data in run.ranks:
         worker = set(data["worker_ranks"])
         assert len(worker) == 2, data["worker_ranks"]
+        first_step = min(r["time"] for r in data["records"] if _has(r, "training/training.py:train_step:"))
         for record in data["records"]:
             assert "error" not in record, record
-            if _in_training_loop(record) and set(record["ranks"]) - worker:
+            if _in_training_loop(record, first_step) and set(record["ranks"]) - worker:
                 found.append((data["rank"], record))
     return found
 
@@ -281,7 +363,7 @@ def _why_allowed(record, sync_steps, warmup):
         return "warmup: gradients are reduced across workers"
     if it <= warmup and _has(record, "rerun_state_machine.py:_reduce_any"):
         return "warmup: a re-run redoes that reduction, every worker votes"
-    if (it in sync_steps or it - 1 in sync_steps) and _has(record, "controller.py:", "pipeline.py:"):
+    if (it in sync_steps or it - 1 in sync_steps) and _has(record, SYNC):
         return "the sync exchange (completes in the next forward pass)"
     synced = it <= warmup or it in sync_steps
     if synced and _has(record, "dist_signal_handler.py:signals_received"):
@@ -311,7 +393,7 @@ def edit_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_e2e_edit_nothing_crosses_workers_between_syncs(edit_runs):
     run = edit_runs["after"]
     crossing = _crossing(run)
@@ -335,7 +417,7 @@ def test_e2e_edit_nothing_crosses_workers_between_syncs(edit_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_e2e_without_the_patches_megatron_crosses_workers_every_step(edit_runs):
     """What the worker-local patches remove: Megatron's own collectives across workers at
     iterations where EDiT exchanges nothing."""
@@ -346,16 +428,18 @@ def test_e2e_without_the_patches_megatron_crosses_workers_every_step(edit_runs):
         ("core/rerun_state_machine.py:_reduce_any", "all_reduce"),  # the re-run vote
         ("core/timers.py:start", "barrier"),  # timers (interval timer, --timing-log-level)
         ("core/timers.py:_get_elapsed_time_all_ranks", "all_gather_into_tensor"),  # timer report
-        ("training/utils.py:calc_params_l2_norm", "all_reduce"),  # --log-params-norm
         ("training/dist_signal_handler.py:all_gather_item", "all_gather"),  # signal check
         ("training/training.py:evaluate", "all_reduce"),  # validation loss
     } <= where, sorted(where)
+    # --log-params-norm: training/utils.py until core_v0.17, a package since (and in 0.19 also
+    # over the expert data-parallel group).
+    assert any(_has(r, "calc_params_l2_norm") and r["op"] == "all_reduce" for r in local), sorted(where)
     for iteration in LOCAL_ITERATIONS:
         assert any(r["iteration"] == iteration for r in local), iteration
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_e2e_training_numbers_do_not_change(edit_runs):
     """Only figures for the log became worker-local: the gradient norm (already per worker in
     Megatron) is the same at every iteration with and without the patches."""
@@ -387,17 +471,17 @@ def async_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_e2e_a_edit_workers_run_apart_between_syncs(async_run):
     sync_step = W + H
     crossing = _crossing(async_run)
     unexpected = []
     for rank, r in crossing:
-        syncing = r["iteration"] in (sync_step, sync_step + 1, ASYNC_ITERS) and _has(r, "controller.py:", "pipeline.py:")
+        syncing = r["iteration"] in (sync_step, sync_step + 1, ASYNC_ITERS) and _has(r, SYNC)
         if not syncing and _why_allowed(r, [], W) is None:
             unexpected.append((rank, r["iteration"], r["op"], r["ranks"], r["stack"][-4:]))
     assert not unexpected, "\n".join(map(str, unexpected))
-    assert any(_has(r, "controller.py:_plan_async") for _, r in crossing)  # the A-EDiT schedule
+    assert any(_has(r, PLAN_ASYNC) for _, r in crossing)  # the A-EDiT schedule
     assert "validation loss at iteration 10" in async_run.log
     # Nothing holds the fast worker back between the syncs: it enters the final sync (at the
     # last iteration) at least (local steps x sleep) / 2 before the slow one. With Megatron's
@@ -405,6 +489,6 @@ def test_e2e_a_edit_workers_run_apart_between_syncs(async_run):
     entered = {}
     for data in async_run.ranks:
         entered[data["rank"]] = min(r["time"] for r in data["records"]
-                                    if r["iteration"] == ASYNC_ITERS and _has(r, "controller.py:_plan_async"))
+                                    if r["iteration"] == ASYNC_ITERS and _has(r, PLAN_ASYNC))
     local_steps = ASYNC_ITERS - sync_step - 1
     assert min(entered[2], entered[3]) - max(entered[0], entered[1]) > local_steps * SLOW_SECONDS / 2, entered

@@ -1,0 +1,364 @@
+"""Resuming an EDiT checkpoint with this run's layout (EDiT, arXiv 2412.07210; format in
+:mod:`megatron_edit.mcore.checkpoint`): the same layout, another worker count, another shard
+size / TP / PP, or a checkpoint of synchronous training.
+
+A :class:`ResumePlan` rides, as a ``LocalNonpersistentObject``, in each distributed
+optimizer's sharded state dict for loading. The patched ``dist_checkpointing.load`` reads the
+checkpoint's run record first and calls :meth:`ResumePlan.prepare`, which fits the load
+requests to the checkpoint *before* anything large is read; the patched ``load_state_dict``
+then calls :func:`restore`. What each kind of resume does:
+
+* **Same number of workers** (any shard size, TP, PP): every worker gets its own saved state
+  back. Bit-identical to the uninterrupted run when nothing else changed.
+* **N saved workers, M != N resumed** (either way): one outer step at load, the one a sync at
+  the save step would have made: Delta = mean over the N saved workers of (anchor - worker's
+  main params), a plain mean (no penalty weights, clipping, GTA or quantization), stepped with
+  the saved outer optimizer state. Every new worker restarts from the new anchor, so all M are
+  identical; the outer state is kept. Worker m takes the inner optimizer state (Adam moments,
+  step) of saved worker m mod N. A checkpoint saved at a sync boundary (or in warmup), where all
+  workers are equal, needs no outer step: the workers restart from the saved anchor. Error
+  feedback: each new worker's residual is the mean of the saved workers' (so the next sync adds
+  what the saved workers would have added on average), and the residual of the reduced result
+  (per parameter, independent of the worker count) is cut into the new workers' chunks. The
+  anomaly detector's statistics (per worker) restart, and so does A-EDiT's schedule (its first
+  interval after warmup). The saved workers whose main params a worker m reads are m, m + M,
+  m + 2M, ... (< N): their pseudo-gradients are summed inside the worker, then over the M
+  workers (one all-reduce per bucket), so each saved worker is read once.
+* **A checkpoint of synchronous training** (no EDiT state): every worker loads its model and
+  inner optimizer state (Adam included); EDiT counts the checkpoint's optimizer steps (Adam's
+  ``step``) as done: past ``--local-sgd-warmup-steps`` it takes its anchor at the loaded model
+  and syncs on the usual grid (warmup + k H), before it finishes the (synchronous) warmup.
+
+Megatron's own inner optimizer format limits what can change: ``dp_reshardable`` (Megatron-LM's
+default) stores buckets, so TP, PP and the buckets must stay (a message names the difference);
+``fully_reshardable`` follows everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+
+from .checkpoint_layout import PREFIX, _WORKER_KEY, CheckpointStateError, _is_local_sgd_key, _Layout, retarget
+from .checkpoint_record import (
+    FULLY_RESHARDABLE,
+    OLD_FORMATS,
+    check_run_record,
+    format_message,
+    layout_difference,
+    outer_state_keys,
+    parallel_sizes,
+)
+
+logger = logging.getLogger(__name__)
+
+ANCHOR = f"{PREFIX}anchor."
+RESULT_RESIDUAL = f"{PREFIX}result_residual."
+_MAIN_KEYS = ("param", "fp32_param")  # the main params in Megatron's per-parameter optimizer state
+
+
+def outer_prefix(state_key: str) -> str:
+    return f"{PREFIX}outer.{state_key}."
+
+
+def residual_prefix(worker: int) -> str:
+    return f"{PREFIX}residual.worker_{worker}."
+
+
+# optimizer -> {model param: tensors}: while decoding another worker's main params
+_CAPTURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def capture_of(optimizer) -> Optional[dict]:
+    """Where ``_set_main_param_and_optimizer_states`` must put its tensors instead of setting
+    them (None: set them). Consulted by the checkpoint patches."""
+    return _CAPTURES.get(optimizer)
+
+
+@contextlib.contextmanager
+def _capturing(optimizer):
+    got = _CAPTURES[optimizer] = {}
+    try:
+        yield got
+    finally:
+        del _CAPTURES[optimizer]
+
+
+class ResumePlan:
+    """How one distributed optimizer reads a checkpoint (see the module docstring)."""
+
+    def __init__(self, optimizer, controller, state: dict, space, sharding_type: str):
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+        self.optimizer = optimizer
+        self.controller = controller
+        self.state = state  # the optimizer's sharded state dict: Megatron's part + "local_sgd"
+        self.space = space
+        self.sharding_type = sharding_type
+        self.layout = _Layout.of(optimizer, controller)
+        strip = len(f"{PREFIX}worker_{self.layout.worker}.") if self.layout.worker else 0
+        # Megatron's entries and their keys as Megatron named them (before a worker part and
+        # the prefixes a ChainedOptimizer adds later).
+        self.inner = [v for k, sub in state.items() if k != "local_sgd"
+                      for v in nested_values(sub if isinstance(sub, (dict, list)) else [sub])
+                      if isinstance(v, ShardedBase)]
+        self.megatron_keys = {id(v): v.key[strip:] for v in self.inner}
+        self.prepared = False
+        self.mode: Optional[str] = None  # "same-workers" | "elastic" | "synchronous"
+        self.saved: Optional[dict] = None
+        self.residuals = False  # error-feedback residuals read (the same on every rank)
+        self.residual_workers: List[int] = []
+        self.slice_loaded = False
+        self.difference: Optional[str] = None
+
+    @property
+    def part(self) -> dict:
+        return self.state["local_sgd"]
+
+    def release(self) -> None:
+        """After the load: drop the references to the requests (their buffers)."""
+        self.state, self.inner, self.space = {}, [], None
+
+    def record_request(self):
+        return self.part["record"]
+
+    # ------------------------------------------------------------------ before the load
+    def prepare(self, record, saved: dict) -> Optional[str]:
+        """Fit the load requests to the checkpoint (``record``: its run record or None;
+        ``saved``: its metadata). Returns an error message, or None."""
+        self.prepared = True
+        part = self.part
+        if record is None:
+            ours = [k for k in saved if _is_local_sgd_key(k) and not _WORKER_KEY.search(k)]
+            if any(".record.dp_group_idx_" in k for k in ours):  # format 1: a record per slice
+                return format_message(next(iter(OLD_FORMATS)), "the checkpoint")
+            if ours:
+                return (f"megatron_edit: the checkpoint has EDiT state but no EDiT record "
+                        f"({PREFIX}record): it is incomplete or corrupted.")
+            self.mode = "synchronous"
+            self._retarget_inner(0)
+            for key in [k for k in part if k != "plan"]:
+                del part[key]
+            return None
+        try:
+            record = check_run_record(record, "the checkpoint")
+        except CheckpointStateError as e:
+            return str(e)
+        self.saved = record
+        c, layout = self.controller, self.layout
+        tp, pp = parallel_sizes(self.optimizer)
+        now = dict(num_workers=layout.num_workers, worker_size=layout.worker_size, tensor_parallel=tp,
+                   pipeline_parallel=pp)
+        self.difference = layout_difference(record, now)
+        if record["sharding_type"] != self.sharding_type:
+            return (f"megatron_edit: the checkpoint's optimizer state is in Megatron's "
+                    f"{record['sharding_type']!r} format, this run loads {self.sharding_type!r}: "
+                    f"load it with metadata {{'distrib_optim_sharding_type': "
+                    f"{record['sharding_type']!r}}} (Megatron-LM does so by itself).")
+        if (record["tensor_parallel"], record["pipeline_parallel"]) != (tp, pp) and \
+                record["sharding_type"] not in FULLY_RESHARDABLE:
+            return (f"megatron_edit: the checkpoint was saved with TP={record['tensor_parallel']}, "
+                    f"PP={record['pipeline_parallel']}, this run has TP={tp}, PP={pp}. EDiT's state "
+                    f"reshards, but Megatron's {record['sharding_type']!r} optimizer format stores "
+                    f"buckets and cannot follow a TP / PP change: save with 'fully_reshardable' "
+                    f"(--dist-ckpt-optim-fully-reshardable), or keep TP and PP.")
+        n, m, workers = record["num_workers"], layout.worker, layout.num_workers
+        self.mode = "same-workers" if n == workers else "elastic"
+        if m % n != m:
+            self._retarget_inner(m % n)  # worker m's inner optimizer state: saved worker m mod N
+        if self.mode == "elastic":
+            part["workers"] = {k: self._mains_request(k) for k in range(m + workers, n, workers)}
+        tensor_keys, _ = outer_state_keys(c)
+        if not record["anchor_taken"]:
+            part["anchor"], part["outer"] = {}, {}
+        else:
+            unknown = sorted(set(record["outer_tensor_state"]) - set(tensor_keys))
+            if unknown:
+                return (f"megatron_edit: the checkpoint's outer optimizer state has {unknown}, which "
+                        f"{c.outer_config.optimizer_class.__name__} does not use: the outer "
+                        f"optimizer changed ({record.get('outer_class')} saved).")
+            part["outer"] = {k: v for k, v in part["outer"].items() if k in record["outer_tensor_state"]}
+        self._fit_residuals(record, m, n, workers)
+        self.slice_loaded = (n, record["tensor_parallel"], record["pipeline_parallel"]) == (workers, tp, pp)
+        if not self.slice_loaded:
+            del part["slice"]
+        return self._bucket_mismatch(saved)
+
+    def _fit_residuals(self, record, m: int, n: int, workers: int) -> None:
+        part = self.part
+        wanted = "result_residual" in part
+        self.residuals = wanted and record["residuals"]
+        if self.residuals:
+            self.residual_workers = list(range(m, n, workers)) if self.mode == "elastic" else [m]
+            # Saved worker k is read by one worker only (k mod M): its requests are main.
+            part["residual"] = {k: self.space.load_requests(residual_prefix(k), True) for k in self.residual_workers}
+            return
+        part.pop("residual", None)
+        part.pop("result_residual", None)
+        if wanted and torch.distributed.get_rank() == 0:
+            logger.warning("megatron_edit: the checkpoint has no error-feedback residuals (saved "
+                           "without a quantized exchange with error feedback): they start at zero.")
+
+    def _bucket_mismatch(self, saved: dict) -> Optional[str]:
+        """Megatron's bucket-space format against the checkpoint's buckets (model-space formats
+        follow the model, whose own checks apply)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        if self.sharding_type in FULLY_RESHARDABLE:
+            return None
+        for sh in self.inner:
+            if isinstance(sh, ShardedTensor) and sh.key in saved and not sh.allow_shape_mismatch:
+                was = tuple(saved[sh.key].global_shape)
+                if was != tuple(sh.global_shape):
+                    return (f"megatron_edit: Megatron's {self.sharding_type!r} optimizer state does "
+                            f"not fit this run ({sh.key}: {was} saved, {tuple(sh.global_shape)} now): "
+                            f"the buckets changed (the model or --ddp-bucket-size"
+                            f"{'; ' + self.difference if self.difference else ''}). EDiT's state "
+                            f"reshards, Megatron's bucket-space format does not: save with "
+                            f"'fully_reshardable' (--dist-ckpt-optim-fully-reshardable) or keep the "
+                            f"bucket size.")
+        return None
+
+    def _retarget_inner(self, worker: int) -> None:
+        """Load saved worker ``worker``'s inner optimizer state. Another worker reads it as its
+        own too (worker ``worker`` itself, or worker 0 for Megatron's keys): these requests
+        are not the main replica (Megatron's load checks there is one per shard)."""
+        for sh in self.inner:
+            sh.key = retarget(sh.key, self.megatron_keys[id(sh)], worker)
+            if worker != self.layout.worker:
+                rid = sh.replica_id
+                sh.replica_id = 1 if isinstance(rid, int) else (1, *tuple(rid)[1:])
+
+    def _mains_request(self, worker: int):
+        """Saved worker ``worker``'s main params, in Megatron's format (fresh buffers)."""
+        import dataclasses
+
+        from megatron.core.dist_checkpointing.mapping import (
+            LocalNonpersistentObject,
+            ShardedTensor,
+            ShardedTensorFactory,
+        )
+
+        def copy(node):
+            if isinstance(node, list):
+                return [copy(v) for v in node]
+            out = {}
+            for key, value in node.items():
+                if isinstance(value, (dict, list)):
+                    out[key] = copy(value)
+                elif key in _MAIN_KEYS and isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+                    new_key = retarget(value.key, self.megatron_keys[id(value)], worker)
+                    out[key] = dataclasses.replace(value, key=new_key, data=torch.empty_like(value.data))
+                elif isinstance(value, LocalNonpersistentObject):
+                    out[key] = value  # e.g. dp_reshardable's padding flags
+            return out
+
+        return copy(self.state["param_state"])
+
+
+# --------------------------------------------------------------------------- after the load
+def _decode_mains(optimizer, plan: ResumePlan, loaded: dict) -> List[Dict[int, torch.Tensor]]:
+    """Per shard, {saved worker: its main params (shard-length)} for the extra saved workers,
+    decoded by Megatron's own loader of the format (its writes captured)."""
+    loaders = {
+        "dp_reshardable": optimizer.load_parameter_state_from_dp_reshardable,
+        "fully_reshardable": optimizer.load_parameter_state_from_fully_reshardable,
+        "fully_sharded_model_space": optimizer.load_parameter_state_from_fs_model_space,
+    }
+    out: List[Dict[int, torch.Tensor]] = [{} for _ in plan.space.shards]
+    for worker, state in (loaded or {}).items():
+        with _capturing(optimizer) as got:
+            loaders[plan.sharding_type](state)
+        for slot, pieces in enumerate(plan.space.pieces):
+            shard = plan.space.shards[slot]
+            flat = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
+            for piece in pieces:
+                flat[piece.shard_start : piece.shard_end].copy_(got[piece.param]["param"].view(-1))
+            out[slot][worker] = flat
+    return out
+
+
+@torch.no_grad()
+def load_time_sync(controller, extra_mains: List[Dict[int, torch.Tensor]], saved_workers: int) -> None:
+    """The outer step a sync at the save step would have made, over the saved workers: this
+    worker contributes its own (loaded) main params when it was a saved worker, plus the
+    ``extra_mains`` it read; the sum over workers divided by ``saved_workers``."""
+    group = controller.sync_group.group
+    own = controller.sync_group.rank < saved_workers
+    for slot, shard in enumerate(controller.shards):
+        anchor = controller.outer_state.anchor_on_device(shard)
+        delta = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
+        if own:
+            shard.pseudo_gradient(anchor, delta)
+        for mains in extra_mains[slot].values():
+            delta += anchor - mains
+        if group is not None:
+            torch.distributed.all_reduce(delta, group=group)
+        controller.outer_state.apply(shard, delta, [], write_model=True, divisor=saved_workers)
+
+
+@torch.no_grad()
+def restart_from_anchor(controller) -> None:
+    for shard in controller.shards:
+        anchor = controller.outer_state.anchor_on_device(shard)
+        shard.write_mains(anchor)
+        shard.write_model(anchor)
+
+
+@torch.no_grad()
+def merge_residuals(controller, plan: ResumePlan, part: dict) -> None:
+    """Error feedback: this worker's residual (its own; after a worker-count change the mean of
+    the saved workers'), and its chunk of the result residual."""
+    space, saved_workers = plan.space, plan.saved["num_workers"]
+    for shard in controller.shards:
+        shard.residual = shard.chunk_residual = None
+    if not plan.residuals:  # the same on every rank: the collectives below line up
+        return
+    residuals, result = part.get("residual") or {}, part["result_residual"]  # {}: dropped by the load
+    for slot, shard in enumerate(controller.shards):
+        total = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
+        for worker in plan.residual_workers:  # none for a new worker m >= N
+            total += space.assemble(residuals[worker], slot, torch.empty_like(total))
+        if plan.mode == "elastic":
+            if controller.sync_group.group is not None:
+                torch.distributed.all_reduce(total, group=controller.sync_group.group)
+            total /= saved_workers
+        shard.residual = total
+        offset, length, padded = controller.chunk_span(shard)
+        full = space.assemble(result, slot, torch.empty(shard.numel, dtype=torch.float32, device=shard.device))
+        shard.chunk_residual = torch.zeros(padded, dtype=torch.float32, device=shard.device)
+        shard.chunk_residual[:length].copy_(full[offset : offset + length])
+
+
+def adam_step_of(state_dict: dict) -> int:
+    """The optimizer steps done by a synchronous checkpoint: Adam's ``step`` in the loaded
+    param groups (0 when it has none)."""
+    groups = (state_dict.get("optimizer") or {}).get("param_groups") or []
+    steps = [int(g["step"]) for g in groups if g.get("step") is not None]
+    return max(steps, default=0)
+
+
+def from_synchronous(controller, steps: int) -> None:
+    """EDiT continues a synchronous run after ``steps`` optimizer steps (see the module
+    docstring)."""
+    controller.steps_done = steps
+    for shard in controller.shards:
+        shard.residual = shard.chunk_residual = None
+    if steps >= controller.config.local_sgd_warmup_steps:
+        controller.capture_anchor()
+        controller._last_sync_step = steps
+    else:
+        controller.drop_anchor()
+        controller._last_sync_step = controller.config.local_sgd_warmup_steps
+
+
+def refresh_model_from_mains(optimizer, controller) -> None:
+    """Rebuild each worker's model from its (just loaded) main params: shard -> bucket, then
+    all-gather inside the worker. Workers >= 1 had worker 0's model loaded into them."""
+    optimizer._copy_main_params_to_model_params()
+    controller.gather_params_in_worker()

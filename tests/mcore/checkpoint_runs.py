@@ -1,0 +1,374 @@
+"""Training jobs for the checkpoint tests (tests/mcore/test_checkpointing.py,
+test_checkpoint_resume.py): real megatron-core on CPU over gloo, run inside the ranks of
+``dist.run_ranks``; checkpoints written the way a megatron-core user (and Megatron-LM's
+``--save``) writes them: ``dist_checkpointing.save({'model': m, 'optimizer':
+opt.sharded_state_dict(m, metadata=...)})``.
+
+Every run cuts the same data for 4 data-parallel ranks (``WORLD``): a layout with fewer
+data-parallel ranks gives each the micro-batches of several (worker w of a 2-worker run always
+sees the samples of ranks 2w and 2w + 1). :func:`canonical` gives a rank's model, Adam and EDiT
+state per model tensor, so states of different layouts (shard size, TP, PP) can be compared.
+"""
+
+import os
+import pickle
+from contextlib import contextmanager
+
+import torch
+
+WORLD = 4
+# Layer-wise sync overlapped with the forward pass; warmup 2, H=3: syncs after steps 5 and 8.
+EDIT = dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=2, sync_mode="layerwise")
+OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
+STEPS = 10
+DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}  # Megatron-LM's default
+FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
+ONE_BUCKET = 10**8  # megatron-core 0.16's fully_reshardable misplaces state after a padded bucket
+# Pseudo-gradient penalty that really decides something: sharp weights, a binding clip, an
+# anomaly detector warm after one sync with a low threshold (as in test_penalty_megatron).
+PENALTY = dict(
+    local_sgd_sync_interval=2, local_sgd_warmup_steps=1, sync_mode="layerwise",
+    pseudo_gradnorm_reduce=True, weight_softmax_temperature=0.02, clip_pseudo_grad=0.25,
+    skip_anomaly=True, ewma_warmup_steps=1, ewma_threshold=0.5, ewma_alpha=0.5,
+)
+
+
+# ----------------------------------------------------------------------- inside the ranks
+@contextmanager
+def _children_allowed():
+    """Megatron's torch_dist writer starts helper processes; run_ranks' ranks are daemonic."""
+    import multiprocessing
+
+    config = multiprocessing.current_process()._config
+    was = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = was
+
+
+def _setup(local_sgd, instances=2, outer=OUTER, bucket_size=3000, tp=1, pp=1):
+    """Patch, build the tiny GPT in DDP and its distributed optimizer; EDiT unless local_sgd
+    is None (then megatron_edit is unpatched: plain Megatron). The default bucket size gives 7
+    buckets (7 layer-wise sync groups); ``ONE_BUCKET`` one."""
+    import megatron_edit as me
+    from edit_runs import _build, default_spec
+
+    if local_sgd is None:
+        me.unpatch_megatron_for_local_sgd()
+    else:
+        me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**outer))
+    ddp, opt = _build(default_spec(instances=instances, bucket_size=bucket_size), tp, pp)
+    controllers = me.get_local_sgd(opt)
+    return ddp, opt, (controllers[0] if controllers else None)
+
+
+def _sharded(ddp, opt, metadata, is_loading=False):
+    model = ddp.module.sharded_state_dict()
+    return {"model": model, "optimizer": opt.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)}
+
+
+def _save(ddp, opt, path, metadata=DP_RESHARDABLE, fully_parallel=False, corrupt=None):
+    """``fully_parallel``: Megatron-LM's default save strategy (--ckpt-fully-parallel-save),
+    which spreads the writes over the data-parallel ranks holding each shard."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    os.makedirs(path, exist_ok=True)
+    state = _sharded(ddp, opt, metadata)
+    if corrupt:
+        corrupt(state)
+    strategy = get_default_save_sharded_strategy()
+    if fully_parallel:
+        strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True))
+    with _children_allowed():
+        dist_checkpointing.save(state, path, strategy)
+
+
+def _load(ddp, opt, path, metadata=DP_RESHARDABLE, optimizer=True):
+    from megatron.core import dist_checkpointing
+
+    if optimizer:
+        state = dist_checkpointing.load(_sharded(ddp, opt, metadata, is_loading=True), path)
+    else:  # --no-load-optim / --finetune
+        state = dist_checkpointing.load({"model": ddp.module.sharded_state_dict()}, path)
+    ddp.load_state_dict(state["model"])
+    if optimizer:
+        opt.load_state_dict(state["optimizer"])
+
+
+def _state(ddp, opt, ctl, gather=True, with_canonical=False) -> dict:
+    """Everything an exact resume must reproduce, on this rank. ``gather=False``: the model's
+    parameters as they are (right after a load they must already be the worker's own).
+    ``with_canonical``: also :func:`canonical` (collectives inside the worker)."""
+    from gpt_utils import named_params
+
+    if gather:
+        ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync too
+    extra = dict(canonical=canonical(ddp, opt, ctl)) if with_canonical else {}
+    inner = opt.chained_optimizers[0].optimizer
+    adam = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in inner.state[p].items()}
+            for g in inner.param_groups for p in g["params"]]
+    out = dict(params=named_params(ddp), adam=adam, steps_done=None, **extra)
+    if ctl is not None:
+        outer = ctl.outer_optimizer
+        out.update(
+            steps_done=ctl.steps_done,
+            last_sync_step=ctl._last_sync_step,
+            anchors=[None if s.anchor is None else s.anchor.clone() for s in ctl.shards],
+            outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} if outer else None for s in ctl.shards],
+            mains=[s.read_current(torch.empty(s.numel)) for s in ctl.shards],
+            extra=ctl.extra_state() if hasattr(ctl, "extra_state") else None,
+            residuals=[(None if s.residual is None else s.residual.clone(),
+                        None if s.chunk_residual is None else s.chunk_residual.clone()) for s in ctl.shards],
+            collectives=ctl.sync_group.counters.collectives,
+            payload=ctl.sync_group.counters.payload_bytes,
+        )
+    return out
+
+
+def _train(ddp, opt, ctl, first, last, saves=None, snapshots=(), faults=(), losses=None, with_canonical=False):
+    """Steps first..last on the same data as every other run; saves {step: [(path, metadata[,
+    fully_parallel])]}; ``faults`` as in edit_runs (a worker's parameters corrupted after its
+    optimizer step); ``losses``: a dict that gets {step: this rank's loss} (NaN off the last
+    pipeline stage)."""
+    from megatron.core import parallel_state as ps
+
+    from edit_runs import MICRO_BATCH, _inject_fault
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    batches = make_batches(STEPS, WORLD * MICRO_BATCH)  # always cut for 4 data-parallel ranks
+    per_rank = WORLD // dp
+    out = {}
+    for step in range(first, last + 1):
+        mine = torch.cat([rank_micro_batches(batches[step - 1], dp_rank * per_rank + i, WORLD) for i in range(per_rank)], 1)
+        loss = train_step(ddp, opt, mine)
+        if losses is not None:
+            losses[step] = loss
+        if faults:
+            worker = dp_rank // (dp // ctl.num_workers)
+            _inject_fault({"faults": faults}, step, worker, [m for sh in ctl.shards for m in sh.mains])
+        for path, metadata, *fully_parallel in (saves or {}).get(step, ()):
+            _save(ddp, opt, path, metadata, *fully_parallel)
+        if step in snapshots:
+            out[step] = _state(ddp, opt, ctl, with_canonical=with_canonical)
+    return out
+
+
+def train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=None, saves=None, snapshots=(),
+              bucket_size=3000, faults=(), tp=1, pp=1, with_canonical=False):
+    """One training run: optionally resume from ``load=(path, metadata, step)``, train to
+    ``steps``, return the final state, snapshots, losses and the sync reports. ``local_sgd``
+    None: plain Megatron (megatron_edit's load fixes only)."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 num_distributed_optimizer_instances=instances)
+    ddp, opt, ctl = _setup(local_sgd, instances, bucket_size=bucket_size, tp=tp, pp=pp)
+    if local_sgd is None:
+        me.patch_megatron_load_fixes()
+    first = 1
+    loaded = None
+    if load is not None:
+        path, metadata, step = load
+        _load(ddp, opt, path, metadata)
+        loaded = _state(ddp, opt, ctl, gather=False, with_canonical=with_canonical)
+        first = step + 1
+    losses = {}
+    snaps = _train(ddp, opt, ctl, first, steps, saves, snapshots, faults, losses, with_canonical)
+    dp = ps.get_data_parallel_world_size()
+    out = dict(final=_state(ddp, opt, ctl), loaded=loaded, snapshots=snaps, losses=losses,
+               reports=ctl.drain_reports() if ctl else [], worker=ps.get_data_parallel_rank() // (dp // instances),
+               last_stage=ps.is_pipeline_last_stage())
+    me.unpatch_megatron_for_local_sgd()
+    me.unpatch_megatron_load_fixes()
+    return out
+
+
+def canonical(ddp, opt, ctl) -> dict:
+    """This rank's state per model tensor, comparable across layouts: {kind: {(key,
+    global_offset): (global_shape, prepend_axis_num, whole parameter)}} for the kinds
+    ``params`` (the model), ``main``, ``exp_avg``, ``exp_avg_sq`` (inner Adam) and, with EDiT,
+    ``anchor``, ``momentum_buffer`` and, with error feedback, ``residual`` (the worker's own)
+    and ``result_residual`` (the reduced result's, every worker's chunk). The pieces of a parameter in the worker's shards are
+    put together by a sum over the worker's shard group (each element lies in one shard)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    distopt = opt.chained_optimizers[0]
+    meta = {id(v.data): v for v in nested_values(ddp.module.sharded_state_dict()) if isinstance(v, ShardedTensor)}
+    params = [p for buffer in distopt.buffers for p in buffer.param_index_map]
+    param_maps = [bm["param_map"] for g in range(len(distopt.buffers))
+                  for maps in distopt.gbuf_ranges[g].values() for bm in maps]
+    outer = ctl.outer_optimizer if ctl is not None else None
+    kinds = ["main", "exp_avg", "exp_avg_sq"]
+    if outer is not None:
+        kinds.append("anchor")
+        if "momentum_buffer" in outer.state.get(ctl.shards[0].anchor, {}):
+            kinds.append("momentum_buffer")
+    result = []
+    if ctl is not None and ctl.shards[0].residual is not None:
+        kinds += ["residual", "result_residual"]
+        for shard in ctl.shards:  # every worker's chunk at its place (a sum over the workers)
+            full = torch.zeros(shard.numel)
+            offset, length, _ = ctl.chunk_span(shard)
+            full[offset : offset + length] = shard.chunk_residual[:length]
+            torch.distributed.all_reduce(full, group=ctl.sync_group.group)
+            result.append(full)
+
+    def piece(kind, slot, param, ranges):
+        lo, hi = ranges["gbuf_local"].start, ranges["gbuf_local"].end
+        if kind == "anchor":
+            return ctl.shards[slot].anchor[lo:hi]
+        if kind == "momentum_buffer":
+            return outer.state[ctl.shards[slot].anchor]["momentum_buffer"][lo:hi]
+        if kind == "residual":
+            return ctl.shards[slot].residual[lo:hi]
+        if kind == "result_residual":
+            return result[slot][lo:hi]
+        return distopt._get_main_param_and_optimizer_states(param)["param" if kind == "main" else kind].view(-1)
+
+    def entry(param, value):
+        sh = meta[id(param)]
+        return (sh.key, tuple(sh.global_offset)), (tuple(sh.global_shape), sh.prepend_axis_num, value)
+
+    out = {"params": dict(entry(p, p.detach().clone()) for p in params)}
+    for kind in kinds:
+        whole = {id(p): torch.zeros(p.numel()) for p in params}
+        for slot, param_map in enumerate(param_maps):
+            for p, ranges in param_map.items():
+                whole[id(p)][ranges["param"].start : ranges["param"].end] = piece(kind, slot, p, ranges)
+        for p in params:
+            torch.distributed.all_reduce(whole[id(p)], group=distopt.data_parallel_group)
+        out[kind] = dict(entry(p, whole[id(p)].view(p.shape)) for p in params)
+    return out
+
+
+def full_tensors(canonicals, kind) -> dict:
+    """{key: global tensor} from the :func:`canonical` of one worker's ranks (its shards, TP
+    ranks, PP stages); NaN where no rank had a value."""
+    out = {}
+    for c in canonicals:
+        for (key, offset), (shape, prepend, data) in c[kind].items():
+            full = out.setdefault(key, torch.full(shape, float("nan")))
+            local = (1,) * prepend + tuple(data.shape)
+            full[tuple(slice(o, o + n) for o, n in zip(offset, local))] = data.reshape(local)
+    return out
+
+
+def _drop_from_checkpoint(path, prefix):
+    """Remove every entry whose key starts with ``prefix`` from a torch_dist checkpoint."""
+    meta_path = os.path.join(path, ".metadata")
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+
+    def keep(key):
+        return not str(getattr(key, "fqn", key)).startswith(prefix)
+
+    meta.state_dict_metadata = {k: v for k, v in meta.state_dict_metadata.items() if keep(k)}
+    meta.storage_data = {k: v for k, v in meta.storage_data.items() if keep(k)}
+    if isinstance(getattr(meta, "planner_data", None), dict):
+        meta.planner_data = {k: v for k, v in meta.planner_data.items() if keep(k)}
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)
+
+
+def _garble_object(path, prefix):
+    """Overwrite the stored bytes of the ShardedObject whose key starts with ``prefix``."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        meta = pickle.load(f)
+    (index,) = [k for k in meta.storage_data if k.fqn.startswith(prefix)]
+    info = meta.storage_data[index]
+    with open(os.path.join(path, info.relative_path), "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\x00garbage" * (info.length // 8) + b"\x00" * (info.length % 8))
+
+
+def load_errors_job(rank, world, cases, instances=2, plain_save=None):
+    """Try each load in ``cases`` ([(name, path[, metadata[, options]])], options: ``tp``,
+    ``instances``, ``bucket_size`` of the loading run) in turn; returns {name: error message}.
+    The errors must be raised on every rank (or the other ranks would hang in the collectives)."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances)
+    if plain_save is not None:  # a checkpoint of ordinary (synchronous) Megatron training
+        ddp, opt, _ = _setup(None, instances)
+        _train(ddp, opt, None, 1, 1)
+        _save(ddp, opt, plain_save)
+    out = {}
+    for name, path, *rest in cases:
+        metadata = rest[0] if rest else DP_RESHARDABLE
+        options = dict(dict(tp=1, instances=instances, bucket_size=3000), **(rest[1] if len(rest) > 1 else {}))
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=options["tp"],
+                                     num_distributed_optimizer_instances=options["instances"])
+        ddp, opt, _ = _setup(EDIT, options["instances"], bucket_size=options["bucket_size"], tp=options["tp"])
+        try:
+            _load(ddp, opt, path, metadata)
+            out[name] = None
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            out[name] = f"{type(e).__name__}: {e}"
+        me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+def model_only_and_legacy_job(rank, world, path, legacy_dir):
+    """Load only the model of an EDiT checkpoint taken between syncs, train two steps; then try
+    the legacy torch format."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    ddp, opt, ctl = _setup(EDIT)
+    _load(ddp, opt, path, optimizer=False)
+    loaded = _state(ddp, opt, ctl, gather=False)
+    after = _train(ddp, opt, ctl, 1, 2, snapshots=(2,))[2]
+    refused = {}
+    for name, call in (("save", lambda: opt.save_parameter_state(os.path.join(legacy_dir, "o.pt"))),
+                       ("load", lambda: opt.load_parameter_state(os.path.join(legacy_dir, "o.pt")))):
+        try:
+            call()
+            refused[name] = None
+        except Exception as e:  # noqa: BLE001
+            refused[name] = f"{type(e).__name__}: {e}"
+    return dict(loaded=loaded, after=after, refused=refused, worker=ps.get_data_parallel_rank() // 2)
+
+
+def corrupt_save_job(rank, world, path):
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    ddp, opt, ctl = _setup(EDIT)
+    _train(ddp, opt, ctl, 1, 3)
+
+    def corrupt(state):
+        state["optimizer"]["local_sgd"]["record"].data["steps_done"] = -1
+
+    _save(ddp, opt, path, corrupt=corrupt)
+
+
+# ----------------------------------------------------------------------- comparisons
+def _equal(a, b, what):
+    """Bit-for-bit equality of nested dicts / lists / tensors / numbers."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        assert torch.is_tensor(a) and torch.is_tensor(b), what
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), what
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (what, a.keys(), getattr(b, "keys", lambda: b)())
+        for k in a:
+            _equal(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, (what, a, b)
+
+
+def _same_params(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)

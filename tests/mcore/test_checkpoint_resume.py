@@ -1,0 +1,260 @@
+"""Elastic resume of EDiT checkpoints (megatron_edit.mcore.checkpoint_resume) on real
+megatron-core (CPU, gloo): another worker count, another TP / PP layout, synchronous <-> EDiT.
+
+One run saves 2 workers x 2 shards (TP 1, PP 1) at the sync boundary (step 5) and between syncs
+(step 7), in Megatron's ``fully_reshardable`` and ``dp_reshardable`` formats; each case resumes
+it with another layout in fresh processes and continues to step 10 (a sync at 8). The numbers
+are checked against the saved workers' states, per model tensor (tests/mcore/checkpoint_runs.py
+``canonical``): after a worker-count change every worker holds the model of one outer step over
+the saved workers (Delta = mean of anchor - worker's params, Nesterov momentum 0.9, lr 0.7,
+with the saved momentum), computed here from the saved tensors.
+"""
+
+import math
+
+import pytest
+import torch
+
+from checkpoint_runs import (
+    DP_RESHARDABLE,
+    EDIT,
+    FULLY_RESHARDABLE,
+    ONE_BUCKET,
+    OUTER,
+    WORLD,
+    _equal,
+    full_tensors,
+    load_errors_job,
+    train_job,
+)
+from dist import run_ranks
+from megatron_edit.mcore import checkpoint as checkpointing, compat
+
+pytestmark = pytest.mark.skipif(
+    not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
+    reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}",
+)
+
+LR, MOMENTUM = OUTER["outer_optim_kwargs"]["lr"], OUTER["outer_optim_kwargs"]["momentum"]
+# Resumed layouts: (processes, workers, TP, PP, checkpoint). 2 x 1 (another shard size) is
+# test_checkpointing.test_resume_with_a_different_shard_size.
+CASES = {
+    "1x4": (4, 1, 1, 1, "dp7"),  # 2 -> 1 worker; Megatron-LM's default optimizer format
+    "4x1": (4, 4, 1, 1, "fully7"),  # 2 -> 4 workers: workers 2, 3 take Adam of saved 0, 1
+    "1x2-TP2": (4, 1, 2, 1, "fully7"),  # 2 -> 1 worker and TP 1 -> 2 at once
+    "2x1-PP2": (4, 2, 1, 2, "fully7"),  # same workers, PP 1 -> 2
+    "4x1-at-sync": (4, 4, 1, 1, "fully5"),  # saved at a sync boundary: no outer step at load
+}
+ATOL = 1e-6  # an fp32 outer step summed in another order: a few ulps of values ~0.1
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """2 workers x 2 shards, one bucket, to step 10 (the uninterrupted run), saving at 5 and 7."""
+    root = tmp_path_factory.mktemp("elastic")
+    paths = {name: str(root / name) for name in ("fully5", "fully7", "dp7")}
+    saves = {5: [(paths["fully5"], FULLY_RESHARDABLE)],
+             7: [(paths["fully7"], FULLY_RESHARDABLE), (paths["dp7"], DP_RESHARDABLE)]}
+    ranks = run_ranks(train_job, WORLD, bucket_size=ONE_BUCKET, saves=saves, snapshots=(5, 7),
+                      with_canonical=True, timeout=300)
+    return dict(ranks=ranks, paths=paths, metadata=dict(fully5=FULLY_RESHARDABLE, fully7=FULLY_RESHARDABLE,
+                                                        dp7=DP_RESHARDABLE))
+
+
+def _worker_tensors(ranks, kind, snapshot=None, loaded=False):
+    """{worker: {key: global tensor}} of ``kind`` from the ranks of a run."""
+    out = {}
+    for r in ranks:
+        state = r["loaded"] if loaded else r["snapshots"][snapshot]
+        out.setdefault(r["worker"], []).append(state["canonical"])
+    return {w: full_tensors(cs, kind) for w, cs in out.items()}
+
+
+def _expected_outer_step(ranks, step):
+    """The anchor and momentum after one outer step over the saved workers at ``step``."""
+    params = _worker_tensors(ranks, "params", step)
+    anchor = _worker_tensors(ranks, "anchor", step)[0]
+    momentum = _worker_tensors(ranks, "momentum_buffer", step)[0]
+    new_anchor, new_momentum = {}, {}
+    for key, a in anchor.items():
+        delta = sum(a - params[w][key] for w in sorted(params)) / len(params)
+        m = MOMENTUM * momentum[key] + delta
+        new_anchor[key] = a - LR * (delta + MOMENTUM * m)  # Nesterov, as torch.optim.SGD
+        new_momentum[key] = m
+    return new_anchor, new_momentum
+
+
+def _close(a: dict, b: dict, what, exact=False):
+    assert a.keys() == b.keys(), what
+    for key in a:
+        assert not torch.isnan(a[key]).any(), (what, key, "not covered")
+        if exact:
+            assert torch.equal(a[key], b[key]), (what, key)
+        else:
+            torch.testing.assert_close(a[key], b[key], atol=ATOL, rtol=0, msg=f"{what} {key}")
+
+
+def _mean_loss(ranks, step):
+    """The global batch's loss at ``step``: the mean over the last pipeline stage's ranks (each
+    holds an equal share of the samples)."""
+    values = [r["losses"][step] for r in ranks if r["last_stage"]]
+    return sum(values) / len(values)
+
+
+def _assert_loss_goes_on(resumed, reference, steps):
+    """At each step the resumed run's loss is within the noise of the uninterrupted run's: the
+    spread of its ranks' losses (each on its own quarter of the batch) around their mean."""
+    for step in steps:
+        mean = _mean_loss(reference, step)
+        noise = max(abs(r["losses"][step] - mean) for r in reference)
+        got = _mean_loss(resumed, step)
+        print(f"step {step}: resumed {got:.4f}, uninterrupted {mean:.4f} +- {noise:.4f}")
+        assert math.isfinite(got) and abs(got - mean) <= noise, (step, got, mean, noise)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_with_another_layout(saved, case):
+    """After the load every worker holds the specified combination of the saved workers' states
+    (one outer step over them after a worker-count change mid-interval; its own state when the
+    workers stay, resharded for PP; the saved anchor at a sync boundary), each worker's Adam
+    state is a saved worker's, the next sync leaves the workers identical, and the loss goes on
+    within noise of the uninterrupted run."""
+    world, workers, tp, pp, name = CASES[case]
+    step = 5 if name == "fully5" else 7
+    resumed = run_ranks(train_job, world, instances=workers, tp=tp, pp=pp, bucket_size=ONE_BUCKET,
+                        load=(saved["paths"][name], saved["metadata"][name], step), snapshots=(8,),
+                        with_canonical=True, timeout=300)
+    ref = saved["ranks"]
+    saved_params = _worker_tensors(ref, "params", step)
+    saved_adam = _worker_tensors(ref, "exp_avg_sq", step)
+    loaded = _worker_tensors(resumed, "params", loaded=True)
+    anchor = _worker_tensors(resumed, "anchor", loaded=True)
+    momentum = _worker_tensors(resumed, "momentum_buffer", loaded=True)
+    assert sorted(loaded) == list(range(workers))
+    if workers != 2 and step == 7:  # one outer step over the 2 saved workers
+        expected, expected_momentum = _expected_outer_step(ref, step)
+        assert not torch.equal(saved_params[0]["output_layer.weight"], saved_params[1]["output_layer.weight"])
+        for w in range(workers):
+            _close(loaded[w], expected, f"worker {w} model")
+            _close(anchor[w], expected, f"worker {w} anchor")
+            _close(momentum[w], expected_momentum, f"worker {w} outer momentum")
+            _close(loaded[w], loaded[0], "workers identical after the load", exact=True)
+    else:  # each worker its own saved model (at a sync boundary: all the same, the anchor)
+        saved_anchor = _worker_tensors(ref, "anchor", step)[0]
+        saved_momentum = _worker_tensors(ref, "momentum_buffer", step)[0]
+        for w in range(workers):
+            _close(loaded[w], saved_params[w % 2], f"worker {w} model", exact=True)
+            _close(anchor[w], saved_anchor, f"worker {w} anchor", exact=True)
+            _close(momentum[w], saved_momentum, f"worker {w} outer momentum", exact=True)
+    adam = _worker_tensors(resumed, "exp_avg_sq", loaded=True)
+    for w in range(workers):  # worker m: the inner state of saved worker m mod N
+        _close(adam[w], saved_adam[w % 2], f"worker {w} Adam state", exact=True)
+    for r in resumed:
+        assert r["loaded"]["steps_done"] == step
+        assert [rep.step for rep in r["reports"]] == [8]  # the schedule's grid goes on
+    after_sync = _worker_tensors(resumed, "params", 8)
+    for w in range(workers):
+        _close(after_sync[w], after_sync[0], "workers identical after the next sync", exact=True)
+    _assert_loss_goes_on(resumed, ref, range(step + 1, 11))
+
+
+@pytest.mark.timeout(600)
+def test_error_feedback_residuals_follow_a_worker_count_change(tmp_path):
+    """int4 exchange with error feedback, 2 workers x 2 shards (7 buckets) saved between syncs,
+    resumed by 4 workers x 1: every new worker's residual is the mean of the saved workers',
+    the reduced result's residual is the saved one cut into 4 chunks, the model the outer step
+    over the saved workers, and the next (quantized) sync leaves the workers identical."""
+    quantized = dict(EDIT, exchange_dtype="int4", exchange_block_size=64, exchange_error_feedback=True)
+    path = str(tmp_path / "int4")
+    saver = run_ranks(train_job, WORLD, local_sgd=quantized, steps=7, saves={7: [(path, DP_RESHARDABLE)]},
+                      snapshots=(7,), with_canonical=True, timeout=300)
+    resumed = run_ranks(train_job, WORLD, local_sgd=quantized, instances=4, load=(path, DP_RESHARDABLE, 7),
+                        snapshots=(8,), with_canonical=True, timeout=300)
+    saved_residual = _worker_tensors(saver, "residual", 7)
+    mean = {k: (saved_residual[0][k] + saved_residual[1][k]) / 2 for k in saved_residual[0]}
+    assert any(v.abs().sum() > 0 for v in mean.values())  # something was dropped and kept
+    residual = _worker_tensors(resumed, "residual", loaded=True)
+    result = _worker_tensors(resumed, "result_residual", loaded=True)
+    saved_result = _worker_tensors(saver, "result_residual", 7)[0]
+    expected, _ = _expected_outer_step(saver, 7)
+    loaded = _worker_tensors(resumed, "params", loaded=True)
+    for w in range(4):
+        _close(residual[w], mean, f"worker {w} residual")
+        _close(result[w], saved_result, f"worker {w} view of the result residual", exact=True)
+        _close(loaded[w], expected, f"worker {w} model")
+    after_sync = _worker_tensors(resumed, "params", 8)
+    for w in range(4):
+        _close(after_sync[w], after_sync[0], "workers identical after the next sync", exact=True)
+
+
+@pytest.mark.timeout(600)
+def test_synchronous_checkpoint_resumes_edit_with_its_adam_state(tmp_path):
+    """Plain Megatron (2 distributed-optimizer instances) saves after 5 steps; EDiT (warmup 2,
+    H 3) loads it with the optimizer: every worker gets the model and Adam state, EDiT counts
+    the 5 steps and takes its anchor there, and the run is bit-identical to an EDiT run whose
+    warmup ended at step 5 (its warmup is synchronous training)."""
+    path = str(tmp_path / "sync5")
+    sync = run_ranks(train_job, WORLD, local_sgd=None, steps=5, saves={5: [(path, DP_RESHARDABLE)]},
+                     snapshots=(5,), timeout=300)
+    reference = run_ranks(train_job, WORLD, local_sgd=dict(EDIT, local_sgd_warmup_steps=5), timeout=300)
+    resumed = run_ranks(train_job, WORLD, load=(path, DP_RESHARDABLE, 5), timeout=300)
+    for plain, ref, res in zip(sync, reference, resumed):
+        _equal(res["loaded"]["params"], plain["snapshots"][5]["params"], "model")
+        _equal(res["loaded"]["adam"], plain["snapshots"][5]["adam"], "Adam state")
+        assert res["loaded"]["steps_done"] == 5
+        _equal(res["loaded"]["anchors"], res["loaded"]["mains"], "anchor taken at the load")
+        assert [r.step for r in res["reports"]] == [8]
+        _equal(res["final"]["params"], ref["final"]["params"], "vs EDiT with warmup to step 5")
+        _equal(res["final"]["adam"], ref["final"]["adam"], "Adam vs EDiT with warmup to step 5")
+
+
+def plain_load_job(rank, world, path, metadata):
+    """Plain megatron-core loads an EDiT checkpoint with its optimizer: first without
+    megatron_edit (megatron-core 0.16.1's own defect without apex / TE), then with
+    patch_megatron_load_fixes()."""
+    from checkpoint_runs import _load, _setup
+
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    ddp, opt, _ = _setup(None, 2, bucket_size=ONE_BUCKET)
+    try:
+        _load(ddp, opt, path, metadata)
+        return None
+    except AssertionError as e:
+        return f"AssertionError: {e}"
+
+
+@pytest.mark.timeout(600)
+def test_edit_checkpoint_loads_into_plain_megatron(saved):
+    """An EDiT checkpoint taken between syncs, loaded by plain Megatron with its optimizer
+    (megatron_edit.patch_megatron_load_fixes(); without it megatron-core 0.16.1 fails without
+    apex / TE): every rank gets worker 0's model and inner Adam state; training goes on within
+    noise of the uninterrupted EDiT run."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    path, ref = saved["paths"]["fully7"], saved["ranks"]
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        failures = run_ranks(plain_load_job, WORLD, path, FULLY_RESHARDABLE, timeout=300)
+        assert all(f and "len(steps) == 1" in f or f == "AssertionError: " for f in failures), failures
+    plain = run_ranks(train_job, WORLD, local_sgd=None, bucket_size=ONE_BUCKET, load=(path, FULLY_RESHARDABLE, 7),
+                      timeout=300)
+    for rank, r in enumerate(plain):
+        _equal(r["loaded"]["params"], ref[0]["snapshots"][7]["params"], "worker 0's model")
+        _equal(r["loaded"]["adam"], ref[rank % 2]["snapshots"][7]["adam"], "worker 0's Adam shard")
+    _assert_loss_goes_on(plain, ref, range(8, 11))
+
+
+@pytest.mark.timeout(400)
+def test_what_megatrons_bucket_format_cannot_reshard_is_named(saved):
+    """EDiT's state reshards everywhere; Megatron's dp_reshardable (bucket-space) optimizer state
+    does not follow a TP change or a bucket change: the error says which."""
+    path = saved["paths"]["dp7"]
+    cases = [("tp", path, DP_RESHARDABLE, dict(tp=2, instances=1)),
+             ("buckets", path, DP_RESHARDABLE, dict(bucket_size=3000))]
+    results = run_ranks(load_errors_job, WORLD, cases, timeout=300)
+    for r in results:
+        assert r["tp"].startswith("CheckpointStateError") and "TP=1, PP=1, this run has TP=2" in r["tp"], r["tp"]
+        assert "fully_reshardable" in r["tp"]
+        assert r["buckets"].startswith("CheckpointStateError") and "the buckets changed" in r["buckets"], r["buckets"]
