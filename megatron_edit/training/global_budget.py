@@ -115,17 +115,6 @@ class GlobalBudget:
             )
 
     # ----------------------------------------------------------------- the end
-    def wrap_train_step(self, original):
-        def train_step(*args, **kwargs):
-            result = original(*args, **kwargs)
-            controllers = self.controllers()
-            if controllers and self._finished(controllers):
-                megatron_args = _get_args()
-                megatron_args.train_iters = megatron_args.curr_iteration + 1  # this one is the last
-            return result
-
-        return train_step
-
     @staticmethod
     def _finished(controllers) -> bool:
         done = [c.finished for c in controllers]
@@ -163,34 +152,43 @@ class GlobalBudget:
                     train_data_iterator)
             if not controllers:
                 return original(*call)
-            args = _get_args()
-            # Megatron's interval checks count this worker's iterations: taken over below.
-            with _replaced(args, save_interval=None, exit_interval=None):
-                if original(*call):
-                    return True
-            controller = controllers[0]
-            point = controller.last_sync
-            if not controller.at_sync or point.skipped:
-                return False  # only a real sync is a point every worker shares
-            previous, now = self._progress_at_last_sync, point.global_progress
-            self._progress_at_last_sync = now
-            label = checkpoint_iteration(now)
-            if point.final:  # as Megatron at --train-iters: after the loop it saves unless here
-                save = bool(args.save and args.save_interval) and label % args.save_interval == 0
-                leave = bool(args.exit_interval) and label % args.exit_interval == 0
-            else:
-                save = bool(args.save) and crossed(previous, now, args.save_interval)
-                leave = crossed(previous, now, args.exit_interval)
-            if save or (leave and args.save):
-                self.save(label, model, optimizer, opt_param_scheduler,
-                          num_floating_point_operations_so_far, checkpointing_context,
-                          train_data_iterator)
-            if leave and getattr(args, "rank", 0) == 0:
-                logger.info("megatron_edit: exiting at A-EDiT's sync at global iteration %d "
-                            "(--exit-interval %d)", label, args.exit_interval)
+            leave = self._save_or_exit(original, call, controllers[0])
+            if self._finished(controllers):  # the final sync is behind: this iteration is the last
+                _get_args().train_iters = iteration
             return leave
 
         return checkpoint_and_decide_exit
+
+    def _save_or_exit(self, original, call, controller) -> bool:
+        """Megatron's own checks without its intervals, then the intervals in global progress
+        at a real sync; whether to leave the loop."""
+        (model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
+         checkpointing_context, train_data_iterator) = call
+        args = _get_args()
+        # Megatron's interval checks count this worker's iterations: taken over below.
+        with _replaced(args, save_interval=None, exit_interval=None):
+            if original(*call):
+                return True
+        point = controller.last_sync
+        if not controller.at_sync or point.skipped:
+            return False  # only a real sync is a point every worker shares
+        previous, now = self._progress_at_last_sync, point.global_progress
+        self._progress_at_last_sync = now
+        label = checkpoint_iteration(now)
+        if point.final:  # as Megatron at --train-iters: after the loop it saves unless here
+            save = bool(args.save and args.save_interval) and label % args.save_interval == 0
+            leave = bool(args.exit_interval) and label % args.exit_interval == 0
+        else:
+            save = bool(args.save) and crossed(previous, now, args.save_interval)
+            leave = crossed(previous, now, args.exit_interval)
+        if save or (leave and args.save):
+            self.save(label, model, optimizer, opt_param_scheduler,
+                      num_floating_point_operations_so_far, checkpointing_context,
+                      train_data_iterator)
+        if leave and getattr(args, "rank", 0) == 0:
+            logger.info("megatron_edit: exiting at A-EDiT's sync at global iteration %d "
+                        "(--exit-interval %d)", label, args.exit_interval)
+        return leave
 
     @staticmethod
     def save(label, model, optimizer, opt_param_scheduler, flops, checkpointing_context,

@@ -256,12 +256,11 @@ def add_global_budget_patches(
     patches = [
         patch("a-edit-loop-cap", "setup_model_and_optimizer", budget.wrap_setup_model_and_optimizer,
               "A-EDiT: the loop may run to --train-iters x workers (data sets built for that)"),
-        patch("a-edit-end-at-final-sync", "train_step", budget.wrap_train_step,
-              "A-EDiT: every worker leaves the loop right after the final sync"),
         patch("a-edit-common-iteration", "train", budget.wrap_train,
               "A-EDiT: train returns --train-iters, the common iteration, on every worker"),
         patch("a-edit-save-exit-at-sync", "checkpoint_and_decide_exit", budget.wrap_checkpoint_and_decide_exit,
-              "A-EDiT: --save-interval / --exit-interval in global progress, at a sync"),
+              "A-EDiT: --save-interval / --exit-interval in global progress, at a sync; every "
+              "worker leaves the loop right after the final sync"),
     ]
     for patch in patches:
         registry.add(patch)

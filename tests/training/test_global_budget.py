@@ -70,12 +70,13 @@ def test_loop_cap_end_and_common_iteration(monkeypatch):
     budget = _budget(controller, monkeypatch, args)
     budget.wrap_setup_model_and_optimizer(lambda: "built")()
     assert args.train_iters == 20 and budget.train_iters == 10  # T x W, after the scheduler
-    step = budget.wrap_train_step(lambda: "stepped")
-    args.curr_iteration = 12
-    assert step() == "stepped" and args.train_iters == 20
+    controller.at_sync, controller.last_sync = False, None
+    args.save, args.save_interval, args.exit_interval = None, None, None
+    decide = budget.wrap_checkpoint_and_decide_exit(lambda *call: False)
+    assert decide(None, None, None, 13, 0.0, None, None) is False and args.train_iters == 20
     controller.finished = True
-    step()
-    assert args.train_iters == 13  # the loop ends after this iteration
+    decide(None, None, None, 13, 0.0, None, None)
+    assert args.train_iters == 13  # the loop ends after this iteration (the final sync's)
     assert budget.wrap_train(lambda: (13, 1.5))() == (10, 1.5)
     assert args.train_iters == 10
     controller.finished = False
