@@ -170,22 +170,8 @@ def run_args_for(args, spec: str, seed: int):
 def evaluate_all_ranks(args, ddp, valid_ds) -> float:
     """Validation loss on the held-out samples, shared over every rank. Only where every worker
     holds the same model (synchronous training; EDiT right after a sync)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron_edit.cpu import data
-
-    ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync, gathers params
-    rank, world = dist.get_rank(), dist.get_world_size()
-    n = args.eval_samples // (world * args.micro_batch_size)
-    it = data.batch_iterator(valid_ds, args.micro_batch_size, start=rank, stride=world)
-    batches = [next(it) for _ in range(n)]
-    ddp.eval()
-    with torch.no_grad():
-        out = get_forward_backward_func()(
-            forward_step_func=bc.job.forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=n,
-            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=True,
-        )
-    ddp.train()
-    total = torch.tensor([sum(d["lm loss"].item() for d in out), len(out)], dtype=torch.float64)
+    losses = bc.job.validation_losses(args, ddp, valid_ds, dist.get_rank(), dist.get_world_size())
+    total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
     dist.all_reduce(total)
     return (total[0] / total[1]).item()
 

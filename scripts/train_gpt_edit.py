@@ -302,18 +302,16 @@ def worker_mean(value, group):
     return t.item() / dist.get_world_size(group)
 
 
-def evaluate(args, ddp, valid_ds) -> float:
-    """Validation loss of this worker's current model on the held-out samples, computed over this
-    worker's ranks only (each takes its share, the mean is taken inside the worker): no
-    collective across workers, so it is safe at any step, with A-EDiT too."""
+def validation_losses(args, ddp, valid_ds, rank: int, size: int) -> list:
+    """This rank's share of the held-out samples (every ``size``-th micro-batch from ``rank``):
+    the loss of each of its micro-batches under the current model. No collective; completes a
+    pending layer-wise sync first."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron_edit.cpu import data
 
     ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync, gathers params
-    intra = worker_group()
-    rank_in_worker, worker_size = intra.rank(), intra.size()
-    n = args.eval_samples // (worker_size * args.micro_batch_size)
-    it = data.batch_iterator(valid_ds, args.micro_batch_size, start=rank_in_worker, stride=worker_size)
+    n = args.eval_samples // (size * args.micro_batch_size)
+    it = data.batch_iterator(valid_ds, args.micro_batch_size, start=rank, stride=size)
     batches = [next(it) for _ in range(n)]
     ddp.eval()
     with torch.no_grad():
@@ -322,7 +320,16 @@ def evaluate(args, ddp, valid_ds) -> float:
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=True,
         )
     ddp.train()
-    return worker_mean(sum(d["lm loss"].item() for d in out) / len(out), intra)
+    return [d["lm loss"].item() for d in out]
+
+
+def evaluate(args, ddp, valid_ds) -> float:
+    """Validation loss of this worker's current model on the held-out samples, computed over this
+    worker's ranks only (each takes its share, the mean is taken inside the worker): no
+    collective across workers, so it is safe at any step, with A-EDiT too."""
+    intra = worker_group()
+    losses = validation_losses(args, ddp, valid_ds, intra.rank(), intra.size())
+    return worker_mean(sum(losses) / len(losses), intra)
 
 
 def gather_per_worker(value: float) -> dict:
