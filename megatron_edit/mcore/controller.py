@@ -32,10 +32,9 @@ counters; split over files they would be harder to keep consistent.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -415,7 +414,7 @@ class LocalSGD:
             "global_progress": self.global_progress,
             # Saved right after an A-EDiT sync (Megatron-LM saves only there): every worker's
             # counters and plan, so each worker resumes with its own.
-            "sync_point": dataclasses.asdict(self.last_sync) if self.at_sync else None,
+            "sync_point": asdict(self.last_sync) if self.at_sync else None,
         }
 
     def load_extra_state(self, state: dict) -> None:

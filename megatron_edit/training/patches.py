@@ -121,6 +121,14 @@ def _skip_make_when_helpers_are_built(original):
     return compile_helpers
 
 
+def compat_patch(pid: str, target: str, wrap, description: str) -> Patch:
+    """A patch whose releases and signature come from :data:`compat.TRAINING_SIGNATURES`
+    (parameters checked only where the installed release has the function)."""
+    versions = compat.release_range(target)
+    names = compat.params(target) if versions.contains(compat.megatron_core_version()) else ()
+    return Patch(pid, target, wrap, versions, names, description)
+
+
 def add_startup_patches(registry: PatchRegistry) -> List[str]:
     """Declare the start-up patches (every device, both routes); returns their ids."""
     registry.add(Patch(
@@ -218,11 +226,9 @@ def add_training_patches(
         return print_rank_last
 
     def declare(pid, target, wrap, description):
-        # Signature and releases from compat.TRAINING_SIGNATURES: initialize stops binding
-        # parse_args / validate_args in 0.18 (scripts call arguments.parse_and_validate_args).
-        versions = compat.release_range(target)
-        names = compat.params(target) if versions.contains(compat.megatron_core_version()) else ()
-        add(Patch(pid, target, wrap, versions, names, description))
+        # initialize stops binding parse_args / validate_args in 0.18 (scripts call
+        # arguments.parse_and_validate_args): the table's release range says so.
+        add(compat_patch(pid, target, wrap, description))
 
     if not is_native(_ARGS):
         for module in (_ARGS, _INIT):  # until 0.18 initialize binds both names at import
@@ -247,12 +253,9 @@ def add_global_budget_patches(
     """Declare the :class:`GlobalBudget` patches (A-EDiT in Megatron-LM's training loop);
     returns their ids. Applied on both routes: the fork in ``patches/`` does not do this."""
     budget = GlobalBudget(runtime_ref)
-    v = compat.TRAINING_SUPPORTED
     def patch(pid, name, wrap, description):
-        target = f"{_TRAINING}:{name}"  # signatures per release: compat.TRAINING_SIGNATURES
-        return Patch(pid, target, wrap, v, compat.params(target) if v.contains(installed) else (), description)
+        return compat_patch(pid, f"{_TRAINING}:{name}", wrap, description)
 
-    installed = compat.megatron_core_version()
     patches = [
         patch("a-edit-loop-cap", "setup_model_and_optimizer", budget.wrap_setup_model_and_optimizer,
               "A-EDiT: the loop may run to --train-iters x workers (data sets built for that)"),
