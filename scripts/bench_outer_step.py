@@ -13,6 +13,8 @@ writes anchor, momentum, main params and the model copy (26 B). The table gives 
 configuration's time, the bandwidth that time means for those 38 bytes, and that bandwidth as a
 fraction of a plain device-to-device copy measured in the same run (``copy_`` of a tensor of the
 same total size: read + write). The baseline for the ratios is the plain mean on the same path.
+On CPU each configuration runs in a process of its own (``--isolate``): in one process, memory
+left by one configuration slowed the next by up to 2x, whatever the order.
 
 Paths: ``generic`` = ``torch.optim.SGD.step`` (what every outer optimizer can use), ``fused`` =
 the fused momentum-SGD step (eager: the same operations; ``--compile``: one compiled kernel,
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -81,7 +84,7 @@ def sync_seconds(device, shards, layers, local, gta, fused, compile_, repeats):
                          WorkerGroups(None, None), LocalSGDConfig(local_sgd_sync_interval=1, **local),
                          gta, state)
     times = []
-    for k in range(repeats + 2):  # two warm-up syncs (first momentum, compilation)
+    for k in range(repeats + 3):  # three warm-up syncs (first momentum, compilation, allocations)
         for shard in shards:
             for m in shard.mains:
                 m.add_(1e-3)
@@ -94,7 +97,7 @@ def sync_seconds(device, shards, layers, local, gta, fused, compile_, repeats):
             pipeline.complete_group(index)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        if k >= 2:
+        if k >= 3:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -125,7 +128,12 @@ def main(argv=None):
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="compile the fused step (default: on CUDA only)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="each configuration in a process of its own, with its own copy bandwidth "
+                             "(default: on CPU, where memory left by one configuration slowed the next "
+                             "by up to 2x in one process)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "outer_step"))
+    parser.add_argument("--only", nargs=2, metavar=("PATH", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
@@ -133,28 +141,51 @@ def main(argv=None):
     params = args.params or (1_340_000_000 if cuda else 32_000_000)
     buckets = args.buckets or (34 if cuda else 8)
     model_dtype = torch.bfloat16 if args.model_dtype == "bf16" else torch.float32
-    shards, layers = build_shards(params, buckets, args.layers_per_bucket, args.params_per_layer, model_dtype, device)
-    numel = sum(s.numel for s in shards)
-    minimal = 38 if model_dtype == torch.bfloat16 else 40
-    copy = copy_bandwidth(numel, device, args.repeats)
     compile_ = args.compile if args.compile is not None else cuda
+    isolate = args.isolate if args.isolate is not None else not cuda
+    paths = {"generic": (False, False), "fused": (True, compile_)}
+
+    def measure(path: str, name: str) -> dict:
+        """One configuration on fresh shards: ms per sync and the copy bandwidth beside it."""
+        fused, comp = paths[path]
+        local, gta = CONFIGS[name], GTAConfig()
+        if local == "gta":
+            local, gta = {}, GTAConfig(reducer="gta", consensus_method="sum")
+        shards, layers = build_shards(params, buckets, args.layers_per_bucket, args.params_per_layer,
+                                      model_dtype, device)
+        numel = sum(s.numel for s in shards)
+        copy = copy_bandwidth(numel, device, args.repeats)
+        seconds = sync_seconds(device, shards, layers, local, gta, fused, comp, args.repeats)
+        return dict(seconds=seconds, copy=copy, numel=numel)
+
+    if args.only:
+        print(json.dumps(measure(*args.only)))
+        return
+    minimal = 38 if model_dtype == torch.bfloat16 else 40
     rows = []
-    for path, fused, comp in (("generic", False, False), ("fused", True, compile_)):
+    for path in paths:
         base = None
-        for name, local in CONFIGS.items():
-            gta = GTAConfig()
-            if local == "gta":
-                local, gta = {}, GTAConfig(reducer="gta", consensus_method="sum")
-            seconds = sync_seconds(device, shards, layers, local, gta, fused, comp, args.repeats)
+        for name in CONFIGS:
+            if isolate:
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]),
+                                      "--only", path, name], check=True, capture_output=True, text=True).stdout
+                m = json.loads(out.strip().splitlines()[-1])
+            else:
+                m = measure(path, name)
+            seconds, copy, numel = m["seconds"], m["copy"], m["numel"]
             base = base or seconds
             bandwidth = minimal * numel / seconds
-            rows.append(dict(path=path + (" (compiled)" if comp else ""), config=name, ms=1e3 * seconds,
-                             gbps=bandwidth / 1e9, of_copy=bandwidth / copy, vs_mean=seconds / base))
+            rows.append(dict(path=path + (" (compiled)" if paths[path][1] else ""), config=name, ms=1e3 * seconds,
+                             gbps=bandwidth / 1e9, copy_gbps=copy / 1e9, of_copy=bandwidth / copy,
+                             vs_mean=seconds / base))
     load = os.getloadavg()[0]
+    copies = [r["copy_gbps"] for r in rows]
     lines = [
         f"device {device} ({torch.cuda.get_device_name() if cuda else 'CPU, %d thread(s)' % args.threads}), "
         f"{numel / 1e6:.1f}M params in {buckets} buckets, {args.model_dtype} model, one worker; "
-        f"copy bandwidth {copy / 1e9:.1f} GB/s; minimal sync {minimal} B/param; load average {load:.1f}",
+        f"copy bandwidth {min(copies):.1f}-{max(copies):.1f} GB/s (measured beside each row"
+        f"{', each row in a process of its own' if isolate else ''}); minimal sync {minimal} B/param; "
+        f"load average {load:.1f}",
         "",
         "| path | sync | ms per sync | GB/s at the minimal bytes | of copy bandwidth | vs plain mean |",
         "|---|---|---|---|---|---|",
@@ -168,7 +199,7 @@ def main(argv=None):
     with open(args.out + suffix + ".md", "w") as f:
         f.write(text + "\n")
     with open(args.out + suffix + ".json", "w") as f:
-        json.dump(dict(rows=rows, copy_gbps=copy / 1e9, params=numel, load=load), f, indent=1)
+        json.dump(dict(rows=rows, params=numel, load=load, isolated=isolate), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -95,14 +95,15 @@ def fused_momentum_sgd_step_(
     mains: "torch.Tensor | None",
     model: "torch.Tensor | None",
 ) -> None:
-    """``delta * scale`` (the mean's 1/workers), then :func:`momentum_sgd_step_` and the writes
-    that follow it, as one elementwise function meant for ``torch.compile`` (one kernel: reads
-    anchor, momentum and delta once, writes anchor, momentum, the fp32 main params ``mains`` and
-    the model's 16-bit copy ``model``). ``scale`` is a 0-dim tensor (a Python float would be
-    compiled in as a constant). ``momentum`` is written, not read, on the ``first`` step. The
-    same math as :func:`momentum_sgd_step_`; a compiler may contract multiply-adds, so the
-    last bit can differ."""
-    delta = delta * scale
+    """``delta * scale`` (the mean's 1/workers, possibly times a layer's clip factor; a 0 scale
+    gives 0, even for NaN/Inf), then :func:`momentum_sgd_step_` and the writes that follow it, as
+    one elementwise function meant for ``torch.compile`` (one kernel: reads anchor, momentum and
+    delta once, writes anchor, momentum, the fp32 main params ``mains`` and the model's 16-bit
+    copy ``model``). ``scale`` is a 0-dim tensor (a Python float would be compiled in as a
+    constant). ``momentum`` is written, not read, on the ``first`` step. The same math as
+    :func:`momentum_sgd_step_`; a compiler may contract multiply-adds, so the last bit can
+    differ."""
+    delta = torch.where(scale == 0, torch.zeros_like(delta), delta * scale)
     m = delta if first else momentum * mu + delta
     update = delta + m * mu if nesterov else m
     new = anchor - update * lr

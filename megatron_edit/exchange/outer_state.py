@@ -27,8 +27,10 @@ state (checkpoints).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from typing import List, Optional, Sequence, Tuple
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,6 +39,23 @@ from ..config import OuterOptimizerConfig
 from .shard import BucketShard
 
 logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_step():
+    """The compiled fused step, one for the process: dynamo keeps its compiled variants (first
+    step or not, a length of 1 or more, ...) per compiled callable, so one callable per
+    :class:`OuterState` would compile them again for each and soon hit dynamo's recompile
+    limit. Calls are serialized: dynamo is not thread-safe, and two threads missing its cache at
+    once (workers as threads, as in the tests) would each add a variant."""
+    compiled = torch.compile(outer.fused_momentum_sgd_step_, dynamic=True, fullgraph=True)
+    lock = threading.Lock()
+
+    def step(*args):
+        with lock:
+            compiled(*args)
+
+    return step
 
 
 class OuterState:
@@ -63,7 +82,6 @@ class OuterState:
         self.fused = fused and outer.is_plain_momentum_sgd(config.optimizer_class, kwargs)
         self._compile = compile
         self._force_paged = paged
-        self._compiled = None
         self._scales = {}
         self._host_copies_pending = False
 
@@ -118,15 +136,26 @@ class OuterState:
         skipped: List[Tuple[int, int]],
         write_model: bool,
         divisor: int = 1,
+        layer_scales: Optional[Dict[int, torch.Tensor]] = None,
     ) -> None:
         """Outer step of one shard with the pseudo-gradient ``delta / divisor`` (``delta`` is
         scratch: it is overwritten), then the main params (and, with ``write_model``, the
         model's 16-bit copy) restart from the new anchor. The ranges in ``skipped`` (layers every
-        worker was excluded from) keep their anchor and outer state."""
+        worker was excluded from) keep their anchor and outer state. ``layer_scales``: a factor
+        per layer (0-dim tensors on the device, e.g. clip factors; a 0 factor zeroes the layer's
+        pseudo-gradient, even NaN/Inf), folded into the compiled kernel (no pass of its own) and
+        otherwise applied to ``delta`` first."""
         with self._on_device(shard):
             if self.fused and not skipped:
+                if layer_scales and self.compiles(shard.device):
+                    self._fused_scaled_step(shard, delta, write_model, divisor, layer_scales)
+                    return
+                if layer_scales:
+                    shard.scale_layers(delta, layer_scales)
                 self._fused_step(shard, delta, write_model, divisor)
                 return
+            if layer_scales:
+                shard.scale_layers(delta, layer_scales)
             outer.mean_from_sum(delta, divisor)
             saved = self._save_segments(shard, skipped)
             outer.outer_step(self.optimizer, [shard.anchor], [delta])
@@ -142,11 +171,9 @@ class OuterState:
         momentum = torch.empty_like(shard.anchor) if first else state["momentum_buffer"]
         mains = shard.flat_mains
         model = shard.model if write_model else None
-        if self._compiles(shard.device):
-            if self._compiled is None:
-                self._compiled = torch.compile(outer.fused_momentum_sgd_step_, dynamic=True, fullgraph=True)
+        if self.compiles(shard.device):
             scale = self._scale(divisor, shard.device)
-            self._compiled(shard.anchor, momentum, delta, scale, float(group["lr"]), float(group["momentum"]),
+            self._kernel()(shard.anchor, momentum, delta, scale, float(group["lr"]), float(group["momentum"]),
                            bool(group["nesterov"]), first, mains, model)
         else:
             outer.mean_from_sum(delta, divisor)
@@ -160,7 +187,35 @@ class OuterState:
         if mains is None:
             shard.write_mains(shard.anchor)
 
-    def _compiles(self, device: torch.device) -> bool:
+    def _fused_scaled_step(self, shard: BucketShard, delta: torch.Tensor, write_model: bool, divisor: int,
+                           layer_scales: Dict[int, torch.Tensor]) -> None:
+        """The compiled step once per piece of one layer (:attr:`BucketShard.layer_spans`), with
+        the layer's factor / ``divisor`` as the kernel's scale: the factors cost no pass."""
+        group = self.optimizer.param_groups[0]
+        state = self.optimizer.state[shard.anchor]
+        first = "momentum_buffer" not in state or state["momentum_buffer"] is None
+        momentum = torch.empty_like(shard.anchor) if first else state["momentum_buffer"]
+        mains = shard.flat_mains
+        model = shard.model if write_model else None
+        kernel = self._kernel()
+        inverse = self._scale(divisor, shard.device)
+        # factor / divisor computed in the factor's precision (fp64 clip factors), used in fp32.
+        scales = {layer: (factor / divisor).to(torch.float32) for layer, factor in layer_scales.items()}
+        lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
+        for s, e, layer in shard.layer_spans:
+            scale = inverse if layer is None else scales[layer]
+            kernel(shard.anchor[s:e], momentum[s:e], delta[s:e], scale, lr, mu, nesterov, first,
+                   None if mains is None else mains[s:e], None if model is None else model[s:e])
+        state["momentum_buffer"] = momentum
+        if mains is None:
+            shard.write_mains(shard.anchor)
+
+    @staticmethod
+    def _kernel():
+        return _compiled_step()
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether the fused step runs as a compiled kernel on ``device``."""
         return self._compile if self._compile is not None else device.type == "cuda"
 
     def _scale(self, divisor: int, device: torch.device) -> torch.Tensor:

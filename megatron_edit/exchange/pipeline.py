@@ -250,9 +250,15 @@ class OuterSync:
         shard.handle = handles
 
     def _defers_mean(self) -> bool:
-        """Whether the plain mean's division is left to the fused outer step (one pass less);
-        clipping needs the mean itself first."""
-        return self.outer.fused and self.config.clip_pseudo_grad is None
+        """Whether the plain mean's division is left to the fused outer step (one pass less).
+        With clipping only where the step is compiled (the clip factors go into its kernel too:
+        the norms are then taken of the sum and divided); eagerly, clipping scales the mean."""
+        if not self.outer.fused:
+            return False
+        return self.config.clip_pseudo_grad is None or self._clip_in_kernel()
+
+    def _clip_in_kernel(self) -> bool:
+        return bool(self.shards) and self.outer.compiles(self.shards[0].device)
 
     @torch.no_grad()
     def _finish_exchange(self, shards: Sequence[BucketShard]) -> None:
@@ -322,7 +328,11 @@ class OuterSync:
         ]
         involved = {id(s): s for layer in ready for s in self.layer_shards[layer]}
         # On the device: the factors are never read on the host here (no wait in a pre-hook).
-        factors = penalty.clip_coefficients(self._layer_norms(list(involved.values())), tau)
+        norms = self._layer_norms(list(involved.values()))
+        divisor = self._divisor()
+        if divisor != 1:  # Delta still holds the sum: the mean's norm is the sum's / divisor
+            norms = norms / divisor
+        factors = penalty.clip_coefficients(norms, tau)
         for layer in ready:
             coef[layer] = factors[layer]
 
@@ -331,12 +341,16 @@ class OuterSync:
         """Outer step of one shard with its reduced Delta; mains restart from the anchor."""
         sync = self._sync
         delta = shard.delta
+        scales = None
         if sync.clip_coef:
-            shard.scale_layers(delta, sync.clip_coef)
+            if self._clip_in_kernel():
+                scales = {layer: sync.clip_coef[layer] for _, _, layer in shard.layer_spans if layer is not None}
+            else:
+                shard.scale_layers(delta, sync.clip_coef)
         skipped = []
         if sync.skipped is not None:
             skipped = [(s, e) for s, e, layer, _ in shard.segments if sync.skipped[layer]]
-        self.outer.apply(shard, delta, skipped, write_model, self._divisor())
+        self.outer.apply(shard, delta, skipped, write_model, self._divisor(), layer_scales=scales)
         shard.delta = None
         shard.exchanged = False
         shard.pending = False

@@ -98,6 +98,17 @@ class BucketShard:
             gaps.append((at, self.numel))
         self.gaps: List[Tuple[int, int]] = gaps
         """Ranges of the shard no parameter covers (bucket padding): kept at 0."""
+        spans: List[Tuple[int, int, Optional[int]]] = [(s, e, layer) for s, e, layer, _ in self.runs]
+        spans += [(s, e, None) for s, e in gaps]
+        merged: List[Tuple[int, int, Optional[int]]] = []
+        for s, e, layer in sorted(spans, key=lambda span: span[0]):
+            if merged and merged[-1][1] == s and merged[-1][2] == layer:
+                merged[-1] = (merged[-1][0], e, layer)
+            else:
+                merged.append((s, e, layer))
+        self.layer_spans: List[Tuple[int, int, Optional[int]]] = merged
+        """The shard cut into contiguous [start, end) pieces of one layer each (None: padding),
+        covering it whole: a per-layer factor folded into one elementwise pass per piece."""
         counted = [r for r in self.runs if r[3]]
         self._norm_runs = [(s, e) for s, e, _, _ in counted]
         # Built once here (not at each sync): a host -> device copy would wait for the device.

@@ -51,10 +51,10 @@ def _shards(params):
     return shards
 
 
-def _worker(worker, world, local, gta=None, mode="layerwise", syncs=1, faults=None):
+def _worker(worker, world, local, gta=None, mode="layerwise", syncs=1, faults=None, state_kwargs=None):
     params = _initial()
     shards = _shards(params)
-    state = OuterState(OuterOptimizerConfig(**OUTER))
+    state = OuterState(OuterOptimizerConfig(**OUTER), **(state_kwargs or {}))
     state.capture(shards)
     reports = []
     sync = OuterSync([[shards[i] for i in g] for g in GROUPS], LAYERS, world.group(worker),
@@ -84,7 +84,8 @@ def _flat(per_bucket):
 
 
 def _reference(workers, syncs=1, weights_fn=None, clip=None):
-    """EDiT's outer step on the flat parameters of each bucket, computed independently."""
+    """EDiT's outer step on the flat parameters of each bucket, computed independently (with
+    ``clip``: the mean's per-layer norm clipped to it)."""
     init = _flat(_initial())
     anchors = [a.clone() for a in init]
     opt = torch.optim.SGD(anchors, **OUTER["outer_optim_kwargs"])
@@ -100,6 +101,15 @@ def _reference(workers, syncs=1, weights_fn=None, clip=None):
             for w in range(1, workers):
                 total += deltas[w][b]
             mean.append(total / workers)
+        if clip is not None:
+            norms = torch.zeros(len(LAYERS), dtype=torch.float64)
+            for b, (_, segs) in enumerate(BUCKETS):
+                for s, e, layer in segs:
+                    norms[layer] += mean[b][s:e].double().pow(2).sum()
+            coef = torch.clamp(clip / (norms.sqrt() + 1e-12), max=1.0)
+            for b, (_, segs) in enumerate(BUCKETS):
+                for s, e, layer in segs:
+                    mean[b][s:e] *= float(coef[layer])
         for a, g in zip(anchors, mean):
             a.grad = g
         opt.step()
@@ -182,6 +192,28 @@ def test_penalty_weights_exclusion_and_clipping_equal_the_reference(mode):
     for r in out:
         for b in range(len(BUCKETS)):
             assert torch.allclose(r["anchors"][b], anchors[b], atol=1e-6, rtol=1e-6)
+            assert torch.equal(r["anchors"][b], out[0]["anchors"][b])  # replicas identical
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["layerwise", "step_end"])
+def test_clipped_plain_mean_equals_the_reference(mode, compiled):
+    """Clipping of the plain mean. Compiled (the GPU's path, built here by inductor for the CPU):
+    the exchanged sum goes to the kernel undivided, the norms are the sum's / workers and each
+    layer's clip factor / workers is the kernel's scale (no pass of its own)."""
+    if compiled:
+        pytest.importorskip("torch._inductor")
+    world = FakeWorld(3)
+    local = dict(local_sgd_sync_interval=1, sync_mode=mode, clip_pseudo_grad=2.0)
+    out = run_workers(world, _worker, world, local, None, mode, 2, None, dict(compile=compiled))
+    expected = _reference(3, syncs=2, clip=2.0)
+    assert (out[0]["reports"][0].clip_coef < 1).any() and (out[0]["reports"][0].clip_coef == 1).any()
+    for r in out:
+        for b, (numel, _) in enumerate(BUCKETS):
+            flat = torch.cat(r["params"][b])
+            assert torch.allclose(flat, expected[b][: flat.numel()], atol=1e-6, rtol=1e-6)
+            assert torch.equal(r["anchors"][b][flat.numel():], torch.zeros(numel - flat.numel()))
             assert torch.equal(r["anchors"][b], out[0]["anchors"][b])  # replicas identical
 
 
