@@ -14,6 +14,8 @@ same model and data:
   EDiT step-end     sync every H steps, blocking exchange after the optimizer step;
   EDiT layer-wise   sync every H steps, exchange bucket by bucket during the next forward pass;
   A-EDiT            sync every T seconds (T = H x the no-communication step time), layer-wise;
+  EDiT layer-wise int8 + EF, int4 + EF
+                    layer-wise with the quantized exchange and error feedback (``--exchange-dtypes``);
   no-comm bound     EDiT with H larger than the run: the workers never talk (upper bound).
 tokens/s = tokens of all ranks over the slowest rank's wall time. Bytes: payload counted by
 wrapping torch.distributed (bench_common.TrafficCounter) and what actually left each worker's
@@ -33,7 +35,22 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODES = ("synchronous", "EDiT step-end", "EDiT layer-wise", "A-EDiT", "no-comm bound")
+BASE_MODES = ("synchronous", "EDiT step-end", "EDiT layer-wise", "A-EDiT")
+MODES = BASE_MODES + ("no-comm bound",)  # with --exchange-dtypes: quantized modes before the bound
+
+
+def quantized_mode(dtype: str) -> str:
+    return f"EDiT layer-wise {dtype} + EF"
+
+
+def modes_for(dtypes) -> tuple:
+    return BASE_MODES + tuple(quantized_mode(d) for d in dtypes) + ("no-comm bound",)
+
+
+def mode_dtype(mode: str):
+    """The exchange dtype of a quantized mode, else None."""
+    m = re.fullmatch(r"EDiT layer-wise (\w+) \+ EF", mode)
+    return m.group(1) if m else None
 
 
 def parse_args(argv=None):
@@ -46,6 +63,11 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     parser.add_argument("--repeats", type=int, default=5,
                         help="interleaved repetitions of every run; the median is reported")
+    parser.add_argument("--exchange-dtypes", nargs="*", default=["int8", "int4"],
+                        help="quantized exchange formats run layer-wise with error feedback, beside fp32 "
+                             "(none: fp32 only)")
+    parser.add_argument("--name", default="bandwidth",
+                        help="results as bench-results/<name>.{md,png,json} and <name>_<rate>.json")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return parser.parse_known_args(argv)
@@ -74,6 +96,9 @@ def measure(args, mode, train_ds, counter, t_step):
         local_sgd_sync_mode="step_end" if mode == "EDiT step-end" else "layerwise",
         local_sgd_async=mode == "A-EDiT",
     )
+    if mode_dtype(mode):
+        run_args.local_sgd_exchange_dtype = mode_dtype(mode)
+        run_args.local_sgd_exchange_error_feedback = True
     if mode == "A-EDiT":  # A-EDiT's flags only with A-EDiT (elsewhere they are refused)
         run_args.local_sgd_sync_time = args.interval * (t_step or 0.05)
         run_args.local_sgd_min_total_global_steps = 1
@@ -113,7 +138,7 @@ def measure(args, mode, train_ds, counter, t_step):
     counter.enabled = False
     tx = tx_bytes() - tx0 if tx0 >= 0 else -1
     identical = None
-    if mode in ("EDiT step-end", "EDiT layer-wise"):  # untimed: on to the next sync, then compare
+    if mode in ("EDiT step-end", "EDiT layer-wise") or mode_dtype(mode):  # untimed: on to the next sync, then compare
         while controllers[0].steps_done % args.interval:
             bc.train_step(run_args, ddp, optimizer, scheduler, next(it))
         bc.flush(ddp, controllers)
@@ -146,15 +171,16 @@ def inner(own, rest):
     if "GROUP_WORLD_SIZE" in os.environ:  # netns_cluster.sh: one torchrun node per worker
         args.workers = int(os.environ["GROUP_WORLD_SIZE"])
     steps = args.syncs * args.interval
-    runs = args.repeats * len(MODES)
+    modes = modes_for(own.exchange_dtypes)
+    runs = args.repeats * len(modes)
     train_ds, _ = bc.setup(args, train_samples=(steps * 2 + 16 + args.warmup) * runs * 4 * args.micro_batch_size)
     counter = bc.TrafficCounter(bc.worker_of_rank(args))
     counter.enabled = False
     lay = bc.layout(args)
     rate = os.environ.get("NETNS_RATE", "none")
-    runs = {mode: [] for mode in MODES}
+    runs = {mode: [] for mode in modes}
     t_step = None
-    order = ["no-comm bound"] + [m for m in MODES if m != "no-comm bound"]
+    order = ["no-comm bound"] + [m for m in modes if m != "no-comm bound"]
     for rep in range(args.repeats):
         # Interleaved: each repetition runs every mode once, starting one mode later.
         for mode in order[rep % len(order):] + order[:rep % len(order)] if rep else order:
@@ -162,7 +188,7 @@ def inner(own, rest):
             if mode == "no-comm bound" and t_step is None:
                 t_step = r["step_s"]  # A-EDiT's T = H x this
             runs[mode].append(r)
-            bc.log0(f"[{rate}] rep {rep} {mode:16s} {r['tokens_per_s']:8.0f} tokens/s  {r['step_s'] * 1e3:6.1f} "
+            bc.log0(f"[{rate}] rep {rep} {mode:26s} {r['tokens_per_s']:8.0f} tokens/s  {r['step_s'] * 1e3:6.1f} "
                     f"ms/step  syncs {r['syncs']}  steps {'/'.join(str(int(x)) for x in r['steps_per_rank'])}  "
                     f"load {bc.load_average()}")
     counter.close()
@@ -192,12 +218,12 @@ def driver(own, rest):
         workers = int(rest[rest.index("--workers") + 1])
     runs = []
     for rate in own.rates:
-        out = bc.plot_path(f"bandwidth_{rate}.json")
+        out = bc.plot_path(f"{own.name}_{rate}.json")
         cmd = ["bash", os.path.join(HERE, "netns_cluster.sh"), "--workers", str(workers),
                "--procs-per-worker", str(own.procs_per_worker), "--rate", rate, "--check", "--python", sys.executable,
                "--", os.path.join(HERE, "bench_bandwidth.py"), "--inner", "--out", out,
                "--interval", str(own.interval), "--syncs", str(own.syncs), "--warmup", str(own.warmup),
-               "--repeats", str(own.repeats), *rest]
+               "--repeats", str(own.repeats), "--exchange-dtypes", *own.exchange_dtypes, *rest]
         print("$ " + " ".join(cmd), flush=True)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         lines = [ln for ln in proc.stdout.splitlines()
@@ -210,18 +236,19 @@ def driver(own, rest):
             result = json.load(f)
         result["measured_mbit"] = float(check.group(1)) if check else None
         runs.append(result)
-    with open(bc.plot_path("bandwidth.json"), "w") as f:
+    with open(bc.plot_path(f"{own.name}.json"), "w") as f:
         json.dump(runs, f, indent=1)
-    report(bc, runs)
+    report(bc, runs, own.name)
 
 
-def report(bc, runs):
+def report(bc, runs, name="bandwidth"):
+    modes = [m for m in runs[0]["modes"]]
     headers = ["run"]
     for r in runs:
         label = "unlimited veth" if r["rate"] == "none" else f"tbf {r['rate']}"
         headers += [f"{label} tokens/s [min-max]", "vs sync"]
     rows = []
-    for mode in MODES:
+    for mode in modes:
         row = [mode]
         for r in runs:
             m, base = r["modes"][mode], r["modes"]["synchronous"]["tokens_per_s"]
@@ -231,7 +258,7 @@ def report(bc, runs):
         rows.append(row)
     r0 = runs[0]
     bytes_rows = []
-    for mode in MODES:
+    for mode in modes:
         m = r0["modes"][mode]
         tx = [r["modes"][mode]["tx_per_worker_step"] for r in runs]
         tx = [t for t in tx if t is not None]
@@ -243,7 +270,7 @@ def report(bc, runs):
     links = ", ".join(f"{r['rate']}: {r['measured_mbit']:.0f} Mbit/s" for r in runs if r.get("measured_mbit"))
     notes = (
         f"{r0['workers']} workers x {r0['procs_per_worker']} ranks (one network namespace per worker), "
-        f"{r0['params']:,}-parameter GPT, fp32, H={r0['interval']}, A-EDiT T = H x no-comm step time; "
+        f"{r0['params']:,}-parameter GPT, fp32 exchange unless named, H={r0['interval']}, A-EDiT T = H x no-comm step time; "
         f"median of {r0.get('repeats', 1)} interleaved runs of {r0.get('timed_steps', '?')} timed steps "
         "(A-EDiT: of the same number of syncs). "
         f"Links (TCP check w0->w1): {links}. Load average during the runs: "
@@ -254,13 +281,13 @@ def report(bc, runs):
                 "replicas equal at a sync"]
     btext = bc.table(bheaders, bytes_rows)
     print(f"\nthroughput over bandwidth-limited links\n{text}\n\nbytes per step\n{btext}\n{notes}")
-    bc.write_result("bandwidth.md", bc.table(headers, rows, markdown=True) + "\n\n"
+    bc.write_result(f"{name}.md", bc.table(headers, rows, markdown=True) + "\n\n"
                     + bc.table(bheaders, bytes_rows, markdown=True) + "\n\n" + notes + "\n")
 
     plt = bc.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(MODES)
-    for i, mode in enumerate(MODES):
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
         ys = [r["modes"][mode]["tokens_per_s"] for r in runs]
         lo = [y - min(r["modes"][mode].get("tokens_per_s_all", [y])) for y, r in zip(ys, runs)]
         hi = [max(r["modes"][mode].get("tokens_per_s_all", [y])) - y for y, r in zip(ys, runs)]
@@ -274,8 +301,8 @@ def report(bc, runs):
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(bc.plot_path("bandwidth.png"), dpi=110)
-    print(f"wrote {bc.plot_path('bandwidth.png')}, {bc.plot_path('bandwidth.md')}, {bc.plot_path('bandwidth.json')}")
+    fig.savefig(bc.plot_path(f"{name}.png"), dpi=110)
+    print(f"wrote {bc.plot_path(name + '.png')}, {bc.plot_path(name + '.md')}, {bc.plot_path(name + '.json')}")
 
 
 def main():

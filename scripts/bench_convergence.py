@@ -23,7 +23,8 @@ A run is named by a spec, ``kind[:key=value,...]``:
 
   keys: H, W (warmup steps), lr, m, nesterov (outer SGD; default: the package's),
         dtype (fp32 bf16 fp8 int8 int4), ef (1: error feedback), clip (EDiT's clip),
-        steps (run length; the learning-rate schedule spans it), slow (A-EDiT)
+        steps (run length; the learning-rate schedule spans it), slow (A-EDiT),
+        mbs (sequences per worker and step; more tokens at the same steps)
 
 Every run validates on the same held-out samples (``--eval-samples``, spread over all ranks) at
 steps W + k x ``--eval-every`` (right after a sync: the workers hold identical models; A-EDiT:
@@ -58,7 +59,7 @@ QUANT_RUNS = ["edit:H=8,dtype=bf16", "edit:H=8,dtype=int8", "edit:H=8,dtype=int8
 VALID_SEED = 1234  # the held-out samples' order: one validation set for every seed
 KINDS = ("sync", "edit", "diloco", "aedit")
 KEYS = {"H": int, "W": int, "lr": float, "m": float, "nesterov": int, "dtype": str, "ef": int,
-        "clip": float, "steps": int, "slow": float}
+        "clip": float, "steps": int, "slow": float, "mbs": int}
 
 
 def parse_args(argv=None):
@@ -129,6 +130,8 @@ def label(spec: str) -> str:
         extra.append(f"worker 1 at 1/{s.get('slow', 2):g} speed")
     if "steps" in s:
         extra.append(f"{s['steps']} steps")
+    if "mbs" in s:
+        extra.append(f"{s['mbs']} sequences per worker step")
     return text + (", " + ", ".join(extra) if extra else "")
 
 
@@ -137,7 +140,7 @@ def run_args_for(args, spec: str, seed: int):
     if s["kind"] != "sync" and "lr" not in s and "m" not in s:
         s.update({k: v for k, v in parse_spec("edit:" + args.outer).items() if k in ("lr", "m", "nesterov")})
     steps = s.get("steps", args.bench_steps)
-    common = dict(seed=seed, steps=steps)
+    common = dict(seed=seed, steps=steps, micro_batch_size=s.get("mbs", args.micro_batch_size))
     if s["kind"] == "sync":
         return bc.edit_args(args, use_local_sgd=False, **common), s
     penalty = s["kind"] in ("edit", "aedit")
@@ -436,7 +439,7 @@ def plot(args, runs: List[dict], rows: List[dict]) -> None:
         ax.plot([x / 1e6 for x in xs], ys, color=colors[spec], marker=".", ms=3, label=by_spec[spec][0]["label"])
     ax.set_xlabel("tokens (millions, all workers)")
     ax.set_ylabel(f"validation loss (mean of {len(args.seeds)} seeds)")
-    lows = [min(_mean_curve(by_spec[s], "tokens")[1]) for s in main]
+    lows = [min(_mean_curve(by_spec[s], "tokens")[1]) for s in main or quant]
     ax.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
     ax2 = ax.inset_axes([0.42, 0.45, 0.55, 0.32])
     for spec in main:
@@ -491,9 +494,11 @@ def main():
     specs = args.runs
     for spec in specs:
         parse_spec(spec)  # a bad spec fails before anything runs
-    if args.report_only:
+    if args.report_only:  # every run in the file, or those --runs names
         with open(results_path(args)) as f:
-            report(args, json.load(f)["runs"])
+            runs = json.load(f)["runs"]
+        named = any(a == "--runs" or a.startswith("--runs=") for a in sys.argv[1:])
+        report(args, [r for r in runs if r["spec"] in specs] if named else runs)
         return
     bc.setup(args, train_samples=1)  # the process group, Megatron's groups, the indexed dataset
     done = load_results(args)
@@ -505,6 +510,7 @@ def main():
                 continue
             s = parse_spec(spec)
             steps = s.get("steps", args.bench_steps) * (args.workers if s["kind"] == "aedit" else 1)
+            steps = math.ceil(steps * s.get("mbs", args.micro_batch_size) / args.micro_batch_size)  # samples
             if (seed, steps) not in datasets:
                 datasets = {(seed, steps): build_datasets(args, seed, steps)}
             done.append(train(args, spec, seed, datasets[(seed, steps)]))
