@@ -147,12 +147,7 @@ class OuterState:
         otherwise applied to ``delta`` first."""
         with self._on_device(shard):
             if self.fused and not skipped:
-                if layer_scales and self.compiles(shard.device):
-                    self._fused_scaled_step(shard, delta, write_model, divisor, layer_scales)
-                    return
-                if layer_scales:
-                    shard.scale_layers(delta, layer_scales)
-                self._fused_step(shard, delta, write_model, divisor)
+                self._fused_step(shard, delta, write_model, divisor, layer_scales)
                 return
             if layer_scales:
                 shard.scale_layers(delta, layer_scales)
@@ -164,21 +159,36 @@ class OuterState:
             if write_model:
                 shard.write_model(shard.anchor)
 
-    def _fused_step(self, shard: BucketShard, delta: torch.Tensor, write_model: bool, divisor: int) -> None:
+    def _fused_step(self, shard: BucketShard, delta: torch.Tensor, write_model: bool, divisor: int,
+                    layer_scales: Optional[Dict[int, torch.Tensor]] = None) -> None:
+        """Compiled: one kernel call for the shard, or with ``layer_scales`` one per piece of one
+        layer (:attr:`BucketShard.layer_spans`) with the layer's factor / ``divisor`` as its
+        scale (the factors cost no pass). Eager: the factors scale ``delta`` first."""
         group = self.optimizer.param_groups[0]
         state = self.optimizer.state[shard.anchor]
         first = "momentum_buffer" not in state or state["momentum_buffer"] is None
         momentum = torch.empty_like(shard.anchor) if first else state["momentum_buffer"]
         mains = shard.flat_mains
         model = shard.model if write_model else None
+        lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
         if self.compiles(shard.device):
-            scale = self._scale(divisor, shard.device)
-            self._kernel()(shard.anchor, momentum, delta, scale, float(group["lr"]), float(group["momentum"]),
-                           bool(group["nesterov"]), first, mains, model)
+            inverse = self._scale(divisor, shard.device)
+            pieces, scales = [(0, shard.numel, None)], {}
+            if layer_scales:
+                pieces = shard.layer_spans
+                # factor / divisor in the factor's precision (fp64 clip factors), used in fp32
+                scales = {layer: (layer_scales[layer] / divisor).to(torch.float32)
+                          for layer in {layer for _, _, layer in pieces if layer is not None}}
+            kernel = _compiled_step()
+            for s, e, layer in pieces:
+                kernel(shard.anchor[s:e], momentum[s:e], delta[s:e], inverse if layer is None else scales[layer],
+                       lr, mu, nesterov, first, None if mains is None else mains[s:e],
+                       None if model is None else model[s:e])
         else:
+            if layer_scales:
+                shard.scale_layers(delta, layer_scales)
             outer.mean_from_sum(delta, divisor)
-            outer.momentum_sgd_step_(shard.anchor, momentum, delta, float(group["lr"]),
-                                     float(group["momentum"]), bool(group["nesterov"]), first)
+            outer.momentum_sgd_step_(shard.anchor, momentum, delta, lr, mu, nesterov, first)
             if mains is not None:
                 mains.copy_(shard.anchor)
             if model is not None:
@@ -186,33 +196,6 @@ class OuterState:
         state["momentum_buffer"] = momentum
         if mains is None:
             shard.write_mains(shard.anchor)
-
-    def _fused_scaled_step(self, shard: BucketShard, delta: torch.Tensor, write_model: bool, divisor: int,
-                           layer_scales: Dict[int, torch.Tensor]) -> None:
-        """The compiled step once per piece of one layer (:attr:`BucketShard.layer_spans`), with
-        the layer's factor / ``divisor`` as the kernel's scale: the factors cost no pass."""
-        group = self.optimizer.param_groups[0]
-        state = self.optimizer.state[shard.anchor]
-        first = "momentum_buffer" not in state or state["momentum_buffer"] is None
-        momentum = torch.empty_like(shard.anchor) if first else state["momentum_buffer"]
-        mains = shard.flat_mains
-        model = shard.model if write_model else None
-        kernel = self._kernel()
-        inverse = self._scale(divisor, shard.device)
-        # factor / divisor computed in the factor's precision (fp64 clip factors), used in fp32.
-        scales = {layer: (factor / divisor).to(torch.float32) for layer, factor in layer_scales.items()}
-        lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
-        for s, e, layer in shard.layer_spans:
-            scale = inverse if layer is None else scales[layer]
-            kernel(shard.anchor[s:e], momentum[s:e], delta[s:e], scale, lr, mu, nesterov, first,
-                   None if mains is None else mains[s:e], None if model is None else model[s:e])
-        state["momentum_buffer"] = momentum
-        if mains is None:
-            shard.write_mains(shard.anchor)
-
-    @staticmethod
-    def _kernel():
-        return _compiled_step()
 
     def compiles(self, device: torch.device) -> bool:
         """Whether the fused step runs as a compiled kernel on ``device``."""

@@ -344,7 +344,7 @@ class OuterSync:
         scales = None
         if sync.clip_coef:
             if self._clip_in_kernel():
-                scales = {layer: sync.clip_coef[layer] for _, _, layer in shard.layer_spans if layer is not None}
+                scales = sync.clip_coef
             else:
                 shard.scale_layers(delta, sync.clip_coef)
         skipped = []
