@@ -93,11 +93,16 @@ def plan_next_interval(rates: torch.Tensor, sync_time: float, max_steps: int = 1
 
 
 def split_by_rate(total: int, rates: torch.Tensor) -> torch.Tensor:
-    """[W] integers summing to ``total`` (at least 1 each when ``total`` >= W), proportional to
-    ``rates`` (largest remainder; ties to the lower worker index)."""
+    """[W] integers summing to ``total`` (at least 1 each), proportional to ``rates`` (largest
+    remainder; ties to the lower worker index). Every worker takes at least one step before a
+    sync, so ``total`` must be at least W (:func:`plan` never plans less)."""
     workers = rates.numel()
     if total < workers:
-        return torch.ones(workers, dtype=torch.int64)
+        raise ValueError(
+            f"megatron_edit: A-EDiT cannot split {total} worker-steps over {workers} workers: each "
+            "worker takes at least one step before a sync. The budget left is too small; raise "
+            "--train-iters (or LocalSGD.budget_steps)."
+        )
     share = rates.to(torch.float64) / rates.to(torch.float64).sum().clamp_min(1e-300)
     spare = total - workers  # everybody gets 1, the rest by rate
     exact = share * spare
@@ -126,16 +131,26 @@ def plan(
 
     ``budget_steps``: worker-steps of the whole run (``steps`` counts those done). The next
     interval is the last when it would reach the budget, or leave less than half an interval
-    after it; it then takes exactly the remaining worker-steps. ``remaining_seconds``: with a
-    wall-clock budget, the same for time."""
+    or fewer worker-steps than workers after it (the final interval gives every worker at
+    least one step); it then takes exactly the remaining worker-steps. ``remaining_seconds``:
+    with a wall-clock budget, the same for time."""
     interval = plan_next_interval(rates, sync_time)
     if budget_steps is not None:
         remaining = int(budget_steps - int(steps.sum()))
-        if int(interval.sum()) * 1.5 >= remaining:
+        after = remaining - int(interval.sum())
+        if int(interval.sum()) * 1.5 >= remaining or after < rates.numel():
             return plan_final_interval(rates, remaining), True
     if remaining_seconds is not None and remaining_seconds <= 1.5 * sync_time:
         return plan_next_interval(rates, max(remaining_seconds, 0.0)), True
     return interval, False
+
+
+def share_steps(total: int, workers: int) -> torch.Tensor:
+    """[W] step counts summing to ``total``, as even as possible (the first ``total mod W``
+    workers one more): the workers' counts after an elastic resume, so that they add up to the
+    worker-steps the saved run had done (its global progress x W)."""
+    base, extra = divmod(int(total), workers)
+    return torch.tensor([base + (1 if w < extra else 0) for w in range(workers)], dtype=torch.int64)
 
 
 def progress_per_step(interval: torch.Tensor, worker: int) -> float:

@@ -27,7 +27,6 @@ state (checkpoints).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -41,21 +40,30 @@ from .shard import BucketShard
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=None)
+_COMPILED_STEP = None
+_COMPILE_LOCK = threading.Lock()
+
+
 def _compiled_step():
     """The compiled fused step, one for the process: dynamo keeps its compiled variants (first
     step or not, a length of 1 or more, ...) per compiled callable, so one callable per
     :class:`OuterState` would compile them again for each and soon hit dynamo's recompile
-    limit. Calls are serialized: dynamo is not thread-safe, and two threads missing its cache at
-    once (workers as threads, as in the tests) would each add a variant."""
-    compiled = torch.compile(outer.fused_momentum_sgd_step_, dynamic=True, fullgraph=True)
-    lock = threading.Lock()
+    limit. Built once under a lock (``functools.lru_cache`` runs the factory once per thread
+    that misses its cache at the same time). Calls are serialized: dynamo is not thread-safe,
+    and two threads missing its cache at once (workers as threads, as in the tests) would each
+    add a variant."""
+    global _COMPILED_STEP
+    with _COMPILE_LOCK:
+        if _COMPILED_STEP is None:
+            compiled = torch.compile(outer.fused_momentum_sgd_step_, dynamic=True, fullgraph=True)
+            lock = threading.Lock()
 
-    def step(*args):
-        with lock:
-            compiled(*args)
+            def step(*args):
+                with lock:
+                    compiled(*args)
 
-    return step
+            _COMPILED_STEP = step
+        return _COMPILED_STEP
 
 
 class OuterState:

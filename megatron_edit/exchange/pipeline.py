@@ -5,9 +5,11 @@ with the pseudo-gradient penalty a per-layer weighted mean over the workers not 
 clipped per layer; or the GTA reducer); the outer optimizer steps the anchor with Delta as its
 gradient; the main params (and the model's 16-bit copy) restart from the anchor.
 
-The penalty's per-layer norms of every worker are exchanged once per sync (one small all-gather
-for all layers) before any bucket, so every rank of every worker takes the same decisions
-(:mod:`megatron_edit.algorithm.penalty`).
+Every worker's per-layer pseudo-gradient norms are exchanged once per sync (one small
+all-gather for all layers) before any bucket, so every rank of every worker takes the same
+decisions: the penalty's (:mod:`megatron_edit.algorithm.penalty`), and whether a non-finite
+pseudo-gradient stops the run (:class:`NonFinitePseudoGradient`; with anomaly elimination on,
+its worker is excluded instead). No NaN or Inf reaches the exchange's encoders or the anchor.
 
 A sync runs in phases that a caller can spread over time:
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,6 +46,12 @@ from .outer_state import OuterState
 from .quantized import QuantizedExchange
 from .report import SyncReport
 from .shard import BucketShard
+
+
+class NonFinitePseudoGradient(FloatingPointError):
+    """A worker's pseudo-gradient holds NaN or Inf and the penalty's anomaly elimination is off
+    (it would have excluded the worker): the sync stops before anything is exchanged, so the
+    value never reaches the anchor. Raised on every rank of every worker at the same sync."""
 
 
 @dataclass
@@ -97,7 +105,7 @@ class OuterSync:
         for shard in self.shards:
             for layer in shard.bucket_layers:
                 self.layer_shards[layer].append(shard)
-        self._needs_norms = config.skip_anomaly or config.pseudo_gradnorm_reduce
+        self._penalty = config.skip_anomaly or config.pseudo_gradnorm_reduce
         self._gta = gta_config.reducer == "gta"
         self._quant = None
         if config.exchange_dtype != "fp32" and self.num_workers > 1:
@@ -106,6 +114,12 @@ class OuterSync:
             )
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
         self._sync: Optional[_SyncInProgress] = None
+
+    @property
+    def exchanges_weighted_sum(self) -> bool:
+        """Whether each worker sends its weighted pseudo-gradient and the result is their sum
+        (penalty or step weights), rather than the sum divided by the workers (plain mean)."""
+        return self._penalty or self.config.use_step_weight
 
     @property
     def in_progress(self) -> bool:
@@ -141,13 +155,9 @@ class OuterSync:
             self._sync.skipped_sync = True
             self._finish_if_done()
             return False
-        if self._needs_norms:
-            t0 = time.perf_counter()
-            self._decide()
-            self._sync.seconds += time.perf_counter() - t0
-        elif self._gta or self.config.use_step_weight:  # explicit weights: start from the mean
-            W, L = self.num_workers, len(self.layer_names)
-            self._set_weights(torch.full((W, L), 1.0 / W, dtype=torch.float64), None)
+        t0 = time.perf_counter()
+        self._decide()
+        self._sync.seconds += time.perf_counter() - t0
         return True
 
     def _set_weights(self, weights: torch.Tensor, excluded: Optional[torch.Tensor]) -> None:
@@ -177,7 +187,8 @@ class OuterSync:
 
     @torch.no_grad()
     def _decide(self) -> None:
-        """Per-layer norms of every worker (one all-gather), then the penalty's decisions."""
+        """Per-layer norms of every worker (one all-gather), then the decisions: the penalty's,
+        and the stop for a non-finite pseudo-gradient that is not excluded."""
         c, sync = self.config, self._sync
         for shard in self.shards:
             shard.delta = self._delta(shard)
@@ -188,10 +199,39 @@ class OuterSync:
             excluded, self.ewma = penalty.detect_anomalies(
                 norms, self.ewma, c.ewma_alpha, c.ewma_warmup_steps, c.ewma_threshold
             )
-        temperature = c.weight_softmax_temperature if c.weight_softmax_temperature is not None else 1.0
-        self._set_weights(penalty.averaging_weights(norms, excluded, c.pseudo_gradnorm_reduce, temperature), excluded)
+        self._refuse_non_finite(norms, excluded)
+        if self._penalty:
+            temperature = c.weight_softmax_temperature if c.weight_softmax_temperature is not None else 1.0
+            self._set_weights(penalty.averaging_weights(norms, excluded, c.pseudo_gradnorm_reduce, temperature),
+                              excluded)
+        elif self._gta or c.use_step_weight:  # explicit weights: start from the mean
+            W, L = self.num_workers, len(self.layer_names)
+            self._set_weights(torch.full((W, L), 1.0 / W, dtype=torch.float64), None)
         sync.norms, sync.excluded = norms, excluded
         sync.skipped = penalty.skipped_layers(excluded, len(self.layer_names))
+
+    def _refuse_non_finite(self, norms: torch.Tensor, excluded: Optional[torch.Tensor]) -> None:
+        """Stop (the same decision on every rank) when a worker's pseudo-gradient is NaN / Inf in
+        a layer it is not excluded from; nothing has been exchanged yet."""
+        bad = ~torch.isfinite(norms)
+        if excluded is not None:
+            bad &= ~excluded
+        if not bool(bad.any()):
+            return
+        sync, me = self._sync, self.sync_group.rank
+        workers = sorted({int(w) for w in bad.nonzero()[:, 0]})
+        layers = [self.layer_names[int(i)] for i in bad.any(dim=0).nonzero()[:, 0]]
+        self._sync = None
+        for shard in self.shards:
+            shard.delta = None
+        raise NonFinitePseudoGradient(
+            f"megatron_edit: the pseudo-gradient of worker{'s' if len(workers) > 1 else ''} "
+            f"{', '.join(map(str, workers))} is not finite (NaN or Inf) at the sync after step "
+            f"{sync.step} (this is worker {me}; layers {layers[:4]}{' ...' if len(layers) > 4 else ''}). "
+            "The run stops before the exchange, so the anchor is still finite: resume from the last "
+            "checkpoint; with --local-sgd-skip-anomaly (LocalSGDConfig.skip_anomaly) such a worker "
+            "is excluded from the sync instead."
+        )
 
     # ------------------------------------------------------------------ exchange
     @torch.no_grad()
@@ -209,7 +249,7 @@ class OuterSync:
             if self._sync.own_weights is not None:
                 shard.scale_layers(shard.delta, self._sync.own_weights)
             if self._quant is not None:
-                self._quant.launch(shard, shard.delta)
+                self._quant.launch(shard, shard.delta, self._skipped_ranges(shard))
             else:
                 shard.handle = self.sync_group.all_reduce_sum(shard.delta, async_op=True)
         self._sync.seconds += time.perf_counter() - t0
@@ -249,6 +289,14 @@ class OuterSync:
             handles.append(self.sync_group.all_reduce_sum(shard.consensus, async_op=True))
         shard.handle = handles
 
+    def _skipped_ranges(self, shard: BucketShard) -> List[Tuple[int, int]]:
+        """The shard's ranges of layers every worker is excluded from at this sync (their outer
+        step is skipped; error feedback keeps its residuals there)."""
+        skipped = self._sync.skipped
+        if skipped is None or not bool(skipped.any()):
+            return []
+        return [(s, e) for s, e, layer, _ in shard.segments if skipped[layer]]
+
     def _defers_mean(self) -> bool:
         """Whether the plain mean's division is left to the fused outer step (one pass less).
         With clipping only where the step is compiled (the clip factors go into its kernel too:
@@ -272,7 +320,7 @@ class OuterSync:
             if self._gta:
                 self._gta_finish(shard)
             elif self._quant is not None:
-                self._quant.finish(shard, shard.delta, mean=self._sync.weights is None)
+                self._quant.finish(shard, shard.delta, self._sync.weights is None, self._skipped_ranges(shard))
             else:
                 shard.handle.wait()
                 shard.handle = None
@@ -347,10 +395,7 @@ class OuterSync:
                 scales = sync.clip_coef
             else:
                 shard.scale_layers(delta, sync.clip_coef)
-        skipped = []
-        if sync.skipped is not None:
-            skipped = [(s, e) for s, e, layer, _ in shard.segments if sync.skipped[layer]]
-        self.outer.apply(shard, delta, skipped, write_model, self._divisor(), layer_scales=scales)
+        self.outer.apply(shard, delta, self._skipped_ranges(shard), write_model, self._divisor(), layer_scales=scales)
         shard.delta = None
         shard.exchanged = False
         shard.pending = False
@@ -392,7 +437,7 @@ class OuterSync:
                         if self._gta:
                             self._gta_advance(shard)
                         else:
-                            self._quant.advance(shard, mean=self._sync.weights is None)
+                            self._quant.advance(shard, self._sync.weights is None, self._skipped_ranges(shard))
                     break
         self.complete(shards, write_model=True)
 

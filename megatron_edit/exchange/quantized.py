@@ -14,6 +14,17 @@ chunks (whole blocks, :func:`~megatron_edit.algorithm.quantize.split_sizes`):
 Each worker sends 2 (W - 1) / W times the quantized shard, against 2 (W - 1) / W times the fp32
 shard for a ring all-reduce: int8 moves 0.254x the bytes of fp32, int4 0.129x (block 256).
 
+Small shards: every chunk is padded to whole blocks and carries one fp32 scale per block, so a
+shard of S elements over W workers uses blocks of ``min(block, ceil(S / W))`` elements (even,
+for int4's two per byte; :meth:`QuantizedExchange.block_for`): each chunk is then one block with
+at most one element of padding, and the bytes sent are at most
+``W x (ceil(ceil(S/W) x bits / 32) x 4 + 4)`` per stage against ``4 S`` for fp32 (int8: 0.25x
+plus 4 W / S of scales and padding; :meth:`QuantizedExchange.payload_ratio`). A block of the
+configured size that spanned the whole shard would send up to W blocks for a few elements.
+
+Layers every worker is excluded from (the penalty skips their outer step) keep their error-
+feedback residuals: nothing is sent for them and what was carried is carried on.
+
 Error feedback (``exchange_error_feedback``): what step 1 dropped from this worker's pseudo-
 gradient is added to its next one (``shard.residual``), and what step 2 dropped from the chunk
 this worker owns is added to that chunk's next result (``shard.chunk_residual``), so the sum of
@@ -23,11 +34,12 @@ the applied updates over syncs follows the sum of the true ones within one quant
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from ..algorithm import quantize
+from .groups import all_reduce_bytes
 from .shard import BucketShard
 
 
@@ -52,27 +64,37 @@ class QuantizedExchange:
         """Squared norm of what quantization changed in this rank's last sync (a device 0-dim
         tensor while a sync runs; see :meth:`take_error_norm`)."""
 
+    def block_for(self, numel: int) -> int:
+        """The block size used for a shard of ``numel`` elements: the configured one, or less
+        when a chunk (``numel / workers``) is smaller (see the module docstring)."""
+        if not quantize.has_scales(self.dtype):
+            return self.block
+        per_worker = -(-numel // self.sync_group.size)
+        block = max(1, min(self.block, per_worker))
+        return block + (block % 2)  # int4: two elements per byte
+
     def _chunks(self, numel: int):
-        workers = self.sync_group.size
-        sizes = list(quantize.split_sizes(numel, workers, self.dtype, self.block))
+        workers, block = self.sync_group.size, self.block_for(numel)
+        sizes = list(quantize.split_sizes(numel, workers, self.dtype, block))
         per = max(sizes) if sizes else 0
-        chunk_bytes = quantize.encoded_bytes(per, self.dtype, self.block)
+        per = quantize.padded_length(per, self.dtype, block)
+        chunk_bytes = quantize.encoded_bytes(per, self.dtype, block)
         offsets = [sum(sizes[:w]) for w in range(workers)]
-        return sizes, offsets, per, chunk_bytes
+        return sizes, offsets, per, chunk_bytes, block
 
     def chunk_span(self, numel: int):
         """(offset, length, padded length) of the chunk of a ``numel`` shard this worker reduces."""
-        sizes, offsets, per, _ = self._chunks(numel)
+        sizes, offsets, per, _, _ = self._chunks(numel)
         me = self.sync_group.rank
         return offsets[me], sizes[me], per
 
-    def _encode_padded(self, values: torch.Tensor, per: int) -> torch.Tensor:
+    def _encode_padded(self, values: torch.Tensor, per: int, block: int) -> torch.Tensor:
         if values.numel() < per:
             values = torch.cat([values, values.new_zeros(per - values.numel())])
-        return quantize.encode(values, self.dtype, self.block)
+        return quantize.encode(values, self.dtype, block)
 
-    def _decode(self, data: torch.Tensor, numel: int, per: int) -> torch.Tensor:
-        return quantize.decode(data, per, self.dtype, self.block)[:numel]
+    def _decode(self, data: torch.Tensor, numel: int, per: int, block: int) -> torch.Tensor:
+        return quantize.decode(data, per, self.dtype, block)[:numel]
 
     def _add_error(self, before: torch.Tensor, after: torch.Tensor) -> None:
         err = (before - after).pow(2).sum()
@@ -84,63 +106,94 @@ class QuantizedExchange:
         value, self.error_sq = self.error_sq, 0.0
         return value.sqrt() if torch.is_tensor(value) else None
 
+    @staticmethod
+    def _carry(values: torch.Tensor, residual: torch.Tensor, keep: Sequence[Tuple[int, int]]):
+        """For the ranges in ``keep`` (a skipped layer's, in ``values``' coordinates): send 0
+        there and return the residual's values, to be put back after it is recomputed."""
+        saved = []
+        for s, e in keep:
+            values[s:e].zero_()
+            saved.append((s, e, residual[s:e].clone()))
+        return saved
+
+    @staticmethod
+    def _restore(residual: torch.Tensor, saved) -> None:
+        for s, e, values in saved:
+            residual[s:e].copy_(values)
+
     @torch.no_grad()
-    def launch(self, shard: BucketShard, delta: torch.Tensor) -> None:
-        """Step 1: quantize ``delta`` (+ the residual) chunk by chunk, start the all-to-all."""
-        sizes, offsets, per, chunk_bytes = self._chunks(shard.numel)
+    def launch(self, shard: BucketShard, delta: torch.Tensor, keep: Sequence[Tuple[int, int]] = ()) -> None:
+        """Step 1: quantize ``delta`` (+ the residual) chunk by chunk, start the all-to-all.
+        ``keep``: ranges of skipped layers, whose residual is carried on unchanged."""
+        sizes, offsets, per, chunk_bytes, block = self._chunks(shard.numel)
+        saved = []
         if self.error_feedback:
             if shard.residual is None:
                 shard.residual = torch.zeros_like(delta)
             delta.add_(shard.residual)
-        parts = [self._encode_padded(delta[o : o + n], per) for o, n in zip(offsets, sizes)]
+            saved = self._carry(delta, shard.residual, keep)
+        parts = [self._encode_padded(delta[o : o + n], per, block) for o, n in zip(offsets, sizes)]
         send = torch.cat(parts)
-        sent = torch.cat([self._decode(p, n, per) for p, n in zip(parts, sizes)])
+        sent = torch.cat([self._decode(p, n, per, block) for p, n in zip(parts, sizes)])
         self._add_error(delta, sent)
         if self.error_feedback:
             torch.sub(delta, sent, out=shard.residual)
+            self._restore(shard.residual, saved)
         received = torch.empty_like(send)
         handle = self.sync_group.all_to_all(received, send, async_op=True)
         shard.handle = _Stage(False, handle, received, sizes, chunk_bytes)
 
     @torch.no_grad()
-    def advance(self, shard: BucketShard, mean: bool) -> None:
+    def advance(self, shard: BucketShard, mean: bool, keep: Sequence[Tuple[int, int]] = ()) -> None:
         """Step 2 once step 1 is in: reduce the owned chunk in fp32, requantize, all-gather."""
         stage = shard.handle
         if stage is None or stage.second:
             return
         stage.handle.wait()
         workers, me = self.sync_group.size, self.sync_group.rank
-        sizes, _, per, chunk_bytes = self._chunks(shard.numel)
+        sizes, offsets, per, chunk_bytes, block = self._chunks(shard.numel)
         own = torch.zeros(sizes[me], dtype=torch.float32, device=stage.received.device)
         for w in range(workers):  # worker order: the same sum wherever it is computed
-            own += self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], sizes[me], per)
+            own += self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], sizes[me], per, block)
         if mean:
             own /= workers
+        saved = []
         if self.error_feedback:
             if shard.chunk_residual is None:
                 shard.chunk_residual = torch.zeros(per, dtype=torch.float32, device=own.device)
             own += shard.chunk_residual[: own.numel()]
-        data = self._encode_padded(own, per)
-        sent = self._decode(data, own.numel(), per)
+            start, end = offsets[me], offsets[me] + sizes[me]  # keep's ranges, in chunk coordinates
+            mine = [(max(s, start) - start, min(e, end) - start) for s, e in keep if s < end and e > start]
+            saved = self._carry(own, shard.chunk_residual, mine)
+        data = self._encode_padded(own, per, block)
+        sent = self._decode(data, own.numel(), per, block)
         self._add_error(own, sent)
         if self.error_feedback:
             torch.sub(own, sent, out=shard.chunk_residual[: own.numel()])
+            self._restore(shard.chunk_residual, saved)
         gathered = torch.empty(workers * chunk_bytes, dtype=torch.uint8, device=data.device)
         handle = self.sync_group.all_gather_into(gathered, data, async_op=True)
         shard.handle = _Stage(True, handle, gathered, sizes, chunk_bytes)
 
     @torch.no_grad()
-    def finish(self, shard: BucketShard, delta: torch.Tensor, mean: bool) -> None:
+    def finish(self, shard: BucketShard, delta: torch.Tensor, mean: bool,
+               keep: Sequence[Tuple[int, int]] = ()) -> None:
         """Wait for both steps; ``delta`` := the decoded result (the same bytes everywhere)."""
-        self.advance(shard, mean)
+        self.advance(shard, mean, keep)
         stage = shard.handle
         stage.handle.wait()
-        sizes, offsets, per, chunk_bytes = self._chunks(shard.numel)
+        sizes, offsets, per, chunk_bytes, block = self._chunks(shard.numel)
         for w, (o, n) in enumerate(zip(offsets, sizes)):
             if n:
-                delta[o : o + n] = self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], n, per)
+                delta[o : o + n] = self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], n, per, block)
         shard.handle = None
 
-    def payload_ratio(self) -> float:
-        """Bytes sent relative to an fp32 ring all-reduce of the same shard (asymptotically)."""
-        return quantize.encoded_bytes(1 << 20, self.dtype, self.block) / (4 << 20)
+    def payload_ratio(self, numel: int = 1 << 20) -> float:
+        """Bytes this rank sends per sync for a shard of ``numel`` elements, relative to an fp32
+        ring all-reduce of it (both stages, scales and padding included)."""
+        workers = self.sync_group.size
+        if workers == 1:
+            return 0.0
+        *_, chunk_bytes, _ = self._chunks(numel)
+        quantized = 2 * (workers - 1) * chunk_bytes  # all-to-all of W chunks + all-gather of one
+        return quantized / all_reduce_bytes(4 * numel, workers)

@@ -98,6 +98,7 @@ from typing import List, Optional
 
 import torch
 
+from ..algorithm import asynchronous
 from . import compat
 from .checkpoint_layout import _WORKER_KEY, CheckpointStateError, _is_local_sgd_key, _Layout
 from .checkpoint_record import (
@@ -198,7 +199,7 @@ def _result_residuals(controller) -> List[torch.Tensor]:
         offset, length, _ = controller.chunk_span(shard)
         if shard.chunk_residual is not None:
             full[offset : offset + length].copy_(shard.chunk_residual[:length])
-        torch.distributed.all_reduce(full, group=controller.sync_group.group)
+        controller.sync_group.all_reduce_sum(full, async_op=False)  # counted as sync traffic
         out.append(full)
     return out
 
@@ -227,11 +228,20 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
     record = plan.saved
     controller.steps_done = record["steps_done"]
     controller._last_sync_step = record["last_sync_step"]
+    # Global progress (the same-worker path restores it again, with the per-worker plan, from
+    # the slice record); records written before it was saved: the step count.
+    controller.global_progress = float(record.get("global_progress", record["steps_done"]))
+    elastic = plan.mode == "elastic"
+    if elastic and controller.config.use_async and record["anchor_taken"]:
+        # A-EDiT: the saved workers' counts differed; the new workers share the worker-steps
+        # done (global progress x workers) so that the budget left is the saved run's.
+        done = round(controller.global_progress * controller.num_workers)
+        controller.steps_done = int(asynchronous.share_steps(done, controller.num_workers)[controller.sync_group.rank])
+        controller._last_sync_step = controller.steps_done
     if not record["anchor_taken"]:
         controller.drop_anchor()
     else:
         _restore_anchor_and_outer_state(controller, plan, part)
-    elastic = plan.mode == "elastic"
     if elastic and record["anchor_taken"]:
         if at_sync_boundary(record):
             restart_from_anchor(controller)  # every saved worker was there already

@@ -103,6 +103,12 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
         outer_tensor_state=sorted(present),
         outer_scalar_state=scalars,
         residuals=residuals,
+        # Error feedback's residuals are in the units of what the workers exchange: the plain
+        # mean's (the sum is divided by the workers) or a weighted sum's (penalty, step weights).
+        residuals_summed=residuals and controller.sync.exchanges_weighted_sum,
+        # Synchronous iterations done (A-EDiT: worker-steps / workers at the sync), which the
+        # global budget, checkpoint labels and exits count; the same on every worker at a sync.
+        global_progress=float(controller.global_progress),
     )
 
 

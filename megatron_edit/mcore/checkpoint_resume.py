@@ -17,8 +17,8 @@ then calls :func:`restore`. What each kind of resume does:
   identical; the outer state is kept. Worker m takes the inner optimizer state (Adam moments,
   step) of saved worker m mod N. A checkpoint saved at a sync boundary (or in warmup), where all
   workers are equal, needs no outer step: the workers restart from the saved anchor. Error
-  feedback: each new worker's residual is the mean of the saved workers' (so the next sync adds
-  what the saved workers would have added on average), and the residual of the reduced result
+  feedback: each new worker's residual is its share of the saved workers' sum (so the next
+  sync adds what the saved workers' would have added: :func:`residual_share`), and the residual of the reduced result
   (per parameter, independent of the worker count) is cut into the new workers' chunks. The
   anomaly detector's statistics (per worker) restart, and so does A-EDiT's schedule (its first
   interval after warmup). The saved workers whose main params a worker m reads are m, m + M,
@@ -288,7 +288,6 @@ def load_time_sync(controller, extra_mains: List[Dict[int, torch.Tensor]], saved
     """The outer step a sync at the save step would have made, over the saved workers: this
     worker contributes its own (loaded) main params when it was a saved worker, plus the
     ``extra_mains`` it read; the sum over workers divided by ``saved_workers``."""
-    group = controller.sync_group.group
     own = controller.sync_group.rank < saved_workers
     for slot, shard in enumerate(controller.shards):
         anchor = controller.outer_state.anchor_on_device(shard)
@@ -297,8 +296,7 @@ def load_time_sync(controller, extra_mains: List[Dict[int, torch.Tensor]], saved
             shard.pseudo_gradient(anchor, delta)
         for mains in extra_mains[slot].values():
             delta += anchor - mains
-        if group is not None:
-            torch.distributed.all_reduce(delta, group=group)
+        controller.sync_group.all_reduce_sum(delta, async_op=False)  # counted as sync traffic
         controller.outer_state.apply(shard, delta, [], write_model=True, divisor=saved_workers)
 
 
@@ -320,19 +318,34 @@ def merge_residuals(controller, plan: ResumePlan, part: dict) -> None:
     if not plan.residuals:  # the same on every rank: the collectives below line up
         return
     residuals, result = part.get("residual") or {}, part["result_residual"]  # {}: dropped by the load
+    saved_summed = bool(plan.saved.get("residuals_summed", False))
     for slot, shard in enumerate(controller.shards):
         total = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
         for worker in plan.residual_workers:  # none for a new worker m >= N
             total += space.assemble(residuals[worker], slot, torch.empty_like(total))
         if plan.mode == "elastic":
-            if controller.sync_group.group is not None:
-                torch.distributed.all_reduce(total, group=controller.sync_group.group)
-            total /= saved_workers
+            controller.sync_group.all_reduce_sum(total, async_op=False)  # counted as sync traffic
+            total *= residual_share(saved_workers, controller.num_workers, saved_summed,
+                                    controller.sync.exchanges_weighted_sum)
         shard.residual = total
         offset, length, padded = controller.chunk_span(shard)
         full = space.assemble(result, slot, torch.empty(shard.numel, dtype=torch.float32, device=shard.device))
         shard.chunk_residual = torch.zeros(padded, dtype=torch.float32, device=shard.device)
         shard.chunk_residual[:length].copy_(full[offset : offset + length])
+
+
+def residual_share(saved_workers: int, workers: int, saved_summed: bool, summed: bool) -> float:
+    """Elastic resume of error feedback: the factor that turns the sum of the N saved workers'
+    residuals into each of the M new workers' residual, so that the next result carries what
+    the saved workers' next sync would have carried.
+
+    A residual is in the units of what its worker sent. Plain mean: the result is the sum of the
+    sent values / workers, so the saved residuals add sum / N to the next result, and each new
+    worker carries sum / N (the mean; the M of them / M again give sum / N). Weighted sum
+    (penalty, step weights): the result is the sum itself, the saved residuals add their sum,
+    and each new worker carries sum / M (with the mean, the M workers would add M / N x sum)."""
+    carried = 1.0 / saved_workers if not saved_summed else 1.0
+    return carried / workers if summed else carried
 
 
 def adam_step_of(state_dict: dict) -> int:
@@ -347,6 +360,7 @@ def from_synchronous(controller, steps: int) -> None:
     """EDiT continues a synchronous run after ``steps`` optimizer steps (see the module
     docstring)."""
     controller.steps_done = steps
+    controller.global_progress = float(steps)  # synchronous steps: one iteration each
     for shard in controller.shards:
         shard.residual = shard.chunk_residual = None
     if steps >= controller.config.local_sgd_warmup_steps:

@@ -176,7 +176,15 @@ class LocalSGD:
         first = asynchronous.first_interval(self.config.local_sgd_sync_interval)
         interval = torch.full((workers,), first, dtype=torch.int64)
         if self.budget_steps is not None:
-            remaining = self.budget_steps - workers * self.steps_done
+            # Worker-steps done so far from global progress (synchronous iterations): after an
+            # elastic resume the workers' own counts differ from the saved run's.
+            remaining = self.budget_steps - round(self.global_progress * workers)
+            if remaining < workers:
+                raise ValueError(
+                    f"megatron_edit: A-EDiT's budget leaves {remaining} worker-steps after step "
+                    f"{self.steps_done}, fewer than the {workers} workers (each takes at least one "
+                    "step before the final sync): raise --train-iters or shorten the warmup."
+                )
             if remaining < 2 * self.config.min_total_global_steps and dist.get_rank() == 0:
                 logger.warning(
                     "megatron_edit: A-EDiT's budget after warmup is %d worker-steps and "
@@ -185,7 +193,7 @@ class LocalSGD:
                     "--local-sgd-min-total-global-steps or train longer.",
                     remaining, self.config.min_total_global_steps,
                 )
-            if first * workers * 1.5 >= remaining:
+            if first * workers * 1.5 >= remaining or remaining - first * workers < workers:
                 interval = asynchronous.plan_final_interval(torch.ones(workers), remaining)
                 self._final_planned = True
         self._next_sync_at = self.steps_done + int(interval[self.sync_group.rank])

@@ -97,3 +97,35 @@ def test_compiled_fused_kernel_matches_eager():
         assert torch.allclose(compiled[key], eager[key], rtol=1e-6, atol=1e-6), key
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(compiled["mains"], eager["mains"]))
     assert torch.equal(compiled["model"], compiled["anchor"].to(torch.bfloat16))
+
+
+def test_the_compiled_step_is_built_once_under_concurrent_first_calls(monkeypatch):
+    """Review item 8: three threads asking for the compiled step at once compile it once and
+    share one callable (``functools.lru_cache`` ran the factory once per thread)."""
+    import threading
+    import time
+
+    from megatron_edit.exchange import outer_state
+
+    built = []
+
+    def slow_compile(fn, **kwargs):
+        built.append(fn)
+        time.sleep(0.2)  # widen the window in which other threads miss the cache
+        return fn
+
+    monkeypatch.setattr(outer_state, "_COMPILED_STEP", None)
+    monkeypatch.setattr(outer_state.torch, "compile", slow_compile)
+    got, barrier = [], threading.Barrier(3)
+
+    def ask():
+        barrier.wait()
+        got.append(outer_state._compiled_step())
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(built) == 1
+    assert len(got) == 3 and got[0] is got[1] is got[2]

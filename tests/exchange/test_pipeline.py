@@ -129,8 +129,9 @@ def test_plain_mean_equals_the_reference_bitwise_and_replicas_are_identical(mode
             assert torch.equal(flat, expected[b][: flat.numel()])
             assert torch.equal(r["anchors"][b][: flat.numel()], flat)
             assert torch.equal(r["anchors"][b][flat.numel():], torch.zeros(numel - flat.numel()))
-        # one fp32 all-reduce of every shard per sync, nothing else (bytes a ring sends)
-        per_sync = sum(all_reduce_bytes(4 * n, 3) for n, _ in BUCKETS)
+        # one fp32 all-reduce of every shard per sync (bytes a ring sends), and the all-gather
+        # of every worker's per-layer norms (float64) that checks them before the exchange
+        per_sync = sum(all_reduce_bytes(4 * n, 3) for n, _ in BUCKETS) + 2 * 8 * len(LAYERS)
         assert r["bytes"] == 2 * per_sync
         assert [rep.payload_bytes for rep in r["reports"]] == [per_sync] * 2
         assert r["log"] == out[0]["log"]
@@ -141,7 +142,8 @@ def test_layerwise_keeps_the_next_group_in_flight():
     """Launch order: the first group at mark_pending, the second before the first completes."""
     world = FakeWorld(2)
     out = run_workers(world, _worker, world, dict(local_sgd_sync_interval=1), None, "layerwise", 1)
-    assert [n for _, n in out[0]["log"]] == [8, 6, 5]
+    # the per-layer norms' all-gather (5 layers), then the shards' exchanges in forward order
+    assert out[0]["log"] == [("all_gather", 5), ("all_reduce_sum", 8), ("all_reduce_sum", 6), ("all_reduce_sum", 5)]
 
 
 @pytest.mark.timeout(60)
@@ -264,7 +266,10 @@ def _quantized_reference(workers, dtype, block=4, syncs=1, error_feedback=False)
                 current[w][b][: d.numel()] += d
         grads = []
         for b, (numel, _) in enumerate(BUCKETS):
-            sizes = quantize.split_sizes(numel, workers, dtype, block)
+            # a block no longer than a worker's chunk, even (int4: two per byte)
+            block_b = min(block, -(-numel // workers))
+            block_b += block_b % 2
+            sizes = quantize.split_sizes(numel, workers, dtype, block_b)
             offsets = [sum(sizes[:c]) for c in range(workers)]
             per = max(sizes)
             result = torch.zeros(numel)
@@ -275,7 +280,7 @@ def _quantized_reference(workers, dtype, block=4, syncs=1, error_feedback=False)
                 for w in range(workers):
                     x = (anchors[b] - current[w][b])[o:o + n] + (residual[w][b][o:o + n] if error_feedback else 0)
                     padded = torch.cat([x, torch.zeros(per - n)])
-                    got = quantize.decode(quantize.encode(padded, dtype, block), per, dtype, block)[:n]
+                    got = quantize.decode(quantize.encode(padded, dtype, block_b), per, dtype, block_b)[:n]
                     if error_feedback:
                         residual[w][b][o:o + n] = x - got
                     total += got
@@ -285,7 +290,7 @@ def _quantized_reference(workers, dtype, block=4, syncs=1, error_feedback=False)
                         chunk_residual[c][b] = torch.zeros(n)
                     total += chunk_residual[c][b]
                 padded = torch.cat([total, torch.zeros(per - n)])
-                got = quantize.decode(quantize.encode(padded, dtype, block), per, dtype, block)[:n]
+                got = quantize.decode(quantize.encode(padded, dtype, block_b), per, dtype, block_b)[:n]
                 if error_feedback:
                     chunk_residual[c][b] = total - got
                 result[o:o + n] = got
@@ -357,6 +362,6 @@ def test_quantized_bytes_per_sync(workers):
     for dtype in ("fp32", "int8", "int4"):
         world = FakeWorld(workers)
         sent[dtype] = run_workers(world, _bytes_worker, world, dtype, numel)[0]
-    assert sent["fp32"] == all_reduce_bytes(4 * numel, workers)
+    assert sent["fp32"] == all_reduce_bytes(4 * numel, workers) + (workers - 1) * 8  # + the norms' all-gather
     assert sent["int8"] / sent["fp32"] <= 0.30 and sent["int4"] / sent["fp32"] <= 0.16
     assert sent["int8"] / sent["fp32"] == pytest.approx((1 + 4 / 256) / 4, rel=1e-3)
