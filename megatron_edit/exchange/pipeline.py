@@ -248,7 +248,7 @@ class OuterSync:
                 continue
             if self._sync.own_weights is not None:
                 shard.scale_layers(shard.delta, self._sync.own_weights)
-            if self._quant is not None:
+            if self._quantized(shard):
                 self._quant.launch(shard, shard.delta, self._skipped_ranges(shard))
             else:
                 shard.handle = self.sync_group.all_reduce_sum(shard.delta, async_op=True)
@@ -297,11 +297,17 @@ class OuterSync:
             return []
         return [(s, e) for s, e, layer, _ in shard.segments if skipped[layer]]
 
+    def _quantized(self, shard: BucketShard) -> bool:
+        """Whether ``shard`` goes through the quantized exchange (tiny shards go in fp32)."""
+        return self._quant is not None and self._quant.pays_off(shard.numel)
+
     def _defers_mean(self) -> bool:
         """Whether the plain mean's division is left to the fused outer step (one pass less).
         With clipping only where the step is compiled (the clip factors go into its kernel too:
-        the norms are then taken of the sum and divided); eagerly, clipping scales the mean."""
-        if not self.outer.fused:
+        the norms are then taken of the sum and divided); eagerly, clipping scales the mean.
+        Not with a quantized exchange (its result is the mean already; a tiny shard exchanged
+        in fp32 beside it divides at once)."""
+        if not self.outer.fused or self._quant is not None:
             return False
         return self.config.clip_pseudo_grad is None or self._clip_in_kernel()
 
@@ -319,7 +325,7 @@ class OuterSync:
                 continue
             if self._gta:
                 self._gta_finish(shard)
-            elif self._quant is not None:
+            elif self._quantized(shard):
                 self._quant.finish(shard, shard.delta, self._sync.weights is None, self._skipped_ranges(shard))
             else:
                 shard.handle.wait()
@@ -436,7 +442,7 @@ class OuterSync:
                     for shard in later_pending:
                         if self._gta:
                             self._gta_advance(shard)
-                        else:
+                        elif self._quantized(shard):
                             self._quant.advance(shard, self._sync.weights is None, self._skipped_ranges(shard))
                     break
         self.complete(shards, write_model=True)

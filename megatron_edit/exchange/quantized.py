@@ -20,7 +20,9 @@ for int4's two per byte; :meth:`QuantizedExchange.block_for`): each chunk is the
 at most one element of padding, and the bytes sent are at most
 ``W x (ceil(ceil(S/W) x bits / 32) x 4 + 4)`` per stage against ``4 S`` for fp32 (int8: 0.25x
 plus 4 W / S of scales and padding; :meth:`QuantizedExchange.payload_ratio`). A block of the
-configured size that spanned the whole shard would send up to W blocks for a few elements.
+configured size that spanned the whole shard would send up to W blocks for a few elements. A
+shard for which that is still more than the fp32 bytes (a few elements per worker) is
+exchanged in fp32 instead (:meth:`QuantizedExchange.pays_off`).
 
 Layers every worker is excluded from (the penalty skips their outer step) keep their error-
 feedback residuals: nothing is sent for them and what was carried is carried on.
@@ -187,6 +189,12 @@ class QuantizedExchange:
             if n:
                 delta[o : o + n] = self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], n, per, block)
         shard.handle = None
+
+    def pays_off(self, numel: int) -> bool:
+        """Whether a shard of ``numel`` elements is worth quantizing: it sends no more bytes
+        than fp32. Smaller shards (a few elements per worker, where the scales and padding
+        weigh more than the elements) are exchanged in fp32, exactly, by the caller."""
+        return self.payload_ratio(numel) <= 1.0
 
     def payload_ratio(self, numel: int = 1 << 20) -> float:
         """Bytes this rank sends per sync for a shard of ``numel`` elements, relative to an fp32

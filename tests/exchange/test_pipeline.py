@@ -275,6 +275,17 @@ def _quantized_reference(workers, dtype, block=4, syncs=1, error_feedback=False)
             result = torch.zeros(numel)
             true = sum((anchors[b] - current[w][b] for w in range(workers)), torch.zeros(numel)) / workers
             true_total[b] += true
+            # a shard whose quantized chunks (all-to-all + all-gather) would send more than the
+            # fp32 all-reduce goes in fp32: its exact sum over workers, divided
+            fp32_bytes = 2 * (workers - 1) * 4 * numel // workers
+            if 2 * (workers - 1) * quantize.encoded_bytes(per, dtype, block_b) > fp32_bytes:
+                total = torch.zeros(numel)
+                for w in range(workers):
+                    total += anchors[b] - current[w][b]
+                result = total / workers
+                applied_total[b] += result
+                grads.append(result)
+                continue
             for c, (o, n) in enumerate(zip(offsets, sizes)):
                 total = torch.zeros(n)
                 for w in range(workers):
@@ -332,10 +343,11 @@ def test_error_feedback_keeps_the_sum_of_applied_updates_within_one_quantum():
         # int4: scale = amax / 7; per stage at most half a quantum; the deltas are O(1)
         bound = 2 * (true[b].abs().max() + 3) / 7
         assert with_ef <= bound, (b, float(with_ef), float(bound))
-        assert with_ef < without, (b, float(with_ef), float(without))
+        # bucket 2 (5 elements over 3 workers) goes in fp32: exact either way
+        assert with_ef < without or (b == 2 and with_ef == without == 0), (b, float(with_ef), float(without))
 
 
-def _bytes_worker(worker, world, dtype, numel):
+def _bytes_worker(worker, world, dtype, numel, local=None):
     g = torch.Generator().manual_seed(worker)
     main = torch.randn(numel, generator=g)
     shard = BucketShard(numel=numel, mains=[main], local_ranges=[(0, numel)], segments=[(0, numel, 0, True)],
@@ -344,7 +356,7 @@ def _bytes_worker(worker, world, dtype, numel):
     state.capture([shard])
     reports = []
     sync = OuterSync([[shard]], ["l0"], world.group(worker), FakeWorkerGroups(),
-                     LocalSGDConfig(local_sgd_sync_interval=1, exchange_dtype=dtype), GTAConfig(), state,
+                     LocalSGDConfig(local_sgd_sync_interval=1, exchange_dtype=dtype, **(local or {})), GTAConfig(), state,
                      on_done=reports.append)
     main.add_(torch.randn(numel, generator=g))
     sync.start(step=1, steps_since_last=1)

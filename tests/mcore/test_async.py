@@ -1,5 +1,7 @@
 """A-EDiT: time-based syncs without per-step communication, identical decisions everywhere."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -48,10 +50,29 @@ def test_final_interval_uses_the_budget_exactly_and_splits_it_by_speed():
     interval, last = asynchronous.plan(torch.tensor([3.0, 3.0]), rates, 4.0, remaining_seconds=5.0)
     assert last and interval.tolist() == [5, 20]  # wall-clock budget: the 5 s left, by speed
     assert asynchronous.split_by_rate(10, torch.tensor([1.0, 1.0, 1.0])).tolist() == [4, 3, 3]
-    assert asynchronous.split_by_rate(2, torch.tensor([1.0, 5.0, 1.0])).tolist() == [1, 1, 1]  # >= 1 each
+    with pytest.raises(ValueError, match="cannot split 2 worker-steps over 3 workers"):
+        asynchronous.split_by_rate(2, torch.tensor([1.0, 5.0, 1.0]))  # each takes >= 1: never 3 for 2
     # global progress: in an interval of 3 + 11 steps, a step of worker 0 is worth 14 / (2 x 3)
     assert asynchronous.progress_per_step(torch.tensor([3, 11]), 0) == pytest.approx(14 / 6)
     assert asynchronous.progress_per_step(torch.tensor([3, 11]), 1) == pytest.approx(14 / 22)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 7])
+def test_planned_intervals_end_exactly_at_any_budget(workers):
+    """Review item 5: workers of fixed speeds follow plan() from sync to sync; the worker-steps
+    taken add up to the budget exactly, for every budget (W = 4, budget 43 ended at 44: the
+    final interval gave each worker a step when 3 were left)."""
+    gen = torch.Generator().manual_seed(workers)
+    for budget, sync_time in itertools.product(range(workers, 12 * workers + 20), (0.5, 1.5, 4.0)):
+        rates = torch.rand(workers, generator=gen, dtype=F64) * 4 + 0.1
+        steps = torch.zeros(workers, dtype=F64)
+        for _ in range(1000):
+            interval, last = asynchronous.plan(steps, rates, sync_time, budget_steps=budget)
+            assert (interval >= 1).all()
+            steps += interval
+            if last:
+                break
+        assert last and int(steps.sum()) == budget, (budget, steps.tolist())
 
 
 @pytest.mark.timeout(240)
