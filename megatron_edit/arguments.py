@@ -152,6 +152,9 @@ def local_sgd_args_provider(parser: argparse.ArgumentParser) -> argparse.Argumen
         help=_d("Elements per quantization scale (needs --local-sgd-exchange-dtype fp8|int8|int4)."))
     add("--local-sgd-exchange-error-feedback", action="store_true",
         help="Add what quantization dropped to the next sync's pseudo-gradient.")
+    add("--local-sgd-sync-timeout", type=float, default=None,
+        help="Seconds a worker waits at a sync for the others before the run stops naming the "
+             "missing worker (default: --distributed-timeout-minutes).")
     add("--outer-optimizer", default="sgd",
         help=_d("Outer optimizer: sgd, adam, adamw or a dotted class path."))
     add("--outer-optimizer-lr", type=float, default=None,
@@ -264,6 +267,14 @@ def _outer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     return kwargs
 
 
+def _sync_timeout(args) -> Optional[float]:
+    """--local-sgd-sync-timeout, or Megatron-LM's --distributed-timeout-minutes when it has one."""
+    if args.local_sgd_sync_timeout is not None:
+        return args.local_sgd_sync_timeout
+    minutes = getattr(args, "distributed_timeout_minutes", None)
+    return None if minutes is None else 60.0 * minutes
+
+
 def configs_from_args(
     args: argparse.Namespace,
 ) -> Optional[Tuple[LocalSGDConfig, OuterOptimizerConfig, GTAConfig]]:
@@ -308,6 +319,7 @@ def configs_from_args(
         exchange_dtype=args.local_sgd_exchange_dtype,
         exchange_block_size=args.local_sgd_exchange_block_size,
         exchange_error_feedback=args.local_sgd_exchange_error_feedback,
+        sync_timeout=_sync_timeout(args),
     )
     outer = OuterOptimizerConfig(outer_optim_class=args.outer_optimizer, outer_optim_kwargs=_outer_kwargs(args))
     gta = GTAConfig(

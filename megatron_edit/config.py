@@ -64,6 +64,7 @@ FLAG_NAMES: Dict[str, str] = {
     "exchange_dtype": "--local-sgd-exchange-dtype",
     "exchange_block_size": "--local-sgd-exchange-block-size",
     "exchange_error_feedback": "--local-sgd-exchange-error-feedback",
+    "sync_timeout": "--local-sgd-sync-timeout",
     "outer_optim_class": "--outer-optimizer",
     "outer_optim_kwargs": "--outer-optimizer-lr / --outer-optimizer-momentum / --outer-optimizer-kwargs",
     "reducer": "--local-sgd-reducer",
@@ -219,6 +220,12 @@ class LocalSGDConfig:
     """Keep what quantization dropped and add it to the next sync's pseudo-gradient (a residual
     sharded like the anchor, 4 bytes x params / shard size, saved in checkpoints)."""
 
+    sync_timeout: Optional[float] = None
+    """Seconds a worker waits at a sync for the others before the run stops with an error that
+    names the missing worker(s) and the step (a hung, dead or far too slow worker); every
+    minute of waiting is logged. None: the process group's timeout (Megatron-LM:
+    ``--distributed-timeout-minutes``; torch's default otherwise)."""
+
     def __post_init__(self) -> None:
         _check_types(
             self,
@@ -227,7 +234,7 @@ class LocalSGDConfig:
             ints=("local_sgd_sync_interval", "local_sgd_warmup_steps", "gradient_accumulation_steps",
                   "min_total_global_steps", "ewma_warmup_steps", "exchange_block_size"),
             numbers_=("local_sgd_sync_time", "step_weight_ratio", "ewma_alpha", "ewma_threshold"),
-            optional_numbers=("clip_pseudo_grad", "weight_softmax_temperature", "async_time_budget"),
+            optional_numbers=("clip_pseudo_grad", "weight_softmax_temperature", "async_time_budget", "sync_timeout"),
         )
         _require(
             self.local_sgd_sync_interval >= 1,
@@ -261,6 +268,11 @@ class LocalSGDConfig:
                 f"{_name('async_time_budget')}: a wall-clock budget is A-EDiT's; add "
                 f"{FLAG_NAMES['use_async']} (synchronous EDiT ends at --train-iters)."
             )
+        _require(
+            self.sync_timeout is None or self.sync_timeout > 0,
+            "sync_timeout",
+            f"must be a positive number of seconds or None (got {self.sync_timeout!r}).",
+        )
         _require(
             self.min_total_global_steps >= 0,
             "min_total_global_steps",

@@ -119,6 +119,8 @@ class TrafficLog:
             ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
             if len({log.worker_of_rank[r] for r in ranks}) > 1 and name != "send" and name != "recv":
                 tensor = args[0] if args and torch.is_tensor(args[0]) else kwargs.get("tensor")
+                if name == "all_gather" and len(args) > 1 and torch.is_tensor(args[1]):
+                    tensor = args[1]  # all_gather(output list, tensor): what this rank sends
                 numel = tensor.numel() if torch.is_tensor(tensor) else -1
                 log.events.append((log.phase, name, tuple(ranks), numel))
             return original(*args, **kwargs)
@@ -492,3 +494,27 @@ def vpp_runs(rank, world_size, specs):
                         worker=dp_rank))
         me.unpatch_megatron_for_local_sgd()
     return out
+
+
+def hung_worker_job(rank, world_size, local_sgd, hang_after_step, hung_worker=1, steps=6):
+    """EDiT, 2 workers x 2 shards; the ranks of ``hung_worker`` stop arriving (sleep far longer
+    than the sync timeout) after their step ``hang_after_step``: the others must stop at their
+    next sync with a message naming the worker, not wait for torch's process-group timeout."""
+    import time as _time
+
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig())
+    ddp, optimizer = _build(default_spec(), 1, 1)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    worker = dp_rank // (dp // 2)
+    batches = make_batches(steps, dp * MICRO_BATCH, seed=0)
+    for step in range(1, steps + 1):
+        if worker == hung_worker and step == hang_after_step + 1:
+            _time.sleep(600)
+        train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], dp_rank, dp))
+    return step

@@ -108,6 +108,12 @@ class SyncGroup:
         return torch.stack(parts)
 
 
+def default_store():
+    """The job's key-value store (the one ``torch.distributed`` rendezvoused through): EDiT's
+    arrival checks (:mod:`.arrival`) write their keys there."""
+    return dist.distributed_c10d._get_default_store()
+
+
 class WorkerGroups:
     """Collectives inside one worker: over its model-shard group and its tensor-parallel group.
 

@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from ..algorithm import asynchronous, schedule
 from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
-from ..exchange.groups import SyncGroup, WorkerGroups
+from ..exchange.arrival import Arrivals
+from ..exchange.groups import SyncGroup, WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
 from ..exchange.pipeline import OuterSync
 from ..exchange.report import SyncReport
@@ -50,6 +51,10 @@ from . import compat
 from .shards import build_layout
 
 logger = logging.getLogger(__name__)
+
+_INSTANCES = 0
+"""LocalSGD objects built in this process: keys of their arrival checks (the same count on
+every rank, which build them in the same order)."""
 
 
 @dataclass
@@ -130,6 +135,7 @@ class LocalSGD:
         inter = compat.inter_instance_group(first_group)
         self.sync_group = SyncGroup(inter if self.num_workers > 1 else None)
         assert self.sync_group.size == self.num_workers, (self.sync_group.size, self.num_workers)
+        self.arrivals = self._arrivals(inter) if self.num_workers > 1 else None
         self.worker_groups = WorkerGroups(
             shard_group=optimizer.buffers[0].data_parallel_group if optimizer.buffers else None,
             tp_group=compat.tensor_parallel_group(optimizer.model_chunks[0]),
@@ -148,6 +154,17 @@ class LocalSGD:
             on_done=self._on_sync_done,
         )
         self._group_index = {g: i for i, g in enumerate(self.group_order)}
+
+    def _arrivals(self, inter) -> Arrivals:
+        """The sync group's arrival checks, in the job's store (see :mod:`..exchange.arrival`)."""
+        global _INSTANCES
+        _INSTANCES += 1  # controllers are built in the same order on every rank
+        timeout = self.config.sync_timeout
+        if timeout is None:
+            timeout = dist.default_pg_timeout.total_seconds()
+        ranks = dist.get_process_group_ranks(inter)
+        return Arrivals(default_store(), f"megatron_edit/arrive/{_INSTANCES}", ranks,
+                        ranks.index(dist.get_rank()), timeout, report_every=min(60.0, timeout / 4))
 
     # ------------------------------------------------------------------ state
     @property
@@ -312,6 +329,8 @@ class LocalSGD:
 
     def _start_sync(self, step: int) -> bool:
         """Begin the sync due after ``step``; False when A-EDiT skips it (no exchange)."""
+        if self.arrivals is not None:  # before the sync's first collective: name a missing worker
+            self.arrivals.wait(step)
         bytes_at_start = self.sync_group.counters.payload_bytes
         schedule, skip, final = None, False, False
         if self.config.use_async:

@@ -117,6 +117,7 @@ def _state(ddp, opt, ctl, gather=True, with_canonical=False) -> dict:
         outer = ctl.outer_optimizer
         out.update(
             steps_done=ctl.steps_done,
+            global_progress=ctl.global_progress,
             last_sync_step=ctl._last_sync_step,
             anchors=[None if s.anchor is None else s.anchor.clone() for s in ctl.shards],
             outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} if outer else None for s in ctl.shards],
@@ -372,3 +373,51 @@ def _equal(a, b, what):
 
 def _same_params(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
+
+
+# A-EDiT on a fake clock (worker w takes SECONDS_PER_STEP[w] s a step), syncing every 4 s, with a
+# global budget; used by the elastic A-EDiT resume test.
+AEDIT = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1,
+             min_total_global_steps=1, sync_mode="step_end")
+
+
+def async_budget_job(rank, world, instances, train_iters, seconds_per_step, save=None, stop_after_syncs=None,
+                     load=None):
+    """A-EDiT with a budget of ``train_iters`` x ``instances`` worker-steps. ``save``: a path
+    written at the ``stop_after_syncs``-th real sync, where the run then stops (as Megatron-LM's
+    ``--save-interval`` / ``--exit-interval`` do at a sync). ``load``: a path to resume from.
+    Returns this worker's step counts, its global progress at each sync and at the end."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances)
+    ddp, opt, ctl = _setup(AEDIT, instances, bucket_size=ONE_BUCKET)
+    ctl.budget_steps = train_iters * instances
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    worker = dp_rank // (dp // instances)
+    now = [0.0]
+    ctl.clock = lambda: now[0]
+    loaded = None
+    if load is not None:
+        _load(ddp, opt, load, DP_RESHARDABLE)
+        loaded = dict(steps_done=ctl.steps_done, global_progress=ctl.global_progress)
+    batches = make_batches(8 * train_iters, WORLD * MICRO_BATCH)
+    start, syncs, progress_at_syncs = ctl.steps_done, 0, []
+    while not ctl.finished:
+        step = ctl.steps_done + 1
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], dp_rank, dp))
+        now[0] += seconds_per_step[worker]
+        if ctl.at_sync and not ctl.last_sync.skipped:
+            syncs += 1
+            progress_at_syncs.append(ctl.global_progress)
+            if save is not None and syncs == stop_after_syncs:
+                _save(ddp, opt, save, DP_RESHARDABLE)
+                break
+    out = dict(worker=worker, start=start, steps_done=ctl.steps_done, finished=ctl.finished, loaded=loaded,
+               progress=ctl.global_progress, progress_at_syncs=progress_at_syncs,
+               worker_steps=list(ctl.last_sync.worker_steps))
+    me.unpatch_megatron_for_local_sgd()
+    return out

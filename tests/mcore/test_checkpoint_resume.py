@@ -160,19 +160,27 @@ def test_resume_with_another_layout(saved, case):
 
 
 @pytest.mark.timeout(600)
-def test_error_feedback_residuals_follow_a_worker_count_change(tmp_path):
+@pytest.mark.parametrize("weights", ["mean", "penalty"])
+def test_error_feedback_residuals_follow_a_worker_count_change(tmp_path, weights):
     """int4 exchange with error feedback, 2 workers x 2 shards (7 buckets) saved between syncs,
-    resumed by 4 workers x 1: every new worker's residual is the mean of the saved workers',
-    the reduced result's residual is the saved one cut into 4 chunks, the model the outer step
-    over the saved workers, and the next (quantized) sync leaves the workers identical."""
+    resumed by 4 workers x 1: the saved residuals carry on in the next result as they would
+    have (review item 3): with the plain mean every new worker's residual is the mean of the
+    saved workers' (the result divides by the workers); with the penalty's weights the result
+    is a weighted sum, and each new worker carries the sum / 4 (the mean would carry 4 / 2 x
+    the sum). The reduced result's residual is the saved one cut into 4 chunks, the model the
+    outer step over the saved workers, and the next (quantized) sync leaves the workers
+    identical."""
     quantized = dict(EDIT, exchange_dtype="int4", exchange_block_size=64, exchange_error_feedback=True)
+    if weights == "penalty":
+        quantized.update(pseudo_gradnorm_reduce=True)
     path = str(tmp_path / "int4")
     saver = run_ranks(train_job, WORLD, local_sgd=quantized, steps=7, saves={7: [(path, DP_RESHARDABLE)]},
                       snapshots=(7,), with_canonical=True, timeout=300)
     resumed = run_ranks(train_job, WORLD, local_sgd=quantized, instances=4, load=(path, DP_RESHARDABLE, 7),
                         snapshots=(8,), with_canonical=True, timeout=300)
     saved_residual = _worker_tensors(saver, "residual", 7)
-    mean = {k: (saved_residual[0][k] + saved_residual[1][k]) / 2 for k in saved_residual[0]}
+    share = 2 if weights == "mean" else 4
+    mean = {k: (saved_residual[0][k] + saved_residual[1][k]) / share for k in saved_residual[0]}
     assert any(v.abs().sum() > 0 for v in mean.values())  # something was dropped and kept
     residual = _worker_tensors(resumed, "residual", loaded=True)
     result = _worker_tensors(resumed, "result_residual", loaded=True)
@@ -203,6 +211,7 @@ def test_synchronous_checkpoint_resumes_edit_with_its_adam_state(tmp_path):
         _equal(res["loaded"]["params"], plain["snapshots"][5]["params"], "model")
         _equal(res["loaded"]["adam"], plain["snapshots"][5]["adam"], "Adam state")
         assert res["loaded"]["steps_done"] == 5
+        assert res["loaded"]["global_progress"] == 5.0  # review item 1: it stayed 0
         _equal(res["loaded"]["anchors"], res["loaded"]["mains"], "anchor taken at the load")
         assert [r.step for r in res["reports"]] == [8]
         _equal(res["final"]["params"], ref["final"]["params"], "vs EDiT with warmup to step 5")
@@ -258,3 +267,34 @@ def test_what_megatrons_bucket_format_cannot_reshard_is_named(saved):
         assert r["tp"].startswith("CheckpointStateError") and "TP=1, PP=1, this run has TP=2" in r["tp"], r["tp"]
         assert "fully_reshardable" in r["tp"]
         assert r["buckets"].startswith("CheckpointStateError") and "the buckets changed" in r["buckets"], r["buckets"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("resumed_workers", [4, 1])
+def test_elastic_a_edit_resume_keeps_global_progress_and_reaches_the_budget_exactly(tmp_path, resumed_workers):
+    """Review item 1: A-EDiT, 2 workers (1 s and 0.25 s a step on a fake clock), a budget of 30
+    synchronous iterations, saved at its second sync and resumed by 4 workers (or 1). Before
+    the fix global progress restarted at 0 (every save / exit interval crossed at the first
+    sync) and every new worker took worker 0's own step count, so the budget was planned from
+    the wrong count. Now: global progress continues from the checkpoint's, the new workers'
+    counts add up to the worker-steps done, progress only grows, and the run ends at the budget
+    exactly (30 iterations = 30 x M worker-steps)."""
+    from checkpoint_runs import async_budget_job
+
+    path = str(tmp_path / "aedit")
+    saved = run_ranks(async_budget_job, WORLD, 2, 30, [1.0, 0.25], save=path, stop_after_syncs=2, timeout=300)
+    progress = saved[0]["progress"]
+    assert all(r["progress"] == progress for r in saved)  # every worker agrees at a sync
+    assert progress == sum(saved[0]["worker_steps"]) / 2 and progress not in (0.0, float(saved[0]["steps_done"]))
+    speeds = [1.0, 0.5, 0.25, 0.25][:resumed_workers]
+    resumed = run_ranks(async_budget_job, WORLD, resumed_workers, 30, speeds, load=path, timeout=300)
+    done = round(progress * resumed_workers)
+    starts = {r["worker"]: r["loaded"]["steps_done"] for r in resumed}
+    assert sum(starts.values()) == done and max(starts.values()) - min(starts.values()) <= 1
+    for r in resumed:
+        assert r["loaded"]["global_progress"] == progress
+        assert r["finished"] and r["progress"] == pytest.approx(30.0)
+        assert all(b > a for a, b in zip([progress] + r["progress_at_syncs"], r["progress_at_syncs"]))
+        assert sum(r["worker_steps"]) == 30 * resumed_workers  # the budget, exactly
+    ends = {r["worker"]: r["steps_done"] for r in resumed}
+    assert sum(ends.values()) == 30 * resumed_workers and len(ends) == resumed_workers

@@ -165,10 +165,19 @@ def test_resume_with_a_different_shard_size(runs):
             assert torch.equal(anchor, halves[: anchor.numel()]), f"anchor of bucket {i}"
         assert [r.step for r in res["reports"]] == [8]
     assert _same_params(resumed[0]["snapshots"][8]["params"], resumed[1]["snapshots"][8]["params"])
-    # Different reduction order inside a worker: close to the 4-process run, not bit-equal.
+    # Different reduction order inside a worker: close to the 4-process run, not bit-equal. The
+    # losses are compared, not the parameters: the key part of the QKV bias has a mathematically
+    # zero gradient (softmax ignores it), so Adam turns reduction-order noise there into steps of
+    # about the learning rate, and a tolerance on those parameters passes or fails by chance
+    # (issue 24). The loss does not depend on them; it depends on everything that is determined.
     for res in resumed:
-        for k, v in ref[2 * res["worker"]]["final"]["params"].items():
-            assert torch.allclose(res["final"]["params"][k], v, atol=1e-4), k
+        # one rank of 2 reads the samples of ranks 2w and 2w + 1 of the 4-rank run: its loss is
+        # the mean of theirs
+        pair = [ref[2 * res["worker"] + i]["losses"] for i in (0, 1)]
+        for step, loss in res["losses"].items():
+            theirs = (pair[0][step] + pair[1][step]) / 2
+            assert loss == pytest.approx(theirs, rel=1e-5, abs=1e-6), (step, loss, theirs)
+        assert sorted(res["losses"]) == [8, 9, 10]
 
 
 @pytest.mark.timeout(300)

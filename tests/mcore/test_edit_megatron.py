@@ -125,8 +125,9 @@ def test_first_outer_step_excludes_warmup_displacement():
 @pytest.mark.timeout(240)
 def test_sync_group_traffic_only_at_syncs_one_shard_per_bucket():
     """Instrumented torch.distributed: no collective spans two workers between syncs; a sync
-    sends exactly one all-reduce of this rank's shard per bucket, every one launched at the end
-    of the optimizer step (in forward order) and completed in the next forward pass."""
+    sends the all-gather of every worker's per-layer norms (checked before anything else is
+    sent), then exactly one all-reduce of this rank's shard per bucket, every one launched at
+    the end of the optimizer step (in forward order) and completed in the next forward pass."""
     spec = default_spec(
         steps=7,
         local_sgd=dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=1),  # syncs at 4 and 7
@@ -137,16 +138,22 @@ def test_sync_group_traffic_only_at_syncs_one_shard_per_bucket():
     for r in results:
         run = r["runs"][0]
         by_phase = {}
+        layers = len(run["reports"][0].layer_names)
         for phase, name, ranks, numel in run["traffic"]:
-            assert name == "all_reduce" and len(ranks) == 2, (phase, name, ranks)
+            assert len(ranks) == 2, (phase, name, ranks)
+            if name == "all_gather":  # the norms: first in a sync, one float64 per layer
+                assert numel == layers and phase in ("step 4", "step 7") and not by_phase.get(phase), (phase, numel)
+            else:
+                assert name == "all_reduce", (phase, name, ranks)
             by_phase.setdefault(phase, []).append(numel)
         assert by_phase.pop("step 1"), "warmup step 1 should reduce gradients across workers"
         # Forward order (Megatron's param-gather order), every bucket at the end of step 4.
-        assert by_phase.pop("step 4") == run["forward_numels"]
+        assert by_phase.pop("step 4") == [layers] + run["forward_numels"]
         assert sorted(run["forward_numels"]) == sorted(run["shard_numels"])
-        assert sorted(by_phase.pop("step 7")) == sorted(run["shard_numels"])
+        assert sorted(by_phase.pop("step 7")[1:]) == sorted(run["shard_numels"])
         assert by_phase == {}, f"traffic across workers between syncs: {by_phase}"
-        assert [rep.payload_bytes for rep in run["reports"]] == [4 * sum(run["shard_numels"])] * 2
+        per_sync = 4 * sum(run["shard_numels"]) + 8 * layers
+        assert [rep.payload_bytes for rep in run["reports"]] == [per_sync] * 2
 
 
 @pytest.mark.timeout(300)

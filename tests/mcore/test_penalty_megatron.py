@@ -97,6 +97,8 @@ def _fault_runs(fault_kind):
         default_spec(steps=16, local_sgd=dict(base, skip_anomaly=True), outer=OUTER, faults=faults),
         default_spec(steps=16, local_sgd=dict(base, skip_anomaly=False), outer=OUTER, faults=faults),
     ]
+    if fault_kind == "nan":  # unprotected, a NaN stops the run at the sync (next test)
+        specs.pop()
     return run_ranks(megatron_runs, WORLD, specs, timeout=200)
 
 
@@ -107,7 +109,7 @@ def test_fault_injection_anomaly_elimination_protects_the_other_workers(kind):
     the sync after step 12 excludes it, every worker restarts from a clean anchor and the
     held-out loss stays close to a clean run; without it the damage reaches every worker."""
     results = _fault_runs(kind)
-    clean, protected, unprotected = ([r["runs"][i] for r in results] for i in range(3))
+    clean, protected, unprotected = ([r["runs"][i] for r in results if i < len(r["runs"])] for i in range(3))
     clean_loss = clean[0]["eval_loss"]
     for run in protected:
         assert all(torch.isfinite(v).all() for v in run["params"].values())
@@ -119,4 +121,19 @@ def test_fault_injection_anomaly_elimination_protects_the_other_workers(kind):
         loss = run["eval_loss"]
         assert math.isnan(loss) or loss > clean_loss + 0.5, (loss, clean_loss)
     print(f"\nfault={kind}: held-out loss clean {clean_loss:.4f}, with skip_anomaly "
-          f"{protected[0]['eval_loss']:.4f}, without {unprotected[0]['eval_loss']:.4f}")
+          f"{protected[0]['eval_loss']:.4f}" + (f", without {unprotected[0]['eval_loss']:.4f}" if unprotected else ""))
+
+
+@pytest.mark.timeout(240)
+def test_without_anomaly_elimination_a_nan_stops_the_run_naming_the_worker_and_step():
+    """The NaN of the test above without --local-sgd-skip-anomaly: every rank stops at the sync
+    after step 12, before the exchange (the NaN never reaches the anchor), naming worker 1."""
+    from dist import RankError
+
+    base = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0)
+    spec = default_spec(steps=16, local_sgd=base, outer=OUTER, faults=[dict(FAULTY, kind="nan")])
+    with pytest.raises(RankError) as err:
+        run_ranks(megatron_runs, WORLD, [spec], timeout=200)
+    message = str(err.value)
+    assert "NonFinitePseudoGradient" in message and "of worker 1 is not finite" in message, message[-1500:]
+    assert "at the sync after step 12" in message

@@ -1,0 +1,57 @@
+"""Arrival checks at a sync (megatron_edit.exchange.arrival) on a real torch.distributed store,
+with a fake clock: a missing worker is reported while it is awaited and named when the time is
+up; present workers pass; keys of old syncs are removed."""
+
+import logging
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from megatron_edit.exchange.arrival import Arrivals, SyncTimeout
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += max(seconds, 0.5)  # each poll advances the clock half a second at least
+
+
+def test_a_missing_worker_is_reported_then_named_with_the_step(caplog):
+    store, clock = dist.HashStore(), FakeClock()
+    me = Arrivals(store, "t", ranks=[0, 4, 8], me=0, timeout=10.0, report_every=3.0, clock=clock, sleep=clock.sleep)
+    store.set("t/0/4", "7")  # worker 1 arrived; worker 2 (global rank 8) never does
+    with caplog.at_level(logging.WARNING, logger="megatron_edit"):
+        with pytest.raises(SyncTimeout) as err:
+            me.wait(step=7)
+    message = str(err.value)
+    assert "worker 0 waited 10 s at the sync after its step 7" in message
+    assert "for worker 2 (global rank 8)" in message and "--local-sgd-sync-timeout (10 s)" in message
+    reports = [r.getMessage() for r in caplog.records]
+    assert len(reports) == 3 and all("for worker 2" in r for r in reports)  # at 3, 6 and 9 s
+    assert 10.0 <= clock.now < 11.0
+
+
+def test_workers_that_arrive_pass_and_old_keys_are_removed():
+    store = dist.HashStore()
+    workers = [Arrivals(store, "t", ranks=[0, 1], me=w, timeout=30.0) for w in range(2)]
+    waited = [[] for _ in workers]
+
+    def run(w):
+        for step in (3, 5, 7):
+            waited[w].append(workers[w].wait(step))
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(len(x) == 3 for x in waited)
+    assert workers[0].index == workers[1].index == 3
+    assert not store.check(["t/0/0"]) and not store.check(["t/0/1"])  # deleted at the third sync
+    assert store.check(["t/2/0"]) and store.check(["t/2/1"])
