@@ -265,6 +265,7 @@ LOCAL_FLAG_CASES = {
     "exchange_block_size": (["--local-sgd-exchange-block-size", "64"], ConfigError),
     # An fp32 exchange drops nothing: refused alone.
     "exchange_error_feedback": (["--local-sgd-exchange-error-feedback"], ConfigError),
+    "sync_timeout": (["--local-sgd-sync-timeout", "90"], 90.0),
 }
 
 
@@ -278,6 +279,20 @@ NEEDS = {
 }
 NEEDED_FIELDS = {"--local-sgd-async": "use_async", "--local-sgd-use-step-weight": "use_step_weight",
                  "--local-sgd-skip-anomaly": "skip_anomaly"}
+
+
+def test_sync_timeout_defaults_to_megatrons_distributed_timeout():
+    """Without --local-sgd-sync-timeout, Megatron-LM's --distributed-timeout-minutes decides (its
+    namespace has it); the flag wins when given; a bad value names the flag."""
+    args = _parser().parse_args(["--use-local-sgd"])
+    args.distributed_timeout_minutes = 7
+    assert configs_from_args(args)[0].sync_timeout == 420.0
+    args = _parser().parse_args(["--use-local-sgd", "--local-sgd-sync-timeout", "30"])
+    args.distributed_timeout_minutes = 7
+    assert configs_from_args(args)[0].sync_timeout == 30.0
+    assert configs_from_args(_parser().parse_args(["--use-local-sgd"]))[0].sync_timeout is None
+    with pytest.raises(ConfigError, match="--local-sgd-sync-timeout"):
+        configs_from_args(_parser().parse_args(["--use-local-sgd", "--local-sgd-sync-timeout", "-1"]))
 
 
 def _option_dests(parser):

@@ -42,6 +42,7 @@ FLAGS = {
     "exchange_dtype": "--local-sgd-exchange-dtype",
     "exchange_block_size": "--local-sgd-exchange-block-size",
     "exchange_error_feedback": "--local-sgd-exchange-error-feedback",
+    "sync_timeout": "--local-sgd-sync-timeout",
     "outer_optim_class": "--outer-optimizer",
     "outer_optim_kwargs": "--outer-optimizer-lr",
     "reducer": "--local-sgd-reducer",
