@@ -66,16 +66,23 @@ def patch_megatron_for_local_sgd(
     """Apply every EDiT patch to megatron-core; returns the patch ids now active.
 
     With megatron-core alone, pass the configs; DDP and distributed optimizers built afterwards
-    train with EDiT. Without configs (Megatron-LM's ``pretrain``), they are read from the parsed
-    arguments when the first DDP is built, and the patches pass through unless
-    ``--use-local-sgd`` was given. Calling it again replaces the configs and keeps the patches
-    (idempotent). Raises :class:`UnsupportedMegatronVersion` on a megatron-core outside
-    ``SUPPORTED``.
+    train with EDiT (call it before building them: an optimizer built before it is refused at
+    its first step, never trained synchronously without a word). Without configs (Megatron-LM's
+    ``pretrain``), they are read from the parsed arguments when the first DDP is built, and the
+    patches pass through unless ``--use-local-sgd`` was given. Calling it again before anything
+    is built replaces the configs and keeps the patches; once an optimizer trains with EDiT, a
+    call with the same configs changes nothing and one with other configs is refused (unpatch,
+    patch, and build again). Raises :class:`UnsupportedMegatronVersion` on a megatron-core
+    outside ``SUPPORTED``.
     """
     version = megatron_core_version()
     if not SUPPORTED.contains(version):
         raise UnsupportedMegatronVersion(unsupported_message(version))
     _check_configs(local_sgd_config, outer_optim_config, gta_config)
+    live = SESSION.runtime is not None and len(SESSION.runtime.controllers) > 0
+    if live:
+        _keep_live_runtime(local_sgd_config, outer_optim_config, gta_config)
+        return [p.id for p in SESSION.registry.patches if SESSION.registry.is_applied(p.id)]
     SESSION.runtime = LocalSGDRuntime(
         local_sgd_config,
         outer_optim_config,
@@ -90,6 +97,24 @@ def patch_megatron_for_local_sgd(
     if applied:
         _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
     return [p.id for p in SESSION.registry.patches if SESSION.registry.is_applied(p.id)]
+
+
+def _keep_live_runtime(local_sgd_config, outer_optim_config, gta_config) -> None:
+    """Patching again while optimizers train with EDiT: the same configs change nothing; other
+    configs would detach those optimizers (they would train synchronously): refused."""
+    runtime = SESSION.runtime
+    wanted = None
+    if local_sgd_config is not None:
+        wanted = (local_sgd_config, outer_optim_config or OuterOptimizerConfig(), gta_config or GTAConfig())
+    if wanted is None or wanted == runtime.configs:
+        return
+    raise RuntimeError(
+        f"megatron_edit: EDiT already runs on {len(runtime.controllers)} distributed optimizer(s) "
+        "built with other configs; patch_megatron_for_local_sgd(...) cannot change them under "
+        "those optimizers (they would silently train synchronously). Call "
+        "unpatch_megatron_for_local_sgd(), patch with the new configs, and build the DDP model "
+        "and the optimizer again."
+    )
 
 
 def unsupported_message(version: str) -> str:

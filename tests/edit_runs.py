@@ -518,3 +518,38 @@ def hung_worker_job(rank, world_size, local_sgd, hang_after_step, hung_worker=1,
             _time.sleep(600)
         train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], dp_rank, dp))
     return step
+
+
+def patch_order_job(rank, world_size, case):
+    """Patching at the wrong time (issue 30 item 1) on 2 workers x 1 rank: returns the error
+    message raised, or ``"ran"`` with whether EDiT drove the optimizer."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    local = me.LocalSGDConfig(local_sgd_sync_interval=2)
+    spec = default_spec()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    batch = rank_micro_batches(make_batches(1, dp * MICRO_BATCH, seed=0)[0], dp_rank, dp)
+    me.unpatch_megatron_for_local_sgd()
+    try:
+        if case == "after-both":
+            ddp, optimizer = _build(spec, 1, 1)
+            me.patch_megatron_for_local_sgd(local)
+        elif case == "after-ddp":
+            ddp, _ = _build(spec, 1, 1)
+            me.patch_megatron_for_local_sgd(local)
+            optimizer = _optimizer(ddp)
+        else:
+            me.patch_megatron_for_local_sgd(local)
+            ddp, optimizer = _build(spec, 1, 1)
+            other = local if case == "again-same" else me.LocalSGDConfig(local_sgd_sync_interval=3)
+            me.patch_megatron_for_local_sgd(other)
+        train_step(ddp, optimizer, batch)
+        return ("ran", len(me.get_local_sgd(optimizer)), me.get_local_sgd(optimizer)[0].steps_done)
+    except RuntimeError as e:
+        return ("refused", str(e))
+    finally:
+        me.unpatch_megatron_for_local_sgd()

@@ -97,6 +97,8 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
             runtime = runtime_ref()
             controller = runtime.controllers.get(self) if runtime else None
             if controller is None:
+                if runtime is not None and runtime.configs is not None:
+                    runtime.refuse_unattached(self)  # built before the patch: EDiT would be off
                 return original(self, *args, **kwargs)
             controller.begin_step()
             ok = original(self, *args, **kwargs)

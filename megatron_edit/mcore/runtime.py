@@ -82,6 +82,15 @@ class LocalSGDRuntime:
         if self.configs is None:
             return
         check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None)
+        unchecked = [g for chunk in optimizer.model_chunks for g in getattr(chunk, "bucket_groups", ())
+                     if g not in self.registered_groups]
+        if unchecked:
+            raise RuntimeError(
+                "megatron_edit: the DDP model of this optimizer was built before "
+                "patch_megatron_for_local_sgd(...) was called (its options were never checked "
+                "for EDiT). Call patch_megatron_for_local_sgd(...) first, then build the DDP "
+                "model and get_megatron_optimizer(...)."
+            )
         controller = LocalSGD(optimizer, *self.configs)
         if self.train_iters is not None:
             if controller.config.use_async:
@@ -105,6 +114,18 @@ class LocalSGDRuntime:
                 controller.config.local_sgd_warmup_steps,
                 controller.config.sync_mode,
             )
+
+    @staticmethod
+    def refuse_unattached(optimizer) -> None:
+        """A distributed optimizer steps under the patch without EDiT state: it was built before
+        :func:`~megatron_edit.patch_megatron_for_local_sgd` (or in an earlier patch session).
+        Training it would be synchronous data parallelism without a word: refuse."""
+        raise RuntimeError(
+            f"megatron_edit: this {type(optimizer).__name__} was built before "
+            "patch_megatron_for_local_sgd(...) was called, so EDiT is not attached to it and "
+            "training would silently be synchronous. Call patch_megatron_for_local_sgd(...) "
+            "first, then build the DDP model and get_megatron_optimizer(...)."
+        )
 
     def controller_for_group(self, bucket_group) -> Optional[LocalSGD]:
         controller = self.group_owner.get(bucket_group)
