@@ -92,7 +92,10 @@ def _d(text: str) -> str:
 
 
 def local_sgd_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the EDiT flags to ``parser`` (one argument group) and return it."""
+    """Add the EDiT flags to ``parser`` (one argument group) and return it. A parser that has
+    them already is returned as it is (a second call, e.g. from a chained args provider)."""
+    if any("--use-local-sgd" in action.option_strings for action in parser._actions):
+        return parser
     d, g = LocalSGDConfig(), GTAConfig()
     group = parser.add_argument_group(title=GROUP_TITLE)
     add = group.add_argument

@@ -443,9 +443,11 @@ class OuterOptimizerConfig:
 
         try:
             cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+            # e.g. Adam's betas=(0.9,) fails inside torch with an IndexError
             raise ConfigError(
-                f"{_name('outer_optim_kwargs')}: {cls.__name__}({kwargs}) fails: {e}"
+                f"{_name('outer_optim_kwargs')}: {cls.__name__}({kwargs}) fails: "
+                f"{type(e).__name__}: {e}"
             ) from e
 
     @property
@@ -509,6 +511,9 @@ class GTAConfig:
                 raise ConfigError(f"{_name('density')}: only used with reducer='gta'.")
             if self.int8_mask:
                 raise ConfigError(f"{_name('int8_mask')}: only used with reducer='gta'.")
+            if not self.normalize:
+                raise ConfigError(f"{_name('normalize')}: only used with reducer='gta' "
+                                  "(--no-gta-normalize needs --local-sgd-reducer gta).")
         elif self.density < 1.0 and self.sparsification_method is None:
             raise ConfigError(
                 f"{_name('density')}: density < 1 needs a sparsification method "

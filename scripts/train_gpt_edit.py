@@ -146,9 +146,35 @@ def apply_outer_defaults(args: argparse.Namespace) -> None:
             setattr(args, f"outer_optimizer_{key}", value)
 
 
+# Megatron-LM's flags that the package's messages name, and this job's counterparts.
+_MAIN_JOB_TERMS = (("--global-batch-size / --micro-batch-size", "--micro-batch-size"),
+                   ("--train-iters", "--steps"))
+
+
+def _in_main_job_terms(message: str) -> str:
+    for megatron_flag, ours in _MAIN_JOB_TERMS:
+        message = message.replace(megatron_flag, ours)
+    return message
+
+
+def _check_data_dir(path: str, parser) -> None:
+    """--data-dir must be a folder, or a path where one can be made."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            parser.fail(f"--data-dir {path} is a file, not a folder: name a folder (it is created "
+                        "if missing; the dataset is built there once).")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        parser.fail(f"--data-dir {path} cannot be created ({parent} is not a writable folder).")
+
+
 def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
     """Flag combinations, before Megatron is imported and the process group exists: a bad one
     ends every rank with exit code 2 and one line on rank 0 naming the flag."""
+    _check_data_dir(args.data_dir, parser)
     if args.hidden % args.heads:
         parser.fail(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}.")
     if args.lr_warmup_steps >= args.steps:
@@ -167,7 +193,7 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
     try:
         local, _, _ = megatron_edit.configs_from_args(argparse.Namespace(**{**vars(args), "use_local_sgd": True}))
     except ConfigError as e:
-        parser.fail(str(e))
+        parser.fail(_in_main_job_terms(str(e)))
     w, h = local.local_sgd_warmup_steps, local.local_sgd_sync_interval
     if w >= args.steps:
         parser.fail(f"--local-sgd-warmup-steps {w} >= --steps {args.steps}: every step would be "
@@ -447,6 +473,10 @@ def train(args, use_local_sgd, datasets):
             # worker-steps). The run ends at a final sync planned from the workers' speeds; each
             # worker stops there at its own step count (identical models, nobody left waiting).
             c.budget_steps = args.steps * args.workers
+        else:
+            # The run's last step: a sync there even off the warmup + k H grid, so the workers
+            # end with one model (as Megatron-LM's --train-iters sets it).
+            c.last_step = args.steps
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     intra = worker_group()
     worker, lead = dp_rank // intra.size(), intra.rank() == 0

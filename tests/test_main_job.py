@@ -75,6 +75,14 @@ REFUSED = [
     (["--local-sgd-warmup-steps", "120"], "EDiT would never train locally"),
     (["--steps", "20", "--local-sgd-sync-interval", "13"], "ends before the first sync, after step 21"),
     (["--local-sgd-sync-interval", "two"], "argument --local-sgd-sync-interval: invalid int value: 'two'"),
+    # issue 30: the main job's own flag names, and --data-dir checked before any rank starts
+    (["--local-sgd-time-budget", "60"], "synchronous EDiT ends at --steps"),
+    (["--local-sgd-gradient-accumulation-steps", "2"], "set --micro-batch-size instead"),
+    (["--data-dir", str(SCRIPT)], f"--data-dir {SCRIPT} is a file, not a folder"),
+    (["--data-dir", f"{SCRIPT}/sub"], f"--data-dir {SCRIPT}/sub cannot be created"),
+    (["--no-gta-normalize"], "only used with reducer='gta'"),
+    (["--outer-optimizer", "adam", "--outer-optimizer-lr", "1e-3", "--outer-optimizer-kwargs", '{"betas": [0.9]}'],
+     "Adam("),
 ]
 
 

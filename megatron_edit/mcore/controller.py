@@ -102,9 +102,10 @@ class LocalSGD:
         # workers' speeds, each worker at its own step count (``finished``).
         self.budget_steps: Optional[int] = None
         self.finished = False
-        # The run's last optimizer step when known (Megatron-LM: --train-iters; EDiT only): a
-        # layer-wise sync due there has no next forward pass to complete in, so it completes at
-        # once and the parameters are gathered inside the worker.
+        # The run's last optimizer step when known (Megatron-LM: --train-iters; EDiT only): the
+        # run ends with a sync there even off the warmup + k H grid (the workers end with one
+        # model); a layer-wise sync due there has no next forward pass to complete in, so it
+        # completes at once and the parameters are gathered inside the worker.
         self.last_step: Optional[int] = None
         self.steps_done = 0
         self.reports: List[SyncReport] = []
@@ -232,6 +233,8 @@ class LocalSGD:
         c = self.config
         if c.use_async:
             return self._next_sync_at is not None and steps_done == self._next_sync_at
+        if steps_done == self.last_step and steps_done > c.local_sgd_warmup_steps:
+            return True  # the run's last step: end with one model on every worker
         return schedule.is_sync_step(steps_done, c.local_sgd_warmup_steps, c.local_sgd_sync_interval)
 
     @property

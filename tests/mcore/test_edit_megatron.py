@@ -233,6 +233,22 @@ def test_a_layerwise_sync_due_at_the_last_step_completes_before_the_run_ends():
     _assert_params_equal(results[0]["runs"][0]["params"], results[2]["runs"][0]["params"], "workers at the end")
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["layerwise", "step_end"])
+def test_a_run_ending_off_the_sync_grid_ends_with_a_sync(mode):
+    """Issue 30: the last step (7) is not on the grid (syncs after 3 and 6): the run still ends
+    with a sync there, so the workers end with one model (before, they ended 1 local step apart,
+    with different models)."""
+    spec = default_spec(steps=7, local_sgd=dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=0, sync_mode=mode),
+                        outer=OUTER, last_step=7, no_final_gather=True)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=200)
+    for r in results:
+        run = r["runs"][0]
+        assert [rep.step for rep in run["reports"]] == [3, 6, 7] and not run["pending_at_end"]
+        assert run["reports"][-1].steps_since_last == 1
+    _assert_params_equal(results[0]["runs"][0]["params"], results[2]["runs"][0]["params"], "workers at the end")
+
+
 @pytest.mark.timeout(400)
 def test_virtual_pipeline_layerwise_equals_step_end():
     """PP=2 with two virtual stages per rank (Megatron-LM's VPP set-up: one DDP per chunk, the
