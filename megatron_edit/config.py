@@ -131,6 +131,43 @@ SYNC_MODES = ("layerwise", "step_end")
 EXCHANGE_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4")
 
 
+def field_docs(cls) -> Dict[str, str]:
+    """{field: its docstring} of a config dataclass, read from the class's source (the string
+    after each field), for ``help()``, IDEs and the documentation's configuration reference."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _documented(cls):
+    """The class docstring gains every field: name, flag, default and its documentation (the
+    strings under the fields are invisible to ``help()`` otherwise)."""
+    docs = field_docs(cls)
+    lines = [inspect.cleandoc(cls.__doc__ or cls.__name__), "", "Fields:", ""]
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "required"
+        flag = FLAG_NAMES.get(f.name)
+        lines.append(f"{f.name} = {default}" + (f"  ({flag})" if flag else ""))
+        lines.extend("    " + line for line in docs.get(f.name, "(undocumented)").splitlines())
+        lines.append("")
+    cls.__doc__ = "\n".join(lines).rstrip() + "\n"
+    return cls
+
+
+@_documented
 @dataclass
 class LocalSGDConfig:
     """When and how data-parallel workers synchronise (EDiT / A-EDiT)."""
@@ -415,6 +452,7 @@ def _is_tensor(value) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "dim")
 
 
+@_documented
 @dataclass
 class OuterOptimizerConfig:
     """The outer optimizer: steps the anchor with the averaged pseudo-gradient as its gradient."""
@@ -459,6 +497,7 @@ GTA_CONSENSUS = ("sum", "count")
 GTA_SPARSIFICATION = ("magnitude", "random", "rescaled_random")
 
 
+@_documented
 @dataclass
 class GTAConfig:
     """The reducer that turns the workers' pseudo-gradients into one."""

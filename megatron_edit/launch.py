@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     device = parser.add_mutually_exclusive_group()
     device.add_argument(
         "--cpu", action="store_true",
-        help="Run on CPU over gloo (megatron_edit.cpu_adapter + cpu_training_adapter). Default "
+        help="Run on CPU over gloo (megatron_edit.cpu.adapter + megatron_edit.cpu.training_adapter). Default "
              "when CUDA is not available; refused when it is.",
     )
     device.add_argument("--gpu", action="store_true", help="Require CUDA (no CPU fallback).")

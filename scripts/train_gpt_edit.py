@@ -123,6 +123,10 @@ def build_parser() -> Rank0ArgumentParser:
     megatron_edit.local_sgd_args_provider(parser)
     parser.set_defaults(**MAIN_JOB_DEFAULTS)
     actions = {a.dest: a for a in parser._actions}
+    actions["use_local_sgd"].help = argparse.SUPPRESS  # Megatron-LM's switch; here --mode decides
+    for action in parser._actions:  # the package's help in this job's terms
+        if action.help and action.help is not argparse.SUPPRESS:
+            action.help = _in_main_job_terms(action.help)
     actions["outer_optimizer_lr"].help = (
         f"Outer learning rate (default in this job: {MAIN_JOB_OUTER_SGD['lr']} with SGD; required "
         "with another outer optimizer).")
@@ -148,7 +152,9 @@ def apply_outer_defaults(args: argparse.Namespace) -> None:
 
 # Megatron-LM's flags that the package's messages name, and this job's counterparts.
 _MAIN_JOB_TERMS = (("--global-batch-size / --micro-batch-size", "--micro-batch-size"),
-                   ("--train-iters", "--steps"))
+                   ("--train-iters", "--steps"),
+                   (" (needs --overlap-param-gather)", ""),  # this job always overlaps it
+                   ("--distributed-timeout-minutes", "torch's 30 minutes"))
 
 
 def _in_main_job_terms(message: str) -> str:

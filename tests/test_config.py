@@ -426,3 +426,20 @@ def test_gta_refuses_a_quantized_exchange():
     check_combination(LocalSGDConfig(exchange_dtype="int8"), GTAConfig())
     with pytest.raises(ConfigError, match="--local-sgd-exchange-dtype"):
         check_combination(LocalSGDConfig(exchange_dtype="int8"), GTAConfig(reducer="gta"))
+
+
+@pytest.mark.parametrize("cls", [LocalSGDConfig, OuterOptimizerConfig, GTAConfig])
+def test_every_field_is_documented_where_help_and_ides_see_it(cls):
+    """Issue 30 item 4: the strings under the fields are in the class docstring (help(), IDEs),
+    each with the field's default and flag."""
+    import pydoc
+
+    from megatron_edit.config import FLAG_NAMES, field_docs
+
+    docs = field_docs(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert sorted(docs) == sorted(names)  # every field has its documentation
+    text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    for name in names:
+        assert f"{name} = " in text and docs[name].splitlines()[0] in text, name
+        assert FLAG_NAMES[name].split(" ")[0] in text, name

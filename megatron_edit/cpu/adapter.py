@@ -286,7 +286,7 @@ def activate() -> None:
     """Install the CPU replacements (idempotent). Refuses when CUDA is available."""
     global _cuda_rng
     if torch.cuda.is_available():
-        raise RuntimeError("megatron_edit.cpu_adapter must never be active when CUDA is available")
+        raise RuntimeError("megatron_edit.cpu.adapter must never be active when CUDA is available")
     if _applied:
         return
 

@@ -352,9 +352,20 @@ def prepare_load(sharded_state_dict, checkpoint_dir, load) -> None:
         records = {}
         if present:  # every rank asks (the same plans everywhere): a collective load
             requests = {i: dataclasses.replace(p.record_request()) for i, p in present.items()}
-            records = load(requests, str(checkpoint_dir))
+            from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+            try:
+                records = load(requests, str(checkpoint_dir))
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - garbled bytes, on every rank
+                message = (f"megatron_edit: the EDiT record of checkpoint {checkpoint_dir} cannot be read "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): it is corrupted. "
+                           "Resume from another checkpoint, or load only the model (--no-load-optim) to "
+                           "start EDiT from it.")
         for i, plan in enumerate(plans):
-            message = message or plan.prepare(records.get(i), saved)
+            if message:
+                plan.prepared = True  # refused below on every rank
+                continue
+            message = plan.prepare(records.get(i), saved)
         message = message or _missing_message(sharded_state_dict, saved, checkpoint_dir)
     messages = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(messages, message)

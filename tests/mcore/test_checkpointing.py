@@ -201,8 +201,8 @@ def test_missing_or_corrupted_edit_state_is_a_clear_error(runs, tmp_path):
     """Loading with EDiT on fails on every rank, never a silent fresh start: CheckpointStateError
     naming the problem for a checkpoint whose anchor, worker-1 part or record was removed, and
     for a record with an impossible step count; NotSupportedYet for the optimizer format
-    megatron-core 0.16 corrupts; torch.distributed.checkpoint's own unpickling error for garbled
-    record bytes. (A checkpoint without any EDiT state is one of synchronous training: it
+    megatron-core 0.16 corrupts; for garbled record bytes too (torch.distributed.checkpoint's own
+    unpickling error was raised before, issue 30). (A checkpoint without any EDiT state is one of synchronous training: it
     loads, test_checkpoint_resume.)"""
     src = runs["ckpt"][7]
     cases = {}
@@ -225,7 +225,7 @@ def test_missing_or_corrupted_edit_state_is_a_clear_error(runs, tmp_path):
         "no-anchor": "is incomplete or corrupted",
         "no-worker-1": "entries missing (workers [1])",
         "no-record": "has EDiT state but no EDiT record",
-        "garbled-record": "UnpicklingError",  # torch.distributed.checkpoint's own error
+        "garbled-record": "CheckpointStateError: megatron_edit: the EDiT record of checkpoint",
         "bad-step-count": "corrupted EDiT step count",
     }
     for r in results:

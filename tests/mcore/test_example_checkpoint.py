@@ -1,0 +1,34 @@
+"""scripts/example_checkpoint.py, the README's save / resume example for megatron-core alone,
+runs as written (torchrun, 4 CPU processes) and resumes exactly (issue 30 item 5)."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_edit.mcore import checkpoint as checkpointing, compat
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
+                    reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+def test_the_save_and_resume_example_runs_and_resumes_exactly(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", "localhost:0", str(ROOT / "scripts" / "example_checkpoint.py"),
+               "--dir", str(tmp_path / "ckpt")]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the example did not end within 240 s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    assert "resume exact: yes" in out and "step 10: loss" in out, out[-3000:]
+    assert "FutureWarning" not in out
