@@ -100,7 +100,7 @@ import torch
 
 from ..algorithm import asynchronous
 from . import compat
-from .checkpoint_layout import _WORKER_KEY, CheckpointStateError, _is_local_sgd_key, _Layout
+from .checkpoint_layout import CheckpointStateError, _Layout, missing_message
 from .checkpoint_record import (
     RECORD_KEY,
     at_sync_boundary,
@@ -366,40 +366,10 @@ def prepare_load(sharded_state_dict, checkpoint_dir, load) -> None:
                 plan.prepared = True  # refused below on every rank
                 continue
             message = plan.prepare(records.get(i), saved)
-        message = message or _missing_message(sharded_state_dict, saved, checkpoint_dir)
+        message = message or missing_message(sharded_state_dict, saved, checkpoint_dir)
     messages = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(messages, message)
     first = next(((r, m) for r, m in enumerate(messages) if m), None)
     if first:
         rank, text = first
         raise CheckpointStateError(f"{text} (found by rank {rank})")  # the same on every rank
-
-
-def _missing_message(sharded_state_dict, saved: dict, checkpoint_dir) -> Optional[str]:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-
-    wanted = []
-    for value in nested_values(sharded_state_dict):
-        if isinstance(value, ShardedTensorFactory) and _is_local_sgd_key(value.key):
-            wanted.extend(v for v in nested_values(value.build()) if isinstance(v, ShardedTensor))
-        elif isinstance(value, (ShardedTensor, ShardedObject)) and _is_local_sgd_key(value.key):
-            wanted.append(value)
-    missing, mismatched = [], []
-    for sh in wanted:
-        key = sh.unique_key if isinstance(sh, ShardedObject) else sh.key
-        if key not in saved:
-            missing.append(sh.key)
-        elif (not isinstance(sh, ShardedObject) and not sh.allow_shape_mismatch  # e.g. a padded vocabulary
-              and tuple(saved[key].global_shape) != tuple(sh.global_shape)):
-            mismatched.append(f"{sh.key}: {tuple(saved[key].global_shape)} saved, {tuple(sh.global_shape)} now")
-    where = f"checkpoint {checkpoint_dir}"
-    if mismatched:
-        return (f"megatron_edit: the EDiT state in {where} does not fit this run's model "
-                f"(different shapes): {mismatched[:3]}")
-    if missing:
-        workers = sorted({int(m.group(1)) for k in missing for m in [_WORKER_KEY.search(k)] if m})
-        which = f" (workers {workers})" if workers else ""
-        return (f"megatron_edit: the EDiT state in {where} is incomplete or corrupted: "
-                f"{len(missing)} entries missing{which}, e.g. {missing[:3]}.")
-    return None

@@ -6,12 +6,15 @@ workers differ, so worker k >= 1 writes its optimizer part under its own keys
 (``local_sgd.worker_<k>.``) with replica ids that make exactly one rank *inside* worker k the
 writer; its model entries are kept out of the shared model keys; on load, tensors that alias the
 model are given their own buffers. See :mod:`megatron_edit.mcore.checkpoint` for what is saved.
+:func:`missing_message` checks a load's EDiT keys against the checkpoint's before anything is
+read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Optional
 import torch
 
 PREFIX = "local_sgd."
@@ -172,3 +175,35 @@ def _drop_worker_model_entries(model_sharded_state_dict, optimizer) -> None:
         return value
 
     dict_list_map_inplace(drop, model_sharded_state_dict)
+
+
+def missing_message(sharded_state_dict, saved: dict, checkpoint_dir) -> Optional[str]:
+    """What EDiT state this load asks for and ``saved`` (the checkpoint's metadata) lacks or
+    holds with another shape, as a message; None when everything is there."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    wanted = []
+    for value in nested_values(sharded_state_dict):
+        if isinstance(value, ShardedTensorFactory) and _is_local_sgd_key(value.key):
+            wanted.extend(v for v in nested_values(value.build()) if isinstance(v, ShardedTensor))
+        elif isinstance(value, (ShardedTensor, ShardedObject)) and _is_local_sgd_key(value.key):
+            wanted.append(value)
+    missing, mismatched = [], []
+    for sh in wanted:
+        key = sh.unique_key if isinstance(sh, ShardedObject) else sh.key
+        if key not in saved:
+            missing.append(sh.key)
+        elif (not isinstance(sh, ShardedObject) and not sh.allow_shape_mismatch  # e.g. a padded vocabulary
+              and tuple(saved[key].global_shape) != tuple(sh.global_shape)):
+            mismatched.append(f"{sh.key}: {tuple(saved[key].global_shape)} saved, {tuple(sh.global_shape)} now")
+    where = f"checkpoint {checkpoint_dir}"
+    if mismatched:
+        return (f"megatron_edit: the EDiT state in {where} does not fit this run's model "
+                f"(different shapes): {mismatched[:3]}")
+    if missing:
+        workers = sorted({int(m.group(1)) for k in missing for m in [_WORKER_KEY.search(k)] if m})
+        which = f" (workers {workers})" if workers else ""
+        return (f"megatron_edit: the EDiT state in {where} is incomplete or corrupted: "
+                f"{len(missing)} entries missing{which}, e.g. {missing[:3]}.")
+    return None
