@@ -300,7 +300,8 @@ def test_gta_reducer_constructs_with_its_options():
 
 def test_gta_only_options_are_refused_with_linear():
     assert "--gta-int8-mask" in _raises(GTAConfig, ConfigError, "int8_mask", int8_mask=True)
-    assert GTAConfig(normalize=False).normalize is False  # harmless: the mean ignores it
+    # issue 30: it did nothing with the linear reducer, silently; now it is refused too
+    assert "--local-sgd-reducer gta" in _raises(GTAConfig, ConfigError, "normalize", normalize=False)
 
 
 def test_density_below_one_needs_a_sparsification_method():
