@@ -65,7 +65,8 @@ Partial and unusual loads:
 * Without the optimizer (``--no-load-optim``, ``--finetune``, or loading only ``'model'``):
   every worker gets worker 0's model and EDiT starts afresh (synchronous warmup, new anchor), so
   all replicas stay consistent.
-* Part of the EDiT state missing or a corrupted record: :class:`CheckpointStateError` on every
+* Part of the EDiT state missing, a corrupted record or a truncated data file
+  (:mod:`.checkpoint_guard`): :class:`CheckpointStateError` on every
   rank, naming what is missing, before anything large is read; never a silent fresh start.
   Checkpoints of the per-bucket format 1 are refused with a message (same layout only, written
   by earlier versions).
@@ -94,13 +95,13 @@ only read and restored through its attributes, ``extra_state()`` and ``load_extr
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List
 
 import torch
 
 from ..algorithm import asynchronous
 from . import compat
-from .checkpoint_layout import CheckpointStateError, _Layout, missing_message
+from .checkpoint_layout import CheckpointStateError, _Layout
 from .checkpoint_record import (
     RECORD_KEY,
     at_sync_boundary,
@@ -328,48 +329,3 @@ def _warn_if_changed(record: dict, controller) -> None:
             record.get("outer_class"),
             record.get("outer_hyperparameters"),
         )
-
-
-# --------------------------------------------------------------------------- the load guard
-def prepare_load(sharded_state_dict, checkpoint_dir, load) -> None:
-    """Before ``dist_checkpointing.load``: read the checkpoint's run records (with ``load``, the
-    original function), fit every :class:`ResumePlan`'s requests to the checkpoint, then check
-    that every EDiT entry still asked for is there with the same shape. Raises
-    :class:`CheckpointStateError` on every rank (a collective over the world group)."""
-    import dataclasses
-
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
-
-    plans = [v.obj for v in nested_values(sharded_state_dict)
-             if isinstance(v, LocalNonpersistentObject) and isinstance(v.obj, ResumePlan)]
-    message = None
-    if plans:
-        from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
-        saved = load_sharded_metadata(str(checkpoint_dir))
-        present = {i: p for i, p in enumerate(plans) if p.record_request().unique_key in saved}
-        records = {}
-        if present:  # every rank asks (the same plans everywhere): a collective load
-            requests = {i: dataclasses.replace(p.record_request()) for i, p in present.items()}
-            from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
-            try:
-                records = load(requests, str(checkpoint_dir))
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - garbled bytes, on every rank
-                message = (f"megatron_edit: the EDiT record of checkpoint {checkpoint_dir} cannot be read "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): it is corrupted. "
-                           "Resume from another checkpoint, or load only the model (--no-load-optim) to "
-                           "start EDiT from it.")
-        for i, plan in enumerate(plans):
-            if message:
-                plan.prepared = True  # refused below on every rank
-                continue
-            message = plan.prepare(records.get(i), saved)
-        message = message or missing_message(sharded_state_dict, saved, checkpoint_dir)
-    messages = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(messages, message)
-    first = next(((r, m) for r, m in enumerate(messages) if m), None)
-    if first:
-        rank, text = first
-        raise CheckpointStateError(f"{text} (found by rank {rank})")  # the same on every rank

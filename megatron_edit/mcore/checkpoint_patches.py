@@ -25,8 +25,8 @@ from .checkpoint import (
     SUPPORTED_SHARDING_TYPES,
     load_local_sgd_state,
     local_sgd_sharded_state_dict,
-    prepare_load,
 )
+from .checkpoint_guard import damaged_message, prepare_load
 from .checkpoint_layout import (
     CheckpointStateError,
     _drop_worker_model_entries,
@@ -147,9 +147,15 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
     def wrap_dist_load(original):
         def wrapper(sharded_state_dict, checkpoint_dir, *args, **kwargs):
             runtime = runtime_ref()
-            if runtime is not None and len(runtime.controllers) > 0:
-                prepare_load(sharded_state_dict, checkpoint_dir, original)
-            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            if runtime is None or len(runtime.controllers) == 0:
+                return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            prepare_load(sharded_state_dict, checkpoint_dir, original)
+            from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+            try:
+                return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - named and re-raised
+                raise CheckpointStateError(damaged_message(checkpoint_dir, e)) from e
 
         return wrapper
 
