@@ -39,7 +39,7 @@ import torch
 
 __all__ = ["activate", "deactivate", "is_active"]
 
-# Minor releases the adapter was checked against (megatron_edit.compat.TESTED lists the patch
+# Minor releases the adapter was checked against (megatron_edit.mcore.compat.TESTED lists the patch
 # releases; this module imports nothing else from megatron_edit).
 _TESTED_MEGATRON = ("0.12.", "0.13.", "0.14.", "0.15.", "0.16.", "0.17.", "0.18.", "0.19.")
 _CPU = torch.device("cpu")

@@ -26,7 +26,7 @@ Also needed, outside this module: ``psutil`` installed (the async checkpoint wri
 without it and the run hangs), and Megatron-LM's own Python dependencies (see
 ``scripts/requirements-megatron-lm.txt``).
 
-Every replacement is a declared :class:`~megatron_edit.patching.Patch`; :func:`deactivate` undoes
+Every replacement is a declared :class:`~megatron_edit.mcore.patching.Patch`; :func:`deactivate` undoes
 them (and :func:`megatron_edit.cpu.adapter.deactivate` the megatron-core part).
 """
 
@@ -126,7 +126,7 @@ def activate() -> List[str]:
     global _registry
     if torch.cuda.is_available():
         raise RuntimeError(
-            "megatron_edit.cpu_training_adapter must never be active when CUDA is available"
+            "megatron_edit.cpu.training_adapter must never be active when CUDA is available"
         )
     prepare_environment()
     cpu_adapter.activate()

@@ -143,7 +143,7 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
     v = SUPPORTED
 
     def add(pid, target, wrap, description):
-        # The parameters each target has on the installed release: megatron_edit.compat.
+        # The parameters each target has on the installed release: megatron_edit.mcore.compat.
         registry.add(Patch(pid, target, wrap, v, compat.params(target), description))
 
     add("ddp-init", f"{_DDP}.__init__", wrap_ddp_init,

@@ -7,9 +7,9 @@ releases is not applied: a release-specific fix, or one of several variants of a
 every original reachable (``wrapper.__wrapped__`` and :meth:`PatchRegistry.original`), reverts
 them exactly, and fails loudly when the installed Megatron changed the target's signature
 instead of silently doing nothing. Whether megatron_edit supports a release at all is decided
-before the registry is used (:mod:`megatron_edit.compat`).
+before the registry is used (:mod:`megatron_edit.mcore.compat`).
 
-Nothing here knows about EDiT; :mod:`megatron_edit.megatron_patches` declares the patches.
+Nothing here knows about EDiT; :mod:`megatron_edit.mcore.patches` declares the patches.
 """
 
 from __future__ import annotations
