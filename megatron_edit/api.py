@@ -17,7 +17,7 @@ from .mcore.compat import SUPPORTED, TESTED, megatron_core_version
 from .mcore.controller import LocalSGD
 from .mcore.load_fixes import add_load_fix_patches
 from .mcore.patches import build_registry
-from .mcore.patching import PatchError, PatchRegistry, _version_tuple
+from .mcore.patching import PatchError, PatchRegistry, version_tuple
 from .mcore.runtime import LocalSGDRuntime, get_local_sgd as _get
 from .mcore.session import SESSION
 
@@ -120,7 +120,7 @@ def _keep_live_runtime(local_sgd_config, outer_optim_config, gta_config) -> None
 def unsupported_message(version: str) -> str:
     """Why ``version`` is refused, naming it, the supported releases and what to install."""
     newest = TESTED[-1]
-    if _version_tuple(version) >= _version_tuple(SUPPORTED.below):
+    if version_tuple(version) >= version_tuple(SUPPORTED.below):
         why = (f"it is newer than the newest release megatron_edit was checked against "
                f"({newest}): the patches wrap Megatron internals that change between releases")
     else:

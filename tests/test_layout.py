@@ -140,3 +140,27 @@ def test_long_modules_say_why():
 def test_the_graph_sees_lazy_imports():
     """A sanity check of the walker: api imports training.patches inside a function."""
     assert "megatron_edit.training.patches" in GRAPH["megatron_edit.api"]
+
+
+def test_no_private_name_is_imported_across_sub_packages():
+    """A module's underscore names are its sub-package's business (issue 25): another layer
+    imports only public names."""
+    crossing = []
+    for name, (path, is_package) in MODULES.items():
+        package = name if is_package else name.rpartition(".")[0]
+        mine = name.split(".")[1] if name.count(".") else ""
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                target = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "megatron_edit":
+                continue
+            theirs = target.split(".")[1] if target.count(".") else ""
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") and theirs != mine:
+                    crossing.append(f"{name} imports {target}.{alias.name}")
+    assert crossing == []

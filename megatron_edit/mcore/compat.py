@@ -133,7 +133,7 @@ import inspect
 import weakref
 from typing import Dict, Optional, Tuple
 
-from .patching import VersionRange, _version_tuple
+from .patching import VersionRange, version_tuple
 
 SUPPORTED = VersionRange("0.12.0", "0.20.0")
 """megatron-core releases megatron_edit supports (the PyPI releases with the partial
@@ -330,7 +330,7 @@ def is_supported(version: Optional[str] = None) -> bool:
 
 
 def version_at_least(minimum: str, version: Optional[str] = None) -> bool:
-    return _version_tuple(version or megatron_core_version()) >= _version_tuple(minimum)
+    return version_tuple(version or megatron_core_version()) >= version_tuple(minimum)
 
 
 def params(target: str, version: Optional[str] = None) -> Tuple[str, ...]:
@@ -351,8 +351,8 @@ def release_range(target: str) -> VersionRange:
     """The releases ``target`` exists in (one contiguous range in the tables)."""
     table = SIGNATURES if target in SIGNATURES else TRAINING_SIGNATURES
     ranges = [r for r, _ in table[target]]
-    return VersionRange(min((r.minimum for r in ranges), key=_version_tuple),
-                        max((r.below for r in ranges), key=_version_tuple))
+    return VersionRange(min((r.minimum for r in ranges), key=version_tuple),
+                        max((r.below for r in ranges), key=version_tuple))
 
 
 def call_kwargs(fn, **kwargs) -> dict:

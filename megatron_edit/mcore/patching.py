@@ -28,7 +28,7 @@ class PatchError(RuntimeError):
     """A patch cannot be applied to the installed Megatron."""
 
 
-def _version_tuple(version: str) -> Tuple[int, ...]:
+def version_tuple(version: str) -> Tuple[int, ...]:
     parts = []
     for p in version.split("."):
         digits = "".join(ch for ch in p if ch.isdigit())
@@ -48,8 +48,8 @@ class VersionRange:
     below: str
 
     def contains(self, version: str) -> bool:
-        v = _version_tuple(version)
-        return _version_tuple(self.minimum) <= v < _version_tuple(self.below)
+        v = version_tuple(version)
+        return version_tuple(self.minimum) <= v < version_tuple(self.below)
 
     def __str__(self) -> str:
         return f">={self.minimum},<{self.below}"

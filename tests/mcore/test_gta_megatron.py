@@ -8,7 +8,7 @@ from dist import run_ranks
 from edit_runs import default_spec, megatron_runs, simulate_gta
 from megatron_edit.algorithm.gta import traffic_ratio
 from megatron_edit.mcore.compat import megatron_core_version
-from megatron_edit.mcore.patching import _version_tuple
+from megatron_edit.mcore.patching import version_tuple
 from test_edit_megatron import OUTER, _assert_params_close, _assert_params_equal
 
 EDIT = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)
@@ -83,7 +83,7 @@ def test_gta_random_density_keeps_replicas_identical_and_sends_what_it_says():
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(
-    _version_tuple(megatron_core_version()) < (0, 13),
+    version_tuple(megatron_core_version()) < (0, 13),
     reason="megatron-core 0.12's distributed optimizer cannot be built for tied embeddings with PP=2 "
            "and several buckets: plain Megatron (no EDiT) fails the same assertion ('each param only "
            "belongs to a single bucket'); runs on the newer CI lanes (0.16.1, 0.19.2)")
