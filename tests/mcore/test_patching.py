@@ -24,7 +24,7 @@ from megatron_edit.api import build_full_registry
 from megatron_edit.mcore.compat import SUPPORTED
 from megatron_edit.mcore.patches import build_registry
 from megatron_edit.patches import main as list_patches
-from megatron_edit.mcore.patching import Patch, PatchRegistry, VersionRange, _version_tuple as _vt
+from megatron_edit.mcore.patching import Patch, PatchRegistry, VersionRange, version_tuple as _vt
 
 INSTALLED = compat.megatron_core_version()
 ALL_PATCHES = build_full_registry(lambda: None).patches
