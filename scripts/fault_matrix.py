@@ -140,7 +140,7 @@ def main() -> int:
         code2, out2, _, res = run(d, "--save-interval", "4", "--load")
         exact = (code2 == 0 and res is not None and latest is not None
                  and same_losses(res["losses"], reference()["losses"], range(latest + 1, 13)))
-        ok = code != 0 and dead_rank(out) == 1 and latest == 4 and exact and seconds is not None and seconds < 60
+        ok = code != 0 and dead_rank(out) == 1 and latest == 4 and exact and seconds is not None and seconds < 120
         seen = (f"torchrun: rank {dead_rank(out)} exitcode -9; latest checkpoint: iteration {latest}"
                 + ("" if kind != "kill-save" else " (iter_8 not finalized, never picked)"))
         lost = f"nothing: resumed from {latest}, steps {latest + 1}-12 equal the uninterrupted run" if exact else "resume NOT exact"
@@ -151,7 +151,7 @@ def main() -> int:
         d.mkdir()
         code, out, seconds, _ = run(d, "--fault", "hang", "--fault-rank", "2", "--sync-timeout", "10")
         msg = first_error(out)
-        ok = code != 0 and "for worker 1" in out and "SyncTimeout" in out and seconds is not None and seconds < 90
+        ok = code != 0 and "for worker 1" in out and "SyncTimeout" in out and seconds is not None and seconds < 200
         row("hang", "rank 2 (worker 1) stops arriving before its step 6; --local-sgd-sync-timeout 10",
             msg, seconds, "nothing trained after the last checkpoint is lost beyond what a restart costs", ok)
 
