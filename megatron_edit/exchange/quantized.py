@@ -78,8 +78,7 @@ class QuantizedExchange:
     def _chunks(self, numel: int):
         workers, block = self.sync_group.size, self.block_for(numel)
         sizes = list(quantize.split_sizes(numel, workers, self.dtype, block))
-        per = max(sizes) if sizes else 0
-        per = quantize.padded_length(per, self.dtype, block)
+        per = max(sizes) if sizes else 0  # whole blocks (split_sizes)
         chunk_bytes = quantize.encoded_bytes(per, self.dtype, block)
         offsets = [sum(sizes[:w]) for w in range(workers)]
         return sizes, offsets, per, chunk_bytes, block

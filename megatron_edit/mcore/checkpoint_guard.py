@@ -56,7 +56,6 @@ def _short_files(checkpoint_dir) -> Optional[str]:
             f"{' ...' if len(damaged) > 3 else ''}: resume from another checkpoint.")
 
 
-
 def prepare_load(sharded_state_dict, checkpoint_dir, load) -> None:
     """Before ``dist_checkpointing.load``: read the checkpoint's run records (with ``load``, the
     original function), fit every :class:`ResumePlan`'s requests to the checkpoint, then check
