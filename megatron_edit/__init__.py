@@ -18,22 +18,48 @@ CPU, demo data); :mod:`.training` (Megatron-LM's training code); and the entry p
 :mod:`.api`, :mod:`.launch` and :mod:`.patches`.
 """
 
-from .api import (
-    UnsupportedMegatronVersion,
-    get_local_sgd,
-    is_patched,
-    megatron_core_version,
-    patch_megatron_for_local_sgd,
-    patch_megatron_load_fixes,
-    unpatch_megatron_for_local_sgd,
-    unpatch_megatron_load_fixes,
-)
-from .arguments import configs_from_args, local_sgd_args_provider
-from .config import ConfigError, GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig
-from .exchange.report import SyncReport
-from .mcore.compat import SUPPORTED as SUPPORTED_MEGATRON_CORE
-from .mcore.controller import LocalSGD
-from .mcore.patching import PatchError
+# The public names, each from the module that defines it, imported on first use (PEP 562): a
+# program that only parses the flags (``megatron_edit.arguments``, ``megatron_edit.config``)
+# does not import torch or megatron-core, so the main job can check its flags in well under a
+# second before it starts any rank.
+_PUBLIC = {
+    "UnsupportedMegatronVersion": "api",
+    "get_local_sgd": "api",
+    "is_patched": "api",
+    "megatron_core_version": "api",
+    "patch_megatron_for_local_sgd": "api",
+    "patch_megatron_load_fixes": "api",
+    "unpatch_megatron_for_local_sgd": "api",
+    "unpatch_megatron_load_fixes": "api",
+    "configs_from_args": "arguments",
+    "local_sgd_args_provider": "arguments",
+    "ConfigError": "config",
+    "GTAConfig": "config",
+    "LocalSGDConfig": "config",
+    "NotSupportedYet": "config",
+    "OuterOptimizerConfig": "config",
+    "SyncReport": "exchange.report",
+    "SUPPORTED_MEGATRON_CORE": "mcore.compat",
+    "LocalSGD": "mcore.controller",
+    "PatchError": "mcore.patching",
+}
+_RENAMED = {"SUPPORTED_MEGATRON_CORE": "SUPPORTED"}
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_edit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), _RENAMED.get(name, name))
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
+
 
 __version__ = "0.1.0"
 

@@ -30,7 +30,10 @@ from .config import (
     GTAConfig,
     LocalSGDConfig,
     OuterOptimizerConfig,
+    DEFAULT_OUTER_KWARGS,
+    OUTER_OPTIMIZERS,
     check_combination,
+    check_outer_numbers,
     resolve_optimizer_class,
 )
 
@@ -38,7 +41,7 @@ GROUP_TITLE = "local SGD (EDiT / A-EDiT)"
 
 # The outer optimizer's flag defaults, for SGD (and its subclasses) only: another optimizer
 # gets no momentum / nesterov, and must be given its learning rate (0.7 is SGD's).
-SGD_DEFAULTS = OuterOptimizerConfig().outer_optim_kwargs
+SGD_DEFAULTS = dict(DEFAULT_OUTER_KWARGS)
 _OUTER_FLAGS = {"lr": "--outer-optimizer-lr", "momentum": "--outer-optimizer-momentum",
                 "nesterov": "--[no-]outer-optimizer-nesterov"}
 
@@ -231,12 +234,31 @@ def _check_flags_take_effect(args: argparse.Namespace) -> None:
                 raise _needs(f"--local-sgd-{dest.replace('_', '-')}", "--local-sgd-skip-anomaly")
 
 
-def _outer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
-    """The outer optimizer's keyword arguments from its flags (see :data:`SGD_DEFAULTS`)."""
+def _known_class(spec: str) -> Optional[str]:
+    """``torch.optim.SGD`` etc. for the short names and their dotted paths (known without
+    importing torch), else None."""
+    path = OUTER_OPTIMIZERS.get(str(spec).lower(), spec)
+    return path if path in OUTER_OPTIMIZERS.values() else None
+
+
+def _class_name(spec: str) -> str:
+    known = _known_class(spec)
+    return known.rpartition(".")[2] if known else resolve_optimizer_class(spec).__name__
+
+
+def _is_sgd(spec: str) -> bool:
+    known = _known_class(spec)
+    if known:
+        return known == OUTER_OPTIMIZERS["sgd"]
     import torch
 
-    cls = resolve_optimizer_class(args.outer_optimizer)
-    is_sgd = issubclass(cls, torch.optim.SGD)
+    return issubclass(resolve_optimizer_class(spec), torch.optim.SGD)
+
+
+def _outer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """The outer optimizer's keyword arguments from its flags (see :data:`SGD_DEFAULTS`);
+    torch is imported only for a class other than sgd / adam / adamw."""
+    is_sgd = _is_sgd(args.outer_optimizer)
     extra = args.outer_optimizer_kwargs
     if extra is not None and not isinstance(extra, dict):
         raise ConfigError("--outer-optimizer-kwargs must be a JSON object, e.g. '{\"betas\": [0.9, 0.95]}'.")
@@ -252,7 +274,8 @@ def _outer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
         for key in ("momentum", "nesterov"):
             if key in given:
                 raise ConfigError(
-                    f"{_OUTER_FLAGS[key]} is for the SGD outer optimizer; {cls.__name__} has "
+                    f"{_OUTER_FLAGS[key]} is for the SGD outer optimizer; "
+                    f"{_class_name(args.outer_optimizer)} has "
                     f"{'its own momentum terms' if key == 'momentum' else 'no Nesterov option'}: "
                     "pass them in --outer-optimizer-kwargs (e.g. '{\"betas\": [0.9, 0.95]}' for "
                     "Adam), or drop the flag."
@@ -278,10 +301,8 @@ def _sync_timeout(args) -> Optional[float]:
     return None if minutes is None else 60.0 * minutes
 
 
-def configs_from_args(
-    args: argparse.Namespace,
-) -> Optional[Tuple[LocalSGDConfig, OuterOptimizerConfig, GTAConfig]]:
-    """Parsed flags -> configs (validated; ConfigError names the flag), None if local SGD is off."""
+def _checked_namespace(args: argparse.Namespace) -> bool:
+    """False when --use-local-sgd is off; raises when ``args`` cannot hold the EDiT flags."""
     if not isinstance(args, argparse.Namespace):
         raise TypeError(
             "configs_from_args(args): args must be the argparse.Namespace of parsed flags (from a "
@@ -289,7 +310,7 @@ def configs_from_args(
             + ("; for a dict use argparse.Namespace(**d)." if isinstance(args, dict) else ".")
         )
     if not getattr(args, "use_local_sgd", False):
-        return None
+        return False
     missing = [dest for dest in local_sgd_defaults() if not hasattr(args, dest)]
     if missing:
         raise ConfigError(
@@ -299,6 +320,10 @@ def configs_from_args(
             "local_sgd_args_provider."
         )
     _check_flags_take_effect(args)
+    return True
+
+
+def _local_and_gta(args: argparse.Namespace) -> Tuple[LocalSGDConfig, GTAConfig]:
     local = LocalSGDConfig(
         use_async=args.local_sgd_async,
         local_sgd_sync_interval=args.local_sgd_sync_interval,
@@ -324,7 +349,6 @@ def configs_from_args(
         exchange_error_feedback=args.local_sgd_exchange_error_feedback,
         sync_timeout=_sync_timeout(args),
     )
-    outer = OuterOptimizerConfig(outer_optim_class=args.outer_optimizer, outer_optim_kwargs=_outer_kwargs(args))
     gta = GTAConfig(
         reducer=args.local_sgd_reducer,
         consensus_method=args.gta_consensus_method,
@@ -334,4 +358,31 @@ def configs_from_args(
         int8_mask=args.gta_int8_mask,
     )
     check_combination(local, gta)
+    return local, gta
+
+
+def configs_from_args(
+    args: argparse.Namespace,
+) -> Optional[Tuple[LocalSGDConfig, OuterOptimizerConfig, GTAConfig]]:
+    """Parsed flags -> configs (validated; ConfigError names the flag), None if local SGD is off."""
+    if not _checked_namespace(args):
+        return None
+    local, gta = _local_and_gta(args)
+    outer = OuterOptimizerConfig(outer_optim_class=args.outer_optimizer, outer_optim_kwargs=_outer_kwargs(args))
     return local, outer, gta
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """What :func:`configs_from_args` checks, before torch is imported where it can be: with
+    ``--outer-optimizer`` sgd, adam or adamw and no ``--outer-optimizer-kwargs`` the outer
+    optimizer's numbers are checked without its class (:func:`check_outer_numbers`); another
+    class, or keyword arguments to check against its constructor, import torch (about 1.5 s).
+    A launcher calls it before it starts the ranks, which then build the configs."""
+    if not _checked_namespace(args):
+        return
+    _local_and_gta(args)
+    kwargs = _outer_kwargs(args)
+    known = _known_class(args.outer_optimizer)
+    check_outer_numbers(kwargs, known.rpartition(".")[2] if known else "the outer optimizer")
+    if not known or args.outer_optimizer_kwargs is not None:
+        OuterOptimizerConfig(outer_optim_class=args.outer_optimizer, outer_optim_kwargs=kwargs)

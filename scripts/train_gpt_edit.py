@@ -1,7 +1,14 @@
 """The main job: a small megatron-core GPT trained with EDiT on CPU, over gloo.
 
-    torchrun --nproc_per_node 4 scripts/train_gpt_edit.py              # EDiT, 2 workers x 2 shards
-    torchrun --nproc_per_node 4 scripts/train_gpt_edit.py --mode both  # then synchronous, same data
+    python scripts/train_gpt_edit.py              # EDiT, 4 processes: 2 workers x 2 shards
+    python scripts/train_gpt_edit.py --mode both  # then synchronous training on the same data
+
+Started with python, it checks its flags before torch is even imported (a mistake costs one
+line and exit code 2, in a fraction of a second), then starts --nproc-per-node ranks on this
+machine through torch's own launcher (torch.distributed.launcher, what torchrun runs). A rank
+that fails ends the job with one line naming it and its exit code. Started by torchrun
+(``torchrun --nproc_per_node 4 scripts/train_gpt_edit.py``, e.g. across nodes), each rank
+checks the same flags itself.
 
 Real Megatron parts throughout: GPTModel, DistributedDataParallel with the (partial) distributed
 optimizer, get_megatron_optimizer, OptimizerParamScheduler, the forward/backward schedule and
@@ -31,17 +38,14 @@ import sys
 import time
 import warnings
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 # megatron-core warns at import that transformer-engine/apex are absent and it uses torch's
 # implementations; expected on CPU, so keep the demo's output readable.
 warnings.filterwarnings("ignore", module=r"megatron\.")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
-import megatron_edit  # noqa: E402
-from megatron_edit.arguments import Rank0ArgumentParser, changed_flags  # noqa: E402
+import megatron_edit  # noqa: E402  (light: the flags' modules import neither torch nor Megatron)
+from megatron_edit.arguments import Rank0ArgumentParser, changed_flags, check_flags  # noqa: E402
 from megatron_edit.config import ConfigError  # noqa: E402
 from megatron_edit.launch import quiet_upstream_warnings  # noqa: E402
 
@@ -93,6 +97,9 @@ def build_parser() -> Rank0ArgumentParser:
                                  formatter_class=_HelpFormatter)
     at_least_1, at_least_0 = _int_at_least(1), _int_at_least(0)
     add = parser.add_argument
+    add("--nproc-per-node", type=at_least_1, default=None,
+        help="processes to start on this machine (default 4) when started with python; under "
+             "torchrun, its own --nproc_per_node decides")
     add("--mode", choices=("edit", "baseline", "both"), default="edit",
         help="edit: EDiT; baseline: ordinary synchronous training; both: one, then the other")
     add("--workers", type=at_least_1, default=2,
@@ -197,28 +204,42 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
                         "or drop the EDiT flags.")
         return
     try:
-        local, _, _ = megatron_edit.configs_from_args(argparse.Namespace(**{**vars(args), "use_local_sgd": True}))
+        check_flags(argparse.Namespace(**{**vars(args), "use_local_sgd": True}))
     except ConfigError as e:
         parser.fail(_in_main_job_terms(str(e)))
-    w, h = local.local_sgd_warmup_steps, local.local_sgd_sync_interval
+    w, h = args.local_sgd_warmup_steps, args.local_sgd_sync_interval
     if w >= args.steps:
         parser.fail(f"--local-sgd-warmup-steps {w} >= --steps {args.steps}: every step would be "
                     "synchronous warmup and EDiT would never train locally; lower it.")
-    if not local.use_async and w + h > args.steps:
+    if not args.local_sgd_async and w + h > args.steps:
         parser.fail(f"--steps {args.steps} ends before the first sync, after step {w + h} "
                     f"(--local-sgd-warmup-steps {w} + --local-sgd-sync-interval {h}): the workers "
                     "would never sync; lower either, or raise --steps.")
 
 
+DEFAULT_PROCESSES = 4
+
+
+def under_torchrun() -> bool:
+    """Started as a rank by torchrun or by :func:`launch` (torch's launcher sets these)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def check_launch(args: argparse.Namespace, parser: Rank0ArgumentParser) -> int:
-    """What needs the number of processes (from torchrun's environment): returns it."""
-    if "WORLD_SIZE" not in os.environ:
-        parser.fail("start the main job with torchrun, e.g. torchrun --nproc_per_node 4 "
-                    "scripts/train_gpt_edit.py")
-    world = int(os.environ["WORLD_SIZE"])
+    """What needs the number of processes (torchrun's, or --nproc-per-node): returns it."""
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if args.nproc_per_node is not None and args.nproc_per_node != local:
+            parser.fail(f"--nproc-per-node {args.nproc_per_node} differs from torchrun's "
+                        f"--nproc_per_node {local}: under torchrun, drop --nproc-per-node.")
+        starts = "torchrun's --nproc_per_node x --nnodes"
+    else:
+        world = args.nproc_per_node or DEFAULT_PROCESSES
+        starts = "--nproc-per-node"
     if world % args.workers:
         parser.fail(f"--workers {args.workers} must divide the number of processes ({world}, "
-                    "torchrun's --nproc_per_node x --nnodes).")
+                    f"{starts}).")
     per_step = world // args.workers * args.micro_batch_size
     if args.eval_samples < per_step:
         parser.fail(f"--eval-samples {args.eval_samples} is fewer than one validation batch of "
@@ -227,12 +248,55 @@ def check_launch(args: argparse.Namespace, parser: Rank0ArgumentParser) -> int:
     return world
 
 
+def launch(argv=None) -> int:
+    """Check the flags (no torch yet), then start the ranks on this machine through torch's
+    launcher, each running this script with the same flags; the exit code of the job."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    apply_outer_defaults(args)
+    check_args(args, parser)
+    world = check_launch(args, parser)
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does; each rank uses one thread
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1)
+    for name in list(logging.root.manager.loggerDict):  # its report is the one line below
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, sys.executable)(os.path.abspath(__file__), *argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        if code == 2:  # a flag refused by the ranks (rank 0 printed the line): nothing to add
+            return 2
+        how = f"was killed by signal {-code}" if code < 0 else f"ended with exit code {code}"
+        print(f"{parser.prog}: rank {rank} {how} (its output is above); the other ranks were "
+              "stopped.", file=sys.stderr, flush=True)
+        return code if code > 0 else 1
+    return 0
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The flags, checked (see :func:`check_args`); the benchmarks build on them."""
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(args, parser)
     return args
+
+
+# Started with python: check the flags and start the ranks, before torch is imported.
+if __name__ == "__main__" and not under_torchrun():
+    raise SystemExit(launch())
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 
 def log0(*args):
@@ -562,6 +626,10 @@ def summary(results) -> None:
 
 
 def main(argv=None):
+    """One rank of the job (started by torchrun or :func:`launch`); without torchrun's
+    environment, :func:`launch` starts the ranks."""
+    if not under_torchrun():
+        raise SystemExit(launch(argv))
     parser = build_parser()
     args = parser.parse_args(argv)
     apply_outer_defaults(args)

@@ -2,10 +2,13 @@
 
 import argparse
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from megatron_edit import arguments
 from megatron_edit.arguments import configs_from_args, local_sgd_args_provider
 from megatron_edit.config import (
     FLAG_NAMES,
@@ -345,3 +348,54 @@ def test_gta_flags_reach_their_fields():
         _configs("--gta-int8-mask")
     with pytest.raises(ConfigError, match="--gta-sparsification-method"):
         _configs("--gta-sparsification-method", "magnitude")
+
+
+# ---------------------------------------------------------------- check_flags (issue 30)
+SOME_REFUSALS = [
+    ["--outer-optimizer", "adam", "--outer-optimizer-lr", "0.001", "--outer-optimizer-momentum", "0.5"],
+    ["--outer-optimizer", "adam"],
+    ["--outer-optimizer-lr", "inf"],
+    ["--outer-optimizer-momentum", "1.5"],
+    ["--outer-optimizer-lr", "0.5", "--outer-optimizer-momentum", "0", "--outer-optimizer-nesterov"],
+    ["--outer-optimizer", "adam", "--outer-optimizer-kwargs", '{"lr": 0.01, "betas": [0.9]}'],
+    ["--outer-optimizer", "sgd", "--outer-optimizer-kwargs", '{"bogus": 1}'],
+    ["--outer-optimizer", "torch.optim.NoSuch", "--outer-optimizer-lr", "0.1"],
+    ["--local-sgd-sync-interval", "0"],
+    ["--local-sgd-sync-time", "30"],
+    ["--no-gta-normalize"],
+]
+
+
+@pytest.mark.parametrize("argv", SOME_REFUSALS, ids=[" ".join(a) for a in SOME_REFUSALS])
+def test_check_flags_refuses_what_configs_from_args_refuses(argv):
+    args = _parser().parse_args(["--use-local-sgd", *argv])
+    with pytest.raises(ConfigError) as built:
+        configs_from_args(args)
+    with pytest.raises(ConfigError) as checked:
+        arguments.check_flags(args)
+    assert str(checked.value) == str(built.value)
+
+
+def test_check_flags_passes_what_configs_from_args_builds():
+    for argv in ([], ["--outer-optimizer", "adamw", "--outer-optimizer-lr", "1e-3"],
+                 ["--outer-optimizer-kwargs", '{"weight_decay": 0.1}']):
+        args = _parser().parse_args(["--use-local-sgd", *argv])
+        arguments.check_flags(args)
+        assert configs_from_args(args) is not None
+
+
+def test_the_flags_modules_import_neither_torch_nor_megatron():
+    # The main job checks its flags before any rank starts; torch's import alone takes ~1.5 s.
+    code = ("import sys, argparse; import megatron_edit; from megatron_edit import arguments; "
+            "p = arguments.local_sgd_args_provider(argparse.ArgumentParser()); "
+            "arguments.check_flags(p.parse_args(['--use-local-sgd', '--outer-optimizer-lr', '0.5'])); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out
+
+
+def test_validation_builds_no_optimizer(monkeypatch):
+    # Checking the outer optimizer's options must not construct one (issue 25: no torch objects
+    # in validation); torch's own checks are covered by check_outer_numbers.
+    monkeypatch.setattr(torch.optim.SGD, "__init__", lambda *a, **k: pytest.fail("an SGD was built"))
+    OuterOptimizerConfig("sgd", {"lr": 0.5, "momentum": 0.5, "nesterov": True})

@@ -35,10 +35,9 @@ def _refusal(job, monkeypatch, capsys, argv, rank="0", world="4"):
     """Run main(argv) as torchrun's rank ``rank`` would: expect exit code 2 before anything
     heavy, and return what it printed."""
     monkeypatch.setenv("RANK", rank)
-    if world is None:
-        monkeypatch.delenv("WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("LOCAL_RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", world)
     monkeypatch.setattr(job.dist, "init_process_group", lambda *a, **k: pytest.fail("got past the checks"))
     with pytest.raises(SystemExit) as info:
         job.main(argv)
@@ -82,7 +81,9 @@ REFUSED = [
     (["--data-dir", f"{SCRIPT}/sub"], f"--data-dir {SCRIPT}/sub cannot be created"),
     (["--no-gta-normalize"], "only used with reducer='gta'"),
     (["--outer-optimizer", "adam", "--outer-optimizer-lr", "1e-3", "--outer-optimizer-kwargs", '{"betas": [0.9]}'],
-     "Adam("),
+     "betas must be a pair of numbers in [0, 1) for Adam"),
+    (["--outer-optimizer-lr", "0.5", "--outer-optimizer-nesterov"], "Nesterov momentum needs momentum > 0"),
+    (["--nproc-per-node", "2"], "--nproc-per-node 2 differs from torchrun's --nproc_per_node 4"),
 ]
 
 
@@ -98,8 +99,34 @@ def test_other_ranks_print_nothing(job, monkeypatch, capsys):
     assert _refusal(job, monkeypatch, capsys, ["--local-sgd-sync-time", "1"], rank="1") == ""
 
 
-def test_without_torchrun_it_says_how_to_start(job, monkeypatch, capsys):
-    assert "start the main job with torchrun" in _refusal(job, monkeypatch, capsys, [], world=None)
+# Started with python (no torchrun): the flags are checked before torch is imported, so a
+# mistake costs one line, exit code 2 and a fraction of a second (issue 30: before, a typo
+# cost torchrun's ~50-line ChildFailedError report, exit code 1 and 6-17 s).
+LAUNCHER_REFUSED = [
+    (["--local-sgd-sync-intervl", "8"], "unrecognized arguments: --local-sgd-sync-intervl 8"),
+    (["--workers", "3"], "--workers 3 must divide the number of processes (4, --nproc-per-node)"),
+    (["--nproc-per-node", "6", "--workers", "4"], "--workers 4 must divide the number of processes (6"),
+    (["--outer-optimizer-momentum", "1.5"], "momentum must be in [0, 1) (got 1.5)"),
+    (["--outer-optimizer", "adam", "--outer-optimizer-lr", "1e-3", "--outer-optimizer-kwargs",
+      '{"betas": [0.9]}'], "betas must be a pair of numbers in [0, 1) for Adam"),
+    (["--local-sgd-sync-time", "1"], "--local-sgd-sync-time does nothing without --local-sgd-async"),
+    (["--data-dir", str(SCRIPT)], f"--data-dir {SCRIPT} is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("argv, fragment", LAUNCHER_REFUSED, ids=[" ".join(a) for a, _ in LAUNCHER_REFUSED])
+def test_a_mistake_costs_one_line_before_torch_is_imported(argv, fragment):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(SCRIPT), *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    imported = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line]
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert len(said) == 1 and said[0].startswith(f"{SCRIPT.name}: error: ") and fragment in said[0], said
+    assert "megatron_edit.arguments" in imported  # what -X importtime lists is what was imported
+    heavy = [m for m in imported if m.split(".")[0] in ("torch", "megatron", "numpy")]
+    assert heavy == [], heavy
 
 
 @pytest.mark.parametrize("argv", [[], ["--mode", "baseline"], ["--mode", "both"],
@@ -167,12 +194,13 @@ def data_dir(tmp_path_factory):
     return str(directory)
 
 
-def torchrun(data_dir, *argv, timeout=240):
-    """(exit code, combined output) of the main job on 4 processes; the whole process group is
-    killed after ``timeout`` seconds (a hang fails the test, it does not hold the suite)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(SCRIPT),
-               "--data-dir", data_dir, *argv]
+def torchrun(data_dir, *argv, timeout=240, python=False):
+    """(exit code, combined output) of the main job on 4 processes, started by torchrun (or
+    with ``python`` by the job itself, as the README does); the whole process group is killed
+    after ``timeout`` seconds (a hang fails the test, it does not hold the suite)."""
+    launcher = [] if python else ["-m", "torch.distributed.run", "--nproc_per_node", "4",
+                                  "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    command = [sys.executable, *launcher, str(SCRIPT), "--data-dir", data_dir, *argv]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -277,8 +305,12 @@ def test_penalty_decisions_and_debug_lines_are_printed(layerwise_and_step_end):
 def test_a_non_finite_loss_stops_the_job(data_dir):
     # Before: loss NaN from the first sync on, and exit code 0.
     code, out = torchrun(data_dir, "--steps", "8", "--eval-interval", "4", *SHORT,
-                         "--outer-optimizer-lr", "1e30")
-    assert code != 0
+                         "--outer-optimizer-lr", "1e30", python=True)
+    assert code == 1
+    # Started with python: the launcher's report is one line, not torchrun's ChildFailedError.
+    assert re.search(rf"^{SCRIPT.name}: rank \d ended with exit code 1 \(its output is above\); the "
+                     r"other ranks were stopped\.$", out.rstrip().splitlines()[-1]), out[-2000:]
+    assert "ChildFailedError" not in out and "Root Cause" not in out
     errors = [line for line in out.splitlines() if line.startswith(f"{SCRIPT.name}: error: ")]
     assert errors and all(re.search(r"worker \d's (training loss|gradient norm|validation loss) is "
                                     r"(nan|inf)", e) and "--outer-optimizer-lr" in e for e in errors), out[-3000:]
