@@ -12,10 +12,9 @@ import os
 from typing import List, Optional
 
 from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
-from .mcore.checkpoint_patches import add_checkpoint_patches
+from .mcore.checkpoint import add_checkpoint_patches, add_load_fix_patches
 from .mcore.compat import SUPPORTED, TESTED, megatron_core_version
 from .mcore.controller import LocalSGD
-from .mcore.load_fixes import add_load_fix_patches
 from .mcore.patches import build_registry
 from .mcore.patching import PatchError, PatchRegistry, version_tuple
 from .mcore.runtime import LocalSGDRuntime, get_local_sgd as _get
@@ -201,7 +200,7 @@ def unpatch_megatron_for_local_sgd() -> List[str]:
 
 def patch_megatron_load_fixes() -> List[str]:
     """Plain Megatron (no EDiT): apply only the fixes of megatron-core's own distributed-optimizer
-    load defects (:mod:`megatron_edit.mcore.load_fixes`: megatron-core 0.16.x without apex or
+    load defects (:mod:`megatron_edit.mcore.checkpoint.load_fixes`: megatron-core 0.16.x without apex or
     transformer-engine cannot load a checkpoint with its optimizer otherwise). Returns the patch
     ids now active for them; nothing to do while :func:`patch_megatron_for_local_sgd` is in
     effect (its checkpoint patches include the fixes)."""

@@ -7,9 +7,7 @@
 * :mod:`.checks`: Megatron options refused with EDiT;
 * :mod:`.runtime`, :mod:`.session`: the live state the patches consult;
 * :mod:`.patches`: the DDP / bucket / optimizer patches;
-* :mod:`.checkpoint` (the format), :mod:`.checkpoint_record`, :mod:`.checkpoint_space`
-  (per-parameter tensors), :mod:`.checkpoint_resume` (exact and elastic resume),
-  :mod:`.checkpoint_layout` (keys, replica ids), :mod:`.checkpoint_patches`: EDiT state in
-  ``torch_dist`` checkpoints;
-* :mod:`.load_fixes`: workarounds for megatron-core's own checkpoint-load defects.
+* :mod:`.checkpoint`: EDiT state in ``torch_dist`` checkpoints, a sub-package with one public
+  face (the format, the record, elastic resume, the checkpoint patches, and the workarounds for
+  megatron-core's own checkpoint-load defects).
 """

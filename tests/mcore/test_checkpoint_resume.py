@@ -1,4 +1,4 @@
-"""Elastic resume of EDiT checkpoints (megatron_edit.mcore.checkpoint_resume) on real
+"""Elastic resume of EDiT checkpoints (megatron_edit.mcore.checkpoint.resume) on real
 megatron-core (CPU, gloo): another worker count, another TP / PP layout, synchronous <-> EDiT.
 
 One run saves 2 workers x 2 shards (TP 1, PP 1) at the sync boundary (step 5) and between syncs

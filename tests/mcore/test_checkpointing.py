@@ -239,8 +239,8 @@ def test_missing_or_corrupted_edit_state_is_a_clear_error(runs, tmp_path):
 
 def test_record_of_another_format_is_refused_with_what_to_do():
     """A format-1 record (per-bucket EDiT state, before elastic checkpoints) or an unknown one."""
-    from megatron_edit.mcore.checkpoint_layout import CheckpointStateError
-    from megatron_edit.mcore.checkpoint_record import check_run_record
+    from megatron_edit.mcore.checkpoint import CheckpointStateError
+    from megatron_edit.mcore.checkpoint import check_run_record
 
     with pytest.raises(CheckpointStateError, match="format 'megatron_edit.local_sgd/1'.*--no-load-optim"):
         check_run_record({"format": "megatron_edit.local_sgd/1"}, "the checkpoint")

@@ -383,7 +383,7 @@ def test_load_fixes_alone_patch_and_revert_and_give_way_to_the_full_registry(ori
     Megatron (one wrap per target, reverted exactly); patch_megatron_for_local_sgd() replaces them
     (its checkpoint patches compose the same fixes), and while it is active the call does nothing."""
     from megatron_edit import patch_megatron_load_fixes, unpatch_megatron_load_fixes
-    from megatron_edit.mcore.load_fixes import LOAD_FIXES, TORCH_ADAM_LOAD_BUGS
+    from megatron_edit.mcore.checkpoint import LOAD_FIXES, TORCH_ADAM_LOAD_BUGS
 
     if not TORCH_ADAM_LOAD_BUGS.contains(INSTALLED):
         assert patch_megatron_load_fixes() == []

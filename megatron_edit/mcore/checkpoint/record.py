@@ -21,9 +21,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..config import NotSupportedYet
-from . import compat
-from .checkpoint_layout import PREFIX, CheckpointStateError
+from ...config import NotSupportedYet
+from .. import compat
+from .keys import PREFIX, CheckpointStateError
 
 FORMAT = "megatron_edit.local_sgd/2"
 """Per-parameter (model-space) EDiT state: reshards across workers, shards, TP and PP."""

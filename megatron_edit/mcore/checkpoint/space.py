@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .checkpoint_layout import CheckpointStateError
+from .keys import CheckpointStateError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,11 +31,11 @@ model keys, ``optimizer.*`` (Megatron's)    worker 0's model and inner optimizer
 ``local_sgd.result_residual.<model key>``   error feedback: what requantizing the        worker 0
                                             reduced result dropped (every worker's chunk)
 ``local_sgd.record``                        run record: counters, saved layout, outer    rank 0
-                                            scalars (:mod:`.checkpoint_record`)
+                                            scalars (:mod:`.record`)
 ``local_sgd.slice.dp_group_idx_<g>``        ``LocalSGD.extra_state()`` (detector, ...)   worker 0
 ==========================================  ==========================================  =========
 
-* EDiT's own tensors are stored **per parameter, in model space** (:mod:`.checkpoint_space`):
+* EDiT's own tensors are stored **per parameter, in model space** (:mod:`.space`):
   each is the parameter's model tensor with another key, so ``dist_checkpointing`` reshards
   them like the model: another number of ranks per worker, another bucket size, TP or PP.
   The residuals exist only with a quantized exchange with error feedback.
@@ -53,7 +53,7 @@ model keys, ``optimizer.*`` (Megatron's)    worker 0's model and inner optimizer
   all-gathered *inside* each worker (what Megatron-LM does before every save) so the model part
   is complete.
 
-Loading (:mod:`.checkpoint_resume` says what each kind of resume does): the patched
+Loading (:mod:`.resume` says what each kind of resume does): the patched
 ``dist_checkpointing.load`` reads the run record first and fits the requests to it (another
 worker count, a synchronous checkpoint, what was not saved); every worker loads the shared
 model keys (worker 0's model), then its inner optimizer part and the EDiT state; finally each
@@ -66,7 +66,7 @@ Partial and unusual loads:
   every worker gets worker 0's model and EDiT starts afresh (synchronous warmup, new anchor), so
   all replicas stay consistent.
 * Part of the EDiT state missing, a corrupted record or a truncated data file
-  (:mod:`.checkpoint_guard`): :class:`CheckpointStateError` on every
+  (:mod:`.guard`): :class:`CheckpointStateError` on every
   rank, naming what is missing, before anything large is read; never a silent fresh start.
   Checkpoints of the per-bucket format 1 are refused with a message (same layout only, written
   by earlier versions).
@@ -85,8 +85,8 @@ Partial and unusual loads:
   state (Megatron's own keys); at a sync boundary that is every worker's.
 
 megatron-core's own load defects (without apex / transformer-engine) are worked around in
-:mod:`megatron_edit.mcore.load_fixes`; the Megatron mechanics of keys and replica ids are in
-:mod:`megatron_edit.mcore.checkpoint_layout`.
+:mod:`megatron_edit.mcore.checkpoint.load_fixes`; the Megatron mechanics of keys and replica ids are in
+:mod:`megatron_edit.mcore.checkpoint.keys`.
 
 Nothing here changes what a sync computes; :class:`~megatron_edit.mcore.controller.LocalSGD` is
 only read and restored through its attributes, ``extra_state()`` and ``load_extra_state()``.
@@ -99,10 +99,10 @@ from typing import List
 
 import torch
 
-from ..algorithm import asynchronous
-from . import compat
-from .checkpoint_layout import CheckpointStateError, _Layout
-from .checkpoint_record import (
+from ...algorithm import asynchronous
+from .. import compat
+from .keys import CheckpointStateError, _Layout
+from .record import (
     RECORD_KEY,
     at_sync_boundary,
     outer_state_keys,
@@ -110,7 +110,7 @@ from .checkpoint_record import (
     slice_key,
     slice_record,
 )
-from .checkpoint_resume import (
+from .resume import (
     ANCHOR,
     RESULT_RESIDUAL,
     ResumePlan,
@@ -124,8 +124,8 @@ from .checkpoint_resume import (
     residual_prefix,
     restart_from_anchor,
 )
-from .checkpoint_space import ModelSpace, model_tensors_by_param
-from .patching import VersionRange
+from .space import ModelSpace, model_tensors_by_param
+from ..patching import VersionRange
 
 logger = logging.getLogger(__name__)
 

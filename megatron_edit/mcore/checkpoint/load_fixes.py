@@ -45,9 +45,9 @@ import contextlib
 
 import torch
 
-from ..config import NotSupportedYet
-from .checkpoint_layout import CheckpointStateError
-from .patching import Patch, PatchRegistry, VersionRange
+from ...config import NotSupportedYet
+from .keys import CheckpointStateError
+from ..patching import Patch, PatchRegistry, VersionRange
 
 TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose distributed optimizer needs the torch-Adam load fixes."""
@@ -60,7 +60,7 @@ bucket (the world tensors drop the padding between buckets, the parameter offset
 def _needs_torch_adam_fixes(optimizer) -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
-    from .compat import megatron_core_version
+    from ..compat import megatron_core_version
 
     return (
         not distrib_optimizer.HAVE_APEX_OR_TE
@@ -111,7 +111,7 @@ def restore_adam_steps(optimizer, state_dict) -> None:
 
 
 def _refuse_broken_fully_reshardable(optimizer, sharding_type: str) -> None:
-    from .compat import megatron_core_version
+    from ..compat import megatron_core_version
 
     if sharding_type != "fully_reshardable" or not FULLY_RESHARDABLE_PADDING_BUG.contains(megatron_core_version()):
         return

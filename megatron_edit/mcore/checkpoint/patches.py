@@ -3,8 +3,8 @@
 Wraps ``DistributedOptimizer.state_dict`` / ``sharded_state_dict`` / ``load_state_dict`` /
 ``_set_main_param_and_optimizer_states`` and ``dist_checkpointing.load``: a pending sync is
 completed before anything is read, worker k >= 1's optimizer part is renamed
-(:mod:`.checkpoint_layout`), the EDiT part is added (:mod:`.checkpoint`); before a load the
-checkpoint's record is read and the requests fitted to it (:mod:`.checkpoint_resume`: another
+(:mod:`.keys`), the EDiT part is added (:mod:`.state`); before a load the
+checkpoint's record is read and the requests fitted to it (:mod:`.resume`: another
 worker count, a synchronous checkpoint, clear errors for what is missing); after it the EDiT
 state is restored. megatron-core's own load defects (:mod:`.load_fixes`) are fixed in the same
 wraps for every distributed optimizer, EDiT or not, on the releases that have them. On releases
@@ -17,17 +17,17 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Optional
 
-from ..config import NotSupportedYet
-from . import compat
-from .checkpoint import (
+from ...config import NotSupportedYet
+from .. import compat
+from .state import (
     NOT_YET,
     SUPPORTED,
     SUPPORTED_SHARDING_TYPES,
     load_local_sgd_state,
     local_sgd_sharded_state_dict,
 )
-from .checkpoint_guard import damaged_message, prepare_load
-from .checkpoint_layout import (
+from .guard import damaged_message, prepare_load
+from .keys import (
     CheckpointStateError,
     _drop_worker_model_entries,
     _Layout,
@@ -35,14 +35,14 @@ from .checkpoint_layout import (
     _sharding_type,
     _unalias_from_model,
 )
-from .checkpoint_resume import capture_of
+from .resume import capture_of
 from .load_fixes import (
     _refuse_broken_fully_reshardable,
     fix_load_state_dict,
     fix_set_main_param_state,
     fix_state_dict,
 )
-from .patching import Patch, PatchRegistry
+from ..patching import Patch, PatchRegistry
 
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
 _CHAINED = "megatron.core.optimizer.optimizer:ChainedOptimizer"
@@ -179,7 +179,7 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
         def wrap(original):
             def wrapper(self, *args, **kwargs):
                 if controller_of(self) is not None:
-                    from .compat import megatron_core_version
+                    from ..compat import megatron_core_version
 
                     raise NotSupportedYet(
                         f"megatron_edit: {what} of a local-SGD optimizer needs megatron-core "

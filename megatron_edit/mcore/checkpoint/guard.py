@@ -1,6 +1,6 @@
 """The load guard of EDiT checkpoints (format in :mod:`megatron_edit.mcore.checkpoint`): before
 ``dist_checkpointing.load`` reads anything large, every rank reads the checkpoint's run records,
-fits its :class:`~megatron_edit.mcore.checkpoint_resume.ResumePlan` to them, and checks that every
+fits its :class:`~megatron_edit.mcore.checkpoint.resume.ResumePlan` to them, and checks that every
 EDiT entry it asks for is there with its shape and that no data file is shorter than the
 checkpoint's metadata says; a problem is one :class:`CheckpointStateError` on every rank (the
 same message), never a raw error from deep inside the load or a silent fresh start.
@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from .checkpoint_layout import CheckpointStateError, missing_message
-from .checkpoint_resume import ResumePlan
+from .keys import CheckpointStateError, missing_message
+from .resume import ResumePlan
 
 
 def _cause(error: BaseException) -> str:

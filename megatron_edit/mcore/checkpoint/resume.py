@@ -43,8 +43,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .checkpoint_layout import PREFIX, _WORKER_KEY, CheckpointStateError, _is_local_sgd_key, _Layout, retarget
-from .checkpoint_record import (
+from .keys import PREFIX, _WORKER_KEY, CheckpointStateError, _is_local_sgd_key, _Layout, retarget
+from .record import (
     FULLY_RESHARDABLE,
     OLD_FORMATS,
     check_run_record,
