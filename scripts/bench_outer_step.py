@@ -5,7 +5,7 @@ of a sync on synthetic shards shaped like Megatron's buckets (``--params`` split
 ``--buckets``, each bucket a few parameters of a few layers; fp32 main params, the model's copy
 in ``--model-dtype``): computing the pseudo-gradient, the penalty's per-layer norms, clipping,
 GTA, the outer step and the writes of main params and model. Each configuration runs through
-:class:`megatron_edit.exchange.pipeline.OuterSync`, the code a real sync runs.
+:class:`megatron_edit.exchange.outer_sync.OuterSync`, the code a real sync runs.
 
 The minimal sync moves 38 bytes per parameter (bf16 model; 40 with an fp32 model copy): pass 1
 reads anchor and main params and writes Delta (12 B); pass 2 reads Delta, anchor and momentum and
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_edit.config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig  # noqa: E402
 from megatron_edit.exchange.groups import SyncGroup, WorkerGroups  # noqa: E402
 from megatron_edit.exchange.outer_state import OuterState  # noqa: E402
-from megatron_edit.exchange.pipeline import OuterSync  # noqa: E402
+from megatron_edit.exchange.outer_sync import OuterSync  # noqa: E402
 from megatron_edit.exchange.shard import BucketShard  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench-results")

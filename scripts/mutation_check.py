@@ -16,14 +16,14 @@ TESTS = ["tests/exchange", "tests/algorithm/test_quantize.py"]
 
 # (name, file, original text, mutated text)
 MUTATIONS = [
-    ("weighted sum divided by the workers again", "megatron_edit/exchange/pipeline.py",
-     "self._quant.finish(shard, shard.delta, self._sync.weights is None,",
-     "self._quant.finish(shard, shard.delta, True,"),
+    ("weighted sum divided by the workers again", "megatron_edit/exchange/outer_sync.py",
+     "QuantizedReducer(self.quantized, sync.own_weights, mean=sync.weights is None)",
+     "QuantizedReducer(self.quantized, sync.own_weights, mean=True)"),
     ("plain mean not divided", "megatron_edit/exchange/quantized.py",
      "        if mean:\n            own /= workers", "        if False:\n            own /= workers"),
-    ("own weight not applied before quantizing", "megatron_edit/exchange/pipeline.py",
-     "            if self._sync.own_weights is not None:\n                shard.scale_layers(shard.delta, self._sync.own_weights)",
-     "            if False:\n                shard.scale_layers(shard.delta, self._sync.own_weights)"),
+    ("own weight not applied before quantizing", "megatron_edit/exchange/reducers.py",
+     "    if own_weights is not None:\n        shard.scale_layers(delta, own_weights)",
+     "    if False:\n        shard.scale_layers(delta, own_weights)"),
     ("scale off by one level", "megatron_edit/algorithm/quantize.py",
      "    scale = amax / _MAX[dtype]\n    safe", "    scale = amax / (_MAX[dtype] - 1)\n    safe"),
     ("decoded scale doubled", "megatron_edit/algorithm/quantize.py",
@@ -43,9 +43,9 @@ MUTATIONS = [
      "        for s, e, values in saved:\n            pass"),
     ("block as large as configured", "megatron_edit/exchange/quantized.py",
      "        block = max(1, min(self.block, per_worker))", "        block = self.block"),
-    ("clip factor off by 1%", "megatron_edit/exchange/pipeline.py",
+    ("clip factor off by 1%", "megatron_edit/exchange/outer_sync.py",
      "        factors = penalty.clip_coefficients(norms, tau)", "        factors = penalty.clip_coefficients(norms, tau) * 1.01"),
-    ("non-finite check off", "megatron_edit/exchange/pipeline.py",
+    ("non-finite check off", "megatron_edit/exchange/outer_sync.py",
      "        if not bool(bad.any()):\n            return", "        if True:\n            return"),
 ]
 

@@ -1,4 +1,4 @@
-"""EDiT's exchange: the collectives of one outer sync and the per-bucket pipeline that runs them.
+"""EDiT's exchange: the collectives of one outer sync, run bucket group by bucket group.
 
 * :mod:`.groups`: the only place that calls ``torch.distributed`` for EDiT, over process groups
   passed in (the sync group across workers, the groups inside a worker); a test can pass objects
@@ -6,8 +6,11 @@
   threads of one process).
 * :mod:`.shard`: one rank's shard of one bucket of parameters, and the tensors EDiT keeps for it.
 * :mod:`.outer_state`: the anchor and the outer optimizer over the shards.
-* :mod:`.pipeline`: one sync from start to end (penalty decisions, launch, complete, outer
+* :mod:`.outer_sync`: one sync from start to end (penalty decisions, launch, complete, outer
   step), bucket group by bucket group so that a layer-wise sync overlaps the forward pass.
+* :mod:`.reducers`: how a shard's pseudo-gradients are reduced (the mean, GTA, the quantized
+  exchange of :mod:`.quantized`), each as launch / advance / finish.
+* :mod:`.in_flight`: what one sync holds while it runs (decisions, each shard's exchange).
 * :mod:`.report`: what one sync did, for logs and metrics.
 
 Nothing here imports Megatron: :mod:`megatron_edit.mcore` builds the shards from Megatron's

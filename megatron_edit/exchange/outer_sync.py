@@ -2,8 +2,9 @@
 
 Per shard: Delta_i = anchor - current; reduced across the sync group to one Delta (the mean, or
 with the pseudo-gradient penalty a per-layer weighted mean over the workers not excluded, then
-clipped per layer; or the GTA reducer); the outer optimizer steps the anchor with Delta as its
-gradient; the main params (and the model's 16-bit copy) restart from the anchor.
+clipped per layer; or the GTA reducer; or the quantized exchange: :mod:`.reducers`); the outer
+optimizer steps the anchor with Delta as its gradient; the main params (and the model's 16-bit
+copy) restart from the anchor.
 
 Every worker's per-layer pseudo-gradient norms are exchanged once per sync (one small
 all-gather for all layers) before any bucket, so every rank of every worker takes the same
@@ -24,26 +25,26 @@ parameters are gathered for the next forward pass its exchange is completed, aft
 the next pending group's, so one exchange is in flight while layers compute. Step-end mode:
 :meth:`complete` of every shard at once.
 
+What a sync holds while it runs is in :mod:`.in_flight`, not in the shards; which reducer a
+shard gets (GTA, quantized, the mean) is chosen once per sync and shard, in :meth:`OuterSync._plan`.
 The collectives go through ``sync_group`` and ``worker_groups``
-(:mod:`megatron_edit.exchange.groups`, or fakes with the same methods).
-
-This module is long because it is the state machine of one sync, whose phases (decisions,
-launch, the reducers' completion, clipping, the outer step) share its in-flight state; the math
-is in :mod:`megatron_edit.algorithm`, the quantized protocol in :mod:`.quantized`.
+(:mod:`megatron_edit.exchange.groups`, or fakes with the same methods); the math is in
+:mod:`megatron_edit.algorithm`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ..algorithm import asynchronous, gta, outer, penalty
+from ..algorithm import asynchronous, penalty
 from ..config import GTAConfig, LocalSGDConfig
+from .in_flight import SyncInProgress
 from .outer_state import OuterState
 from .quantized import QuantizedExchange
+from .reducers import GTAReducer, MeanReducer, QuantizedReducer
 from .report import SyncReport
 from .shard import BucketShard
 
@@ -52,25 +53,6 @@ class NonFinitePseudoGradient(FloatingPointError):
     """A worker's pseudo-gradient holds NaN or Inf and the penalty's anomaly elimination is off
     (it would have excluded the worker): the sync stops before anything is exchanged, so the
     value never reaches the anchor. Raised on every rank of every worker at the same sync."""
-
-
-@dataclass
-class _SyncInProgress:
-    step: int
-    steps_since_last: int
-    bytes_at_start: int
-    seconds: float = 0.0
-    weights: Optional[torch.Tensor] = None  # [W, L] float64 CPU, None: plain mean
-    own_weights: Optional[torch.Tensor] = None  # [L]
-    norms: Optional[torch.Tensor] = None
-    excluded: Optional[torch.Tensor] = None
-    skipped: Optional[torch.Tensor] = None  # [L] bool
-    clip_coef: Dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> 0-dim, on device
-    worker_steps: Optional[torch.Tensor] = None  # A-EDiT: [W]
-    worker_seconds: Optional[torch.Tensor] = None
-    worker_idle: Optional[torch.Tensor] = None
-    final: bool = False
-    skipped_sync: bool = False
 
 
 class OuterSync:
@@ -107,13 +89,14 @@ class OuterSync:
                 self.layer_shards[layer].append(shard)
         self._penalty = config.skip_anomaly or config.pseudo_gradnorm_reduce
         self._gta = gta_config.reducer == "gta"
-        self._quant = None
+        self.quantized: Optional[QuantizedExchange] = None
+        """The quantized exchange's protocol (None: fp32 exchange)."""
         if config.exchange_dtype != "fp32" and self.num_workers > 1:
-            self._quant = QuantizedExchange(
+            self.quantized = QuantizedExchange(
                 sync_group, config.exchange_dtype, config.exchange_block_size, config.exchange_error_feedback
             )
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
-        self._sync: Optional[_SyncInProgress] = None
+        self._sync: Optional[SyncInProgress] = None
 
     @property
     def exchanges_weighted_sum(self) -> bool:
@@ -127,20 +110,13 @@ class OuterSync:
 
     @property
     def pending(self) -> bool:
-        return any(s.pending for s in self.shards)
+        return self._sync is not None and self._sync.pending
 
     # ------------------------------------------------------------------ start
-    def start(
-        self,
-        step: int,
-        steps_since_last: int,
-        worker_steps: Optional[torch.Tensor] = None,
-        worker_seconds: Optional[torch.Tensor] = None,
-        skip: bool = False,
-        bytes_at_start: Optional[int] = None,
-        worker_idle: Optional[torch.Tensor] = None,
-        final: bool = False,
-    ) -> bool:
+    def start(self, step: int, steps_since_last: int, worker_steps: Optional[torch.Tensor] = None,
+              worker_seconds: Optional[torch.Tensor] = None, skip: bool = False,
+              bytes_at_start: Optional[int] = None, worker_idle: Optional[torch.Tensor] = None,
+              final: bool = False) -> bool:
         """Begin the sync due after ``step``: the penalty's decisions. ``skip`` (A-EDiT: too few
         steps in total) ends it at once without any exchange; returns whether it goes on.
         ``bytes_at_start``: the sync group's byte count where the sync's traffic began (A-EDiT's
@@ -148,7 +124,7 @@ class OuterSync:
         assert self._sync is None, "a sync is already in progress"
         if bytes_at_start is None:
             bytes_at_start = self.sync_group.counters.payload_bytes
-        self._sync = _SyncInProgress(step, steps_since_last, bytes_at_start)
+        self._sync = SyncInProgress(step, steps_since_last, bytes_at_start)
         self._sync.worker_steps, self._sync.worker_seconds = worker_steps, worker_seconds
         self._sync.worker_idle, self._sync.final = worker_idle, final
         if skip:
@@ -157,6 +133,7 @@ class OuterSync:
             return False
         t0 = time.perf_counter()
         self._decide()
+        self._plan()
         self._sync.seconds += time.perf_counter() - t0
         return True
 
@@ -177,12 +154,12 @@ class OuterSync:
 
     def _layer_norms(self, shards: List[BucketShard]) -> torch.Tensor:
         """[L] float64 on the shards' device: this worker's norm of each layer over ``shards``
-        (``shard.delta``), summed over the model-shard and tensor-parallel groups
+        (their Delta at this sync), summed over the model-shard and tensor-parallel groups
         (worker-local collectives). Layers not wholly in ``shards`` get partial values."""
         device = shards[0].device if shards else torch.device("cpu")
         partial = torch.zeros(len(self.layer_names), dtype=torch.float64, device=device)
         for shard in shards:
-            shard.layer_sq_norms(shard.delta, partial)
+            shard.layer_sq_norms(self._sync.of(shard).delta, partial)
         return self.worker_groups.sum(partial).sqrt()
 
     @torch.no_grad()
@@ -191,7 +168,7 @@ class OuterSync:
         and the stop for a non-finite pseudo-gradient that is not excluded."""
         c, sync = self.config, self._sync
         for shard in self.shards:
-            shard.delta = self._delta(shard)
+            sync.of(shard).delta = self._delta(shard)
         own = self._layer_norms(self.shards)
         norms = self.sync_group.all_gather(own).cpu()  # the decisions are taken on the host
         excluded = None
@@ -221,9 +198,7 @@ class OuterSync:
         sync, me = self._sync, self.sync_group.rank
         workers = sorted({int(w) for w in bad.nonzero()[:, 0]})
         layers = [self.layer_names[int(i)] for i in bad.any(dim=0).nonzero()[:, 0]]
-        self._sync = None
-        for shard in self.shards:
-            shard.delta = None
+        self._sync = None  # every shard's Delta goes with it
         raise NonFinitePseudoGradient(
             f"megatron_edit: the pseudo-gradient of worker{'s' if len(workers) > 1 else ''} "
             f"{', '.join(map(str, workers))} is not finite (NaN or Inf) at the sync after step "
@@ -233,73 +208,38 @@ class OuterSync:
             "is excluded from the sync instead."
         )
 
+    def _plan(self) -> None:
+        """The reducers of this sync, with its weights, and the one of each shard: the only
+        place where GTA, the exchange's dtype and a shard's size choose."""
+        sync = self._sync
+        defer = sync.weights is None and self._defers_mean()  # the plain mean, divided by the step
+        sync.divisor = self.num_workers if defer else 1
+        if self._gta:
+            chosen = GTAReducer(self.sync_group, self.gta_config, sync.weights, sync.step,
+                                self.worker_groups.shard_rank)
+        else:
+            chosen = MeanReducer(self.sync_group, sync.own_weights, divide=sync.weights is None and not defer)
+        quantized = None
+        if not self._gta and self.quantized is not None:
+            quantized = QuantizedReducer(self.quantized, sync.own_weights, mean=sync.weights is None)
+        for shard in self.shards:
+            # Tiny shards go in fp32: a few elements per worker weigh less than scales and padding.
+            pays = quantized is not None and self.quantized.pays_off(shard.numel)
+            sync.of(shard).reducer = quantized if pays else chosen
+
     # ------------------------------------------------------------------ exchange
     @torch.no_grad()
     def launch(self, shards: Sequence[BucketShard]) -> None:
         """Start the asynchronous exchange of ``shards`` (each worker's weighted Delta)."""
         t0 = time.perf_counter()
         for shard in shards:
-            if shard.handle is not None or shard.exchanged:
+            state = self._sync.of(shard)
+            if state.flight is not None or state.exchanged:
                 continue
-            if shard.delta is None:
-                shard.delta = self._delta(shard)
-            if self._gta:
-                self._gta_launch(shard)
-                continue
-            if self._sync.own_weights is not None:
-                shard.scale_layers(shard.delta, self._sync.own_weights)
-            if self._quantized(shard):
-                self._quant.launch(shard, shard.delta, self._skipped_ranges(shard))
-            else:
-                shard.handle = self.sync_group.all_reduce_sum(shard.delta, async_op=True)
+            if state.delta is None:
+                state.delta = self._delta(shard)
+            state.flight = state.reducer.launch(shard, state.delta, self._sync.skipped_ranges(shard))
         self._sync.seconds += time.perf_counter() - t0
-
-    def _gta_launch(self, shard: BucketShard) -> None:
-        """GTA phase 1: sparsify, weight, start the consensus all-reduce (if any)."""
-        g = self.gta_config
-        generator = None
-        if g.sparsification_method in ("random", "rescaled_random"):
-            # Deterministic per (sync, worker, shard): reproducible and resumable.
-            seed = (self._sync.step * 1_000_003 + self.sync_group.rank * 10_007
-                    + self.worker_groups.shard_rank * 101 + shard.index)
-            generator = torch.Generator().manual_seed(seed)
-        gta.sparsify(shard.delta, shard.sparsifiable_segments(), g.density, g.sparsification_method, generator)
-        shard.scale_layers(shard.delta, self._sync.own_weights)
-        if g.consensus_method is None:
-            self._gta_merge_launch(shard, None)
-            return
-        shard.consensus = gta.consensus_message(shard.delta, g.consensus_method, g.int8_mask)
-        shard.handle = self.sync_group.all_reduce_sum(shard.consensus, async_op=True)
-
-    def _gta_merge_launch(self, shard: BucketShard, consensus: Optional[torch.Tensor]) -> None:
-        """GTA phase 2: keep the agreeing entries; all-reduce them and who kept them."""
-        g = self.gta_config
-        gta.agree(shard.delta, consensus)
-        shard.consensus = None
-        if g.normalize:
-            # The mask must be read before the in-place all-reduce of the entries starts.
-            if g.int8_mask:
-                mask = gta.encode_mask_bits(shard.delta, self.sync_group.rank, self.sync_group.size)
-            else:
-                mask = (shard.delta != 0).to(torch.float32)
-                shard.scale_layers(mask, self._sync.own_weights)
-            shard.consensus = mask  # reused slot: the mask travelling with phase 2
-        handles = [self.sync_group.all_reduce_sum(shard.delta, async_op=True)]
-        if shard.consensus is not None:
-            handles.append(self.sync_group.all_reduce_sum(shard.consensus, async_op=True))
-        shard.handle = handles
-
-    def _skipped_ranges(self, shard: BucketShard) -> List[Tuple[int, int]]:
-        """The shard's ranges of layers every worker is excluded from at this sync (their outer
-        step is skipped; error feedback keeps its residuals there)."""
-        skipped = self._sync.skipped
-        if skipped is None or not bool(skipped.any()):
-            return []
-        return [(s, e) for s, e, layer, _ in shard.segments if skipped[layer]]
-
-    def _quantized(self, shard: BucketShard) -> bool:
-        """Whether ``shard`` goes through the quantized exchange (tiny shards go in fp32)."""
-        return self._quant is not None and self._quant.pays_off(shard.numel)
 
     def _defers_mean(self) -> bool:
         """Whether the plain mean's division is left to the fused outer step (one pass less).
@@ -307,7 +247,7 @@ class OuterSync:
         the norms are then taken of the sum and divided); eagerly, clipping scales the mean.
         Not with a quantized exchange (its result is the mean already; a tiny shard exchanged
         in fp32 beside it divides at once)."""
-        if not self.outer.fused or self._quant is not None:
+        if not self.outer.fused or self.quantized is not None:
             return False
         return self.config.clip_pseudo_grad is None or self._clip_in_kernel()
 
@@ -316,50 +256,15 @@ class OuterSync:
 
     @torch.no_grad()
     def _finish_exchange(self, shards: Sequence[BucketShard]) -> None:
-        """Wait for the exchanges: shard.delta becomes the reduced pseudo-gradient (for the
-        plain mean, possibly still the sum: see :meth:`_divisor`)."""
+        """Wait for the exchanges: each shard's Delta becomes the reduced pseudo-gradient (for
+        the plain mean, possibly still the sum: ``divisor``)."""
         self.launch(shards)
         t0 = time.perf_counter()
-        for shard in shards:
-            if shard.exchanged:
-                continue
-            if self._gta:
-                self._gta_finish(shard)
-            elif self._quantized(shard):
-                self._quant.finish(shard, shard.delta, self._sync.weights is None, self._skipped_ranges(shard))
-            else:
-                shard.handle.wait()
-                shard.handle = None
-                if self._sync.weights is None and not self._defers_mean():
-                    outer.mean_from_sum(shard.delta, self.num_workers)
-            shard.exchanged = True
+        for state in map(self._sync.of, shards):
+            if not state.exchanged:
+                state.delta = state.reducer.finish(state.flight)
+                state.flight, state.exchanged = None, True
         self._sync.seconds += time.perf_counter() - t0
-
-    def _divisor(self) -> int:
-        """What the exchanged Delta still has to be divided by in the outer step."""
-        plain_mean = not self._gta and self._quant is None and self._sync.weights is None
-        return self.num_workers if plain_mean and self._defers_mean() else 1
-
-    def _gta_advance(self, shard: BucketShard) -> None:
-        """GTA: once its consensus (phase 1) is in, start the shard's phase 2."""
-        if shard.handle is not None and not isinstance(shard.handle, list):
-            shard.handle.wait()
-            self._gta_merge_launch(shard, shard.consensus)
-
-    def _gta_finish(self, shard: BucketShard) -> None:
-        self._gta_advance(shard)
-        for handle in shard.handle:
-            handle.wait()
-        shard.handle = None
-        denominator = None
-        if self.gta_config.normalize:
-            denominator = shard.consensus
-            if self.gta_config.int8_mask:
-                denominator = gta.decode_denominator(
-                    shard.consensus, shard.segments, self._sync.weights, torch.empty_like(shard.delta)
-                )
-        gta.merge(shard.delta, denominator)
-        shard.consensus = None
 
     # ------------------------------------------------------------------ complete
     @torch.no_grad()
@@ -378,12 +283,12 @@ class OuterSync:
         ready = [
             layer
             for layer in range(len(self.layer_names))
-            if layer not in coef and all(s.exchanged for s in self.layer_shards[layer])
+            if layer not in coef and all(self._sync.of(s).exchanged for s in self.layer_shards[layer])
         ]
         involved = {id(s): s for layer in ready for s in self.layer_shards[layer]}
         # On the device: the factors are never read on the host here (no wait in a pre-hook).
         norms = self._layer_norms(list(involved.values()))
-        divisor = self._divisor()
+        divisor = self._sync.divisor
         if divisor != 1:  # Delta still holds the sum: the mean's norm is the sum's / divisor
             norms = norms / divisor
         factors = penalty.clip_coefficients(norms, tau)
@@ -394,17 +299,14 @@ class OuterSync:
     def _apply(self, shard: BucketShard, write_model: bool) -> None:
         """Outer step of one shard with its reduced Delta; mains restart from the anchor."""
         sync = self._sync
-        delta = shard.delta
-        scales = None
+        delta, scales = sync.of(shard).delta, None
         if sync.clip_coef:
             if self._clip_in_kernel():
                 scales = sync.clip_coef
             else:
                 shard.scale_layers(delta, sync.clip_coef)
-        self.outer.apply(shard, delta, self._skipped_ranges(shard), write_model, self._divisor(), layer_scales=scales)
-        shard.delta = None
-        shard.exchanged = False
-        shard.pending = False
+        self.outer.apply(shard, delta, sync.skipped_ranges(shard), write_model, sync.divisor, layer_scales=scales)
+        sync.done(shard)
 
     @torch.no_grad()
     def complete(self, shards: Sequence[BucketShard], write_model: bool) -> None:
@@ -424,7 +326,7 @@ class OuterSync:
         exchange starts now, in forward order, so each is in flight while earlier layers
         compute (the backend runs them in launch order)."""
         for shard in self.shards:
-            shard.pending = True
+            self._sync.of(shard).pending = True
         for group in self.groups:
             self.launch(group)
 
@@ -432,30 +334,31 @@ class OuterSync:
         """Layer-wise: group ``index`` is about to be gathered: complete its pending outer step.
         GTA and the quantized exchange: the next group's second phase is started first, so it
         overlaps this group's."""
-        shards = [s for s in self.groups[index] if s.pending]
+        shards = [s for s in self.groups[index] if self._is_pending(s)]
         if not shards:
             return
-        if self._gta or self._quant is not None:
-            for later in self.groups[index + 1 :]:
-                later_pending = [s for s in later if s.pending]
-                if later_pending:
-                    for shard in later_pending:
-                        if self._gta:
-                            self._gta_advance(shard)
-                        elif self._quantized(shard):
-                            self._quant.advance(shard, self._sync.weights is None, self._skipped_ranges(shard))
-                    break
+        for later in self.groups[index + 1 :]:
+            # launched and not finished yet (clipping may have finished some early)
+            flying = [self._sync.of(s) for s in later if self._is_pending(s)]
+            for state in flying:
+                if state.flight is not None:
+                    state.reducer.advance(state.flight)
+            if flying:
+                break
         self.complete(shards, write_model=True)
+
+    def _is_pending(self, shard: BucketShard) -> bool:
+        return self._sync is not None and self._sync.of(shard).pending  # between syncs: none
 
     def flush(self) -> None:
         """Complete every pending exchange now (before state is read or params change)."""
-        pending = [s for s in self.shards if s.pending]
+        pending = [s for s in self.shards if self._is_pending(s)]
         if pending:
             self.complete(pending, write_model=True)
 
     # ------------------------------------------------------------------ end
     def _finish_if_done(self) -> None:
-        if self._sync is None or any(s.pending for s in self.shards):
+        if self._sync is None or self.pending:
             return
         sync, self._sync = self._sync, None
         clip = None
@@ -484,7 +387,7 @@ class OuterSync:
             worker_idle=sync.worker_idle,
             final=sync.final,
             exchange_dtype=self.config.exchange_dtype,
-            quantization_error=self._quant.take_error_norm() if self._quant is not None else None,
+            quantization_error=self.quantized.take_error_norm() if self.quantized is not None else None,
         )
         if self.on_done is not None:
             self.on_done(report)

@@ -123,9 +123,10 @@ class QuantizedExchange:
             residual[s:e].copy_(values)
 
     @torch.no_grad()
-    def launch(self, shard: BucketShard, delta: torch.Tensor, keep: Sequence[Tuple[int, int]] = ()) -> None:
-        """Step 1: quantize ``delta`` (+ the residual) chunk by chunk, start the all-to-all.
-        ``keep``: ranges of skipped layers, whose residual is carried on unchanged."""
+    def launch(self, shard: BucketShard, delta: torch.Tensor, keep: Sequence[Tuple[int, int]] = ()) -> _Stage:
+        """Step 1: quantize ``delta`` (+ the residual) chunk by chunk, start the all-to-all; the
+        stage in flight. ``keep``: ranges of skipped layers, whose residual is carried on
+        unchanged."""
         sizes, offsets, per, chunk_bytes, block = self._chunks(shard.numel)
         saved = []
         if self.error_feedback:
@@ -142,14 +143,14 @@ class QuantizedExchange:
             self._restore(shard.residual, saved)
         received = torch.empty_like(send)
         handle = self.sync_group.all_to_all(received, send, async_op=True)
-        shard.handle = _Stage(False, handle, received, sizes, chunk_bytes)
+        return _Stage(False, handle, received, sizes, chunk_bytes)
 
     @torch.no_grad()
-    def advance(self, shard: BucketShard, mean: bool, keep: Sequence[Tuple[int, int]] = ()) -> None:
-        """Step 2 once step 1 is in: reduce the owned chunk in fp32, requantize, all-gather."""
-        stage = shard.handle
-        if stage is None or stage.second:
-            return
+    def advance(self, shard: BucketShard, stage: _Stage, mean: bool, keep: Sequence[Tuple[int, int]] = ()) -> _Stage:
+        """Step 2 once step 1 (``stage``) is in: reduce the owned chunk in fp32, requantize,
+        start the all-gather; the stage now in flight (``stage`` itself if step 2 has begun)."""
+        if stage.second:
+            return stage
         stage.handle.wait()
         workers, me = self.sync_group.size, self.sync_group.rank
         sizes, offsets, per, chunk_bytes, block = self._chunks(shard.numel)
@@ -174,20 +175,18 @@ class QuantizedExchange:
             self._restore(shard.chunk_residual, saved)
         gathered = torch.empty(workers * chunk_bytes, dtype=torch.uint8, device=data.device)
         handle = self.sync_group.all_gather_into(gathered, data, async_op=True)
-        shard.handle = _Stage(True, handle, gathered, sizes, chunk_bytes)
+        return _Stage(True, handle, gathered, sizes, chunk_bytes)
 
     @torch.no_grad()
-    def finish(self, shard: BucketShard, delta: torch.Tensor, mean: bool,
+    def finish(self, shard: BucketShard, stage: _Stage, delta: torch.Tensor, mean: bool,
                keep: Sequence[Tuple[int, int]] = ()) -> None:
         """Wait for both steps; ``delta`` := the decoded result (the same bytes everywhere)."""
-        self.advance(shard, mean, keep)
-        stage = shard.handle
+        stage = self.advance(shard, stage, mean, keep)
         stage.handle.wait()
         sizes, offsets, per, chunk_bytes, block = self._chunks(shard.numel)
         for w, (o, n) in enumerate(zip(offsets, sizes)):
             if n:
                 delta[o : o + n] = self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], n, per, block)
-        shard.handle = None
 
     def pays_off(self, numel: int) -> bool:
         """Whether a shard of ``numel`` elements is worth quantizing: it sends no more bytes

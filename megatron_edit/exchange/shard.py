@@ -2,9 +2,10 @@
 
 Megatron's distributed optimizer cuts every bucket of the model into as many equal, contiguous
 shards as the worker has ranks; each rank keeps the fp32 main parameters of its shard. EDiT's
-per-shard state (the anchor, the pseudo-gradient being exchanged) is a flat fp32 tensor of the
-shard's length, and a shard is described here by plain tensors and index ranges so that the
-exchange can be run, and tested, without Megatron.
+per-shard state (the anchor, error feedback's residuals) is a flat fp32 tensor of the shard's
+length, and a shard is described here by plain tensors and index ranges so that the exchange
+can be run, and tested, without Megatron. A shard holds its layout and what persists across
+syncs; what one sync holds while it runs is in :mod:`.in_flight`.
 """
 
 from __future__ import annotations
@@ -67,17 +68,10 @@ class BucketShard:
     embeddings on the first and last pipeline stage) must get the same update in both places,
     and each copy is sharded differently, so a per-segment top-k or random mask would differ."""
 
-    # --- state of the current sync (None / False between syncs)
+    # --- persistent state (across syncs; what one sync holds while it runs is in .in_flight)
     anchor: Optional[torch.Tensor] = None
     """The shard's value at the last sync (fp32), stepped by the outer optimizer."""
-    delta: Optional[torch.Tensor] = None
-    """The pseudo-gradient being exchanged (fp32, on the shard's device)."""
-    handle: Optional[object] = None
-    consensus: Optional[torch.Tensor] = None
-    """GTA: the consensus message (phase 1) or the kept-entries mask (phase 2) in flight."""
-    exchanged: bool = False
-    pending: bool = False
-    # --- error feedback of a quantized exchange (persist across syncs; None without it)
+    # --- error feedback of a quantized exchange (None without it)
     residual: Optional[torch.Tensor] = None
     """What quantization dropped from this worker's pseudo-gradient at the last sync (fp32)."""
     chunk_residual: Optional[torch.Tensor] = None

@@ -10,7 +10,7 @@ seconds).
 
 :class:`LocalSGD` owns one optimizer's EDiT state and decides *when*: it counts optimizer
 steps, takes the anchor at the end of warmup, plans A-EDiT's syncs, and hands each sync to
-:class:`~megatron_edit.exchange.pipeline.OuterSync`, which does the exchange and the outer step
+:class:`~megatron_edit.exchange.outer_sync.OuterSync`, which does the exchange and the outer step
 (the *how*). It is attached to Megatron by :mod:`megatron_edit.mcore.patches` and reads only the
 objects it is given (the optimizer, its buckets and the process groups they carry), never
 ``parallel_state``.
@@ -45,7 +45,7 @@ from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from ..exchange.arrival import Arrivals
 from ..exchange.groups import SyncGroup, WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
-from ..exchange.pipeline import OuterSync
+from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
 from . import compat
 from .shards import build_layout
@@ -493,7 +493,7 @@ class LocalSGD:
     def chunk_span(self, shard) -> Optional[Tuple[int, int, int]]:
         """Quantized exchange with error feedback: (offset, length, padded length) of the chunk
         of ``shard``'s result this worker reduces (its ``chunk_residual``); None without."""
-        quant = self.sync._quant
+        quant = self.sync.quantized
         if quant is None or not quant.error_feedback:
             return None
         return quant.chunk_span(shard.numel)

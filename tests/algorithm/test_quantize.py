@@ -103,7 +103,7 @@ def test_zero_and_subnormal_blocks(dtype):
 @pytest.mark.parametrize("dtype", ["fp8", "int8", "int4"])
 def test_a_non_finite_value_spoils_only_its_own_block(dtype):
     """The encoder's contract: NaN / Inf are kept out by the caller (the sync stops or excludes
-    the worker before encoding, see test_pipeline). If one slipped through, it would not reach
+    the worker before encoding, see test_outer_sync). If one slipped through, it would not reach
     other blocks."""
     x = torch.randn(24, generator=torch.Generator().manual_seed(2))
     for bad in (float("nan"), float("inf")):

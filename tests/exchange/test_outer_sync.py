@@ -1,4 +1,4 @@
-"""megatron_edit.exchange.pipeline driven by fake collectives: several workers as threads of one
+"""megatron_edit.exchange.outer_sync driven by fake collectives: several workers as threads of one
 process, no Megatron, no torch.distributed.
 
 Each worker holds the same shards (plain tensors: two bucket groups, three buckets, five layers,
@@ -15,7 +15,7 @@ from megatron_edit.algorithm import penalty
 from megatron_edit.config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from megatron_edit.exchange.groups import all_reduce_bytes
 from megatron_edit.exchange.outer_state import OuterState
-from megatron_edit.exchange.pipeline import OuterSync
+from megatron_edit.exchange.outer_sync import OuterSync
 from megatron_edit.exchange.shard import BucketShard
 
 # (numel, [(start, end, layer)]) per bucket; groups: [bucket 0], [buckets 1, 2]

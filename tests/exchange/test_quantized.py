@@ -9,9 +9,9 @@ from fake_groups import FakeWorkerGroups, FakeWorld, run_workers
 from megatron_edit.config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from megatron_edit.exchange.groups import all_reduce_bytes
 from megatron_edit.exchange.outer_state import OuterState
-from megatron_edit.exchange.pipeline import NonFinitePseudoGradient, OuterSync
+from megatron_edit.exchange.outer_sync import NonFinitePseudoGradient, OuterSync
 from megatron_edit.exchange.quantized import QuantizedExchange
-from test_pipeline import BUCKETS, GROUPS, LAYERS, OUTER, _bytes_worker, _deltas, _initial, _shards, _worker
+from test_outer_sync import BUCKETS, GROUPS, LAYERS, OUTER, _bytes_worker, _deltas, _initial, _shards, _worker
 
 PENALTY = dict(local_sgd_sync_interval=1, skip_anomaly=True, ewma_warmup_steps=100, pseudo_gradnorm_reduce=True,
                clip_pseudo_grad=1.5)
@@ -61,7 +61,7 @@ def test_quantized_exchange_with_penalty_weights_and_clipping_follows_the_fp32_e
 
 
 def _sync_once(worker, world, local, nan_workers, layer0_nan_syncs=(0,), syncs=1):
-    """Like test_pipeline._worker, with NaN in layer 0 of ``nan_workers`` at the syncs listed;
+    """Like test_outer_sync._worker, with NaN in layer 0 of ``nan_workers`` at the syncs listed;
     returns what the sync raised (or None), the anchors, and the residuals after each sync."""
     params = _initial()
     shards = _shards(params)

@@ -1,0 +1,77 @@
+"""What one outer sync holds while it runs: its decisions and, per shard, the exchange in flight.
+
+A :class:`SyncInProgress` is created when a sync starts and dropped when it ends (or stops on a
+non-finite pseudo-gradient), with everything in it: the penalty's decisions, the clip factors,
+and one :class:`ShardInFlight` per shard (its Delta, the reducer chosen for it, that reducer's
+flight). The :class:`~megatron_edit.exchange.shard.BucketShard` keeps only what outlives a sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .reducers import Reducer
+from .shard import BucketShard
+
+
+@dataclass
+class ShardInFlight:
+    """One shard at one sync: its Delta (this worker's, then the reduced one), the reducer
+    chosen for it, that reducer's flight (None: not launched, or finished)."""
+
+    reducer: Optional[Reducer] = None
+    delta: Optional[torch.Tensor] = None
+    flight: Optional[object] = None
+    exchanged: bool = False
+    pending: bool = False
+    """Layer-wise: the outer step waits for the shard's group's parameter gather."""
+
+
+@dataclass
+class SyncInProgress:
+    """One sync from :meth:`~megatron_edit.exchange.outer_sync.OuterSync.start` to its end."""
+
+    step: int
+    steps_since_last: int
+    bytes_at_start: int
+    seconds: float = 0.0
+    weights: Optional[torch.Tensor] = None  # [W, L] float64 CPU, None: plain mean
+    own_weights: Optional[torch.Tensor] = None  # [L]
+    norms: Optional[torch.Tensor] = None
+    excluded: Optional[torch.Tensor] = None
+    skipped: Optional[torch.Tensor] = None  # [L] bool
+    clip_coef: Dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> 0-dim, on device
+    worker_steps: Optional[torch.Tensor] = None  # A-EDiT: [W]
+    worker_seconds: Optional[torch.Tensor] = None
+    worker_idle: Optional[torch.Tensor] = None
+    final: bool = False
+    skipped_sync: bool = False
+    divisor: int = 1
+    """What the reduced Delta still has to be divided by in the outer step (the plain mean's
+    division, left to the fused step where that saves a pass)."""
+    shards: Dict[int, ShardInFlight] = field(default_factory=dict)  # id(shard) -> its record
+
+    def of(self, shard: BucketShard) -> ShardInFlight:
+        """The shard's record at this sync."""
+        record = self.shards.get(id(shard))
+        if record is None:
+            record = self.shards[id(shard)] = ShardInFlight()
+        return record
+
+    def done(self, shard: BucketShard) -> None:
+        """The shard's outer step is applied: nothing of it is in flight or pending."""
+        self.shards[id(shard)] = ShardInFlight(reducer=self.of(shard).reducer)
+
+    @property
+    def pending(self) -> bool:
+        return any(record.pending for record in self.shards.values())
+
+    def skipped_ranges(self, shard: BucketShard) -> List[Tuple[int, int]]:
+        """The shard's ranges of layers every worker is excluded from at this sync (their outer
+        step is skipped; error feedback keeps its residuals there)."""
+        if self.skipped is None or not bool(self.skipped.any()):
+            return []
+        return [(s, e) for s, e, layer, _ in shard.segments if self.skipped[layer]]
