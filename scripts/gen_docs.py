@@ -332,6 +332,9 @@ def _params(fn) -> List[str]:
     return [a.arg for a in fn.args.posonlyargs + fn.args.args]
 
 
+_TEMPLATES: set = set()  # message nodes of helpers: rendered at their call sites only
+
+
 def _find_helpers(tree, exceptions) -> Dict[str, tuple]:
     """Functions that raise or return ``Exc(message)`` whose message holds one of their
     parameters: {name: (params, exception, message node)}. Their calls are rendered with the
@@ -340,13 +343,19 @@ def _find_helpers(tree, exceptions) -> Dict[str, tuple]:
     for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
+        statements = [n for n in fn.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+        if len(statements) > 2:  # a helper is a one- or two-liner (_require, fail, _needs)
+            continue
         params = set(_params(fn))
         for node in ast.walk(fn):
             value = node.exc if isinstance(node, ast.Raise) else node.value if isinstance(node, ast.Return) else None
             if isinstance(value, ast.Call) and _callee(value) in exceptions:
                 arg = _message_arg(value)
-                if arg is not None and any(isinstance(n, ast.Name) and n.id in params for n in ast.walk(arg)):
+                direct = [v.value for v in ast.walk(arg) if isinstance(v, ast.FormattedValue)]
+                direct += [arg] if isinstance(arg, ast.Name) else []
+                if arg is not None and any(isinstance(n, ast.Name) and n.id in params for n in direct):
                     helpers[fn.name] = (_params(fn), _callee(value), arg)
+                    _TEMPLATES.add(arg)
     return helpers
 
 
@@ -404,7 +413,7 @@ def _scan_scope(scope, qual, rel, prog, exceptions, helpers, flag_names, message
             if isinstance(arg, ast.Constant) and not isinstance(arg.value, str):
                 return
             # The template inside a helper is rendered at the helper's call sites instead.
-            if own in helpers and any(isinstance(n, ast.Name) and n.id in params for n in ast.walk(arg)):
+            if any(arg is h[2] for h in helpers.values()) or arg in _TEMPLATES:
                 return
             add(name, renderer.render(arg))
         elif name in helpers and name != own:
