@@ -24,17 +24,18 @@ Two ways to run a sync, same numbers:
 * ``step_end``: all exchanges run, blocking, right after the inner optimizer update and before
   Megatron copies main params into the model and gathers them.
 
-This module is long because it holds one state machine: the step count, warmup, when each sync
-is due (EDiT) or planned (A-EDiT, with its global progress and the per-worker counters a
-checkpoint taken at a sync carries), and the layer-wise hooks all read and write the same
-counters; split over files they would be harder to keep consistent.
+A-EDiT's schedule (when each worker syncs next, from the measured speeds) is
+:class:`~megatron_edit.mcore.async_plan.AsyncPlan`; the controller counts the steps and owns
+the state a checkpoint carries (:meth:`LocalSGD.state_dict`, :meth:`LocalSGD.load_state_dict`
+and the named resume methods).
+
+This module is long because it is one state machine: the step count, warmup, when each sync is
+due, the layer-wise hooks and the state a checkpoint carries read and write the same counters.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -47,36 +48,15 @@ from ..exchange.groups import SyncGroup, WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
-from . import compat
+from .async_plan import AsyncPlan, SyncPoint
 from .shards import build_layout
+from .worker_layout import WorkerLayout
 
 logger = logging.getLogger(__name__)
 
 _INSTANCES = 0
 """LocalSGD objects built in this process: keys of their arrival checks (the same count on
 every rank, which build them in the same order)."""
-
-
-@dataclass
-class SyncPoint:
-    """A-EDiT: the latest sync as every rank of every worker saw it (from the all-reduced
-    schedule, so identical everywhere)."""
-
-    step: int
-    """This worker's step count at the sync."""
-    worker_steps: List[int]
-    """Every worker's step count at the sync."""
-    last_exchange: List[int]
-    """Every worker's step count at its latest real exchange (this one unless skipped)."""
-    interval: Optional[List[int]]
-    """Steps each worker takes until the next sync (None after the final one)."""
-    skipped: bool
-    final: bool
-
-    @property
-    def global_progress(self) -> float:
-        """Synchronous iterations of global progress at the sync: worker-steps / workers."""
-        return sum(self.worker_steps) / len(self.worker_steps)
 
 
 class LocalSGD:
@@ -96,12 +76,6 @@ class LocalSGD:
         self.outer_config = outer_optim_config
         self.gta_config = gta_config or GTAConfig()
         self.schedule_group = schedule_group
-        self.clock = time.monotonic  # A-EDiT's float64 clock; injectable for tests
-        # A-EDiT's budget: worker-steps of the whole run (Megatron-LM: --train-iters x workers,
-        # what the synchronous run consumes); the run ends at a final sync planned from the
-        # workers' speeds, each worker at its own step count (``finished``).
-        self.budget_steps: Optional[int] = None
-        self.finished = False
         # The run's last optimizer step when known (Megatron-LM: --train-iters; EDiT only): the
         # run ends with a sync there even off the warmup + k H grid (the workers end with one
         # model); a layer-wise sync due there has no next forward pass to complete in, so it
@@ -110,37 +84,29 @@ class LocalSGD:
         self.steps_done = 0
         self.reports: List[SyncReport] = []
         self._last_sync_step = self.config.local_sgd_warmup_steps
-        self._next_sync_at: Optional[int] = None
-        self._interval_start: Optional[float] = None
-        self._interval_start_step = 0
-        self._train_start: Optional[float] = None
-        self._final_planned = False
-        self._progress_scale = 1.0
         self._step_progress = 1.0
-        self._rate_history: List[tuple] = []  # (interval steps [W], interval seconds [W])
         self.global_progress = 0.0
         """Synchronous iterations of global progress: 1 per warmup step, ``last_step_progress``
         per local step; with A-EDiT equal on every worker at each sync (worker-steps / workers)."""
-        self.last_sync: Optional[SyncPoint] = None
         self._in_step = False
         self._synced_in_step = False
 
-        layout = build_layout(optimizer)
-        self.shards = layout.shards
-        self.group_order = layout.group_order
-        self.group_shards = layout.group_shards
-        self.layer_names = layout.layer_names
+        buckets = build_layout(optimizer)
+        self.shards = buckets.shards
+        self.group_order = buckets.group_order
+        self.group_shards = buckets.group_shards
+        self.layer_names = buckets.layer_names
 
-        self.num_workers = optimizer.ddp_config.num_distributed_optimizer_instances
-        first_group = self.group_order[0] if self.group_order else None
-        inter = compat.inter_instance_group(first_group)
-        self.sync_group = SyncGroup(inter if self.num_workers > 1 else None)
+        self.layout = WorkerLayout.of(optimizer, self.group_order[0] if self.group_order else None)
+        """Where this optimizer sits among the workers (derived once, passed down)."""
+        self.num_workers = self.layout.num_workers
+        inter = self.layout.sync_group
+        self.sync_group = SyncGroup(inter)
         assert self.sync_group.size == self.num_workers, (self.sync_group.size, self.num_workers)
         self.arrivals = self._arrivals(inter) if self.num_workers > 1 else None
-        self.worker_groups = WorkerGroups(
-            shard_group=optimizer.buffers[0].data_parallel_group if optimizer.buffers else None,
-            tp_group=compat.tensor_parallel_group(optimizer.model_chunks[0]),
-        )
+        self.async_plan = AsyncPlan(self.config, self.sync_group, schedule_group)
+        """A-EDiT's schedule (unused by synchronous EDiT)."""
+        self.worker_groups = WorkerGroups(shard_group=self.layout.shard_group, tp_group=self.layout.tp_group)
         self.outer_state = OuterState(
             outer_optim_config, torch.device("cpu") if self.config.cpu_offload else None
         )
@@ -167,6 +133,37 @@ class LocalSGD:
         return Arrivals(default_store(), f"megatron_edit/arrive/{_INSTANCES}", ranks,
                         ranks.index(dist.get_rank()), timeout, report_every=min(60.0, timeout / 4))
 
+    # ------------------------------------------------------------------ A-EDiT's plan
+    @property
+    def clock(self):
+        """A-EDiT's float64 clock (seconds); injectable for tests."""
+        return self.async_plan.clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        self.async_plan.clock = clock
+
+    @property
+    def budget_steps(self) -> Optional[int]:
+        """A-EDiT's budget: worker-steps of the whole run (Megatron-LM: --train-iters x workers,
+        what the synchronous run consumes); the run ends at a final sync planned from the
+        workers' speeds, each worker at its own step count (:attr:`finished`)."""
+        return self.async_plan.budget_steps
+
+    @budget_steps.setter
+    def budget_steps(self, steps: Optional[int]) -> None:
+        self.async_plan.budget_steps = steps
+
+    @property
+    def finished(self) -> bool:
+        """A-EDiT: the run has used its budget and ended with its final sync."""
+        return self.async_plan.finished
+
+    @property
+    def last_sync(self) -> Optional[SyncPoint]:
+        """A-EDiT: the latest sync as every worker saw it."""
+        return self.async_plan.last_sync
+
     # ------------------------------------------------------------------ state
     @property
     def outer_optimizer(self) -> Optional[torch.optim.Optimizer]:
@@ -185,37 +182,7 @@ class LocalSGD:
     def restart_async_schedule(self) -> None:
         """A-EDiT: plan the next sync as after warmup (first interval from ``steps_done``)."""
         if self.config.use_async:
-            self._plan_first_interval()
-
-    def _plan_first_interval(self) -> None:
-        """A-EDiT before any speed is known: ``local_sgd_sync_interval`` steps for everyone, or
-        the whole remaining budget split evenly when that is about as much."""
-        workers = self.num_workers
-        first = asynchronous.first_interval(self.config.local_sgd_sync_interval)
-        interval = torch.full((workers,), first, dtype=torch.int64)
-        if self.budget_steps is not None:
-            # Worker-steps done so far from global progress (synchronous iterations): after an
-            # elastic resume the workers' own counts differ from the saved run's.
-            remaining = self.budget_steps - round(self.global_progress * workers)
-            if remaining < workers:
-                raise ValueError(
-                    f"megatron_edit: A-EDiT's budget leaves {remaining} worker-steps after step "
-                    f"{self.steps_done}, fewer than the {workers} workers (each takes at least one "
-                    "step before the final sync): raise --train-iters or shorten the warmup."
-                )
-            if remaining < 2 * self.config.min_total_global_steps and dist.get_rank() == 0:
-                logger.warning(
-                    "megatron_edit: A-EDiT's budget after warmup is %d worker-steps and "
-                    "--local-sgd-min-total-global-steps is %d: every sync before the final one "
-                    "will be skipped (only the final sync exchanges). Lower "
-                    "--local-sgd-min-total-global-steps or train longer.",
-                    remaining, self.config.min_total_global_steps,
-                )
-            if first * workers * 1.5 >= remaining or remaining - first * workers < workers:
-                interval = asynchronous.plan_final_interval(torch.ones(workers), remaining)
-                self._final_planned = True
-        self._next_sync_at = self.steps_done + int(interval[self.sync_group.rank])
-        self._progress_scale = asynchronous.progress_per_step(interval, self.sync_group.rank)
+            self.async_plan.plan_first(self.steps_done, self.global_progress)
 
     def drop_anchor(self) -> None:
         """Back to warmup state: no anchor, no outer optimizer (a checkpoint saved in warmup)."""
@@ -232,7 +199,7 @@ class LocalSGD:
     def _sync_due(self, steps_done: int) -> bool:
         c = self.config
         if c.use_async:
-            return self._next_sync_at is not None and steps_done == self._next_sync_at
+            return self.async_plan.due(steps_done)
         if steps_done == self.last_step and steps_done > c.local_sgd_warmup_steps:
             return True  # the run's last step: end with one model on every worker
         return schedule.is_sync_step(steps_done, c.local_sgd_warmup_steps, c.local_sgd_sync_interval)
@@ -244,7 +211,7 @@ class LocalSGD:
         The learning-rate schedule advances by this much per step
         (``mcore.patches``: ``OptimizerParamScheduler.step``), so all workers' schedules agree
         at every sync and end together."""
-        return self._progress_scale if self.grads_are_local else 1.0
+        return self.async_plan.progress_scale if self.grads_are_local else 1.0
 
     @property
     def last_step_progress(self) -> float:
@@ -265,11 +232,10 @@ class LocalSGD:
         warm = self.steps_done >= self.config.local_sgd_warmup_steps
         if not self.outer_state.captured and warm:
             self.capture_anchor()
-        if self.config.use_async and self._interval_start is None and warm:
+        if self.config.use_async and not self.async_plan.clock_started and warm:
             # Without warmup the first interval's clock starts inside step 1 (its forward and
             # backward are not timed): only the first plan is slightly optimistic.
-            self._interval_start, self._interval_start_step = self.clock(), self.steps_done
-            self._train_start = self._interval_start
+            self.async_plan.start_clock(self.steps_done)
         self._in_step = True
         self._synced_in_step = False
         self._step_progress = self.progress_scale
@@ -289,8 +255,7 @@ class LocalSGD:
         self.global_progress += self._step_progress
         self._snap_progress()  # step-end: the sync ran inside this step
         if self.config.use_async and self.steps_done == self.config.local_sgd_warmup_steps:
-            self._interval_start, self._interval_start_step = self.clock(), self.steps_done
-            self._train_start = self._interval_start
+            self.async_plan.start_clock(self.steps_done)
         if not self._sync_due(self.steps_done):
             return
         if self.config.sync_mode == "step_end":
@@ -337,7 +302,8 @@ class LocalSGD:
         bytes_at_start = self.sync_group.counters.payload_bytes
         schedule, skip, final = None, False, False
         if self.config.use_async:
-            schedule, skip, final = self._plan_async(step)
+            device = self.shards[0].device if self.shards else torch.device("cpu")
+            schedule, skip, final = self.async_plan.plan(step, self._last_sync_step, device)
         return self.sync.start(
             step, step - self._last_sync_step,
             None if schedule is None else schedule.steps_since_exchange,
@@ -346,60 +312,6 @@ class LocalSGD:
             worker_idle=None if schedule is None else schedule.idle,
             final=final,
         )
-
-    def _plan_async(self, step: int):
-        """A-EDiT: one small all-reduce over every rank -> identical schedule everywhere.
-        Returns (the workers' figures, skip this exchange?, is this the run's last sync?)."""
-        c = self.config
-        now = self.clock()
-        message = asynchronous.schedule_message(
-            self.sync_group.size,
-            self.sync_group.rank,
-            step - self._last_sync_step,
-            step - self._interval_start_step,
-            now - self._interval_start,
-            step,
-            now - self._train_start,
-        )
-        device = self.shards[0].device if self.shards else torch.device("cpu")
-        message = self.sync_group.all_reduce_max_everywhere(message.to(device), self.schedule_group).cpu()
-        schedule = asynchronous.read_schedule(message)
-        self._rate_history.append((schedule.interval_steps, schedule.interval_seconds))
-        del self._rate_history[: -asynchronous.RATE_WINDOW]
-        final = self._final_planned or (
-            self.budget_steps is not None and int(schedule.steps.sum()) >= self.budget_steps
-        )
-        # The run's last sync is never skipped: the workers end with identical models.
-        skip = not final and asynchronous.skip_sync(schedule.steps_since_exchange, c.min_total_global_steps)
-        interval = None
-        if final:
-            self.finished = True
-            self._next_sync_at = None
-            self._progress_scale = 1.0
-        else:
-            rates = asynchronous.smoothed_rates(
-                torch.stack([h[0] for h in self._rate_history]), torch.stack([h[1] for h in self._rate_history])
-            )
-            remaining_seconds = None
-            if c.async_time_budget is not None:
-                remaining_seconds = c.async_time_budget - float(schedule.elapsed.max())
-            interval, self._final_planned = asynchronous.plan(
-                schedule.steps, rates, c.local_sgd_sync_time, self.budget_steps, remaining_seconds
-            )
-            me = self.sync_group.rank
-            self._next_sync_at = step + int(interval[me])
-            self._progress_scale = asynchronous.progress_per_step(interval, me)
-        steps = [int(n) for n in schedule.steps]
-        self.last_sync = SyncPoint(
-            step=step,
-            worker_steps=steps,
-            last_exchange=[n - int(k) for n, k in zip(steps, schedule.steps_since_exchange)] if skip else steps,
-            interval=None if interval is None else [int(n) for n in interval],
-            skipped=skip,
-            final=final,
-        )
-        self._interval_start, self._interval_start_step = self.clock(), step
-        return schedule, skip, final
 
     def _on_sync_done(self, report: SyncReport) -> None:
         if not report.skipped_sync:  # a skipped sync exchanged nothing: keep counting from the last one
@@ -429,25 +341,50 @@ class LocalSGD:
         return reports
 
     # ------------------------------------------------------------------ checkpoints
+    # The controller owns its state: a checkpoint reads it through state_dict() and restores
+    # it through load_state_dict() and the named resume methods below, never its fields.
+    COUNTERS = ("steps_done", "last_sync_step", "global_progress")
+
+    @property
+    def in_step(self) -> bool:
+        """Between :meth:`begin_step` and :meth:`end_step` (no checkpoint can be taken there)."""
+        return self._in_step
+
+    @property
+    def last_sync_step(self) -> int:
+        """This worker's step count at its latest exchange (the warmup's end before the first)."""
+        return self._last_sync_step
+
+    def state_dict(self) -> dict:
+        """Everything of this controller a checkpoint carries, picklable: the counters
+        (:data:`COUNTERS`) and :meth:`extra_state`. The anchor and the outer optimizer's state
+        are tensors, saved per parameter by the checkpoint (:attr:`outer_state`)."""
+        return {"steps_done": self.steps_done, "last_sync_step": self._last_sync_step,
+                "global_progress": float(self.global_progress), **self.extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` gave: the counters present in ``state``, then the
+        rest when present (a checkpoint's run record holds worker 0's counters, its per-slice
+        record the rest). A checkpoint taken right after an A-EDiT sync gives every worker its
+        own counters and plan."""
+        if "steps_done" in state:
+            self.steps_done = int(state["steps_done"])
+        if "last_sync_step" in state:
+            self._last_sync_step = int(state["last_sync_step"])
+        if "global_progress" in state:
+            self.global_progress = float(state["global_progress"])
+        if "layer_names" in state:
+            self.load_extra_state(state)
+
     def extra_state(self) -> dict:
-        """Picklable state identical on every rank (for checkpoints): the anomaly detector's
-        statistics and A-EDiT's plan (the step counters are in the checkpoint record)."""
-        return {
-            "layer_names": list(self.layer_names),
-            "ewma": self.sync.ewma.state_dict(),
-            # A-EDiT: the planned next sync and the speeds measured so far; the clock restarts
-            # on resume (elapsed time while the job was down is not training time).
-            "next_sync_at": self._next_sync_at,
-            "final_planned": self._final_planned,
-            "progress_scale": self._progress_scale,
-            "rate_history": [(a.clone(), b.clone()) for a, b in self._rate_history],
-            "global_progress": self.global_progress,
-            # Saved right after an A-EDiT sync (Megatron-LM saves only there): every worker's
-            # counters and plan, so each worker resumes with its own.
-            "sync_point": asdict(self.last_sync) if self.at_sync else None,
-        }
+        """The part of :meth:`state_dict` beyond the counters, identical on every rank: the
+        anomaly detector's statistics and A-EDiT's plan (:meth:`AsyncPlan.state_dict`)."""
+        return {"layer_names": list(self.layer_names), "ewma": self.sync.ewma.state_dict(),
+                "global_progress": self.global_progress, **self.async_plan.state_dict(self.at_sync)}
 
     def load_extra_state(self, state: dict) -> None:
+        """Restore :meth:`extra_state` (raises ValueError when it was saved for other layers);
+        saved right after an A-EDiT sync, every worker takes its own counters."""
         from ..algorithm.penalty import EWMAStats
 
         if list(state["layer_names"]) != self.layer_names:
@@ -456,39 +393,37 @@ class LocalSGD:
                 f"{state['layer_names'][:3]}... vs {self.layer_names[:3]}..."
             )
         self.sync.ewma = EWMAStats.from_state_dict(state["ewma"])
-        self._next_sync_at = state.get("next_sync_at")
-        self._final_planned = bool(state.get("final_planned", False))
-        self._progress_scale = float(state.get("progress_scale", 1.0))
-        self._rate_history = list(state.get("rate_history", []))
         self.global_progress = float(state.get("global_progress", self.steps_done))
-        point = state.get("sync_point")
+        point = self.async_plan.load_state_dict(state, self.steps_done)
         if point is not None:
-            self._resume_at_sync(SyncPoint(**point))
-        if self._next_sync_at is not None:
-            self._interval_start = self._train_start = self.clock()
-            self._interval_start_step = self.steps_done
+            self.steps_done = point.step
+            self._last_sync_step = point.last_exchange[self.sync_group.rank]
+            self.global_progress = point.global_progress
 
-    def _resume_at_sync(self, point: SyncPoint) -> None:
-        """A checkpoint taken right after an A-EDiT sync: this worker's own counters and plan
-        (the record holds worker 0's)."""
-        me = self.sync_group.rank
-        if len(point.worker_steps) != self.num_workers:
-            raise ValueError(
-                f"A-EDiT checkpoint state of {len(point.worker_steps)} workers, this run has "
-                f"{self.num_workers}"
-            )
-        self.steps_done = point.worker_steps[me]
-        self._last_sync_step = point.last_exchange[me]
-        point.step = self.steps_done
-        self.last_sync = point
-        self.global_progress = point.global_progress
-        self.finished = point.final
-        if point.interval is None:
-            self._next_sync_at, self._progress_scale = None, 1.0
+    def resume_elastic(self) -> None:
+        """After :meth:`load_state_dict` of another layout's counters (worker 0's), with an
+        anchor: A-EDiT's new workers share the worker-steps done (global progress x workers,
+        as even as possible), so that the budget left is the saved run's; every worker restarts
+        its interval here."""
+        if self.config.use_async:
+            done = round(self.global_progress * self.num_workers)
+            self.steps_done = int(asynchronous.share_steps(done, self.num_workers)[self.sync_group.rank])
+        self._last_sync_step = self.steps_done
+
+    def resume_from_synchronous(self, steps: int) -> None:
+        """Continue a synchronous run after ``steps`` optimizer steps: past warmup the anchor
+        is taken from the loaded parameters now (the exchange restarts here), else warmup goes
+        on; no error-feedback residual carries over."""
+        self.steps_done = steps
+        self.global_progress = float(steps)  # synchronous steps: one iteration each
+        for shard in self.shards:
+            shard.residual = shard.chunk_residual = None
+        if steps >= self.config.local_sgd_warmup_steps:
+            self.capture_anchor()
+            self._last_sync_step = steps
         else:
-            interval = torch.tensor(point.interval, dtype=torch.int64)
-            self._next_sync_at = self.steps_done + point.interval[me]
-            self._progress_scale = asynchronous.progress_per_step(interval, me)
+            self.drop_anchor()
+            self._last_sync_step = self.config.local_sgd_warmup_steps
 
     def chunk_span(self, shard) -> Optional[Tuple[int, int, int]]:
         """Quantized exchange with error feedback: (offset, length, padded length) of the chunk

@@ -169,7 +169,7 @@ def test_e2e_a_edit_shares_the_budget_and_ends_together(straggler_run):
     # Both workers reached the final sync (the last schedule all-reduce is at each one's last
     # step), and nothing after it hung.
     for data, last in zip(run.ranks, (fast, slow)):
-        plans = [r["iteration"] for r in data["records"] if any("_plan_async" in f for f in r["stack"])]
+        plans = [r["iteration"] for r in data["records"] if any("async_plan.py:plan:" in f for f in r["stack"])]
         assert plans and plans[-1] == last, (data["rank"], plans, last)
     # Megatron's log (the last rank: the slow worker) is sane: iterations count up to its own
     # last step over the loop's cap T x W, and the global iteration reaches T.
@@ -199,5 +199,5 @@ def test_e2e_checkpoints_at_syncs_with_a_common_label(straggler_run):
     for data in run.ranks:
         saves = sorted({r["iteration"] for r in data["records"]
                         if any("save_checkpoint" in f for f in r["stack"])})
-        plans = {r["iteration"] for r in data["records"] if any("_plan_async" in f for f in r["stack"])}
+        plans = {r["iteration"] for r in data["records"] if any("async_plan.py:plan:" in f for f in r["stack"])}
         assert saves and set(saves) <= plans | {None}, (data["rank"], saves, plans)

@@ -40,7 +40,7 @@ from test_megatron_lm import (
 PROBE = REPO / "tests" / "training" / "megatron_lm_traffic_probe.py"
 PACKED_STATS = compat.packed_sequence_stats_all_reduced()
 SYNC = "megatron_edit/exchange/"  # the frames of a sync's exchange (megatron_edit.exchange)
-PLAN_ASYNC = "megatron_edit/mcore/controller.py:_plan_async"  # A-EDiT's schedule
+PLAN_ASYNC = "megatron_edit/mcore/async_plan.py:plan:"  # A-EDiT's schedule
 
 
 # ================================================================ without the checkout

@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Optional
+
 import torch
+
+from ..worker_layout import WorkerLayout
 
 PREFIX = "local_sgd."
 """Every checkpoint key EDiT adds starts with this (after Megatron's own prefixes)."""
@@ -45,29 +48,6 @@ def _is_local_sgd_key(key: str) -> bool:
     return key.startswith(PREFIX) or f".{PREFIX}" in key
 
 
-# --------------------------------------------------------------------------- layout
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Where one distributed optimizer sits among the EDiT workers."""
-
-    worker: int
-    num_workers: int
-    worker_size: int
-    """Ranks per worker (shard size): the optimizer's data-parallel group."""
-    intra_rank: int
-    dp_group_idx: int
-
-    @classmethod
-    def of(cls, optimizer, controller) -> "_Layout":
-        return cls(
-            worker=int(optimizer.distributed_optimizer_instance_id),
-            num_workers=int(controller.num_workers),
-            worker_size=optimizer.data_parallel_group.size(),
-            intra_rank=optimizer.data_parallel_group.rank(),
-            dp_group_idx=int(optimizer.data_parallel_group_idx),
-        )
-
-
 # --------------------------------------------------------------------------- save layout
 def _sharding_type(state: dict, kwargs: dict) -> str:
     return state.get("param_state_sharding_type") or kwargs.get("sharding_type") or (
@@ -75,7 +55,7 @@ def _sharding_type(state: dict, kwargs: dict) -> str:
     )
 
 
-def _worker_replica_id(sh, sharding_type: str, layout: _Layout):
+def _worker_replica_id(sh, sharding_type: str, layout: WorkerLayout):
     """Replica id of worker k's renamed copy: main on one rank *inside* worker k.
 
     Megatron marks the instance as a replica coordinate: ``(instance, 0, dp_rank)`` for its
@@ -105,7 +85,7 @@ def _worker_replica_id(sh, sharding_type: str, layout: _Layout):
     return rid[:position] + (value,) + rid[position + 1 :]
 
 
-def _rename_for_worker(state: dict, sharding_type: str, layout: _Layout) -> None:
+def _rename_for_worker(state: dict, sharding_type: str, layout: WorkerLayout) -> None:
     """Worker k >= 1: Megatron's optimizer entries -> ``local_sgd.worker_<k>.`` keys."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedBase

@@ -30,7 +30,6 @@ from .guard import damaged_message, prepare_load
 from .keys import (
     CheckpointStateError,
     _drop_worker_model_entries,
-    _Layout,
     _rename_for_worker,
     _sharding_type,
     _unalias_from_model,
@@ -79,7 +78,7 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
                 return original(self, *args, **kwargs)
             bound = _bind(original, self, args, kwargs)
             is_loading = bound.arguments["is_loading"]
-            if controller._in_step:
+            if controller.in_step:
                 raise RuntimeError("megatron_edit: a checkpoint cannot be taken inside an optimizer step.")
             controller.flush()  # a due layer-wise sync completes now, with the same numbers
             if not is_loading and self.ddp_config.overlap_param_gather:
@@ -93,7 +92,7 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
                     f"default) or 'fully_reshardable' (--dist-ckpt-optim-fully-reshardable)."
                 )
             _refuse_broken_fully_reshardable(self, sharding_type)
-            layout = _Layout.of(self, controller)
+            layout = controller.layout
             model_state = bound.arguments["model_sharded_state_dict"]
             if layout.worker > 0:
                 _rename_for_worker(state, sharding_type, layout)

@@ -83,6 +83,7 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
                 if k in scalar_keys and k not in scalars:  # stepped together: one value for all
                     scalars[k] = v.detach().cpu().clone() if torch.is_tensor(v) else v
     tp, pp = parallel_sizes(optimizer)
+    counters = controller.state_dict()
     c = controller.config
     return dict(
         format=FORMAT,
@@ -91,8 +92,8 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
         tensor_parallel=tp,
         pipeline_parallel=pp,
         sharding_type=sharding_type,
-        steps_done=controller.steps_done,
-        last_sync_step=controller._last_sync_step,
+        steps_done=counters["steps_done"],
+        last_sync_step=counters["last_sync_step"],
         anchor_taken=outer is not None,
         config=dict(sync_interval=c.local_sgd_sync_interval, warmup_steps=c.local_sgd_warmup_steps,
                     sync_mode=c.sync_mode, use_async=c.use_async, exchange_dtype=c.exchange_dtype),
@@ -108,13 +109,14 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
         residuals_summed=residuals and controller.sync.exchanges_weighted_sum,
         # Synchronous iterations done (A-EDiT: worker-steps / workers at the sync), which the
         # global budget, checkpoint labels and exits count; the same on every worker at a sync.
-        global_progress=float(controller.global_progress),
+        global_progress=counters["global_progress"],
     )
 
 
 def slice_record(controller) -> dict:
-    hook = getattr(controller, "extra_state", None)
-    return dict(format=FORMAT, extra_state=hook() if callable(hook) else None)
+    """The per-slice record: the part of the controller's ``state_dict()`` beyond the counters
+    (which are in the run record), its ``extra_state()``."""
+    return dict(format=FORMAT, extra_state=controller.extra_state())
 
 
 _FIELDS = (

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .keys import PREFIX, _WORKER_KEY, CheckpointStateError, _is_local_sgd_key, _Layout, retarget
+from .keys import PREFIX, _WORKER_KEY, CheckpointStateError, _is_local_sgd_key, retarget
 from .record import (
     FULLY_RESHARDABLE,
     OLD_FORMATS,
@@ -100,7 +100,7 @@ class ResumePlan:
         self.state = state  # the optimizer's sharded state dict: Megatron's part + "local_sgd"
         self.space = space
         self.sharding_type = sharding_type
-        self.layout = _Layout.of(optimizer, controller)
+        self.layout = controller.layout
         strip = len(f"{PREFIX}worker_{self.layout.worker}.") if self.layout.worker else 0
         # Megatron's entries and their keys as Megatron named them (before a worker part and
         # the prefixes a ChainedOptimizer adds later).
@@ -354,21 +354,6 @@ def adam_step_of(state_dict: dict) -> int:
     groups = (state_dict.get("optimizer") or {}).get("param_groups") or []
     steps = [int(g["step"]) for g in groups if g.get("step") is not None]
     return max(steps, default=0)
-
-
-def from_synchronous(controller, steps: int) -> None:
-    """EDiT continues a synchronous run after ``steps`` optimizer steps (see the module
-    docstring)."""
-    controller.steps_done = steps
-    controller.global_progress = float(steps)  # synchronous steps: one iteration each
-    for shard in controller.shards:
-        shard.residual = shard.chunk_residual = None
-    if steps >= controller.config.local_sgd_warmup_steps:
-        controller.capture_anchor()
-        controller._last_sync_step = steps
-    else:
-        controller.drop_anchor()
-        controller._last_sync_step = controller.config.local_sgd_warmup_steps
 
 
 def refresh_model_from_mains(optimizer, controller) -> None:

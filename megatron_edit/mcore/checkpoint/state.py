@@ -89,7 +89,7 @@ megatron-core's own load defects (without apex / transformer-engine) are worked 
 :mod:`megatron_edit.mcore.checkpoint.keys`.
 
 Nothing here changes what a sync computes; :class:`~megatron_edit.mcore.controller.LocalSGD` is
-only read and restored through its attributes, ``extra_state()`` and ``load_extra_state()``.
+only read and restored through ``state_dict()``, ``load_state_dict()`` and its resume methods.
 """
 
 from __future__ import annotations
@@ -99,9 +99,8 @@ from typing import List
 
 import torch
 
-from ...algorithm import asynchronous
 from .. import compat
-from .keys import CheckpointStateError, _Layout
+from .keys import CheckpointStateError
 from .record import (
     RECORD_KEY,
     at_sync_boundary,
@@ -116,7 +115,6 @@ from .resume import (
     ResumePlan,
     _decode_mains,
     adam_step_of,
-    from_synchronous,
     load_time_sync,
     merge_residuals,
     outer_prefix,
@@ -144,7 +142,7 @@ def local_sgd_sharded_state_dict(optimizer, controller, state: dict, model_shard
     docstring); for loading, the requests and the :class:`ResumePlan` that fits them."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
 
-    layout = _Layout.of(optimizer, controller)
+    layout = controller.layout
     space = ModelSpace(optimizer, controller.shards, model_tensors_by_param(model_sharded_state_dict))
     tensor_keys, _ = outer_state_keys(controller)
     residuals = controller.config.exchange_error_feedback and any(
@@ -220,25 +218,19 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
     controller.flush()
     controller.outer_state.synchronize()  # offloaded state: no copy in flight while we write it
     if plan.mode == "synchronous":
-        from_synchronous(controller, adam_step_of(state_dict))
+        controller.resume_from_synchronous(adam_step_of(state_dict))
         _log_resume(controller, "a checkpoint of synchronous training", "Adam state kept, " + (
             "anchor taken there" if controller.outer_optimizer is not None else "warmup goes on"))
         refresh_model_from_mains(optimizer, controller)
         plan.release()
         return
     record = plan.saved
-    controller.steps_done = record["steps_done"]
-    controller._last_sync_step = record["last_sync_step"]
-    # Global progress (the same-worker path restores it again, with the per-worker plan, from
-    # the slice record); records written before it was saved: the step count.
-    controller.global_progress = float(record.get("global_progress", record["steps_done"]))
+    # Worker 0's counters (records written before global progress was saved: the step count).
+    controller.load_state_dict({"steps_done": record["steps_done"], "last_sync_step": record["last_sync_step"],
+                                "global_progress": record.get("global_progress", record["steps_done"])})
     elastic = plan.mode == "elastic"
-    if elastic and controller.config.use_async and record["anchor_taken"]:
-        # A-EDiT: the saved workers' counts differed; the new workers share the worker-steps
-        # done (global progress x workers) so that the budget left is the saved run's.
-        done = round(controller.global_progress * controller.num_workers)
-        controller.steps_done = int(asynchronous.share_steps(done, controller.num_workers)[controller.sync_group.rank])
-        controller._last_sync_step = controller.steps_done
+    if elastic and record["anchor_taken"]:
+        controller.resume_elastic()
     if not record["anchor_taken"]:
         controller.drop_anchor()
     else:
@@ -248,7 +240,6 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
             restart_from_anchor(controller)  # every saved worker was there already
         else:
             load_time_sync(controller, _decode_mains(optimizer, plan, part.get("workers")), record["num_workers"])
-        controller._last_sync_step = controller.steps_done
     merge_residuals(controller, plan, part)
     if plan.slice_loaded:
         _load_extra_state(controller, (part.get("slice") or {}).get("extra_state"))
@@ -289,7 +280,7 @@ def _restore_anchor_and_outer_state(controller, plan: ResumePlan, part: dict) ->
 
 
 def _load_extra_state(controller, saved_extra) -> None:
-    hook = getattr(controller, "load_extra_state", None)
+    hook = getattr(controller, "load_state_dict", None)
     if callable(hook):
         if saved_extra is None:
             raise CheckpointStateError(

@@ -1,0 +1,220 @@
+"""A-EDiT's schedule for one optimizer (arXiv 2412.07210, Sec. 3.4): when this worker syncs next.
+
+:class:`AsyncPlan` holds what the time-based schedule needs between syncs: the step of this
+worker's next sync, the global progress each of its steps makes, the speeds measured over the
+last intervals, the interval's clock, and the latest sync as every worker saw it
+(:class:`SyncPoint`). At each sync it agrees on the workers' figures in one small all-reduce over
+every rank (:meth:`AsyncPlan.plan`), so every rank of every worker plans the same thing; the math
+is in :mod:`megatron_edit.algorithm.asynchronous`. The controller
+(:class:`~megatron_edit.mcore.controller.LocalSGD`) owns one and counts the steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..algorithm import asynchronous
+from ..config import LocalSGDConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncPoint:
+    """A-EDiT: the latest sync as every rank of every worker saw it (from the all-reduced
+    schedule, so identical everywhere)."""
+
+    step: int
+    """This worker's step count at the sync."""
+    worker_steps: List[int]
+    """Every worker's step count at the sync."""
+    last_exchange: List[int]
+    """Every worker's step count at its latest real exchange (this one unless skipped)."""
+    interval: Optional[List[int]]
+    """Steps each worker takes until the next sync (None after the final one)."""
+    skipped: bool
+    final: bool
+
+    @property
+    def global_progress(self) -> float:
+        """Synchronous iterations of global progress at the sync: worker-steps / workers."""
+        return sum(self.worker_steps) / len(self.worker_steps)
+
+
+class AsyncPlan:
+    """A-EDiT's schedule of one controller (see the module docstring).
+
+    ``sync_group``: the worker's sync group (its rank is the worker's index); ``schedule_group``:
+    every rank of every worker (None: the world group)."""
+
+    def __init__(self, config: LocalSGDConfig, sync_group, schedule_group=None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.sync_group = sync_group
+        self.schedule_group = schedule_group
+        self.clock = clock
+        """A float64 clock in seconds; injectable for tests."""
+        self.budget_steps: Optional[int] = None
+        """Worker-steps of the whole run (Megatron-LM: --train-iters x workers), None: none."""
+        self.finished = False
+        """The final sync has been planned and reached: the run has used its budget."""
+        self.last_sync: Optional[SyncPoint] = None
+        self.next_sync_at: Optional[int] = None
+        self.final_planned = False
+        self.progress_scale = 1.0
+        """Synchronous steps of global progress per step of this worker in this interval."""
+        self.rate_history: List[tuple] = []  # (interval steps [W], interval seconds [W])
+        self.interval_start: Optional[float] = None
+        self.interval_start_step = 0
+        self.train_start: Optional[float] = None
+
+    @property
+    def workers(self) -> int:
+        return self.sync_group.size
+
+    def due(self, steps_done: int) -> bool:
+        return self.next_sync_at is not None and steps_done == self.next_sync_at
+
+    def start_clock(self, step: int) -> None:
+        """Training (after warmup) starts at ``step``: the first interval's clock starts now."""
+        self.interval_start, self.interval_start_step = self.clock(), step
+        self.train_start = self.interval_start
+
+    @property
+    def clock_started(self) -> bool:
+        return self.interval_start is not None
+
+    def plan_first(self, steps_done: int, global_progress: float) -> None:
+        """Before any speed is known: ``local_sgd_sync_interval`` steps for everyone, or the
+        whole remaining budget split evenly when that is about as much."""
+        workers = self.workers
+        first = asynchronous.first_interval(self.config.local_sgd_sync_interval)
+        interval = torch.full((workers,), first, dtype=torch.int64)
+        if self.budget_steps is not None:
+            # Worker-steps done so far from global progress (synchronous iterations): after an
+            # elastic resume the workers' own counts differ from the saved run's.
+            remaining = self.budget_steps - round(global_progress * workers)
+            if remaining < workers:
+                raise ValueError(
+                    f"megatron_edit: A-EDiT's budget leaves {remaining} worker-steps after step "
+                    f"{steps_done}, fewer than the {workers} workers (each takes at least one "
+                    "step before the final sync): raise --train-iters or shorten the warmup."
+                )
+            if remaining < 2 * self.config.min_total_global_steps and dist.get_rank() == 0:
+                logger.warning(
+                    "megatron_edit: A-EDiT's budget after warmup is %d worker-steps and "
+                    "--local-sgd-min-total-global-steps is %d: every sync before the final one "
+                    "will be skipped (only the final sync exchanges). Lower "
+                    "--local-sgd-min-total-global-steps or train longer.",
+                    remaining, self.config.min_total_global_steps,
+                )
+            if first * workers * 1.5 >= remaining or remaining - first * workers < workers:
+                interval = asynchronous.plan_final_interval(torch.ones(workers), remaining)
+                self.final_planned = True
+        self.next_sync_at = steps_done + int(interval[self.sync_group.rank])
+        self.progress_scale = asynchronous.progress_per_step(interval, self.sync_group.rank)
+
+    def plan(self, step: int, last_sync_step: int, device: torch.device):
+        """At the sync after ``step``: one small all-reduce over every rank gives an identical
+        schedule everywhere. Returns (the workers' figures, skip this exchange?, is this the
+        run's last sync?)."""
+        c = self.config
+        now = self.clock()
+        message = asynchronous.schedule_message(
+            self.sync_group.size,
+            self.sync_group.rank,
+            step - last_sync_step,
+            step - self.interval_start_step,
+            now - self.interval_start,
+            step,
+            now - self.train_start,
+        )
+        message = self.sync_group.all_reduce_max_everywhere(message.to(device), self.schedule_group).cpu()
+        schedule = asynchronous.read_schedule(message)
+        self.rate_history.append((schedule.interval_steps, schedule.interval_seconds))
+        del self.rate_history[: -asynchronous.RATE_WINDOW]
+        final = self.final_planned or (
+            self.budget_steps is not None and int(schedule.steps.sum()) >= self.budget_steps
+        )
+        # The run's last sync is never skipped: the workers end with identical models.
+        skip = not final and asynchronous.skip_sync(schedule.steps_since_exchange, c.min_total_global_steps)
+        interval = None
+        if final:
+            self.finished = True
+            self.next_sync_at = None
+            self.progress_scale = 1.0
+        else:
+            rates = asynchronous.smoothed_rates(
+                torch.stack([h[0] for h in self.rate_history]), torch.stack([h[1] for h in self.rate_history])
+            )
+            remaining_seconds = None
+            if c.async_time_budget is not None:
+                remaining_seconds = c.async_time_budget - float(schedule.elapsed.max())
+            interval, self.final_planned = asynchronous.plan(
+                schedule.steps, rates, c.local_sgd_sync_time, self.budget_steps, remaining_seconds
+            )
+            me = self.sync_group.rank
+            self.next_sync_at = step + int(interval[me])
+            self.progress_scale = asynchronous.progress_per_step(interval, me)
+        steps = [int(n) for n in schedule.steps]
+        self.last_sync = SyncPoint(
+            step=step,
+            worker_steps=steps,
+            last_exchange=[n - int(k) for n, k in zip(steps, schedule.steps_since_exchange)] if skip else steps,
+            interval=None if interval is None else [int(n) for n in interval],
+            skipped=skip,
+            final=final,
+        )
+        self.interval_start, self.interval_start_step = self.clock(), step
+        return schedule, skip, final
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, at_sync: bool) -> dict:
+        """The planned next sync and the speeds measured so far; with ``at_sync`` (a checkpoint
+        right after a sync, where Megatron-LM saves) every worker's counters and plan."""
+        return {
+            "next_sync_at": self.next_sync_at,
+            "final_planned": self.final_planned,
+            "progress_scale": self.progress_scale,
+            "rate_history": [(a.clone(), b.clone()) for a, b in self.rate_history],
+            "sync_point": asdict(self.last_sync) if at_sync else None,
+        }
+
+    def load_state_dict(self, state: dict, steps_done: int) -> Optional[SyncPoint]:
+        """Restore :meth:`state_dict`; the clock restarts (time while the job was down is not
+        training time). Returns the saved sync point, whose counters the caller takes."""
+        self.next_sync_at = state.get("next_sync_at")
+        self.final_planned = bool(state.get("final_planned", False))
+        self.progress_scale = float(state.get("progress_scale", 1.0))
+        self.rate_history = list(state.get("rate_history", []))
+        point = state.get("sync_point")
+        point = None if point is None else self._resume_at_sync(SyncPoint(**point))
+        if self.next_sync_at is not None:
+            self.start_clock(point.step if point is not None else steps_done)
+        return point
+
+    def _resume_at_sync(self, point: SyncPoint) -> SyncPoint:
+        """A checkpoint taken right after a sync: this worker's own plan (the record holds
+        worker 0's); ``point.step`` becomes this worker's step count."""
+        me = self.sync_group.rank
+        if len(point.worker_steps) != self.workers:
+            raise ValueError(
+                f"A-EDiT checkpoint state of {len(point.worker_steps)} workers, this run has "
+                f"{self.workers}"
+            )
+        point.step = point.worker_steps[me]
+        self.last_sync = point
+        self.finished = point.final
+        if point.interval is None:
+            self.next_sync_at, self.progress_scale = None, 1.0
+        else:
+            interval = torch.tensor(point.interval, dtype=torch.int64)
+            self.next_sync_at = point.step + point.interval[me]
+            self.progress_scale = asynchronous.progress_per_step(interval, me)
+        return point

@@ -1,0 +1,56 @@
+"""Where one Megatron ``DistributedOptimizer`` sits among the EDiT workers, derived once.
+
+A *worker* is one instance of Megatron's partial distributed optimizer
+(``num_distributed_optimizer_instances``); its ranks (the optimizer's data-parallel group) each
+hold a shard of every bucket's fp32 main parameters, and the ranks holding the same shard in the
+other workers form the sync group (Megatron's inter-instance group). :class:`WorkerLayout` reads
+all of it from the objects the optimizer carries (never ``parallel_state``), once, when the
+controller is built; the controller, the checkpoint and the runtime take it from there
+(``LocalSGD.layout``). Per-buffer shard geometry is :mod:`megatron_edit.mcore.shards`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from . import compat
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    """One distributed optimizer's place among the EDiT workers."""
+
+    worker: int
+    """This rank's worker (Megatron's ``distributed_optimizer_instance_id``)."""
+    num_workers: int
+    """EDiT workers: ``num_distributed_optimizer_instances``."""
+    worker_size: int
+    """Ranks per worker (the shard count): the optimizer's data-parallel group."""
+    intra_rank: int
+    """This rank's shard inside its worker."""
+    dp_group_idx: int
+    """Megatron's ``data_parallel_group_idx``: one per tensor / pipeline slice."""
+    sync_group: Optional[Any] = field(default=None, compare=False)
+    """The ranks holding this rank's shard in every worker (None with one worker)."""
+    shard_group: Optional[Any] = field(default=None, compare=False)
+    """The worker's ranks that share this optimizer's buckets (the first buffer's group)."""
+    tp_group: Optional[Any] = field(default=None, compare=False)
+    """The model's tensor-parallel group."""
+
+    @classmethod
+    def of(cls, optimizer, first_bucket_group=None) -> "WorkerLayout":
+        """``first_bucket_group``: one of the optimizer's bucket groups (its inter-instance
+        group is the sync group); None: the optimizer has no buckets."""
+        workers = int(optimizer.ddp_config.num_distributed_optimizer_instances)
+        inter = compat.inter_instance_group(first_bucket_group) if workers > 1 else None
+        return cls(
+            worker=int(optimizer.distributed_optimizer_instance_id),
+            num_workers=workers,
+            worker_size=optimizer.data_parallel_group.size(),
+            intra_rank=optimizer.data_parallel_group.rank(),
+            dp_group_idx=int(optimizer.data_parallel_group_idx),
+            sync_group=inter,
+            shard_group=optimizer.buffers[0].data_parallel_group if optimizer.buffers else None,
+            tp_group=compat.tensor_parallel_group(optimizer.model_chunks[0]),
+        )
