@@ -4,6 +4,12 @@
 ``extra_args_provider``); ``configs_from_args(args)`` turns a parsed namespace into
 ``(LocalSGDConfig, OuterOptimizerConfig, GTAConfig)``, or None when ``--use-local-sgd`` is off.
 
+The flags of :class:`LocalSGDConfig` and :class:`GTAConfig` and their mapping onto the fields are
+generated from the fields' metadata (:mod:`megatron_edit.flags`); written here by hand are
+``--use-local-sgd`` (no field: it decides whether there are configs at all), the outer
+optimizer's flags (they map onto one dict field, with SGD's defaults), ``sync_timeout``'s
+fallback on ``--distributed-timeout-minutes``, and the refusals below.
+
 A flag that would do nothing is refused here, naming it and the flag it needs: A-EDiT's
 (``--local-sgd-sync-time``, ``--local-sgd-min-total-global-steps``) without
 ``--local-sgd-async``, ``--local-sgd-step-weight-ratio`` without ``--local-sgd-use-step-weight``,
@@ -22,10 +28,6 @@ import sys
 from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from .config import (
-    EXCHANGE_DTYPES,
-    GTA_CONSENSUS,
-    GTA_SPARSIFICATION,
-    SYNC_MODES,
     ConfigError,
     GTAConfig,
     LocalSGDConfig,
@@ -36,6 +38,7 @@ from .config import (
     check_outer_numbers,
     resolve_optimizer_class,
 )
+from .flags import add_flags, config_kwargs, with_default as _d
 
 GROUP_TITLE = "local SGD (EDiT / A-EDiT)"
 
@@ -63,15 +66,6 @@ class Rank0ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _none_or_float(text: str) -> Optional[float]:
-    if text.lower() == "none":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or None, got {text!r}") from None
-
-
 def _json_object(text: str) -> Dict[str, Any]:
     try:
         value = json.loads(text)
@@ -88,79 +82,18 @@ def _json_object(text: str) -> Dict[str, Any]:
     return value
 
 
-def _d(text: str) -> str:
-    """Help text that shows the flag's default (in Megatron's parser too, whose formatter
-    does not add it)."""
-    return text + " (default: %(default)s)"
-
-
 def local_sgd_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the EDiT flags to ``parser`` (one argument group) and return it. A parser that has
     them already is returned as it is (a second call, e.g. from a chained args provider)."""
     if any("--use-local-sgd" in action.option_strings for action in parser._actions):
         return parser
-    d, g = LocalSGDConfig(), GTAConfig()
     group = parser.add_argument_group(title=GROUP_TITLE)
     add = group.add_argument
     add("--use-local-sgd", action="store_true",
         help="Train data-parallel workers locally and sync them every H steps (EDiT).")
-    add("--local-sgd-sync-interval", type=int, default=d.local_sgd_sync_interval,
-        help=_d("H: optimizer steps between outer syncs after warmup."))
-    add("--local-sgd-warmup-steps", type=int, default=d.local_sgd_warmup_steps,
-        help=_d("W: ordinary synchronous steps before local training starts."))
-    add("--local-sgd-sync-mode", choices=SYNC_MODES, default=d.sync_mode,
-        help=_d("layerwise: sync each bucket during the next forward pass (needs "
-                "--overlap-param-gather); step_end: blocking sync after the optimizer step."))
-    add("--local-sgd-async", action="store_true",
-        help="A-EDiT: sync every --local-sgd-sync-time seconds instead of every H steps.")
-    add("--local-sgd-sync-time", type=float, default=d.local_sgd_sync_time,
-        help=_d("A-EDiT (needs --local-sgd-async): seconds of training between syncs."))
-    add("--local-sgd-time-budget", type=_none_or_float, default=d.async_time_budget,
-        help="A-EDiT: end after this many seconds of training after warmup (default: the step "
-             "budget, --train-iters x workers worker-steps).")
-    add("--local-sgd-min-total-global-steps", type=int, default=d.min_total_global_steps,
-        help=_d("A-EDiT (needs --local-sgd-async): skip a sync when all workers together took "
-                "fewer steps since the last one."))
-    add("--local-sgd-use-step-weight", action="store_true",
-        help="A-EDiT (needs --local-sgd-async): blend averaging weights with each worker's "
-             "share of the steps.")
-    add("--local-sgd-step-weight-ratio", type=float, default=d.step_weight_ratio,
-        help=_d("Weight of the step share in that blend (needs --local-sgd-use-step-weight)."))
-    add("--local-sgd-gradient-accumulation-steps", type=int, default=d.gradient_accumulation_steps,
-        help=_d("Must be 1: Megatron accumulates micro-batches itself."))
-    add("--local-sgd-clip-pseudo-grad", type=_none_or_float, default=d.clip_pseudo_grad,
-        help=_d("tau: clip each layer's averaged pseudo-gradient to this L2 norm (None: no "
-                "clipping)."))
-    add("--local-sgd-pseudo-gradnorm-reduce", action="store_true",
-        help="Weight workers by softmax(-pseudo-gradient norm / T) per layer.")
-    add("--local-sgd-weight-softmax-temperature", type=_none_or_float,
-        default=d.weight_softmax_temperature,
-        help=_d("T of those weights, None meaning 1 (needs --local-sgd-pseudo-gradnorm-reduce)."))
-    add("--local-sgd-skip-anomaly", action="store_true",
-        help="Exclude a worker from a layer's average when its pseudo-gradient norm is "
-             "anomalous (EWMA z-score).")
-    add("--local-sgd-ewma-alpha", type=float, default=d.ewma_alpha,
-        help=_d("Smoothing factor of the detector's EWMA statistics (needs "
-                "--local-sgd-skip-anomaly)."))
-    add("--local-sgd-ewma-warmup-steps", type=int, default=d.ewma_warmup_steps,
-        help=_d("Syncs before the detector may exclude anything (needs --local-sgd-skip-anomaly)."))
-    add("--local-sgd-ewma-threshold", type=float, default=d.ewma_threshold,
-        help=_d("z-score above which a worker is excluded (needs --local-sgd-skip-anomaly)."))
-    add("--local-sgd-cpu-offload", action="store_true",
-        help="Keep the anchor and the outer optimizer state in CPU memory.")
-    add("--local-sgd-debug", action="store_true",
-        help="Log every sync on every rank (through Python logging, logger 'megatron_edit', "
-             "level INFO).")
-    add("--local-sgd-exchange-dtype", choices=EXCHANGE_DTYPES, default=d.exchange_dtype,
-        help=_d("Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of "
-                "fp32, int4: 0.13x)."))
-    add("--local-sgd-exchange-block-size", type=int, default=d.exchange_block_size,
-        help=_d("Elements per quantization scale (needs --local-sgd-exchange-dtype fp8|int8|int4)."))
-    add("--local-sgd-exchange-error-feedback", action="store_true",
-        help="Add what quantization dropped to the next sync's pseudo-gradient.")
-    add("--local-sgd-sync-timeout", type=float, default=None,
-        help="Seconds a worker waits at a sync for the others before the run stops naming the "
-             "missing worker (default: --distributed-timeout-minutes).")
+    add_flags(group, LocalSGDConfig)  # from the fields' metadata (megatron_edit.flags)
+    # The outer optimizer's flags map onto one dict field (outer_optim_kwargs, with SGD's
+    # defaults and refusals: _outer_kwargs), so they are declared here by hand.
     add("--outer-optimizer", default="sgd",
         help=_d("Outer optimizer: sgd, adam, adamw or a dotted class path."))
     add("--outer-optimizer-lr", type=float, default=None,
@@ -175,18 +108,7 @@ def local_sgd_args_provider(parser: argparse.ArgumentParser) -> argparse.Argumen
     add("--outer-optimizer-kwargs", type=_json_object, default=None,
         help="More keyword arguments of the outer optimizer as a JSON object, e.g. "
              "'{\"betas\": [0.9, 0.95]}' (default: none). A key set by a flag above is refused.")
-    add("--local-sgd-reducer", choices=("linear", "gta"), default=g.reducer,
-        help=_d("linear: (weighted) mean of the pseudo-gradients; gta: generalized task "
-                "arithmetic."))
-    add("--gta-consensus-method", choices=GTA_CONSENSUS, default=g.consensus_method,
-        help=_d("GTA sign consensus (needs --local-sgd-reducer gta)."))
-    add("--gta-sparsification-method", choices=GTA_SPARSIFICATION, default=g.sparsification_method,
-        help=_d("GTA sparsification (needs --local-sgd-reducer gta)."))
-    add("--gta-normalize", action=argparse.BooleanOptionalAction, default=g.normalize,
-        help=_d("GTA: divide by the weight of the workers that kept each entry."))
-    add("--gta-density", type=float, default=g.density,
-        help=_d("GTA: fraction of entries kept by sparsification, in (0, 1]."))
-    add("--gta-int8-mask", action="store_true", help="GTA: masks as int8 (less memory, traffic).")
+    add_flags(group, GTAConfig)
     return parser
 
 
@@ -324,39 +246,10 @@ def _checked_namespace(args: argparse.Namespace) -> bool:
 
 
 def _local_and_gta(args: argparse.Namespace) -> Tuple[LocalSGDConfig, GTAConfig]:
-    local = LocalSGDConfig(
-        use_async=args.local_sgd_async,
-        local_sgd_sync_interval=args.local_sgd_sync_interval,
-        local_sgd_sync_time=args.local_sgd_sync_time,
-        min_total_global_steps=args.local_sgd_min_total_global_steps,
-        async_time_budget=args.local_sgd_time_budget,
-        use_step_weight=args.local_sgd_use_step_weight,
-        step_weight_ratio=args.local_sgd_step_weight_ratio,
-        local_sgd_warmup_steps=args.local_sgd_warmup_steps,
-        gradient_accumulation_steps=args.local_sgd_gradient_accumulation_steps,
-        clip_pseudo_grad=args.local_sgd_clip_pseudo_grad,
-        pseudo_gradnorm_reduce=args.local_sgd_pseudo_gradnorm_reduce,
-        weight_softmax_temperature=args.local_sgd_weight_softmax_temperature,
-        skip_anomaly=args.local_sgd_skip_anomaly,
-        ewma_alpha=args.local_sgd_ewma_alpha,
-        ewma_warmup_steps=args.local_sgd_ewma_warmup_steps,
-        ewma_threshold=args.local_sgd_ewma_threshold,
-        cpu_offload=args.local_sgd_cpu_offload,
-        is_debug=args.local_sgd_debug,
-        sync_mode=args.local_sgd_sync_mode,
-        exchange_dtype=args.local_sgd_exchange_dtype,
-        exchange_block_size=args.local_sgd_exchange_block_size,
-        exchange_error_feedback=args.local_sgd_exchange_error_feedback,
-        sync_timeout=_sync_timeout(args),
-    )
-    gta = GTAConfig(
-        reducer=args.local_sgd_reducer,
-        consensus_method=args.gta_consensus_method,
-        sparsification_method=args.gta_sparsification_method,
-        normalize=args.gta_normalize,
-        density=args.gta_density,
-        int8_mask=args.gta_int8_mask,
-    )
+    """Each field from its flag (megatron_edit.flags.config_kwargs), but one: ``sync_timeout``
+    falls back on Megatron-LM's ``--distributed-timeout-minutes`` (:func:`_sync_timeout`)."""
+    local = LocalSGDConfig(**{**config_kwargs(LocalSGDConfig, args), "sync_timeout": _sync_timeout(args)})
+    gta = GTAConfig(**config_kwargs(GTAConfig, args))
     check_combination(local, gta)
     return local, gta
 

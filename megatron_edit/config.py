@@ -28,8 +28,10 @@ import importlib
 import inspect
 import math
 import numbers
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Optional, Type, Union
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Type, Union
+
+from .flags import documented, field_docs, flag, flag_names  # noqa: F401 (field_docs: re-exported)
 
 
 class ConfigError(ValueError):
@@ -38,42 +40,6 @@ class ConfigError(ValueError):
 
 class NotSupportedYet(ConfigError):
     """An EDiT option that is valid but whose behaviour is not implemented in this version."""
-
-
-# Field name -> Megatron-style command-line flag, so errors name what the user typed.
-FLAG_NAMES: Dict[str, str] = {
-    "use_async": "--local-sgd-async",
-    "local_sgd_sync_interval": "--local-sgd-sync-interval",
-    "local_sgd_sync_time": "--local-sgd-sync-time",
-    "min_total_global_steps": "--local-sgd-min-total-global-steps",
-    "async_time_budget": "--local-sgd-time-budget",
-    "use_step_weight": "--local-sgd-use-step-weight",
-    "step_weight_ratio": "--local-sgd-step-weight-ratio",
-    "local_sgd_warmup_steps": "--local-sgd-warmup-steps",
-    "gradient_accumulation_steps": "--local-sgd-gradient-accumulation-steps",
-    "clip_pseudo_grad": "--local-sgd-clip-pseudo-grad",
-    "pseudo_gradnorm_reduce": "--local-sgd-pseudo-gradnorm-reduce",
-    "weight_softmax_temperature": "--local-sgd-weight-softmax-temperature",
-    "skip_anomaly": "--local-sgd-skip-anomaly",
-    "ewma_alpha": "--local-sgd-ewma-alpha",
-    "ewma_warmup_steps": "--local-sgd-ewma-warmup-steps",
-    "ewma_threshold": "--local-sgd-ewma-threshold",
-    "cpu_offload": "--local-sgd-cpu-offload",
-    "is_debug": "--local-sgd-debug",
-    "sync_mode": "--local-sgd-sync-mode",
-    "exchange_dtype": "--local-sgd-exchange-dtype",
-    "exchange_block_size": "--local-sgd-exchange-block-size",
-    "exchange_error_feedback": "--local-sgd-exchange-error-feedback",
-    "sync_timeout": "--local-sgd-sync-timeout",
-    "outer_optim_class": "--outer-optimizer",
-    "outer_optim_kwargs": "--outer-optimizer-lr / --outer-optimizer-momentum / --outer-optimizer-kwargs",
-    "reducer": "--local-sgd-reducer",
-    "consensus_method": "--gta-consensus-method",
-    "sparsification_method": "--gta-sparsification-method",
-    "normalize": "--gta-normalize",
-    "density": "--gta-density",
-    "int8_mask": "--gta-int8-mask",
-}
 
 
 def _name(field_name: str) -> str:
@@ -97,289 +63,239 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     """A finite real number, not a bool and not a string."""
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _got(value) -> str:
     return f"got {value!r}, a {type(value).__name__}" if not isinstance(value, (int, float)) else f"got {value!r}"
 
 
-def _check_types(cfg, bools: Iterable[str] = (), ints: Iterable[str] = (),
-                 numbers_: Iterable[str] = (), optional_numbers: Iterable[str] = ()) -> None:
-    """Types first, so a range check never meets a string (which would raise a bare TypeError)."""
-    for name in bools:
-        value = getattr(cfg, name)
-        _require(_is_bool(value), name,
-                 f"must be True or False ({_got(value)}); a string such as 'no' is not a boolean.")
-    for name in ints:
-        value = getattr(cfg, name)
-        _require(_is_int(value), name, f"must be an integer ({_got(value)}).")
-    for name in numbers_:
-        value = getattr(cfg, name)
-        _require(_is_number(value), name, f"must be a finite number ({_got(value)}).")
-    for name in optional_numbers:
-        value = getattr(cfg, name)
-        _require(value is None or _is_number(value), name,
-                 f"must be a finite number or None ({_got(value)}).")
+# What _check_types checks a field's value for, by its annotation (a str field is checked
+# against its choices by its class).
+_KINDS = {"bool": "bool", "int": "int", "float": "number", "Optional[float]": "optional number"}
+
+
+def _check_types(cfg) -> None:
+    """Types first, so a range check never meets a string (which would raise a bare TypeError):
+    booleans, integers, numbers, then optional numbers, each in field order."""
+    kinds = {f.name: _KINDS.get(f.type) for f in dataclasses.fields(cfg)}  # f.type: a string
+    for kind in _KINDS.values():
+        for name in (n for n, k in kinds.items() if k == kind):
+            value = getattr(cfg, name)
+            if kind == "bool":
+                _require(_is_bool(value), name,
+                         f"must be True or False ({_got(value)}); a string such as 'no' is not a boolean.")
+            elif kind == "int":
+                _require(_is_int(value), name, f"must be an integer ({_got(value)}).")
+            elif kind == "number":
+                _require(_is_number(value), name, f"must be a finite number ({_got(value)}).")
+            else:
+                _require(value is None or _is_number(value), name,
+                         f"must be a finite number or None ({_got(value)}).")
 
 
 SYNC_MODES = ("layerwise", "step_end")
 EXCHANGE_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4")
 
 
-def field_docs(cls) -> Dict[str, str]:
-    """{field: its docstring} of a config dataclass, read from the class's source (the string
-    after each field), for ``help()``, IDEs and the documentation's configuration reference."""
-    import ast
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = inspect.cleandoc(after.value.value)
-    return docs
-
-
-def _documented(cls):
-    """The class docstring gains every field: name, flag, default and its documentation (the
-    strings under the fields are invisible to ``help()`` otherwise)."""
-    docs = field_docs(cls)
-    lines = [inspect.cleandoc(cls.__doc__ or cls.__name__), "", "Fields:", ""]
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            default = repr(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            default = repr(f.default_factory())
-        else:
-            default = "required"
-        flag = FLAG_NAMES.get(f.name)
-        lines.append(f"{f.name} = {default}" + (f"  ({flag})" if flag else ""))
-        lines.extend("    " + line for line in docs.get(f.name, "(undocumented)").splitlines())
-        lines.append("")
-    cls.__doc__ = "\n".join(lines).rstrip() + "\n"
-    return cls
-
-
-@_documented
+@documented
 @dataclass
 class LocalSGDConfig:
     """When and how data-parallel workers synchronise (EDiT / A-EDiT)."""
 
-    use_async: bool = False
+    use_async: bool = flag("--local-sgd-async", False,
+                           help="A-EDiT: sync every --local-sgd-sync-time seconds instead of every H steps.")
     """A-EDiT: synchronise every ``local_sgd_sync_time`` seconds instead of every
     ``local_sgd_sync_interval`` steps, so fast workers are not held back by slow ones."""
 
-    local_sgd_sync_interval: int = 1
+    local_sgd_sync_interval: int = flag("--local-sgd-sync-interval", 1, first=True,
+                                        help="H: optimizer steps between outer syncs after warmup.")
     """H: inner (optimizer) steps between two outer synchronisations after warmup."""
 
-    local_sgd_sync_time: float = 600.0
+    local_sgd_sync_time: float = flag(
+        "--local-sgd-sync-time", 600.0,
+        help="A-EDiT (needs --local-sgd-async): seconds of training between syncs.")
     """A-EDiT only: seconds of training between two synchronisations."""
 
-    async_time_budget: Optional[float] = None
+    async_time_budget: Optional[float] = flag(
+        "--local-sgd-time-budget", None, show_default=False,
+        help="A-EDiT: end after this many seconds of training after warmup (default: the step "
+             "budget, --train-iters x workers worker-steps).")
     """A-EDiT only: end the run after this many seconds of training after warmup (at a final
     sync planned from the workers' speeds), instead of when the step budget is used."""
 
-    min_total_global_steps: int = 100
+    min_total_global_steps: int = flag(
+        "--local-sgd-min-total-global-steps", 100,
+        help="A-EDiT (needs --local-sgd-async): skip a sync when all workers together took "
+             "fewer steps since the last one.")
     """A-EDiT only: skip a time-triggered sync when all workers together took fewer steps than
     this since the last one."""
 
-    use_step_weight: bool = False
+    use_step_weight: bool = flag(
+        "--local-sgd-use-step-weight", False,
+        help="A-EDiT (needs --local-sgd-async): blend averaging weights with each worker's "
+             "share of the steps.")
     """A-EDiT only: blend the averaging weights with each worker's share of the steps since the
     last sync."""
 
-    step_weight_ratio: float = 0.5
+    step_weight_ratio: float = flag(
+        "--local-sgd-step-weight-ratio", 0.5,
+        help="Weight of the step share in that blend (needs --local-sgd-use-step-weight).")
     """A-EDiT only: weight of the step share in that blend (0 = norm weights only, 1 = step
     share only)."""
 
-    local_sgd_warmup_steps: int = 0
+    local_sgd_warmup_steps: int = flag("--local-sgd-warmup-steps", 0, first=True,
+                                       help="W: ordinary synchronous steps before local training starts.")
     """W: the first W steps are ordinary synchronous data-parallel training; the anchor of the
     first outer step is the model after step W."""
 
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = flag("--local-sgd-gradient-accumulation-steps", 1,
+                                            help="Must be 1: Megatron accumulates micro-batches itself.")
     """Kept for compatibility with the reference implementation. Megatron accumulates
     micro-batches itself (``--global-batch-size`` / ``--micro-batch-size``) and EDiT counts
     optimizer steps, so this must stay 1."""
 
-    clip_pseudo_grad: Optional[float] = None
+    clip_pseudo_grad: Optional[float] = flag(
+        "--local-sgd-clip-pseudo-grad", None,
+        help="tau: clip each layer's averaged pseudo-gradient to this L2 norm (None: no clipping).")
     """tau: clip each layer's averaged pseudo-gradient to this L2 norm (None: no clipping)."""
 
-    pseudo_gradnorm_reduce: bool = False
+    pseudo_gradnorm_reduce: bool = flag(
+        "--local-sgd-pseudo-gradnorm-reduce", False,
+        help="Weight workers by softmax(-pseudo-gradient norm / T) per layer.")
     """Weighted averaging: weights softmax(-||Delta_i|| / T) over workers instead of the mean."""
 
-    weight_softmax_temperature: Optional[float] = None
+    weight_softmax_temperature: Optional[float] = flag(
+        "--local-sgd-weight-softmax-temperature", None,
+        help="T of those weights, None meaning 1 (needs --local-sgd-pseudo-gradnorm-reduce).")
     """T of the softmax weights (None: 1.0)."""
 
-    skip_anomaly: bool = False
+    skip_anomaly: bool = flag("--local-sgd-skip-anomaly", False,
+                              help="Exclude a worker from a layer's average when its pseudo-gradient "
+                                   "norm is anomalous (EWMA z-score).")
     """Anomaly elimination: exclude a worker's pseudo-gradient for a layer when the z-score of
     its norm against its running (EWMA) statistics exceeds ``ewma_threshold``."""
 
-    ewma_alpha: float = 0.02
+    ewma_alpha: float = flag(
+        "--local-sgd-ewma-alpha", 0.02,
+        help="Smoothing factor of the detector's EWMA statistics (needs --local-sgd-skip-anomaly).")
     """Smoothing factor of the EWMA mean/variance of pseudo-gradient norms."""
 
-    ewma_warmup_steps: int = 120
+    ewma_warmup_steps: int = flag(
+        "--local-sgd-ewma-warmup-steps", 120,
+        help="Syncs before the detector may exclude anything (needs --local-sgd-skip-anomaly).")
     """Number of syncs before the anomaly detector may exclude anything."""
 
-    ewma_threshold: float = 3.0
+    ewma_threshold: float = flag(
+        "--local-sgd-ewma-threshold", 3.0,
+        help="z-score above which a worker is excluded (needs --local-sgd-skip-anomaly).")
     """z-score above which a worker's pseudo-gradient is anomalous."""
 
-    cpu_offload: bool = False
+    cpu_offload: bool = flag("--local-sgd-cpu-offload", False,
+                             help="Keep the anchor and the outer optimizer state in CPU memory.")
     """Keep the anchor and the outer optimizer state in (pinned, where CUDA is present) CPU
     memory instead of device memory."""
 
-    is_debug: bool = False
+    is_debug: bool = flag(
+        "--local-sgd-debug", False,
+        help="Log every sync on every rank (through Python logging, logger 'megatron_edit', level INFO).")
     """Log every sync decision on every rank (verbose)."""
 
-    sync_mode: str = "layerwise"
+    sync_mode: str = flag("--local-sgd-sync-mode", "layerwise", choices=SYNC_MODES, first=True,
+                          help="layerwise: sync each bucket during the next forward pass (needs "
+                          "--overlap-param-gather); step_end: blocking sync after the optimizer step.")
     """``layerwise``: each bucket's exchange runs just before its parameters are all-gathered in
     the next forward pass, overlapped with compute (needs ``overlap_param_gather``).
     ``step_end``: one blocking exchange of all buckets right after the optimizer step. Both
     compute the same numbers."""
 
-    exchange_dtype: str = "fp32"
+    exchange_dtype: str = flag(
+        "--local-sgd-exchange-dtype", "fp32", choices=EXCHANGE_DTYPES,
+        help="Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of "
+             "fp32, int4: 0.13x).")
     """Format of the pseudo-gradients sent between workers: ``fp32`` (exact), ``bf16``, ``fp8``
     (e4m3), ``int8`` or ``int4`` with one fp32 scale per block of ``exchange_block_size``
     elements. Not fp32: a reduce-scatter of quantized chunks, a sum in fp32, and an all-gather
     of the requantized result (int8: 0.25x the bytes of fp32, int4: 0.13x); every worker applies
     the same bytes."""
 
-    exchange_block_size: int = 256
+    exchange_block_size: int = flag(
+        "--local-sgd-exchange-block-size", 256,
+        help="Elements per quantization scale (needs --local-sgd-exchange-dtype fp8|int8|int4).")
     """Elements per quantization scale (fp8 / int8 / int4): smaller blocks follow the values'
     range more closely and cost 4 bytes of scale each."""
 
-    exchange_error_feedback: bool = False
+    exchange_error_feedback: bool = flag(
+        "--local-sgd-exchange-error-feedback", False,
+        help="Add what quantization dropped to the next sync's pseudo-gradient.")
     """Keep what quantization dropped and add it to the next sync's pseudo-gradient (a residual
     sharded like the anchor, 4 bytes x params / shard size, saved in checkpoints)."""
 
-    sync_timeout: Optional[float] = None
+    sync_timeout: Optional[float] = flag(
+        # type=float: "none" is refused, as it always was (None is the default, not a setting).
+        "--local-sgd-sync-timeout", None, type=float, show_default=False,
+        help="Seconds a worker waits at a sync for the others before the run stops naming the "
+             "missing worker (default: --distributed-timeout-minutes).")
     """Seconds a worker waits at a sync for the others before the run stops with an error that
     names the missing worker(s) and the step (a hung, dead or far too slow worker); every
     minute of waiting is logged. None: the process group's timeout (Megatron-LM:
     ``--distributed-timeout-minutes``; torch's default otherwise)."""
 
     def __post_init__(self) -> None:
-        _check_types(
-            self,
-            bools=("use_async", "use_step_weight", "pseudo_gradnorm_reduce", "skip_anomaly",
-                   "cpu_offload", "is_debug", "exchange_error_feedback"),
-            ints=("local_sgd_sync_interval", "local_sgd_warmup_steps", "gradient_accumulation_steps",
-                  "min_total_global_steps", "ewma_warmup_steps", "exchange_block_size"),
-            numbers_=("local_sgd_sync_time", "step_weight_ratio", "ewma_alpha", "ewma_threshold"),
-            optional_numbers=("clip_pseudo_grad", "weight_softmax_temperature", "async_time_budget", "sync_timeout"),
-        )
-        _require(
-            self.local_sgd_sync_interval >= 1,
-            "local_sgd_sync_interval",
-            f"must be an integer >= 1 (got {self.local_sgd_sync_interval!r}); "
-            "1 synchronises after every step.",
-        )
-        _require(
-            self.local_sgd_warmup_steps >= 0,
-            "local_sgd_warmup_steps",
-            f"must be an integer >= 0 (got {self.local_sgd_warmup_steps!r}).",
-        )
-        _require(
-            self.gradient_accumulation_steps == 1,
-            "gradient_accumulation_steps",
-            f"must be 1 (got {self.gradient_accumulation_steps!r}): Megatron accumulates "
-            "micro-batches itself; set --global-batch-size / --micro-batch-size instead.",
-        )
-        _require(
-            self.local_sgd_sync_time > 0,
-            "local_sgd_sync_time",
-            f"must be a positive number of seconds (got {self.local_sgd_sync_time!r}).",
-        )
-        _require(
-            self.async_time_budget is None or self.async_time_budget > 0,
-            "async_time_budget",
-            f"must be a positive number of seconds or None (got {self.async_time_budget!r}).",
-        )
+        _check_types(self)
+        _require(self.local_sgd_sync_interval >= 1, "local_sgd_sync_interval",
+                 f"must be an integer >= 1 (got {self.local_sgd_sync_interval!r}); "
+                 "1 synchronises after every step.")
+        _require(self.local_sgd_warmup_steps >= 0, "local_sgd_warmup_steps",
+                 f"must be an integer >= 0 (got {self.local_sgd_warmup_steps!r}).")
+        _require(self.gradient_accumulation_steps == 1, "gradient_accumulation_steps",
+                 f"must be 1 (got {self.gradient_accumulation_steps!r}): Megatron accumulates "
+                 "micro-batches itself; set --global-batch-size / --micro-batch-size instead.")
+        _require(self.local_sgd_sync_time > 0, "local_sgd_sync_time",
+                 f"must be a positive number of seconds (got {self.local_sgd_sync_time!r}).")
+        _require(self.async_time_budget is None or self.async_time_budget > 0, "async_time_budget",
+                 f"must be a positive number of seconds or None (got {self.async_time_budget!r}).")
         if self.async_time_budget is not None and not self.use_async:
             raise ConfigError(
                 f"{_name('async_time_budget')}: a wall-clock budget is A-EDiT's; add "
-                f"{FLAG_NAMES['use_async']} (synchronous EDiT ends at --train-iters)."
-            )
-        _require(
-            self.sync_timeout is None or self.sync_timeout > 0,
-            "sync_timeout",
-            f"must be a positive number of seconds or None (got {self.sync_timeout!r}).",
-        )
-        _require(
-            self.min_total_global_steps >= 0,
-            "min_total_global_steps",
-            f"must be an integer >= 0 (got {self.min_total_global_steps!r}).",
-        )
-        _require(
-            0.0 <= self.step_weight_ratio <= 1.0,
-            "step_weight_ratio",
-            f"must be in [0, 1] (got {self.step_weight_ratio!r}).",
-        )
-        _require(
-            self.clip_pseudo_grad is None or self.clip_pseudo_grad > 0,
-            "clip_pseudo_grad",
-            f"must be a positive norm or None (got {self.clip_pseudo_grad!r}).",
-        )
-        _require(
-            self.weight_softmax_temperature is None or self.weight_softmax_temperature > 0,
-            "weight_softmax_temperature",
-            f"must be > 0 or None (got {self.weight_softmax_temperature!r}).",
-        )
-        _require(
-            0.0 < self.ewma_alpha <= 1.0,
-            "ewma_alpha",
-            f"must be in (0, 1] (got {self.ewma_alpha!r}).",
-        )
-        _require(
-            self.ewma_warmup_steps >= 0,
-            "ewma_warmup_steps",
-            f"must be an integer >= 0 (got {self.ewma_warmup_steps!r}).",
-        )
-        _require(
-            self.ewma_threshold > 0, "ewma_threshold", f"must be > 0 (got {self.ewma_threshold!r})."
-        )
-        _require(
-            isinstance(self.sync_mode, str) and self.sync_mode in SYNC_MODES,
-            "sync_mode",
-            f"must be one of {SYNC_MODES} (got {self.sync_mode!r}).",
-        )
-        _require(
-            self.exchange_dtype in EXCHANGE_DTYPES,
-            "exchange_dtype",
-            f"must be one of {EXCHANGE_DTYPES} (got {self.exchange_dtype!r}).",
-        )
-        _require(
-            isinstance(self.exchange_block_size, int) and not isinstance(self.exchange_block_size, bool)
-            and self.exchange_block_size >= 2 and self.exchange_block_size % 2 == 0,
-            "exchange_block_size",
-            f"must be an even integer >= 2 (got {self.exchange_block_size!r}); 256 is the default.",
-        )
+                f"{FLAG_NAMES['use_async']} (synchronous EDiT ends at --train-iters).")
+        _require(self.sync_timeout is None or self.sync_timeout > 0, "sync_timeout",
+                 f"must be a positive number of seconds or None (got {self.sync_timeout!r}).")
+        _require(self.min_total_global_steps >= 0, "min_total_global_steps",
+                 f"must be an integer >= 0 (got {self.min_total_global_steps!r}).")
+        _require(0.0 <= self.step_weight_ratio <= 1.0, "step_weight_ratio",
+                 f"must be in [0, 1] (got {self.step_weight_ratio!r}).")
+        _require(self.clip_pseudo_grad is None or self.clip_pseudo_grad > 0, "clip_pseudo_grad",
+                 f"must be a positive norm or None (got {self.clip_pseudo_grad!r}).")
+        _require(self.weight_softmax_temperature is None or self.weight_softmax_temperature > 0,
+                 "weight_softmax_temperature", f"must be > 0 or None (got {self.weight_softmax_temperature!r}).")
+        _require(0.0 < self.ewma_alpha <= 1.0, "ewma_alpha", f"must be in (0, 1] (got {self.ewma_alpha!r}).")
+        _require(self.ewma_warmup_steps >= 0, "ewma_warmup_steps",
+                 f"must be an integer >= 0 (got {self.ewma_warmup_steps!r}).")
+        _require(self.ewma_threshold > 0, "ewma_threshold", f"must be > 0 (got {self.ewma_threshold!r}).")
+        _require(isinstance(self.sync_mode, str) and self.sync_mode in SYNC_MODES, "sync_mode",
+                 f"must be one of {SYNC_MODES} (got {self.sync_mode!r}).")
+        _require(self.exchange_dtype in EXCHANGE_DTYPES, "exchange_dtype",
+                 f"must be one of {EXCHANGE_DTYPES} (got {self.exchange_dtype!r}).")
+        _require(self.exchange_block_size >= 2 and self.exchange_block_size % 2 == 0, "exchange_block_size",
+                 f"must be an even integer >= 2 (got {self.exchange_block_size!r}); 256 is the default.")
         if self.exchange_block_size != 256 and self.exchange_dtype in ("fp32", "bf16"):
             raise ConfigError(
                 f"{_name('exchange_block_size')}: only used by the scaled formats (fp8, int8, "
-                f"int4); {FLAG_NAMES['exchange_dtype']} is {self.exchange_dtype}."
-            )
+                f"int4); {FLAG_NAMES['exchange_dtype']} is {self.exchange_dtype}.")
         if self.exchange_error_feedback and self.exchange_dtype == "fp32":
             raise ConfigError(
                 f"{_name('exchange_error_feedback')}: an fp32 exchange drops nothing; add "
-                f"{FLAG_NAMES['exchange_dtype']} bf16|fp8|int8|int4 or drop the flag."
-            )
+                f"{FLAG_NAMES['exchange_dtype']} bf16|fp8|int8|int4 or drop the flag.")
         # Valid, but not built in this version: refuse rather than ignore.
         if self.use_step_weight and not self.use_async:
             raise ConfigError(
                 f"{_name('use_step_weight')}: step weights only make sense when workers take "
-                f"different numbers of steps; add {FLAG_NAMES['use_async']}."
-            )
+                f"different numbers of steps; add {FLAG_NAMES['use_async']}.")
         if self.weight_softmax_temperature is not None and not self.pseudo_gradnorm_reduce:
             raise ConfigError(
                 f"{_name('weight_softmax_temperature')}: only used with norm-weighted averaging; "
-                f"add {FLAG_NAMES['pseudo_gradnorm_reduce']}."
-            )
+                f"add {FLAG_NAMES['pseudo_gradnorm_reduce']}.")
 
 
 # The paper's outer optimizer (Nesterov SGD), the default of OuterOptimizerConfig.
@@ -485,16 +401,18 @@ def _is_tensor(value) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "dim")
 
 
-@_documented
+@documented
 @dataclass
 class OuterOptimizerConfig:
     """The outer optimizer: steps the anchor with the averaged pseudo-gradient as its gradient."""
 
-    outer_optim_class: Union[str, type] = "torch.optim.SGD"
+    outer_optim_class: Union[str, type] = flag("--outer-optimizer", "torch.optim.SGD", by_hand=True)
     """Any torch optimizer class, as a class, a dotted path, or one of ``sgd``, ``adam``,
     ``adamw``. SGD with lr 1 and no momentum is plain parameter averaging."""
 
-    outer_optim_kwargs: Dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_OUTER_KWARGS))
+    outer_optim_kwargs: Dict[str, Any] = flag(
+        "--outer-optimizer-lr / --outer-optimizer-momentum / --outer-optimizer-kwargs", by_hand=True,
+        default_factory=lambda: dict(DEFAULT_OUTER_KWARGS))
     """Keyword arguments of the outer optimizer's constructor (default: the paper's Nesterov
     SGD, lr 0.7, momentum 0.9)."""
 
@@ -513,55 +431,52 @@ class OuterOptimizerConfig:
         return resolve_optimizer_class(self.outer_optim_class)
 
 
+REDUCERS = ("linear", "gta")
 GTA_CONSENSUS = ("sum", "count")
 GTA_SPARSIFICATION = ("magnitude", "random", "rescaled_random")
 
 
-@_documented
+@documented
 @dataclass
 class GTAConfig:
     """The reducer that turns the workers' pseudo-gradients into one."""
 
-    reducer: str = "linear"
+    reducer: str = flag(
+        "--local-sgd-reducer", "linear", choices=REDUCERS,
+        help="linear: (weighted) mean of the pseudo-gradients; gta: generalized task arithmetic.")
     """``linear``: (weighted) mean. ``gta``: generalized task arithmetic (sparsify, sign
     consensus, mean of the agreeing entries)."""
 
-    consensus_method: Optional[str] = None
+    consensus_method: Optional[str] = flag("--gta-consensus-method", None, choices=GTA_CONSENSUS,
+                                           help="GTA sign consensus (needs --local-sgd-reducer gta).")
     """GTA: ``sum`` (sign of the sum) or ``count`` (sign of the sum of signs); None: no sign
     consensus."""
 
-    sparsification_method: Optional[str] = None
+    sparsification_method: Optional[str] = flag(
+        "--gta-sparsification-method", None, choices=GTA_SPARSIFICATION,
+        help="GTA sparsification (needs --local-sgd-reducer gta).")
     """GTA: ``magnitude``, ``random`` or ``rescaled_random``; None: no sparsification."""
 
-    normalize: bool = True
+    normalize: bool = flag(
+        "--gta-normalize", True, help="GTA: divide by the weight of the workers that kept each entry.")
     """GTA: divide by the number (weight) of entries kept instead of the number of workers."""
 
-    density: float = 1.0
+    density: float = flag(
+        "--gta-density", 1.0, help="GTA: fraction of entries kept by sparsification, in (0, 1].")
     """GTA: fraction of entries kept by sparsification, in (0, 1]."""
 
-    int8_mask: bool = False
+    int8_mask: bool = flag("--gta-int8-mask", False, help="GTA: masks as int8 (less memory, traffic).")
     """GTA: keep masks as int8 instead of the pseudo-gradient's dtype (memory)."""
 
     def __post_init__(self) -> None:
-        _check_types(self, bools=("normalize", "int8_mask"), numbers_=("density",))
-        _require(
-            isinstance(self.reducer, str) and self.reducer in ("linear", "gta"),
-            "reducer",
-            f"must be 'linear' or 'gta' (got {self.reducer!r}).",
-        )
-        _require(
-            self.consensus_method in (None,) + GTA_CONSENSUS,
-            "consensus_method",
-            f"must be one of {GTA_CONSENSUS} or None (got {self.consensus_method!r}).",
-        )
-        _require(
-            self.sparsification_method in (None,) + GTA_SPARSIFICATION,
-            "sparsification_method",
-            f"must be one of {GTA_SPARSIFICATION} or None (got {self.sparsification_method!r}).",
-        )
-        _require(
-            0.0 < self.density <= 1.0, "density", f"must be in (0, 1] (got {self.density!r})."
-        )
+        _check_types(self)
+        _require(isinstance(self.reducer, str) and self.reducer in REDUCERS, "reducer",
+                 f"must be 'linear' or 'gta' (got {self.reducer!r}).")
+        _require(self.consensus_method in (None,) + GTA_CONSENSUS, "consensus_method",
+                 f"must be one of {GTA_CONSENSUS} or None (got {self.consensus_method!r}).")
+        _require(self.sparsification_method in (None,) + GTA_SPARSIFICATION, "sparsification_method",
+                 f"must be one of {GTA_SPARSIFICATION} or None (got {self.sparsification_method!r}).")
+        _require(0.0 < self.density <= 1.0, "density", f"must be in (0, 1] (got {self.density!r}).")
         if self.reducer != "gta":
             for name in ("consensus_method", "sparsification_method"):
                 if getattr(self, name) is not None:
@@ -578,6 +493,11 @@ class GTAConfig:
                 f"{_name('density')}: density < 1 needs a sparsification method "
                 f"({FLAG_NAMES['sparsification_method']} magnitude|random|rescaled_random)."
             )
+
+
+# Field -> Megatron-style command-line flag, so errors name what the user typed; from the
+# fields' metadata (megatron_edit.flags.flag).
+FLAG_NAMES: Dict[str, str] = flag_names(LocalSGDConfig, OuterOptimizerConfig, GTAConfig)
 
 
 def replace(cfg, **changes):

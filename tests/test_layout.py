@@ -16,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_edit"
 
-LAYERS = {"config": 0, "arguments": 0, "algorithm": 1, "exchange": 2, "mcore": 3, "cpu": 4, "training": 5}
+LAYERS = {"config": 0, "arguments": 0, "flags": 0, "algorithm": 1, "exchange": 2, "mcore": 3, "cpu": 4, "training": 5}
 ENTRY = 6  # api, launch, patches, __init__ and the old-path alias training_patches
 
 
