@@ -17,7 +17,7 @@ from .mcore.compat import SUPPORTED, TESTED, megatron_core_version
 from .mcore.controller import LocalSGD
 from .mcore.patches import build_registry
 from .mcore.patching import PatchError, PatchRegistry, version_tuple
-from .mcore.runtime import LocalSGDRuntime, get_local_sgd as _get
+from .mcore.runtime import Configs, LocalSGDRuntime, get_local_sgd as _get
 from .mcore.session import SESSION
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def _keep_live_runtime(local_sgd_config, outer_optim_config, gta_config) -> None
     runtime = SESSION.runtime
     wanted = None
     if local_sgd_config is not None:
-        wanted = (local_sgd_config, outer_optim_config or OuterOptimizerConfig(), gta_config or GTAConfig())
+        wanted = Configs(local_sgd_config, outer_optim_config or OuterOptimizerConfig(), gta_config or GTAConfig())
     if wanted is None or wanted == runtime.configs:
         return
     raise RuntimeError(

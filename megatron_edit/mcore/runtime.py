@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import weakref
 from contextlib import contextmanager
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
@@ -22,6 +22,15 @@ from .checks import check_megatron_options, check_optimizer_options, check_worke
 from .controller import LocalSGD
 
 logger = logging.getLogger(__name__)
+
+
+class Configs(NamedTuple):
+    """The three configs of one EDiT run, as one typed bundle (a tuple: ``local, outer, gta =
+    configs`` unpacks it, and it compares equal to the plain tuple of the same configs)."""
+
+    local: LocalSGDConfig
+    outer: OuterOptimizerConfig
+    gta: GTAConfig
 
 
 class LocalSGDRuntime:
@@ -35,16 +44,16 @@ class LocalSGDRuntime:
         configs_from: Optional[Callable[[], Optional[tuple]]] = None,
     ):
         """Either the configs, or ``configs_from``: a callable returning them (or None when
-        local SGD is off), called once when Megatron builds the first DDP (Megatron-LM parses
-        its arguments before that)."""
-        self._configs = None
+        local SGD is off; a :class:`Configs` or a plain tuple of the three), called once when
+        Megatron builds the first DDP (Megatron-LM parses its arguments before that)."""
+        self._configs: Optional[Configs] = None
         if local_sgd_config is not None:
-            self._configs = (
+            self._configs = Configs(
                 local_sgd_config,
                 outer_optim_config or OuterOptimizerConfig(),
                 gta_config or GTAConfig(),
             )
-            check_combination(self._configs[0], self._configs[2])
+            check_combination(self._configs.local, self._configs.gta)
         self._configs_from = configs_from
         self._resolved = self._configs is not None
         self.train_iters: Optional[int] = None
@@ -59,9 +68,10 @@ class LocalSGDRuntime:
         self.grad_stats_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     @property
-    def configs(self) -> Optional[tuple]:
+    def configs(self) -> Optional[Configs]:
         if not self._resolved:
-            self._configs = self._configs_from() if self._configs_from else None
+            found = self._configs_from() if self._configs_from else None
+            self._configs = None if found is None else Configs(*found)
             self._resolved = True
         return self._configs
 
@@ -69,7 +79,7 @@ class LocalSGDRuntime:
     def on_ddp_init(self, ddp) -> None:
         if self.configs is None:
             return
-        check_megatron_options(self.configs[0], ddp.config, ddp.ddp_config)
+        check_megatron_options(self.configs.local, ddp.config, ddp.ddp_config)
         if ddp.expert_parallel_bucket_groups:
             raise NotSupportedYet("--use-local-sgd with MoE expert parameters is not supported yet.")
         check_workers(
