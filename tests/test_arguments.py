@@ -314,6 +314,25 @@ def test_exactly_one_flag_per_local_sgd_field():
     assert len({dests[f] for f in flags}) == len(flags)
 
 
+@pytest.mark.parametrize("cls", [LocalSGDConfig, GTAConfig])
+def test_every_field_declares_its_one_flag(cls):
+    """flag(...) in a field's metadata is the one source of its flag: FLAG_NAMES, the parser's
+    action (dest and default: the field's) and the args -> config mapping (the parsed defaults
+    give the default configs: test_defaults_equal_the_config_defaults)."""
+    from megatron_edit.flags import flag_of
+
+    actions = {opt: action for action in _parser()._actions for opt in action.option_strings}
+    for f in dataclasses.fields(cls):
+        declared = flag_of(f)
+        assert declared is not None and not declared.by_hand, f.name
+        assert FLAG_NAMES[f.name] == declared.name
+        action = actions[declared.name]
+        assert (action.dest, action.default) == (declared.dest, f.default), f.name
+    every = [flag_of(f).name for c in (LocalSGDConfig, OuterOptimizerConfig, GTAConfig)
+             for f in dataclasses.fields(c)]
+    assert len(every) == len(set(every)) == len(FLAG_NAMES)
+
+
 @pytest.mark.parametrize("field_name", sorted(LOCAL_FLAG_CASES))
 def test_each_flag_reaches_its_field(field_name):
     argv, expected = LOCAL_FLAG_CASES[field_name]
