@@ -1,0 +1,53 @@
+"""The configs' shared vocabulary: their exceptions, the field -> flag names every message
+uses, and what counts as a boolean, an integer and a finite number (a ``bool`` is not a count,
+a string not a number). Part of :mod:`megatron_edit.config`, which re-exports it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Dict
+
+# Field -> Megatron-style command-line flag, so errors name what the user typed; filled by
+# megatron_edit.config from its classes' field metadata (megatron_edit.flags.flag).
+FLAG_NAMES: Dict[str, str] = {}
+
+
+class ConfigError(ValueError):
+    """A bad EDiT option. The message names the option (and its flag) and the fix."""
+
+
+class NotSupportedYet(ConfigError):
+    """An EDiT option that is valid but whose behaviour is not implemented in this version."""
+
+
+# Their public home (tracebacks, documentation): megatron_edit.config, which re-exports them.
+ConfigError.__module__ = NotSupportedYet.__module__ = "megatron_edit.config"
+
+
+def _name(field_name: str) -> str:
+    flag = FLAG_NAMES.get(field_name)
+    return f"{field_name} ({flag})" if flag else field_name
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    """An integer, not a bool (``True`` is an int to Python, not a step count to us)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """A finite real number, not a bool and not a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _got(value) -> str:
+    return f"got {value!r}, a {type(value).__name__}" if not isinstance(value, (int, float)) else f"got {value!r}"
+
+
+def _is_tensor(value) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "dim")
