@@ -27,7 +27,7 @@ SEQ, VOCAB, STEPS, SAVE_AT = 16, 64, 10, 7
 METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}  # Megatron-LM's default format
 
 
-def build():
+def build(workers=2):
     """Model in Megatron's DDP and its distributed optimizer (built after the patch)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -43,7 +43,7 @@ def build():
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                                               overlap_param_gather=True, num_distributed_optimizer_instances=2)
+                                               overlap_param_gather=True, num_distributed_optimizer_instances=workers)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     optimizer = get_megatron_optimizer(

@@ -47,12 +47,21 @@ def main():
     p.add_argument("--load", action="store_true", help="resume from <dir>/latest")
     p.add_argument("--exchange-dtype", default="fp32")
     p.add_argument("--skip-anomaly", action="store_true")
+    p.add_argument("--penalty", action="store_true",
+                   help="the pseudo-gradient penalty: norm-weighted averaging, anomaly elimination, clipping")
+    p.add_argument("--workers", type=int, default=2, help="EDiT workers (4 ranks: 1, 2 or 4)")
+    p.add_argument("--edit-log-lines", action="store_true", help="megatron_edit's log lines (INFO) on stderr")
     p.add_argument("--sync-timeout", type=float, default=None)
     p.add_argument("--fault", choices=["none", "kill-between", "kill-exchange", "kill-save", "hang", "nan"],
                    default="none")
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=6)
     args = p.parse_args()
+    if args.edit_log_lines:
+        import logging
+
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("megatron_edit").setLevel(logging.INFO)
     global FAULT_AT
     FAULT_AT = os.path.join(args.dir, "fault_at")
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -66,14 +75,16 @@ def main():
     from megatron.core import parallel_state as ps
 
     rank = dist.get_rank()
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=args.workers)
     local = dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=2, sync_timeout=args.sync_timeout)
     if args.exchange_dtype != "fp32":
         local.update(exchange_dtype=args.exchange_dtype, exchange_error_feedback=True, exchange_block_size=64)
     if args.skip_anomaly:
         local.update(skip_anomaly=True, ewma_warmup_steps=100)
+    if args.penalty:
+        local.update(skip_anomaly=True, ewma_warmup_steps=1, pseudo_gradnorm_reduce=True, clip_pseudo_grad=1.0)
     me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local), me.OuterOptimizerConfig("sgd", {"lr": 0.8, "momentum": 0.0}))
-    ddp, optimizer = build()
+    ddp, optimizer = build(args.workers)
     (edit,) = me.get_local_sgd(optimizer)
     edit.last_step = args.steps
     first = 1
@@ -116,6 +127,7 @@ def main():
     params = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
     if rank == 0:
         print("RESULT " + json.dumps(dict(losses=losses, last=args.steps, finite=bool(torch.isfinite(params).all()),
+                                          workers=edit.num_workers,
                                           reports=[(r.step, None if r.excluded is None else r.excluded.tolist())
                                                    for r in edit.drain_reports()])), flush=True)
     me.unpatch_megatron_for_local_sgd()

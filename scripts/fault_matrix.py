@@ -175,6 +175,26 @@ def main() -> int:
                 row(name, f"NaN in worker 1's parameters after step 6, {dtype} exchange, anomaly elimination off",
                     first_error(out), None, "nothing reached the anchor; resume from the last checkpoint", ok)
 
+    for workers in (4, 1):
+        # Elastic resume of a run with the int8 exchange (error feedback) and the penalty on:
+        # saved by 2 workers at the sync after step 8, resumed by another number of workers.
+        name = f"elastic-2-to-{workers}-int8-penalty"
+        if wanted and name not in wanted:
+            continue
+        d = root / name
+        d.mkdir()
+        flags = ["--exchange-dtype", "int8", "--penalty"]
+        code, out, _, saved = run(d, "--save-interval", "8", "--steps", "8", *flags)
+        code2, out2, _, res = run(d, "--load", "--workers", str(workers), "--edit-log-lines", *flags)
+        resumed = re.search(r"resumed EDiT at step 8, (\d) worker\(s\), from a checkpoint of 2 worker\(s\)[^:]*: (.*)", out2)
+        finite = res is not None and res["finite"] and all(v == v and abs(v) < 1e3 for v in res["losses"].values())
+        ok = (code == 0 and code2 == 0 and resumed is not None and int(resumed.group(1)) == workers
+              and finite and sorted(int(k) for k in res["losses"]) == list(range(9, 13)))
+        row(name, f"saved by 2 workers (int8 exchange with error feedback, penalty on) at the sync after "
+            f"step 8, resumed by {workers}", (resumed.group(0).strip() if resumed else first_error(out2 or out)),
+            None, "nothing: the saved anchor, outer state and error-feedback residuals carried (their sum "
+            "shared out), steps 9-12 train with finite losses" if ok else "resume FAILED", ok)
+
     for name, damage, expect in (("garbled-record", garble_record, "EDiT record of checkpoint"),
                                  ("truncated-file", truncate_data, "is damaged: __")):
         if wanted and name not in wanted:

@@ -201,3 +201,66 @@ def test_e2e_checkpoints_at_syncs_with_a_common_label(straggler_run):
                         if any("save_checkpoint" in f for f in r["stack"])})
         plans = {r["iteration"] for r in data["records"] if any("async_plan.py:plan:" in f for f in r["stack"])}
         assert saves and set(saves) <= plans | {None}, (data["rank"], saves, plans)
+
+
+def _first_training_iteration(data):
+    return min(r["iteration"] for r in data["records"]
+               if r["iteration"] is not None and any("training.py:train_step:" in f for f in r["stack"]))
+
+
+@pytest.fixture(scope="module")
+def resumed_run(straggler_run, tmp_path_factory):
+    """The straggler run resumed through ``--load`` from its last checkpoint before the end
+    (written by ``--save-interval`` at a sync, where the workers' step counts differ)."""
+    import shutil
+
+    run = straggler_run
+    labels = sorted({int(i) for i in re.findall(r"saved checkpoint from iteration\s+(\d+) ", run.log)})
+    label = max(i for i in labels if i < T)
+    # Each rank's own step count at each save (the saves are collectives of every rank, in order).
+    own = []
+    for data in run.ranks:
+        saves = sorted({r["iteration"] for r in data["records"] if r["iteration"] is not None
+                        and any("save_checkpoint" in f for f in r["stack"])})
+        own.append(dict(zip([i for i in labels if i < T], saves))[label])
+    workdir = tmp_path_factory.mktemp("budget-resumed")
+    shutil.copytree(run.workdir / "ckpt", workdir / "ckpt")
+    for later in (i for i in labels if i > label):
+        shutil.rmtree(workdir / "ckpt" / f"iter_{later:07d}")
+    (workdir / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(label))
+    out = workdir / "traffic"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(PROBE), str(out), "--cpu", str(CHECKOUT / "pretrain_gpt.py"), *TINY,
+           "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+           "--overlap-grad-reduce", "--overlap-param-gather", "--use-local-sgd",
+           "--local-sgd-sync-interval", str(H), "--local-sgd-warmup-steps", str(WARMUP),
+           "--local-sgd-async", "--local-sgd-sync-time", str(SYNC_SECONDS),
+           "--local-sgd-min-total-global-steps", "0", "--train-iters", str(T),
+           "--save", "ckpt", "--load", "ckpt", "--save-interval", str(SAVE_INTERVAL),
+           "--ckpt-format", "torch_dist", "--local-sgd-debug"]
+    env = {**_env(), "MEGATRON_EDIT_PROBE_SLOW": f"1:{SLOW_SECONDS}"}
+    try:
+        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the resumed A-EDiT run hung (no exit in {e.timeout} s):\n"
+                    f"{(e.stdout or b'')[-4000:]!r}\n{(e.stderr or b'')[-4000:]!r}")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n...\n{log[-8000:]}"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return SimpleNamespace(log=log, ranks=ranks, workdir=workdir, label=label, saved_steps=own)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_e2e_a_edit_resumes_each_worker_at_its_own_step_and_keeps_the_budget(resumed_run):
+    # Issue 24: a checkpoint written through --save-interval at an A-EDiT sync, resumed end to
+    # end. Each worker goes on from its own step count at the save (they differ: the fast worker
+    # had taken more steps), and the run still ends at the same global budget, T x workers.
+    run = resumed_run
+    starts = [_first_training_iteration(data) for data in run.ranks]
+    assert starts == [s + 1 for s in run.saved_steps], (starts, run.saved_steps, run.label)
+    fast, slow = _steps_per_worker(run)
+    assert fast + slow == T * 2, (fast, slow)
+    assert re.search(rf"loading (distributed )?checkpoint from ckpt at iteration {run.label}", run.log) or \
+        f"iteration {run.label}" in run.log, run.log[-3000:]
+    assert re.search(rf"saved checkpoint from iteration\s+{T} ", run.log), run.log[-3000:]
