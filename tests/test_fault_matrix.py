@@ -13,8 +13,10 @@ from megatron_edit.mcore import checkpoint as checkpointing, compat
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ["kill-between", "kill-exchange", "kill-save", "hang", "nan-fp32", "nan-fp32-excluded",
-        "nan-int8", "nan-int8-excluded", "nan-int4", "nan-int4-excluded", "garbled-record", "truncated-file"]
-CHECKPOINTS = {"kill-between", "kill-exchange", "kill-save", "garbled-record", "truncated-file"}
+        "nan-int8", "nan-int8-excluded", "nan-int4", "nan-int4-excluded", "garbled-record", "truncated-file",
+        "elastic-2-to-4-int8-penalty", "elastic-2-to-1-int8-penalty"]
+CHECKPOINTS = {"kill-between", "kill-exchange", "kill-save", "garbled-record", "truncated-file",
+               "elastic-2-to-4-int8-penalty", "elastic-2-to-1-int8-penalty"}
 
 
 @pytest.mark.slow
