@@ -35,13 +35,14 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from typing import List, Optional
+from typing import List
 
 import torch
 
 from . import adapter as cpu_adapter
 from ..mcore import compat
 from ..mcore.patching import Patch, PatchRegistry
+from ..mcore.session import SESSION
 
 __all__ = ["activate", "deactivate", "is_active"]
 
@@ -49,11 +50,9 @@ __all__ = ["activate", "deactivate", "is_active"]
 # the releases between differ only in what compat.TRAINING_SIGNATURES lists.
 SUPPORTED = compat.TRAINING_SUPPORTED
 
-_registry: Optional[PatchRegistry] = None
-
-
 def is_active() -> bool:
-    return _registry is not None and _registry.is_applied()
+    # The registry lives in the process's session object (megatron_edit.mcore.session).
+    return SESSION.cpu_training_registry is not None and SESSION.cpu_training_registry.is_applied()
 
 
 def _allow_no_cuda(original):
@@ -123,21 +122,20 @@ def activate() -> List[str]:
 
     Activates :mod:`megatron_edit.cpu.adapter` too. Refuses when CUDA is available.
     """
-    global _registry
     if torch.cuda.is_available():
         raise RuntimeError(
             "megatron_edit.cpu.training_adapter must never be active when CUDA is available"
         )
     prepare_environment()
     cpu_adapter.activate()
-    if _registry is None:
-        _registry = _build_registry()
-    return _registry.apply(compat.megatron_core_version())
+    if SESSION.cpu_training_registry is None:
+        SESSION.cpu_training_registry = _build_registry()
+    return SESSION.cpu_training_registry.apply(compat.megatron_core_version())
 
 
 def deactivate() -> None:
     """Undo :func:`activate` (both adapters; the environment variables stay). A no-op when not
     active."""
-    if _registry is not None:
-        _registry.revert()
+    if SESSION.cpu_training_registry is not None:
+        SESSION.cpu_training_registry.revert()
     cpu_adapter.deactivate()

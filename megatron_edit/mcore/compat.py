@@ -128,10 +128,10 @@ The version ranges and the signature tables are in :mod:`megatron_edit.mcore.rel
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import Optional, Tuple
 
 from .patching import VersionRange, version_tuple
+from .process_state import PROCESS
 
 from .releases import (  # noqa: F401  (the data this module answers from; compat.X reads it)
     MEGATRON_LM_TAGS,
@@ -229,10 +229,6 @@ def pipeline_parallel_group(ddp):
     return parallel_state.get_pipeline_model_parallel_group()
 
 
-# inter-instance group -> the instance group built from it (0.12.x only; see instance_group)
-_BUILT_INSTANCE_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def instance_group(inter_group, build: Optional[bool] = None):
     """All ranks of this rank's distributed-optimizer instance (tensor, pipeline and sharding
     ranks of one EDiT worker): where gradient statistics (the clipping norm, zero counts) must
@@ -258,7 +254,7 @@ def instance_group(inter_group, build: Optional[bool] = None):
         if not parallel_state.model_parallel_is_initialized():
             return None
         return parallel_state.get_intra_distributed_optimizer_instance_group()
-    cached = _BUILT_INSTANCE_GROUPS.get(inter_group)
+    cached = PROCESS.built_instance_groups.get(inter_group)  # the process's, see process_state
     if cached is not None:
         return cached
     # Instances are contiguous blocks of data-parallel ranks, so a rank's index in its
@@ -272,7 +268,7 @@ def instance_group(inter_group, build: Optional[bool] = None):
         group = dist.new_group(ranks)  # every rank creates every group, in the same order
         if instance_of[dist.get_rank()] == instance:
             mine = group
-    _BUILT_INSTANCE_GROUPS[inter_group] = mine
+    PROCESS.built_instance_groups[inter_group] = mine
     return mine
 
 

@@ -49,14 +49,11 @@ from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
 from .async_plan import AsyncPlan, SyncPoint
+from .process_state import PROCESS
 from .shards import build_layout
 from .worker_layout import WorkerLayout
 
 logger = logging.getLogger(__name__)
-
-_INSTANCES = 0
-"""LocalSGD objects built in this process: keys of their arrival checks (the same count on
-every rank, which build them in the same order)."""
 
 
 class LocalSGD:
@@ -124,13 +121,12 @@ class LocalSGD:
 
     def _arrivals(self, inter) -> Arrivals:
         """The sync group's arrival checks, in the job's store (see :mod:`..exchange.arrival`)."""
-        global _INSTANCES
-        _INSTANCES += 1  # controllers are built in the same order on every rank
+        key = PROCESS.next_controller_key()  # controllers are built in the same order on every rank
         timeout = self.config.sync_timeout
         if timeout is None:
             timeout = dist.default_pg_timeout.total_seconds()
         ranks = dist.get_process_group_ranks(inter)
-        return Arrivals(default_store(), f"megatron_edit/arrive/{_INSTANCES}", ranks,
+        return Arrivals(default_store(), f"megatron_edit/arrive/{key}", ranks,
                         ranks.index(dist.get_rank()), timeout, report_every=min(60.0, timeout / 4))
 
     # ------------------------------------------------------------------ A-EDiT's plan

@@ -54,7 +54,7 @@ from typing import Callable, Dict, List, Optional
 from ..mcore import compat
 from ..mcore.patching import Patch, PatchRegistry
 from ..mcore.runtime import LocalSGDRuntime
-from ..mcore.session import current_runtime
+from ..mcore.session import SESSION, current_runtime
 from .flags import with_local_sgd_args
 from .global_budget import GlobalBudget
 from .metrics import SyncMetrics, training_log_fields
@@ -88,7 +88,11 @@ class _TrainingLogState:
         return self._metrics
 
 
-_NATIVE_STATE = _TrainingLogState()
+def _native_state() -> _TrainingLogState:
+    """The forked ``training_log``'s state, kept in the process's session object."""
+    if SESSION.training_log is None:
+        SESSION.training_log = _TrainingLogState()
+    return SESSION.training_log
 
 
 def native_training_log(args, iteration: int, writer, wandb_writer, is_first_iteration=False) -> str:
@@ -99,7 +103,7 @@ def native_training_log(args, iteration: int, writer, wandb_writer, is_first_ite
     if runtime is None or not runtime.controllers:
         return ""
     return training_log_fields(
-        _NATIVE_STATE.metrics(runtime), list(runtime.controllers.values()), args, iteration,
+        _native_state().metrics(runtime), list(runtime.controllers.values()), args, iteration,
         writer, wandb_writer, is_first_iteration,
     )
 

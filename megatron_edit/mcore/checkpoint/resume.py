@@ -38,11 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from typing import Dict, List, Optional
 
 import torch
 
+from ..process_state import PROCESS
 from .keys import PREFIX, _WORKER_KEY, CheckpointStateError, _is_local_sgd_key, retarget
 from .record import (
     FULLY_RESHARDABLE,
@@ -69,23 +69,21 @@ def residual_prefix(worker: int) -> str:
     return f"{PREFIX}residual.worker_{worker}."
 
 
-# optimizer -> {model param: tensors}: while decoding another worker's main params
-_CAPTURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def capture_of(optimizer) -> Optional[dict]:
     """Where ``_set_main_param_and_optimizer_states`` must put its tensors instead of setting
     them (None: set them). Consulted by the checkpoint patches."""
-    return _CAPTURES.get(optimizer)
+    return PROCESS.captures.get(optimizer)
 
 
 @contextlib.contextmanager
 def _capturing(optimizer):
-    got = _CAPTURES[optimizer] = {}
+    # optimizer -> {model param: tensors} while decoding another worker's main params; kept in
+    # the process's session state (megatron_edit.mcore.process_state)
+    got = PROCESS.captures[optimizer] = {}
     try:
         yield got
     finally:
-        del _CAPTURES[optimizer]
+        del PROCESS.captures[optimizer]
 
 
 class ResumePlan:
