@@ -45,6 +45,16 @@ def test_readme_names_only_what_exists():
     assert _missing((ROOT / "README.md").read_text()) == []
 
 
+def test_the_docs_site_names_only_what_exists():
+    """docs/*.md too (the generated messages page names files by their paths)."""
+    stale = {}
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        bad = _missing(page.read_text())
+        if bad:
+            stale[str(page.relative_to(ROOT))] = bad
+    assert stale == {}
+
+
 @pytest.mark.parametrize("command", [
     [sys.executable, "-m", "megatron_edit.launch", "--help"],
     [sys.executable, str(ROOT / "scripts" / "train_gpt_edit.py"), "--help"],
