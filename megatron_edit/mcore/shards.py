@@ -20,15 +20,25 @@ from ..exchange.shard import BucketShard
 from . import compat
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+_EXPERTS = re.compile(r"^(.*?\.layers\.\d+\.mlp\.experts)\.")
 
 
 def layer_key(param_name: str) -> str:
-    """The layer a parameter belongs to: ``...layers.N`` for transformer layers, otherwise the
-    module that owns it (``embedding.word_embeddings``, ``output_layer``, ...)."""
+    """The layer a parameter belongs to, for the pseudo-gradient penalty's per-layer decisions:
+    ``...layers.N`` for transformer layers, otherwise the module that owns it
+    (``embedding.word_embeddings``, ``output_layer``, ...).
+
+    MoE: the routed experts of a transformer layer are a layer of their own,
+    ``...layers.N.mlp.experts`` (all its experts together, whatever the expert implementation,
+    and whether or not expert parallelism spreads them over ranks); the router and the shared
+    experts stay in ``...layers.N``. So the decisions do not depend on the expert-parallel size
+    (local expert numbers never enter the name), and the dense and the expert optimizers of a
+    MoE model hold disjoint layers. One consequence: at one sync, a worker's router and its
+    experts may be excluded or weighted differently."""
     name = param_name
     while name.startswith("module."):
         name = name[len("module.") :]
-    m = _LAYER.match(name)
+    m = _EXPERTS.match(name) or _LAYER.match(name)
     return m.group(1) if m else name.rpartition(".")[0] or name
 
 
