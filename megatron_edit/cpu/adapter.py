@@ -1,4 +1,4 @@
-"""Run megatron-core (0.12 - 0.16) on CPU over gloo, for the CPU demo and the multi-rank tests.
+"""Run megatron-core (the releases of ``_TESTED_MEGATRON``: 0.12 - 0.19) on CPU over gloo, for the CPU demo and the multi-rank tests.
 
 Why this exists: megatron-core assumes CUDA everywhere (buffers allocated on
 ``torch.cuda.current_device()``, ``device='cuda'`` literals, CUDA type-name checks, the CUDA RNG
@@ -11,6 +11,8 @@ It must never be active on a GPU run: :func:`activate` refuses when ``torch.cuda
 
 Usage (per rank, before building anything megatron)::
 
+    from megatron_edit.cpu import adapter as cpu_adapter
+
     torch.set_num_threads(1)   # several ranks share a few cores
     cpu_adapter.activate()
     torch.distributed.init_process_group("gloo")
@@ -20,8 +22,11 @@ Release-specific: megatron-core 0.12.x calls its FP8 shard-quantization helper f
 transformer-engine that helper raises even when there is no FP8 parameter; the adapter gives
 it 0.13's behaviour (nothing to do for an empty list, still an error otherwise).
 
-Every replaced attribute is recorded; :func:`deactivate` puts the originals back exactly, so
-tests can activate and deactivate in one process. No imports from the rest of ``megatron_edit``.
+Every replacement is a declared :class:`~megatron_edit.mcore.patching.Patch` (``replace`` patches
+for stand-ins, wraps for functions that still call the original) applied by the package's one
+patch engine, :class:`~megatron_edit.mcore.patching.PatchRegistry`, kept in the process's session
+object (:data:`megatron_edit.mcore.session.SESSION`); :func:`deactivate` reverts it, putting the
+originals back exactly, so tests can activate and deactivate in one process.
 
 Known limits: dropout on CPU draws from the CPU default generator, not from the RNG tracker's
 states (the tracker keeps and forks its states faithfully, but CPU ops never read them), so
@@ -37,16 +42,18 @@ import warnings
 
 import torch
 
+from ..mcore.patching import Patch, PatchError, PatchRegistry, VersionRange
+from ..mcore.session import SESSION
+
 __all__ = ["activate", "deactivate", "is_active"]
 
 # Minor releases the adapter was checked against (megatron_edit.mcore.compat.TESTED lists the patch
-# releases; this module imports nothing else from megatron_edit).
+# releases); another one gets a warning, not a refusal.
 _TESTED_MEGATRON = ("0.12.", "0.13.", "0.14.", "0.15.", "0.16.", "0.17.", "0.18.", "0.19.")
 _CPU = torch.device("cpu")
+_ANY_RELEASE = VersionRange("0", "1000")  # the adapter's own check is _TESTED_MEGATRON's warning
 _MISSING = object()
 
-# (owner, name, raw original from owner.__dict__ or _MISSING) in application order.
-_applied = []
 # Stand-in for the CUDA default generator: a separate CPU generator, so seeding "CUDA" (as
 # model_parallel_cuda_manual_seed does) never disturbs the CPU generator the model init uses.
 _cuda_rng = None
@@ -54,18 +61,7 @@ _cuda_rng = None
 
 def is_active() -> bool:
     """Whether the adapter's replacements are currently installed."""
-    return bool(_applied)
-
-
-def _replace(owner, name, value):
-    """Set ``owner.name = value``, recording the raw original; fail loudly if upstream lost it."""
-    if not hasattr(owner, name):
-        raise AttributeError(
-            f"cpu_adapter: {getattr(owner, '__name__', owner)}.{name} not found; "
-            "megatron-core or torch changed, update the adapter"
-        )
-    _applied.append((owner, name, vars(owner).get(name, _MISSING)))
-    setattr(owner, name, value)
+    return SESSION.cpu_registry is not None and SESSION.cpu_registry.is_applied()
 
 
 class _ExpectedRngNotice(logging.Filter):
@@ -88,12 +84,10 @@ def deactivate() -> None:
     """Restore every replaced attribute, newest first. A no-op when not active."""
     global _cuda_rng
     logging.getLogger(_RNG_LOGGER).removeFilter(_rng_notice_filter)
-    while _applied:
-        owner, name, original = _applied.pop()
-        if original is _MISSING:
-            delattr(owner, name)  # it was inherited (e.g. Tensor.cuda from TensorBase)
-        else:
-            setattr(owner, name, original)
+    if SESSION.cpu_registry is not None:
+        # newest first; an inherited original (e.g. Tensor.cuda from TensorBase) is deleted
+        SESSION.cpu_registry.revert()
+        SESSION.cpu_registry = None
     _cuda_rng = None
 
 
@@ -282,77 +276,99 @@ def _quantize_no_fp8_params(original):
 # --- activation -----------------------------------------------------------------------------------
 
 
+def _declare(registry: PatchRegistry, version: str) -> PatchRegistry:
+    """Every replacement, in application order, as patches of the package's one engine
+    (:mod:`megatron_edit.mcore.patching`): ``replace`` patches for stand-ins, wraps for the
+    functions that still call the original."""
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+
+    def replace(target, value, description):
+        registry.add(Patch.replacing(f"cpu-{target}", target, value, _ANY_RELEASE, description))
+
+    def wrap(target, wrapper, description, versions=_ANY_RELEASE):
+        registry.add(Patch(f"cpu-{target}", target, wrapper, versions, (), description))
+
+    cuda, cuda_random = "torch.cuda:", "torch.cuda.random:"
+    # (1) ~80 allocations use device=torch.cuda.current_device(): make that the CPU device.
+    replace(cuda + "current_device", lambda: _CPU, "CPU: the current device is the CPU")
+    # Megatron-LM's initialize skips model-parallel setup with 0 devices; set_device is moot.
+    replace(cuda + "device_count", lambda: 1, "CPU: one (CPU) device")
+    replace(cuda + "set_device", _inert(), "CPU: nothing to select")
+    # (2) device='cuda' literals (grad scaler, found_inf, clip_grads, total_num_tokens, rerun).
+    for name in _FACTORIES:
+        wrap(f"torch:{name}", _cpu_factory, "CPU: device='cuda' allocates on CPU")
+    # (2) .cuda() calls (and Module.cuda(), which goes through Tensor.cuda).
+    replace("torch:Tensor.cuda", _tensor_cuda, "CPU: .cuda() keeps the tensor where it is")
+    # (3) the distributed optimizer only accepts params whose type() is a torch.cuda.* name.
+    DO, build = distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups"
+    if not isinstance(vars(DO).get(build), classmethod):
+        raise AttributeError(f"megatron_edit.cpu.adapter: DistributedOptimizer.{build} is not a classmethod")
+    wrap(f"megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.{build}",
+         _with_cuda_type_names, "CPU: CUDA type names while grouping the parameters")
+    # (3) so does the non-distributed 16-bit optimizer, in its __init__.
+    wrap("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
+         _with_cuda_type_names, "CPU: CUDA type names while building the optimizer")
+    # (3) clip_grads asserts grad.type() == 'torch.cuda.FloatTensor'; patched where looked up.
+    for module in ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads"):
+        wrap(f"{module}:clip_grad_by_total_norm_fp32", _with_cuda_type_names,
+             "CPU: CUDA type names while clipping")
+    # (4) the RNG tracker saves/restores "CUDA" states: back them with a CPU generator.
+    for module in (cuda, cuda_random):
+        replace(module + "get_rng_state", _get_rng_state, "CPU: the stand-in CUDA generator")
+        replace(module + "set_rng_state", _set_rng_state, "CPU: the stand-in CUDA generator")
+        # CPU build would queue it forever
+        replace(module + "manual_seed", _manual_seed, "CPU: the stand-in CUDA generator")
+        # torch.manual_seed calls it
+        replace(module + "manual_seed_all", _manual_seed_all, "CPU: the stand-in CUDA generator")
+    replace(cuda + "default_generators", (_cuda_rng,), "CPU: the stand-in CUDA generator")
+    # (4) megatron's own setter goes through torch.cuda._lazy_call, which never runs on CPU.
+    replace("megatron.core.tensor_parallel.random:_set_cuda_rng_state", _megatron_set_cuda_rng_state,
+            "CPU: the stand-in CUDA generator")
+    # (5) side streams/events for num_distributed_optimizer_instances > 1: inert stand-ins.
+    replace(cuda + "Stream", _InertStream, "CPU: an inert stream")
+    replace(cuda + "Event", _InertEvent, "CPU: an inert event")
+    replace(cuda + "stream", lambda stream=None: contextlib.nullcontext(), "CPU: an inert stream")
+    replace(cuda + "current_stream", lambda device=None: _STREAM, "CPU: an inert stream")
+    replace(cuda + "default_stream", lambda device=None: _STREAM, "CPU: an inert stream")
+    replace(cuda + "synchronize", _inert(), "CPU: nothing to wait for")
+    replace(cuda + "empty_cache", _inert(), "CPU: no cache")
+    # (6) 0.12.x: the FP8 helper the distributed optimizer calls every step.
+    if (0, 12) <= _release(version) < (0, 13):
+        import megatron.core.fp8_utils as fp8_utils
+
+        if not fp8_utils.HAVE_TE:
+            wrap("megatron.core.fp8_utils:_quantize_param_shard_impl", _quantize_no_fp8_params,
+                 "0.12.x without transformer-engine: nothing to quantize without FP8 params")
+    return registry
+
+
 def activate() -> None:
     """Install the CPU replacements (idempotent). Refuses when CUDA is available."""
     global _cuda_rng
     if torch.cuda.is_available():
         raise RuntimeError("megatron_edit.cpu.adapter must never be active when CUDA is available")
-    if _applied:
+    if is_active():
         return
 
     import megatron.core
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
-    import megatron.core.optimizer.optimizer as optimizer
-    import megatron.core.tensor_parallel.random as mc_random
 
     version = megatron.core.__version__
     if not version.startswith(_TESTED_MEGATRON):
         warnings.warn(
-            f"cpu_adapter was checked with megatron-core {', '.join(v + 'x' for v in _TESTED_MEGATRON)}; "
-            f"found {version}"
+            f"megatron_edit.cpu.adapter was checked with megatron-core "
+            f"{', '.join(v + 'x' for v in _TESTED_MEGATRON)}; found {version}"
         )
     _cuda_rng = torch.Generator()
-    cuda, cuda_random = torch.cuda, torch.cuda.random
     try:
-        # (1) ~80 allocations use device=torch.cuda.current_device(): make that the CPU device.
-        _replace(cuda, "current_device", lambda: _CPU)
-        # Megatron-LM's initialize skips model-parallel setup with 0 devices; set_device is moot.
-        _replace(cuda, "device_count", lambda: 1)
-        _replace(cuda, "set_device", _inert())
-        # (2) device='cuda' literals (grad scaler, found_inf, clip_grads, total_num_tokens, rerun).
-        for name in _FACTORIES:
-            _replace(torch, name, _cpu_factory(getattr(torch, name)))
-        # (2) .cuda() calls (and Module.cuda(), which goes through Tensor.cuda).
-        _replace(torch.Tensor, "cuda", _tensor_cuda)
-        # (3) the distributed optimizer only accepts params whose type() is a torch.cuda.* name.
-        DO, build = distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups"
-        if not isinstance(vars(DO).get(build), classmethod):
-            raise AttributeError(f"cpu_adapter: DistributedOptimizer.{build} is not a classmethod")
-        _replace(DO, build, classmethod(_with_cuda_type_names(vars(DO)[build].__func__)))
-        # (3) so does the non-distributed 16-bit optimizer, in its __init__.
-        F16 = optimizer.Float16OptimizerWithFloat16Params
-        _replace(F16, "__init__", _with_cuda_type_names(F16.__init__))
-        # (3) clip_grads asserts grad.type() == 'torch.cuda.FloatTensor'; patched where looked up.
-        clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
-        _replace(optimizer, "clip_grad_by_total_norm_fp32", clip)
-        _replace(clip_grads, "clip_grad_by_total_norm_fp32", clip)
-        # (4) the RNG tracker saves/restores "CUDA" states: back them with a CPU generator.
-        for module in (cuda, cuda_random):
-            _replace(module, "get_rng_state", _get_rng_state)
-            _replace(module, "set_rng_state", _set_rng_state)
-            _replace(module, "manual_seed", _manual_seed)  # CPU build would queue it forever
-            _replace(module, "manual_seed_all", _manual_seed_all)  # torch.manual_seed calls it
-        _replace(cuda, "default_generators", (_cuda_rng,))
-        # (4) megatron's own setter goes through torch.cuda._lazy_call, which never runs on CPU.
-        _replace(mc_random, "_set_cuda_rng_state", _megatron_set_cuda_rng_state)
+        SESSION.cpu_registry = _declare(PatchRegistry(), version)
         # (4) the CPU generator moves inside fork() on CPU: expected, not worth a log line.
         logging.getLogger(_RNG_LOGGER).addFilter(_rng_notice_filter)
-        # (5) side streams/events for num_distributed_optimizer_instances > 1: inert stand-ins.
-        _replace(cuda, "Stream", _InertStream)
-        _replace(cuda, "Event", _InertEvent)
-        _replace(cuda, "stream", lambda stream=None: contextlib.nullcontext())
-        _replace(cuda, "current_stream", lambda device=None: _STREAM)
-        _replace(cuda, "default_stream", lambda device=None: _STREAM)
-        _replace(cuda, "synchronize", _inert())
-        _replace(cuda, "empty_cache", _inert())
-        # (6) 0.12.x: the FP8 helper the distributed optimizer calls every step.
-        if (0, 12) <= _release(version) < (0, 13):
-            import megatron.core.fp8_utils as fp8_utils
-
-            if not fp8_utils.HAVE_TE:
-                impl = fp8_utils._quantize_param_shard_impl
-                _replace(fp8_utils, "_quantize_param_shard_impl", _quantize_no_fp8_params(impl))
+        try:
+            SESSION.cpu_registry.apply(version)
+        except PatchError as e:
+            raise AttributeError(
+                f"megatron_edit.cpu.adapter: {e}; megatron-core or torch changed, update the adapter"
+            ) from e
     except BaseException:
         deactivate()
         raise

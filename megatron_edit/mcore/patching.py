@@ -1,7 +1,9 @@
-"""A registry of wrap-style runtime patches on Megatron.
+"""The package's one patch engine: a registry of declared, reversible runtime patches.
 
 Each :class:`Patch` is a declared object: an id, a dotted target, the megatron-core versions it
-applies to, the signature it expects of the original, and a factory that wraps the original. The
+applies to, the signature it expects of the original, and a factory that wraps the original
+(or, for a ``replace`` patch, gives the object that takes its place: a stand-in class, a
+constant, a function that does not call the original; :meth:`Patch.replacing`). The
 registry applies the patches for the installed version idempotently (a patch written for other
 releases is not applied: a release-specific fix, or one of several variants of a patch), keeps
 every original reachable (``wrapper.__wrapped__`` and :meth:`PatchRegistry.original`), reverts
@@ -9,7 +11,10 @@ them exactly, and fails loudly when the installed Megatron changed the target's 
 instead of silently doing nothing. Whether megatron_edit supports a release at all is decided
 before the registry is used (:mod:`megatron_edit.mcore.compat`).
 
-Nothing here knows about EDiT; :mod:`megatron_edit.mcore.patches` declares the patches.
+Nothing here knows about EDiT. Its users: :mod:`megatron_edit.mcore.patches` (the megatron-core
+wraps), :mod:`megatron_edit.mcore.checkpoint.patches` (the checkpoint wraps),
+:mod:`megatron_edit.training.patches` (Megatron-LM's training wraps), and the CPU adapters
+(:mod:`megatron_edit.cpu.adapter`, :mod:`megatron_edit.cpu.training_adapter`).
 """
 
 from __future__ import annotations
@@ -55,9 +60,14 @@ class VersionRange:
         return f">={self.minimum},<{self.below}"
 
 
+WRAP = "wrap"
+REPLACE = "replace"
+
+
 @dataclass
 class Patch:
-    """One wrap of one Megatron attribute."""
+    """One wrap (or replacement) of one attribute of Megatron (or of torch, for the CPU
+    adapter)."""
 
     id: str
     """Stable name, shown by ``python -m megatron_edit.patches --list``."""
@@ -71,6 +81,21 @@ class Patch:
     params: Tuple[str, ...]
     """Parameter names the original must have, in order; a mismatch refuses the patch."""
     description: str
+    kind: str = WRAP
+    """``"wrap"``: ``wrap(original)`` calls the original; the registry checks ``params``, marks
+    it (``__wrapped__``) and keeps a static or class method one. ``"replace"``: ``wrap(original)``
+    is the new object, set as it is (only the target's existence is checked); still recorded
+    and reverted like a wrap."""
+
+    def __post_init__(self):
+        if self.kind not in (WRAP, REPLACE):
+            raise ValueError(f"patch {self.id}: kind must be {WRAP!r} or {REPLACE!r}, got {self.kind!r}")
+
+    @classmethod
+    def replacing(cls, id: str, target: str, value: object, versions: "VersionRange",
+                  description: str) -> "Patch":
+        """A ``replace`` patch: ``target`` becomes ``value`` while applied."""
+        return cls(id, target, lambda original: value, versions, (), description, REPLACE)
 
     def resolve(self) -> Tuple[object, str]:
         module_name, _, path = self.target.partition(":")
@@ -119,6 +144,8 @@ class PatchRegistry:
             owner, attr = patch.resolve()
             if not hasattr(owner, attr):
                 raise PatchError(f"patch {patch.id}: {patch.target} does not exist in {version}")
+            if patch.kind == REPLACE or not patch.params:
+                continue  # nothing expected of its signature (a builtin may have none to read)
             fn = inspect.getattr_static(owner, attr)
             fn = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
             fn = inspect.unwrap(fn)
@@ -139,6 +166,11 @@ class PatchRegistry:
             owner, attr = patch.resolve()
             raw = inspect.getattr_static(owner, attr)
             inherited = attr not in vars(owner)
+            if patch.kind == REPLACE:
+                setattr(owner, attr, patch.wrap(raw))
+                self._applied[patch.id] = _Applied(owner, attr, raw, inherited)
+                done.append(patch.id)
+                continue
             kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
             original = raw.__func__ if kind else raw
             wrapper = patch.wrap(original)

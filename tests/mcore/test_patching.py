@@ -345,6 +345,27 @@ def test_revert_of_an_inherited_method_leaves_no_copy(fake_module):
     assert Owner().inherited(1) == ("base", 1)
 
 
+def test_replace_patches_set_the_object_as_is_and_revert_exactly(fake_module):
+    """The ``replace`` kind (the CPU adapter's stand-ins): the value itself, no signature check,
+    no wrapper marks; recorded and reverted like a wrap (an inherited original is deleted)."""
+    Owner = fake_module.Owner
+    raw = Owner.__dict__["static"]
+    stand_in, constant = (lambda: "stand-in"), (1, 2)
+    registry = PatchRegistry()
+    versions = VersionRange("0.16.0", "0.17.0")
+    registry.add(Patch.replacing("static", f"{fake_module.__name__}:Owner.static", stand_in, versions, "t"))
+    registry.add(Patch.replacing("inherited", f"{fake_module.__name__}:Owner.inherited", constant,
+                                 versions, "t"))
+    assert registry.apply("0.16.1") == ["static", "inherited"]
+    assert Owner.__dict__["static"] is stand_in and not hasattr(stand_in, "_megatron_edit_patch")
+    assert Owner.inherited is constant
+    assert registry.apply("0.16.1") == []  # idempotent
+    assert registry.revert() == ["inherited", "static"]
+    assert Owner.__dict__["static"] is raw and "inherited" not in vars(Owner)
+    with pytest.raises(ValueError, match="kind"):
+        Patch("x", "m:a", _tagging, versions, (), "t", kind="swap")
+
+
 # --- python -m megatron_edit.patches --list ----------------------------------------------------
 
 
