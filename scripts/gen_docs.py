@@ -91,7 +91,7 @@ def _main_job_parser():
 
 
 def flag_rows() -> List[dict]:
-    from megatron_edit.arguments import local_sgd_args_provider
+    from megatron_edit.arguments import SGD_DEFAULTS, local_sgd_args_provider
     from megatron_edit.config import FLAG_NAMES
 
     field_of = {}
@@ -130,8 +130,16 @@ def flag_rows() -> List[dict]:
         field = field_of.get(flags[0]) or field_of.get(f"--{flags[0][2:]}")
         if field is None and action.dest.startswith("outer_optimizer"):
             field = "outer_optim_kwargs" if action.dest != "outer_optimizer" else "outer_optim_class"
-        rows.append(dict(flag=name, dest=action.dest, default=_fmt_default(action.default),
-                         main=None if main == action.default else _fmt_default(main),
+        default = _fmt_default(action.default)
+        if outer_key in SGD_DEFAULTS and action.default is None:
+            # unset: SGD's default, from OuterOptimizerConfig (another optimizer takes none)
+            default = _fmt_default(SGD_DEFAULTS[outer_key]) + " with SGD"
+        shown_main = None if main == action.default else _fmt_default(main)
+        if shown_main is not None and outer_key in SGD_DEFAULTS:
+            shown_main += " with SGD"
+        if action.dest == "use_local_sgd":
+            shown_main = "refused (--mode selects EDiT)"
+        rows.append(dict(flag=name, dest=action.dest, default=default, main=shown_main,
                          kind=kind, help=_clean_help(action.help), field=field,
                          hidden=action.dest == "use_local_sgd"))
     return rows

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("tests/", "scripts/", "megatron_edit/", "patches/", "bench-results/", ".ci/")
-PATH = re.compile(r"(?<![\w./-])((?:tests|scripts|megatron_edit|patches|bench-results|\.ci)/[\w./-]*[\w])")
+OURS = ("tests/", "scripts/", "megatron_edit/", "patches/", "bench-results/", ".ci/", "docs/")
+PATH = re.compile(r"(?<![\w./-])((?:tests|scripts|megatron_edit|patches|bench-results|\.ci|docs)/[\w./-]*[\w])")
 DOTTED = re.compile(r"\bmegatron_edit(?:\.\w+)+")
 
 
