@@ -1,8 +1,10 @@
 """Patch and unpatch Megatron for local SGD: the package's entry points.
 
-Composes the patch registry from the layers below (:mod:`megatron_edit.mcore` for
-megatron-core, :mod:`megatron_edit.training` for Megatron-LM's training code when it is
-importable) and opens the process's patch session (:mod:`megatron_edit.mcore.session`).
+Composes the registry (:class:`~megatron_edit.mcore.patching.PatchRegistry`) from the wraps the
+layers below declare (:mod:`megatron_edit.mcore.patches`: the megatron-core wraps;
+:mod:`megatron_edit.mcore.checkpoint`: the checkpoint wraps; :mod:`megatron_edit.training.patches`:
+Megatron-LM's training wraps, when it is importable) and opens the process's patch session
+(:data:`megatron_edit.mcore.session.SESSION`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ class UnsupportedMegatronVersion(PatchError):
 
 
 def build_full_registry(runtime_ref, need_training: bool = False) -> PatchRegistry:
-    """Every patch, in application order: the EDiT patches, the checkpoint patches
+    """The registry of every patch, in application order: the megatron-core wraps
+    (:mod:`megatron_edit.mcore.patches`), the checkpoint wraps
     (:mod:`megatron_edit.mcore.checkpoint`: EDiT state in torch_dist checkpoints), and
-    Megatron-LM's training patches when ``megatron.training`` is there (a Megatron-LM checkout
+    Megatron-LM's training wraps when ``megatron.training`` is there (a Megatron-LM checkout
     on the path; since 0.17 also the copy in the megatron-core wheel). ``need_training``: it
     must import (Megatron-LM's route), otherwise a failing import only leaves them out."""
     registry = build_registry(runtime_ref)
@@ -158,7 +161,8 @@ def _check_configs(local_sgd_config, outer_optim_config, gta_config) -> None:
 
 
 def _add_training_patches(registry: PatchRegistry, runtime_ref, required: bool) -> None:
-    """Flags, validation and metrics in Megatron-LM's training code, when it is there."""
+    """Megatron-LM's training wraps (:mod:`megatron_edit.training.patches`: flags, validation,
+    metrics) on ``registry``, when ``megatron.training`` is there."""
     import importlib.util
 
     try:
@@ -203,7 +207,7 @@ def patch_megatron_load_fixes() -> List[str]:
     load defects (:mod:`megatron_edit.mcore.checkpoint.load_fixes`: megatron-core 0.16.x without apex or
     transformer-engine cannot load a checkpoint with its optimizer otherwise). Returns the patch
     ids now active for them; nothing to do while :func:`patch_megatron_for_local_sgd` is in
-    effect (its checkpoint patches include the fixes)."""
+    effect (its checkpoint wraps include the fixes)."""
     version = megatron_core_version()
     if SESSION.registry is not None and SESSION.registry.is_applied():
         return [p.id for p in SESSION.registry.patches

@@ -1,4 +1,13 @@
-"""List the runtime patches: ``python -m megatron_edit.patches --list``."""
+"""``python -m megatron_edit.patches --list``, the listing CLI: every patch of the registry
+(:func:`megatron_edit.api.build_full_registry`: the megatron-core wraps, the checkpoint wraps,
+Megatron-LM's training wraps), the releases each applies to, whether it applies to the installed
+megatron-core and whether it is applied in this process.
+
+Not the ``patches/`` folder of git patch files for a Megatron-LM fork, nor the modules that
+declare the wraps (:mod:`megatron_edit.mcore.patches`, :mod:`megatron_edit.mcore.checkpoint.patches`,
+:mod:`megatron_edit.training.patches`); the engine that applies them is
+:mod:`megatron_edit.mcore.patching`.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +21,8 @@ from .mcore.session import SESSION
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_edit.patches")
-    parser.add_argument("--list", action="store_true", help="list the patches and their versions")
+    parser.add_argument("--list", action="store_true", help="list the registry's patches (megatron-core, checkpoint and Megatron-LM training "
+                             "wraps) and the megatron-core releases each applies to")
     parser.parse_args(argv)
     version = megatron_core_version()
     print(f"megatron-core {version} installed")

@@ -26,8 +26,10 @@ Also needed, outside this module: ``psutil`` installed (the async checkpoint wri
 without it and the run hangs), and Megatron-LM's own Python dependencies (see
 ``scripts/requirements-megatron-lm.txt``).
 
-Every replacement is a declared :class:`~megatron_edit.mcore.patching.Patch`; :func:`deactivate` undoes
-them (and :func:`megatron_edit.cpu.adapter.deactivate` the megatron-core part).
+Every replacement is a declared :class:`~megatron_edit.mcore.patching.Patch` of the package's one
+patch engine (its registry kept in :data:`megatron_edit.mcore.session.SESSION`);
+:func:`deactivate` undoes them (and :func:`megatron_edit.cpu.adapter.deactivate` the
+megatron-core part).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class Patch:
     adapter)."""
 
     id: str
-    """Stable name, shown by ``python -m megatron_edit.patches --list``."""
+    """Stable name, shown by ``python -m megatron_edit.patches --list`` (the listing CLI)."""
     target: str
     """Dotted path ``module:Owner.attr`` or ``module:attr``."""
     wrap: Callable[[Callable], Callable]

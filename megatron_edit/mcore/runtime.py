@@ -1,9 +1,9 @@
-"""The live state behind the megatron-core patches: configs and each optimizer's EDiT object.
+"""The live state behind the megatron-core wraps: configs and each optimizer's EDiT object.
 
-Patches are process-global (they replace Megatron's functions); :class:`LocalSGDRuntime` is
-what they consult when Megatron calls them: the configs (given directly, or read from
-Megatron-LM's parsed arguments when the first DDP is built), and the :class:`LocalSGD` of every
-distributed optimizer built while patched.
+The wraps (:mod:`megatron_edit.mcore.patches`) are process-global (they replace Megatron's
+functions); :class:`LocalSGDRuntime` is what they consult when Megatron calls them: the configs
+(given directly, or read from Megatron-LM's parsed arguments when the first DDP is built), and
+the :class:`LocalSGD` of every distributed optimizer built while patched.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Configs(NamedTuple):
 
 
 class LocalSGDRuntime:
-    """The live state behind the patches: configs and the EDiT objects of each optimizer."""
+    """The live state behind the wraps: configs and the EDiT objects of each optimizer."""
 
     def __init__(
         self,

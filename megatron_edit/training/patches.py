@@ -96,9 +96,9 @@ def _native_state() -> _TrainingLogState:
 
 
 def native_training_log(args, iteration: int, writer, wandb_writer, is_first_iteration=False) -> str:
-    """For a forked ``training_log`` (``patches/``): write this rank's sync metrics with
-    Megatron's writers and return the fields for the console line (see
-    :func:`training_log_fields`). Empty while EDiT is off."""
+    """For a forked ``training_log`` (the git patch files of the ``patches/`` folder): write
+    this rank's sync metrics with Megatron's writers and return the fields for the console line
+    (see :func:`training_log_fields`). Empty while EDiT is off."""
     runtime = current_runtime()
     if runtime is None or not runtime.controllers:
         return ""
