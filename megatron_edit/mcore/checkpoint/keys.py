@@ -22,7 +22,7 @@ from ..worker_layout import WorkerLayout
 
 PREFIX = "local_sgd."
 """Every checkpoint key EDiT adds starts with this (after Megatron's own prefixes)."""
-_WORKER_KEY = re.compile(r"(?:^|\.)local_sgd\.worker_(\d+)\.")
+WORKER_KEY = re.compile(r"(?:^|\.)local_sgd\.worker_(\d+)\.")
 
 
 class CheckpointStateError(RuntimeError):
@@ -39,17 +39,17 @@ def retarget(key: str, megatron_key: str, worker: int) -> str:
     """``key`` (Megatron's optimizer key ``megatron_key``, possibly behind a worker part and
     the prefixes Megatron adds later, e.g. ``chained_0.``) as worker ``worker``'s key."""
     head = key[: len(key) - len(megatron_key)]
-    head = _WORKER_KEY.sub(lambda m: "." if m.group(0).startswith(".") else "", head)
+    head = WORKER_KEY.sub(lambda m: "." if m.group(0).startswith(".") else "", head)
     return head + worker_key(megatron_key, worker)
 
 
-def _is_local_sgd_key(key: str) -> bool:
+def is_local_sgd_key(key: str) -> bool:
     # Megatron may prepend its own prefixes (e.g. ``chained_0.``).
     return key.startswith(PREFIX) or f".{PREFIX}" in key
 
 
 # --------------------------------------------------------------------------- save layout
-def _sharding_type(state: dict, kwargs: dict) -> str:
+def sharding_type_of(state: dict, kwargs: dict) -> str:
     return state.get("param_state_sharding_type") or kwargs.get("sharding_type") or (
         (kwargs.get("metadata") or {}).get("distrib_optim_sharding_type", "fully_sharded_model_space")
     )
@@ -85,7 +85,7 @@ def _worker_replica_id(sh, sharding_type: str, layout: WorkerLayout):
     return rid[:position] + (value,) + rid[position + 1 :]
 
 
-def _rename_for_worker(state: dict, sharding_type: str, layout: WorkerLayout) -> None:
+def rename_for_worker(state: dict, sharding_type: str, layout: WorkerLayout) -> None:
     """Worker k >= 1: Megatron's optimizer entries -> ``local_sgd.worker_<k>.`` keys."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedBase
@@ -108,7 +108,7 @@ def _model_param_storages(optimizer) -> set:
     }
 
 
-def _unalias_from_model(state: dict, optimizer) -> None:
+def unalias_from_model(state: dict, optimizer) -> None:
     """Loading worker k >= 1: fresh buffers for tensors that share storage with the model.
 
     With fp32 parameters Megatron's main params are views of the model's parameter buffer, which
@@ -130,7 +130,7 @@ def _unalias_from_model(state: dict, optimizer) -> None:
     dict_list_map_inplace(unalias, state)
 
 
-def _drop_worker_model_entries(model_sharded_state_dict, optimizer) -> None:
+def drop_worker_model_entries(model_sharded_state_dict, optimizer) -> None:
     """Saving worker k >= 1: its model entries must not be written under the shared keys.
 
     Their replica ids already make them non-main, but Megatron's fully parallel save
@@ -165,9 +165,9 @@ def missing_message(sharded_state_dict, saved: dict, checkpoint_dir) -> Optional
 
     wanted = []
     for value in nested_values(sharded_state_dict):
-        if isinstance(value, ShardedTensorFactory) and _is_local_sgd_key(value.key):
+        if isinstance(value, ShardedTensorFactory) and is_local_sgd_key(value.key):
             wanted.extend(v for v in nested_values(value.build()) if isinstance(v, ShardedTensor))
-        elif isinstance(value, (ShardedTensor, ShardedObject)) and _is_local_sgd_key(value.key):
+        elif isinstance(value, (ShardedTensor, ShardedObject)) and is_local_sgd_key(value.key):
             wanted.append(value)
     missing, mismatched = [], []
     for sh in wanted:
@@ -182,7 +182,7 @@ def missing_message(sharded_state_dict, saved: dict, checkpoint_dir) -> Optional
         return (f"megatron_edit: the EDiT state in {where} does not fit this run's model "
                 f"(different shapes): {mismatched[:3]}")
     if missing:
-        workers = sorted({int(m.group(1)) for k in missing for m in [_WORKER_KEY.search(k)] if m})
+        workers = sorted({int(m.group(1)) for k in missing for m in [WORKER_KEY.search(k)] if m})
         which = f" (workers {workers})" if workers else ""
         return (f"megatron_edit: the EDiT state in {where} is incomplete or corrupted: "
                 f"{len(missing)} entries missing{which}, e.g. {missing[:3]}.")

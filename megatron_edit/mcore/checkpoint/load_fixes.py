@@ -110,7 +110,7 @@ def restore_adam_steps(optimizer, state_dict) -> None:
             state["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device)
 
 
-def _refuse_broken_fully_reshardable(optimizer, sharding_type: str) -> None:
+def refuse_broken_fully_reshardable(optimizer, sharding_type: str) -> None:
     from ..compat import megatron_core_version
 
     if sharding_type != "fully_reshardable" or not FULLY_RESHARDABLE_PADDING_BUG.contains(megatron_core_version()):

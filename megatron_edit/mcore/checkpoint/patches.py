@@ -29,14 +29,14 @@ from .state import (
 from .guard import damaged_message, prepare_load
 from .keys import (
     CheckpointStateError,
-    _drop_worker_model_entries,
-    _rename_for_worker,
-    _sharding_type,
-    _unalias_from_model,
+    drop_worker_model_entries,
+    rename_for_worker,
+    sharding_type_of,
+    unalias_from_model,
 )
 from .resume import capture_of
 from .load_fixes import (
-    _refuse_broken_fully_reshardable,
+    refuse_broken_fully_reshardable,
     fix_load_state_dict,
     fix_set_main_param_state,
     fix_state_dict,
@@ -81,29 +81,37 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
             if controller.in_step:
                 raise RuntimeError("megatron_edit: a checkpoint cannot be taken inside an optimizer step.")
             controller.flush()  # a due layer-wise sync completes now, with the same numbers
+            delayed = getattr(controller, "delayed", None)
+            if not is_loading and delayed is not None and delayed.in_flight:
+                raise NotSupportedYet(
+                    f"megatron_edit: a checkpoint was requested after step {controller.steps_done} while the "
+                    f"exchange of the delayed outer step (--local-sgd-outer-step-delay) is in flight (launched "
+                    f"after step {delayed.apply_at - delayed.delay}, applied after step {delayed.apply_at}); "
+                    "saving it is not supported yet: save on the sync grid (steps W + k*H, e.g. a "
+                    "--save-interval that is a multiple of --local-sgd-sync-interval with W a multiple of it).")
             if not is_loading and self.ddp_config.overlap_param_gather:
                 controller.gather_params_in_worker()
             state = original(*bound.args, **bound.kwargs)
-            sharding_type = _sharding_type(state, bound.arguments)
+            sharding_type = sharding_type_of(state, bound.arguments)
             if sharding_type not in SUPPORTED_SHARDING_TYPES:
                 raise NotSupportedYet(
                     f"megatron_edit: the distributed optimizer checkpoint format {sharding_type!r} "
                     f"cannot hold each EDiT worker's state; use 'dp_reshardable' (Megatron-LM's "
                     f"default) or 'fully_reshardable' (--dist-ckpt-optim-fully-reshardable)."
                 )
-            _refuse_broken_fully_reshardable(self, sharding_type)
+            refuse_broken_fully_reshardable(self, sharding_type)
             layout = controller.layout
             model_state = bound.arguments["model_sharded_state_dict"]
             if layout.worker > 0:
-                _rename_for_worker(state, sharding_type, layout)
+                rename_for_worker(state, sharding_type, layout)
                 if is_loading:
-                    _unalias_from_model(state, self)
+                    unalias_from_model(state, self)
             # Built before worker k's model entries are dropped: EDiT's per-parameter entries
             # take their keys from them.
             state["local_sgd"] = local_sgd_sharded_state_dict(self, controller, state, model_state,
                                                               sharding_type, is_loading)
             if layout.worker > 0 and not is_loading:
-                _drop_worker_model_entries(model_state, self)
+                drop_worker_model_entries(model_state, self)
             return state
 
         return wrapper

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..process_state import PROCESS
-from .keys import PREFIX, _WORKER_KEY, CheckpointStateError, _is_local_sgd_key, retarget
+from .keys import PREFIX, WORKER_KEY, CheckpointStateError, is_local_sgd_key, retarget
 from .record import (
     FULLY_RESHARDABLE,
     OLD_FORMATS,
@@ -132,7 +132,7 @@ class ResumePlan:
         self.prepared = True
         part = self.part
         if record is None:
-            ours = [k for k in saved if _is_local_sgd_key(k) and not _WORKER_KEY.search(k)]
+            ours = [k for k in saved if is_local_sgd_key(k) and not WORKER_KEY.search(k)]
             if any(".record.dp_group_idx_" in k for k in ours):  # format 1: a record per slice
                 return format_message(next(iter(OLD_FORMATS)), "the checkpoint")
             if ours:
@@ -260,7 +260,7 @@ class ResumePlan:
 
 
 # --------------------------------------------------------------------------- after the load
-def _decode_mains(optimizer, plan: ResumePlan, loaded: dict) -> List[Dict[int, torch.Tensor]]:
+def decode_mains(optimizer, plan: ResumePlan, loaded: dict) -> List[Dict[int, torch.Tensor]]:
     """Per shard, {saved worker: its main params (shard-length)} for the extra saved workers,
     decoded by Megatron's own loader of the format (its writes captured)."""
     loaders = {

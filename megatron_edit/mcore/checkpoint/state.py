@@ -113,7 +113,7 @@ from .resume import (
     ANCHOR,
     RESULT_RESIDUAL,
     ResumePlan,
-    _decode_mains,
+    decode_mains,
     adam_step_of,
     load_time_sync,
     merge_residuals,
@@ -239,7 +239,7 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
         if at_sync_boundary(record):
             restart_from_anchor(controller)  # every saved worker was there already
         else:
-            load_time_sync(controller, _decode_mains(optimizer, plan, part.get("workers")), record["num_workers"])
+            load_time_sync(controller, decode_mains(optimizer, plan, part.get("workers")), record["num_workers"])
     merge_residuals(controller, plan, part)
     if plan.slice_loaded:
         _load_extra_state(controller, (part.get("slice") or {}).get("extra_state"))
