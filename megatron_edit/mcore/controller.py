@@ -99,7 +99,13 @@ class LocalSGD:
         self.num_workers = self.layout.num_workers
         inter = self.layout.sync_group
         self.sync_group = SyncGroup(inter)
-        assert self.sync_group.size == self.num_workers, (self.sync_group.size, self.num_workers)
+        if self.sync_group.size != self.num_workers:
+            raise RuntimeError(
+                f"megatron_edit: the DDP config says {self.num_workers} EDiT worker(s) "
+                "(num_distributed_optimizer_instances) but the buckets' group across instances "
+                f"holds {self.sync_group.size} ranks (parallel_state.initialize_model_parallel("
+                "num_distributed_optimizer_instances=...)): give both the same number of workers."
+            )
         self.arrivals = self._arrivals(inter) if self.num_workers > 1 else None
         self.async_plan = AsyncPlan(self.config, self.sync_group, schedule_group)
         """A-EDiT's schedule (unused by synchronous EDiT)."""
