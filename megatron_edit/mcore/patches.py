@@ -1,4 +1,5 @@
-"""How EDiT attaches to megatron-core: the declared wrap patches.
+"""How EDiT attaches to megatron-core: the megatron-core wraps (registry patches of DDP, the bucket
+groups and the distributed optimizer; the engine is :mod:`megatron_edit.mcore.patching`).
 
 Every patch wraps a Megatron function and calls the original; while local SGD is not
 configured (``--use-local-sgd`` absent), each wrapper passes straight through.

@@ -1,4 +1,5 @@
-"""EDiT (arXiv 2412.07210) in Megatron-LM's training code: the patches that wire it in.
+"""EDiT (arXiv 2412.07210) in Megatron-LM's training code: the training wraps (registry patches of
+``megatron.training``) and the functions the ``patches/`` folder's git patch files call.
 
 megatron-core carries the algorithm (:mod:`megatron_edit.mcore.patches` wraps methods of
 ``DistributedDataParallel``, ``DistributedOptimizer`` and the bucket groups). Megatron-LM's

@@ -1,4 +1,5 @@
-"""The checkpoint patches: EDiT state in and out of Megatron's distributed-optimizer checkpoints.
+"""The checkpoint wraps (registry patches of the distributed optimizer and ``dist_checkpointing``):
+EDiT state in and out of Megatron's distributed-optimizer checkpoints.
 
 Wraps ``DistributedOptimizer.state_dict`` / ``sharded_state_dict`` / ``load_state_dict`` /
 ``_set_main_param_and_optimizer_states`` and ``dist_checkpointing.load``: a pending sync is
