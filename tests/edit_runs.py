@@ -23,6 +23,7 @@ from gpt_utils import (
     make_batches,
     named_params,
     rank_micro_batches,
+    reinit_by_global_name,
     tiny_gpt_config,
     train_step,
     wrap_ddp,
@@ -63,7 +64,9 @@ def _build(spec, tp, pp):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if pp == 1:
-        model = build_tiny_gpt()
+        model = build_tiny_gpt(**spec.get("model", {}))
+        if spec.get("model"):  # (MoE) weights independent of the tensor / expert layout
+            reinit_by_global_name(model)
     else:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -93,7 +96,7 @@ class TrafficLog:
     """Records every collective whose group spans more than one EDiT worker."""
 
     NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-             "all_gather", "reduce_scatter", "send", "recv", "isend", "irecv", "barrier")
+             "all_gather", "reduce_scatter", "send", "recv", "isend", "irecv", "barrier", "all_to_all_single")
 
     def __init__(self, worker_of_rank: Dict[int, int]):
         import megatron.core.distributed.param_and_grad_buffer as pgb
@@ -165,7 +168,8 @@ def _train(rank, spec, tp, pp):
         traffic = TrafficLog({r: int(all_dp[r]) // worker_size for r in range(world)})
 
     out = dict(losses=[], snapshots={}, dp_rank=dp_rank, tp_rank=ps.get_tensor_model_parallel_rank(),
-               pp_rank=ps.get_pipeline_model_parallel_rank(), worker=dp_rank // worker_size)
+               pp_rank=ps.get_pipeline_model_parallel_rank(), worker=dp_rank // worker_size,
+               ep_rank=ps.get_expert_model_parallel_rank())
     controllers = me.get_local_sgd(optimizer)
     if controllers and spec.get("last_step"):
         controllers[0].last_step = spec["last_step"]  # as Megatron-LM's --train-iters sets it
@@ -206,6 +210,8 @@ def _train(rank, spec, tp, pp):
         traffic.close()
         out["traffic"] = traffic.events
     out["params"] = named_params(ddp)
+    out["partition_dims"] = {n: p.partition_dim for n, p in ddp.module.named_parameters()
+                             if getattr(p, "tensor_model_parallel", False)}
     if controllers:
         c = controllers[0]
         out["reports"] = c.drain_reports()
@@ -217,11 +223,15 @@ def _train(rank, spec, tp, pp):
             None if c.sync_group.group is None else torch.distributed.get_process_group_ranks(c.sync_group.group)
         )
         out["anchor_devices"] = sorted({str(s.anchor.device) for s in c.shards if s.anchor is not None})
+        # every controller (MoE with expert parallelism: the dense one, then the experts')
+        out["per_controller"] = [dict(reports=o.drain_reports() if o is not c else out["reports"],
+                                      state_bytes=o.state_bytes(), shard_numels=[s.numel for s in o.shards],
+                                      layer_names=list(o.layer_names)) for o in controllers]
     me.unpatch_megatron_for_local_sgd()
     return out
 
 
-def megatron_runs(rank, world_size, specs, tp=1, pp=1):
+def megatron_runs(rank, world_size, specs, tp=1, pp=1, ep=1):
     """Set up parallel state once, then one training run per spec; returns their results."""
     from megatron.core import parallel_state as ps
 
@@ -231,6 +241,7 @@ def megatron_runs(rank, world_size, specs, tp=1, pp=1):
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         num_distributed_optimizer_instances=instances.pop(),
+        **(dict(expert_model_parallel_size=ep) if ep > 1 else {}),
     )
     out = dict(
         tp_group=torch.distributed.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
@@ -256,7 +267,10 @@ def simulate_edit(rank, world_size, spec, dp_size):
     outer_kwargs = (spec["outer"] or {}).get("outer_optim_kwargs", {"lr": 0.7, "momentum": 0.9, "nesterov": True})
     outer_cls = getattr(torch.optim, (spec["outer"] or {}).get("outer_optim_class", "torch.optim.SGD").split(".")[-1])
     n = spec["instances"]
-    models = [build_tiny_gpt() for _ in range(n)]  # same seed: identical initial weights
+    models = [build_tiny_gpt(**spec.get("model", {})) for _ in range(n)]  # same seed: identical initial weights
+    if spec.get("model"):
+        for model in models:
+            reinit_by_global_name(model)
     inner = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0) for m in models]
     batches = make_batches(spec["steps"], dp_size * MICRO_BATCH, seed=spec["data_seed"])
     per_worker = batches.shape[1] // n
@@ -265,9 +279,58 @@ def simulate_edit(rank, world_size, spec, dp_size):
     layer_index = [layers.index(layer_key(name)) for name in names]
     stats = penalty.EWMAStats.zeros(n, len(layers))
     anchor, outer_opt, decisions = None, None, []
+    tau, alpha, last, flight = cfg.get("outer_step_delay", 0), cfg.get("outer_merge_alpha", 0.0), spec.get("last_step"), None
 
     def loss_of(model, tokens):
         return model(**gpt_inputs(tokens)).float().mean()
+
+    @torch.no_grad()
+    def decide_and_reduce():
+        """The workers' pseudo-gradients now, the decisions and the reduced (clipped) one."""
+        nonlocal stats
+        params = [list(m.parameters()) for m in models]
+        deltas = [[a - p[i] for i, a in enumerate(anchor)] for p in params]
+        norms = torch.zeros(n, len(layers), dtype=torch.float64)
+        for w in range(n):
+            for i, d in enumerate(deltas[w]):
+                norms[w, layer_index[i]] += d.double().pow(2).sum()
+        norms = norms.sqrt()
+        excluded = None
+        if cfg.get("skip_anomaly"):
+            excluded, stats = penalty.detect_anomalies(
+                norms, stats, cfg.get("ewma_alpha", 0.02), cfg.get("ewma_warmup_steps", 120),
+                cfg.get("ewma_threshold", 3.0))
+        if cfg.get("skip_anomaly") or cfg.get("pseudo_gradnorm_reduce"):
+            weights = penalty.averaging_weights(
+                norms, excluded, bool(cfg.get("pseudo_gradnorm_reduce")),
+                cfg.get("weight_softmax_temperature") or 1.0)
+        else:
+            weights = torch.full((n, len(layers)), 1.0 / n, dtype=torch.float64)
+        if spec.get("gta"):
+            avg = simulate_gta(spec["gta"], deltas, weights, layer_index)
+        else:
+            avg = [_weighted_sum(deltas, weights, layer_index, i, anchor[i]) for i in range(len(anchor))]
+        tau_clip = cfg.get("clip_pseudo_grad")
+        coef = torch.ones(len(layers), dtype=torch.float64)
+        if tau_clip is not None:
+            avg_norms = torch.zeros(len(layers), dtype=torch.float64)
+            for i, a in enumerate(avg):
+                avg_norms[layer_index[i]] += a.double().pow(2).sum()
+            coef = penalty.clip_coefficients(avg_norms.sqrt(), tau_clip)
+        skipped = penalty.skipped_layers(excluded, len(layers))
+        decisions.append(dict(norms=norms, weights=weights, excluded=excluded, coef=coef))
+        return avg, coef, skipped
+
+    @torch.no_grad()
+    def _sync_and_restart(reduced, merge_alpha):
+        """Outer step of the anchor; every worker restarts from it, or merges with it."""
+        avg, coef, skipped = reduced
+        for i, a in enumerate(anchor):
+            a.grad = None if skipped[layer_index[i]] else avg[i] * coef[layer_index[i]].item()
+        outer_opt.step()
+        for m in models:
+            for p, a in zip(m.parameters(), anchor):
+                p.copy_(a if not merge_alpha else merge_alpha * p + (1 - merge_alpha) * a)
 
     for step in range(1, spec["steps"] + 1):
         if anchor is None and step - 1 >= warmup:
@@ -279,45 +342,22 @@ def simulate_edit(rank, world_size, spec, dp_size):
             loss_of(model, tokens).backward()
             opt.step()
             _inject_fault(spec, step, w, list(model.parameters()))
-        if step > warmup and (step - warmup) % interval == 0:
-            with torch.no_grad():
-                params = [list(m.parameters()) for m in models]
-                deltas = [[a - p[i] for i, a in enumerate(anchor)] for p in params]
-                norms = torch.zeros(n, len(layers), dtype=torch.float64)
-                for w in range(n):
-                    for i, d in enumerate(deltas[w]):
-                        norms[w, layer_index[i]] += d.double().pow(2).sum()
-                norms = norms.sqrt()
-                excluded = None
-                if cfg.get("skip_anomaly"):
-                    excluded, stats = penalty.detect_anomalies(
-                        norms, stats, cfg.get("ewma_alpha", 0.02), cfg.get("ewma_warmup_steps", 120),
-                        cfg.get("ewma_threshold", 3.0))
-                if cfg.get("skip_anomaly") or cfg.get("pseudo_gradnorm_reduce"):
-                    weights = penalty.averaging_weights(
-                        norms, excluded, bool(cfg.get("pseudo_gradnorm_reduce")),
-                        cfg.get("weight_softmax_temperature") or 1.0)
-                else:
-                    weights = torch.full((n, len(layers)), 1.0 / n, dtype=torch.float64)
-                if spec.get("gta"):
-                    avg = simulate_gta(spec["gta"], deltas, weights, layer_index)
-                else:
-                    avg = [_weighted_sum(deltas, weights, layer_index, i, anchor[i]) for i in range(len(anchor))]
-                tau = cfg.get("clip_pseudo_grad")
-                coef = torch.ones(len(layers), dtype=torch.float64)
-                if tau is not None:
-                    avg_norms = torch.zeros(len(layers), dtype=torch.float64)
-                    for i, a in enumerate(avg):
-                        avg_norms[layer_index[i]] += a.double().pow(2).sum()
-                    coef = penalty.clip_coefficients(avg_norms.sqrt(), tau)
-                skipped = penalty.skipped_layers(excluded, len(layers))
-                for i, a in enumerate(anchor):
-                    a.grad = None if skipped[layer_index[i]] else avg[i] * coef[layer_index[i]].item()
-                outer_opt.step()
-                for m in models:
-                    for p, a in zip(m.parameters(), anchor):
-                        p.copy_(a)
-                decisions.append(dict(norms=norms, weights=weights, excluded=excluded, coef=coef))
+        on_grid = step > warmup and (step - warmup) % interval == 0
+        if not tau:
+            if on_grid:
+                _sync_and_restart(decide_and_reduce(), None)
+            continue
+        # Delayed outer step: launched tau steps before its sync step (its decisions and Delta
+        # are taken then), applied after the inner step of the sync step with the merge; the
+        # run's last step is a blocking sync, and nothing is launched for a sync at or after it.
+        if flight is not None and step == flight[0]:
+            _sync_and_restart(flight[1], alpha)
+            flight = None
+        if step == last and step > warmup:
+            _sync_and_restart(decide_and_reduce(), None)
+        target = step + tau
+        if target > warmup and (target - warmup) % interval == 0 and (last is None or target < last):
+            flight = (target, decide_and_reduce())
     return dict(params=[named_params(m) for m in models], decisions=decisions, layers=layers)
 
 

@@ -15,6 +15,7 @@ from megatron_edit.config import (
     ConfigError,
     GTAConfig,
     LocalSGDConfig,
+    NotSupportedYet,
     OuterOptimizerConfig,
 )
 
@@ -269,6 +270,10 @@ LOCAL_FLAG_CASES = {
     # An fp32 exchange drops nothing: refused alone.
     "exchange_error_feedback": (["--local-sgd-exchange-error-feedback"], ConfigError),
     "sync_timeout": (["--local-sgd-sync-timeout", "90"], 90.0),
+    # tau must be < --local-sgd-sync-interval (default 1): alone it is refused.
+    "outer_step_delay": (["--local-sgd-outer-step-delay", "1"], ConfigError),
+    # The merge follows a delayed outer step only: alone it is refused.
+    "outer_merge_alpha": (["--local-sgd-outer-merge-alpha", "0.5"], ConfigError),
 }
 
 
@@ -418,3 +423,28 @@ def test_validation_builds_no_optimizer(monkeypatch):
     # in validation); torch's own checks are covered by check_outer_numbers.
     monkeypatch.setattr(torch.optim.SGD, "__init__", lambda *a, **k: pytest.fail("an SGD was built"))
     OuterOptimizerConfig("sgd", {"lr": 0.5, "momentum": 0.5, "nesterov": True})
+
+
+def test_delayed_outer_step_flags_reach_their_fields():
+    local, _, _ = _configs("--local-sgd-sync-interval", "8", "--local-sgd-outer-step-delay", "3",
+                           "--local-sgd-outer-merge-alpha", "0.5")
+    assert (local.outer_step_delay, local.outer_merge_alpha) == (3, 0.5)
+
+
+@pytest.mark.parametrize("argv, exc, fragments", [
+    (["--local-sgd-outer-merge-alpha", "0.5"], ConfigError,
+     ["--local-sgd-outer-merge-alpha", "--local-sgd-outer-step-delay"]),
+    (["--local-sgd-sync-interval", "4", "--local-sgd-outer-step-delay", "4"], ConfigError,
+     ["--local-sgd-outer-step-delay", "--local-sgd-sync-interval", "4 must be < "]),
+    (["--local-sgd-sync-interval", "4", "--local-sgd-outer-step-delay", "-1"], ConfigError,
+     ["--local-sgd-outer-step-delay", ">= 0"]),
+    (["--local-sgd-sync-interval", "4", "--local-sgd-outer-step-delay", "1", "--local-sgd-outer-merge-alpha", "1.5"],
+     ConfigError, ["--local-sgd-outer-merge-alpha", "[0, 1]"]),
+    (["--local-sgd-async", "--local-sgd-outer-step-delay", "1"], NotSupportedYet,
+     ["--local-sgd-outer-step-delay", "--local-sgd-async", "not supported yet"]),
+])
+def test_delayed_outer_step_refusals(argv, exc, fragments):
+    with pytest.raises(exc) as info:
+        _configs(*argv)
+    for fragment in fragments:
+        assert fragment in str(info.value)

@@ -43,6 +43,8 @@ FLAGS = {
     "exchange_block_size": "--local-sgd-exchange-block-size",
     "exchange_error_feedback": "--local-sgd-exchange-error-feedback",
     "sync_timeout": "--local-sgd-sync-timeout",
+    "outer_step_delay": "--local-sgd-outer-step-delay",
+    "outer_merge_alpha": "--local-sgd-outer-merge-alpha",
     "outer_optim_class": "--outer-optimizer",
     "outer_optim_kwargs": "--outer-optimizer-lr",
     "reducer": "--local-sgd-reducer",
@@ -444,3 +446,18 @@ def test_every_field_is_documented_where_help_and_ides_see_it(cls):
     for name in names:
         assert f"{name} = " in text and docs[name].splitlines()[0] in text, name
         assert FLAG_NAMES[name].split(" ")[0] in text, name
+
+
+def test_delayed_outer_step_checks():
+    cfg = LocalSGDConfig(local_sgd_sync_interval=4, outer_step_delay=3, outer_merge_alpha=1.0)
+    assert (cfg.outer_step_delay, cfg.outer_merge_alpha) == (3, 1.0)
+    assert LocalSGDConfig().outer_step_delay == 0 and LocalSGDConfig().outer_merge_alpha == 0.0
+    _raises(LocalSGDConfig, ConfigError, "outer_step_delay", outer_step_delay=1.0, local_sgd_sync_interval=4)
+    _raises(LocalSGDConfig, ConfigError, "outer_step_delay", outer_step_delay=True, local_sgd_sync_interval=4)
+    _raises(LocalSGDConfig, ConfigError, "outer_merge_alpha", outer_merge_alpha=float("nan"))
+    message = _raises(LocalSGDConfig, ConfigError, "outer_merge_alpha", outer_merge_alpha=0.5)
+    assert "--local-sgd-outer-step-delay" in message
+    message = _raises(LocalSGDConfig, ConfigError, "outer_step_delay", outer_step_delay=4, local_sgd_sync_interval=4)
+    assert "--local-sgd-sync-interval (4)" in message and "one in flight" in message
+    with pytest.raises(NotSupportedYet, match="A-EDiT.*not supported yet"):
+        LocalSGDConfig(use_async=True, outer_step_delay=1, local_sgd_sync_interval=4)

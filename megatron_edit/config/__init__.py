@@ -21,6 +21,7 @@ The package: the classes and their checks here (every field's checks next to it,
 megatron-core's and torchtitan's configs); the exceptions and the value kinds in
 ``megatron_edit.config.values``; the outer optimizer's class and keyword checks in
 ``megatron_edit.config.outer_optimizer``. Every name is importable from ``megatron_edit.config``.
+This module is long because each field's declaration, documentation and checks stay together.
 """
 
 from __future__ import annotations
@@ -194,6 +195,31 @@ class LocalSGDConfig:
     ``step_end``: one blocking exchange of all buckets right after the optimizer step. Both
     compute the same numbers."""
 
+    outer_step_delay: int = flag(
+        "--local-sgd-outer-step-delay", 0,
+        help="tau: launch each sync's exchange tau steps before its sync step and apply it there, "
+             "so the exchange runs behind tau inner steps (0: blocking, as without the flag; "
+             "tau < --local-sgd-sync-interval).")
+    """tau (Streaming DiLoCo's overlap, torchft's ``fragment_sync_delay``): the exchange of the
+    sync due after step s = W + kH is launched after step s - tau with the pseudo-gradient
+    ``anchor - theta_{s-tau}``; the worker keeps training; after the inner update of step s the
+    exchange is completed, the outer step applied to the anchor and the worker's parameters
+    merged with the new anchor (``outer_merge_alpha``). The sync steps stay on the grid of
+    ``tau = 0`` (torchft's schedule: the launch moves, not the apply), so a ``--save-interval``
+    that is a multiple of H still saves between exchanges and the run's last step is still a
+    sync (which completes at once). 0: today's blocking sync, bit for bit. Needs
+    ``tau < local_sgd_sync_interval`` (one exchange in flight at a time); not with A-EDiT yet."""
+
+    outer_merge_alpha: float = flag(
+        "--local-sgd-outer-merge-alpha", 0.0,
+        help="alpha: after a delayed outer step theta <- alpha*theta + (1-alpha)*new anchor "
+             "(0: every worker takes the new anchor; needs --local-sgd-outer-step-delay).")
+    """alpha in [0, 1]: with a delay, the merge after the outer step is
+    ``theta <- alpha * theta_s + (1 - alpha) * anchor'`` (torchft's ``fragment_update_alpha``);
+    0 makes every worker take the new anchor (replicas identical, the tau local steps taken
+    during the exchange are dropped), larger values keep part of them (replicas then differ by
+    alpha times their local drift until the next sync)."""
+
     exchange_dtype: str = flag(
         "--local-sgd-exchange-dtype", "fp32", choices=EXCHANGE_DTYPES,
         help="Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of "
@@ -272,6 +298,7 @@ class LocalSGDConfig:
             raise ConfigError(
                 f"{_name('exchange_error_feedback')}: an fp32 exchange drops nothing; add "
                 f"{FLAG_NAMES['exchange_dtype']} bf16|fp8|int8|int4 or drop the flag.")
+        self._check_delay()
         # Valid, but not built in this version: refuse rather than ignore.
         if self.use_step_weight and not self.use_async:
             raise ConfigError(
@@ -281,6 +308,25 @@ class LocalSGDConfig:
             raise ConfigError(
                 f"{_name('weight_softmax_temperature')}: only used with norm-weighted averaging; "
                 f"add {FLAG_NAMES['pseudo_gradnorm_reduce']}.")
+
+    def _check_delay(self) -> None:
+        """The delayed outer step's settings (``outer_step_delay``, ``outer_merge_alpha``)."""
+        tau, alpha = self.outer_step_delay, self.outer_merge_alpha
+        _require(tau >= 0, "outer_step_delay", f"must be an integer >= 0 (got {tau!r}); 0: no delay.")
+        _require(0.0 <= alpha <= 1.0, "outer_merge_alpha", f"must be in [0, 1] (got {alpha!r}).")
+        if alpha != 0.0 and tau == 0:
+            raise ConfigError(
+                f"{_name('outer_merge_alpha')}: the merge only follows a delayed outer step; add "
+                f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
+        if tau and self.use_async:
+            raise NotSupportedYet(
+                f"{_name('outer_step_delay')}: a delayed outer step with {FLAG_NAMES['use_async']} "
+                "(A-EDiT) is not supported yet; drop one of the two.")
+        if tau >= self.local_sgd_sync_interval:
+            raise ConfigError(
+                f"{_name('outer_step_delay')}: {tau} must be < {FLAG_NAMES['local_sgd_sync_interval']} "
+                f"({self.local_sgd_sync_interval}): an exchange must be applied before the next one is "
+                "launched (one in flight at a time).")
 
 
 @documented

@@ -52,6 +52,11 @@ class SyncInProgress:
     divisor: int = 1
     """What the reduced Delta still has to be divided by in the outer step (the plain mean's
     division, left to the fused step where that saves a pass)."""
+    delay: int = 0
+    """Delayed outer step: the steps between the launch (after step ``step - delay``) and the
+    apply (after step ``step``); the flights own every buffer their collectives use until then."""
+    exposed_wait: float = 0.0
+    """Delayed outer step: host seconds spent waiting for the exchange at its completion."""
     shards: Dict[int, ShardInFlight] = field(default_factory=dict)  # id(shard) -> its record
 
     def of(self, shard: BucketShard) -> ShardInFlight:

@@ -145,6 +145,7 @@ class OuterState:
         write_model: bool,
         divisor: int = 1,
         layer_scales: Optional[Dict[int, torch.Tensor]] = None,
+        merge_alpha: Optional[float] = None,
     ) -> None:
         """Outer step of one shard with the pseudo-gradient ``delta / divisor`` (``delta`` is
         scratch: it is overwritten), then the main params (and, with ``write_model``, the
@@ -152,23 +153,42 @@ class OuterState:
         worker was excluded from) keep their anchor and outer state. ``layer_scales``: a factor
         per layer (0-dim tensors on the device, e.g. clip factors; a 0 factor zeroes the layer's
         pseudo-gradient, even NaN/Inf), folded into the compiled kernel (no pass of its own) and
-        otherwise applied to ``delta`` first."""
+        otherwise applied to ``delta`` first. ``merge_alpha`` (a delayed outer step): the mains
+        are merged with the new anchor instead, ``theta <- alpha theta + (1 - alpha) anchor'``
+        (0: the anchor itself), one elementwise pass after the step."""
+        restart = merge_alpha is None
         with self._on_device(shard):
             if self.fused and not skipped:
-                self._fused_step(shard, delta, write_model, divisor, layer_scales)
-                return
-            if layer_scales:
-                shard.scale_layers(delta, layer_scales)
-            outer.mean_from_sum(delta, divisor)
-            saved = self._save_segments(shard, skipped)
-            outer.outer_step(self.optimizer, [shard.anchor], [delta])
-            self._restore_segments(shard, saved)
+                self._fused_step(shard, delta, write_model and restart, divisor, layer_scales, restart)
+            else:
+                if layer_scales:
+                    shard.scale_layers(delta, layer_scales)
+                outer.mean_from_sum(delta, divisor)
+                saved = self._save_segments(shard, skipped)
+                outer.outer_step(self.optimizer, [shard.anchor], [delta])
+                self._restore_segments(shard, saved)
+                if restart:
+                    shard.write_mains(shard.anchor)
+                    if write_model:
+                        shard.write_model(shard.anchor)
+            if not restart:
+                self._merge(shard, float(merge_alpha), write_model)
+
+    @staticmethod
+    def _merge(shard: BucketShard, alpha: float, write_model: bool) -> None:
+        """Mains := alpha * mains + (1 - alpha) * anchor (``lerp`` towards the anchor; padding
+        stays 0, where both are 0)."""
+        if alpha == 0.0:
             shard.write_mains(shard.anchor)
-            if write_model:
-                shard.write_model(shard.anchor)
+        elif shard.flat_mains is not None:
+            shard.flat_mains.lerp_(shard.anchor, 1.0 - alpha)
+        elif shard.mains:
+            torch._foreach_lerp_([m.view(-1) for m in shard.mains], shard.main_views(shard.anchor), 1.0 - alpha)
+        if write_model:
+            shard.write_model(shard.read_current(torch.empty_like(shard.anchor)))
 
     def _fused_step(self, shard: BucketShard, delta: torch.Tensor, write_model: bool, divisor: int,
-                    layer_scales: Optional[Dict[int, torch.Tensor]] = None) -> None:
+                    layer_scales: Optional[Dict[int, torch.Tensor]] = None, restart: bool = True) -> None:
         """Compiled: one kernel call for the shard, or with ``layer_scales`` one per piece of one
         layer (:attr:`BucketShard.layer_spans`) with the layer's factor / ``divisor`` as its
         scale (the factors cost no pass). Eager: the factors scale ``delta`` first."""
@@ -176,7 +196,7 @@ class OuterState:
         state = self.optimizer.state[shard.anchor]
         first = "momentum_buffer" not in state or state["momentum_buffer"] is None
         momentum = torch.empty_like(shard.anchor) if first else state["momentum_buffer"]
-        mains = shard.flat_mains
+        mains = shard.flat_mains if restart else None  # a merge follows: leave the mains
         model = shard.model if write_model else None
         lr, mu, nesterov = float(group["lr"]), float(group["momentum"]), bool(group["nesterov"])
         if self.compiles(shard.device):
@@ -202,7 +222,7 @@ class OuterState:
             if model is not None:
                 model.copy_(shard.anchor)
         state["momentum_buffer"] = momentum
-        if mains is None:
+        if mains is None and restart:
             shard.write_mains(shard.anchor)
 
     def compiles(self, device: torch.device) -> bool:

@@ -116,17 +116,18 @@ class OuterSync:
     def start(self, step: int, steps_since_last: int, worker_steps: Optional[torch.Tensor] = None,
               worker_seconds: Optional[torch.Tensor] = None, skip: bool = False,
               bytes_at_start: Optional[int] = None, worker_idle: Optional[torch.Tensor] = None,
-              final: bool = False) -> bool:
+              final: bool = False, delay: int = 0) -> bool:
         """Begin the sync due after ``step``: the penalty's decisions. ``skip`` (A-EDiT: too few
         steps in total) ends it at once without any exchange; returns whether it goes on.
         ``bytes_at_start``: the sync group's byte count where the sync's traffic began (A-EDiT's
-        schedule message comes first)."""
+        schedule message comes first). ``delay``: the sync is launched now and applied ``delay``
+        steps later (a delayed outer step; ``step`` is the apply step)."""
         assert self._sync is None, "a sync is already in progress"
         if bytes_at_start is None:
             bytes_at_start = self.sync_group.counters.payload_bytes
         self._sync = SyncInProgress(step, steps_since_last, bytes_at_start)
         self._sync.worker_steps, self._sync.worker_seconds = worker_steps, worker_seconds
-        self._sync.worker_idle, self._sync.final = worker_idle, final
+        self._sync.worker_idle, self._sync.final, self._sync.delay = worker_idle, final, delay
         if skip:
             self._sync.skipped_sync = True
             self._finish_if_done()
@@ -265,6 +266,8 @@ class OuterSync:
                 state.delta = state.reducer.finish(state.flight)
                 state.flight, state.exchanged = None, True
         self._sync.seconds += time.perf_counter() - t0
+        if self._sync.delay:
+            self._sync.exposed_wait += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ complete
     @torch.no_grad()
@@ -296,7 +299,7 @@ class OuterSync:
             coef[layer] = factors[layer]
 
     @torch.no_grad()
-    def _apply(self, shard: BucketShard, write_model: bool) -> None:
+    def _apply(self, shard: BucketShard, write_model: bool, merge_alpha: Optional[float] = None) -> None:
         """Outer step of one shard with its reduced Delta; mains restart from the anchor."""
         sync = self._sync
         delta, scales = sync.of(shard).delta, None
@@ -305,18 +308,19 @@ class OuterSync:
                 scales = sync.clip_coef
             else:
                 shard.scale_layers(delta, sync.clip_coef)
-        self.outer.apply(shard, delta, sync.skipped_ranges(shard), write_model, sync.divisor, layer_scales=scales)
+        self.outer.apply(shard, delta, sync.skipped_ranges(shard), write_model, sync.divisor, layer_scales=scales,
+                         merge_alpha=merge_alpha)
         sync.done(shard)
 
     @torch.no_grad()
-    def complete(self, shards: Sequence[BucketShard], write_model: bool) -> None:
+    def complete(self, shards: Sequence[BucketShard], write_model: bool, merge_alpha: Optional[float] = None) -> None:
         """Finish the exchange of ``shards``, step their anchors, restart their mains (and the
-        model's 16-bit copy when ``write_model``)."""
+        model's 16-bit copy when ``write_model``), or merge them (``merge_alpha``: delayed)."""
         self._finish_exchange(shards)
         t0 = time.perf_counter()
         self._ensure_clip_coefficients(shards)
         for shard in shards:
-            self._apply(shard, write_model)
+            self._apply(shard, write_model, merge_alpha)
         self._sync.seconds += time.perf_counter() - t0
         self._finish_if_done()
 
@@ -388,6 +392,8 @@ class OuterSync:
             final=sync.final,
             exchange_dtype=self.config.exchange_dtype,
             quantization_error=self.quantized.take_error_norm() if self.quantized is not None else None,
+            delay=sync.delay,
+            exposed_wait_seconds=sync.exposed_wait,
         )
         if self.on_done is not None:
             self.on_done(report)

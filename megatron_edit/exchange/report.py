@@ -52,6 +52,12 @@ class SyncReport:
     """Quantized exchange: norm of what quantization changed on this rank (its shard of its
     pseudo-gradient, and the chunk of the result it reduced), error feedback included."""
     """A-EDiT: [workers] seconds of the latest interval (since the previous planned sync)."""
+    delay: int = 0
+    """Delayed outer step (``LocalSGDConfig.outer_step_delay``): the exchange was launched after
+    step ``step - delay`` and applied after ``step``; 0: a blocking sync."""
+    exposed_wait_seconds: float = 0.0
+    """Delayed outer step: seconds this rank waited for the exchange when it was applied (0
+    when it had finished behind the ``delay`` inner steps)."""
 
     def scalars(self) -> Dict[str, float]:
         """Flat name -> value, for Megatron's console line and TensorBoard / W&B writers."""
@@ -83,6 +89,9 @@ class SyncReport:
             out["local-sgd/skipped-sync"] = float(self.skipped_sync)
             out["local-sgd/worker-steps-min"] = float(self.worker_steps.min())
             out["local-sgd/worker-steps-max"] = float(self.worker_steps.max())
+        if self.delay:
+            out["local-sgd/outer-step-delay"] = float(self.delay)
+            out["local-sgd/exposed-wait-seconds"] = self.exposed_wait_seconds
         if self.worker_idle is not None:
             out["local-sgd/idle-seconds-max"] = float(self.worker_idle.max())
             out["local-sgd/final-sync"] = float(self.final)

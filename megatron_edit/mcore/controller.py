@@ -49,6 +49,7 @@ from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
 from .async_plan import AsyncPlan, SyncPoint
+from .delayed import DelayedOuterStep
 from .process_state import PROCESS
 from .shards import build_layout
 from .worker_layout import WorkerLayout
@@ -124,6 +125,7 @@ class LocalSGD:
             on_done=self._on_sync_done,
         )
         self._group_index = {g: i for i, g in enumerate(self.group_order)}
+        self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
 
     def _arrivals(self, inter) -> Arrivals:
         """The sync group's arrival checks, in the job's store (see :mod:`..exchange.arrival`)."""
@@ -244,6 +246,8 @@ class LocalSGD:
 
     def after_inner_update(self) -> None:
         """Inner update done, main params not yet copied into the model (step-end sync point)."""
+        if self.delayed is not None:  # a delayed outer step applies here in both sync modes
+            return self.delayed.after_inner_update(self.steps_done + 1) if self._in_step else None
         if self._in_step and self.config.sync_mode == "step_end" and self._sync_due(self.steps_done + 1):
             if self._start_sync(self.steps_done + 1):
                 # Megatron's own main -> model copy follows: no need to write the model here.
@@ -258,6 +262,8 @@ class LocalSGD:
         self._snap_progress()  # step-end: the sync ran inside this step
         if self.config.use_async and self.steps_done == self.config.local_sgd_warmup_steps:
             self.async_plan.start_clock(self.steps_done)
+        if self.delayed is not None:  # launches the exchange of the sync due tau steps later
+            return self.delayed.end_step(self.steps_done)
         if not self._sync_due(self.steps_done):
             return
         if self.config.sync_mode == "step_end":

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 
-SUMMED_KEYS = frozenset({"local-sgd/sync-seconds", "local-sgd/sync-bytes"})
+SUMMED_KEYS = frozenset({"local-sgd/sync-seconds", "local-sgd/sync-bytes", "local-sgd/exposed-wait-seconds"})
 """Keys of ``SyncReport.scalars()`` that add up over syncs; every other key is a level (the
 latest sync's value is reported)."""
 

@@ -1,0 +1,75 @@
+"""The delayed outer step (``LocalSGDConfig.outer_step_delay`` tau > 0): when a sync's exchange
+is launched and when it is applied, for one :class:`~megatron_edit.mcore.controller.LocalSGD`.
+
+The sync steps stay where they are without a delay: s = W + kH (torchft's schedule: the launch
+moves, not the apply). After the optimizer step of s - tau (``end_step``) the decisions are
+taken (the per-layer norms' all-gather, blocking, as for every sync) and the exchange of every
+shard is launched, in the forward order, with the pseudo-gradient ``anchor - theta_{s-tau}``;
+training goes on. After the inner update of step s (``after_inner_update``, before Megatron
+copies the main params into the model, in both sync modes) the exchange is completed, the outer
+step applied to the anchor and the mains merged with the new anchor::
+
+    anchor', u' = OuterOpt(anchor, u; reduce(anchor - theta_{m, s-tau}))
+    theta_m    <- alpha * theta_{m, s} + (1 - alpha) * anchor'     (alpha = 0: theta_m <- anchor')
+
+The run's last step (``LocalSGD.last_step``) is never the apply of a delayed exchange: no
+exchange is launched whose apply would be at or after it, and the last sync is the blocking one
+of tau = 0 there, so every worker ends with the same model and nothing is left in flight.
+
+Between launch and apply the :class:`~megatron_edit.exchange.in_flight.SyncInProgress` owns
+every tensor the collectives read or write (each shard's Delta, the reducers' flights and
+their stage buffers); nothing else holds or frees them until :meth:`OuterSync.complete` waits
+for them. A checkpoint in that window is refused (:attr:`LocalSGD.exchange_in_flight`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..algorithm import schedule
+
+
+class DelayedOuterStep:
+    """Launch and apply of the delayed syncs of one controller (tau = ``outer_step_delay``)."""
+
+    def __init__(self, controller):
+        self.controller = controller
+        c = controller.config
+        self.delay, self.alpha = c.outer_step_delay, float(c.outer_merge_alpha)
+        self.apply_at: Optional[int] = None
+        """The step after whose inner update the exchange in flight is applied (None: none)."""
+
+    @property
+    def in_flight(self) -> bool:
+        return self.apply_at is not None
+
+    def _is_last(self, step: int) -> bool:
+        c = self.controller
+        return step == c.last_step and step > c.config.local_sgd_warmup_steps
+
+    def end_step(self, steps_done: int) -> None:
+        """After the optimizer step ``steps_done``: launch the exchange of the sync due after
+        step ``steps_done + tau`` (unless that is the run's last step or later)."""
+        c, target = self.controller, steps_done + self.delay
+        cfg = c.config
+        if self.in_flight or not schedule.is_sync_step(target, cfg.local_sgd_warmup_steps,
+                                                       cfg.local_sgd_sync_interval):
+            return
+        if c.last_step is not None and target >= c.last_step:
+            return  # the run's last sync is blocking: nothing may be left in flight at the end
+        if c.arrivals is not None:  # before the sync's first collective: name a missing worker
+            c.arrivals.wait(steps_done)
+        c.sync.start(target, target - c.last_sync_step, delay=self.delay)
+        for group in c.sync.groups:
+            c.sync.launch(group)
+        self.apply_at = target
+
+    def after_inner_update(self, step: int) -> None:
+        """Inner update of ``step`` done, mains not yet copied into the model: apply the
+        exchange due here; at the run's last step, a blocking sync of every shard."""
+        c = self.controller
+        if self.in_flight and (step == self.apply_at or self._is_last(step)):
+            c.sync.complete(c.sync.shards, write_model=False, merge_alpha=self.alpha)
+            self.apply_at = None
+        if self._is_last(step) and c._start_sync(step):
+            c.sync.complete(c.sync.shards, write_model=False)  # Megatron's main -> model copy follows
