@@ -42,23 +42,29 @@ def _padded(per_param):
     return [torch.cat(list(p) + [torch.zeros(n - sum(x.numel() for x in p))]) for p, (n, _) in zip(per_param, BUCKETS)]
 
 
-def _worker(worker, world, local, alpha):
+def _worker(worker, world, local, alpha, gta=None, state_kwargs=None, blocking=False):
+    """``blocking``: the same syncs without a delay (launch and apply at once, no drift)."""
     params = _randn(0)
     shards = [BucketShard(numel=n, mains=mains, local_ranges=[(s, e) for s, e, _ in segs],
                           segments=[(s, e, layer, True) for s, e, layer in segs],
                           bucket_layers={layer for _, _, layer in segs}, index=i)
               for i, ((n, segs), mains) in enumerate(zip(BUCKETS, params))]
-    state = OuterState(OuterOptimizerConfig(outer_optim_kwargs=KW))
+    state = OuterState(OuterOptimizerConfig(outer_optim_kwargs=KW), **(state_kwargs or {}))
     state.capture(shards)
     reports, merged, owned = [], [], []
     sync = OuterSync([[shards[i] for i in g] for g in GROUPS], LAYERS, world.group(worker), FakeWorkerGroups(),
-                     LocalSGDConfig(local_sgd_sync_interval=H, outer_step_delay=TAU, outer_merge_alpha=alpha,
-                                    **local), GTAConfig(), state, on_done=reports.append)
+                     LocalSGDConfig(local_sgd_sync_interval=H, outer_step_delay=0 if blocking else TAU,
+                                    outer_merge_alpha=alpha, **local), gta or GTAConfig(), state,
+                     on_done=reports.append)
     for k in range(ROUNDS):
         for mains, moves in zip(params, _randn(100 + worker + 10 * k)):  # local steps up to the launch
             for m, d in zip(mains, moves):
                 m.add_(d)
-        assert sync.start(step=(k + 1) * H, steps_since_last=H, delay=TAU)
+        assert sync.start(step=(k + 1) * H, steps_since_last=H, delay=0 if blocking else TAU)
+        if blocking:
+            sync.complete(shards, write_model=False)
+            merged.append(_padded([[m.clone() for m in mains] for mains in params]))
+            continue
         for group in sync.groups:
             sync.launch(group)
         # the sync owns every buffer its collectives use until complete() waits for them
@@ -194,3 +200,29 @@ def test_alpha_one_keeps_the_worker_and_zero_takes_the_anchor_on_separate_mains(
             assert torch.allclose(m, v, rtol=0, atol=1e-6)
             if alpha in (0.0, 1.0):
                 assert torch.equal(m, v)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["gta", "cpu-offload", "clip-penalty"])
+def test_delay_changes_only_when_the_exchange_is_applied(variant):
+    """GTA (two phases), the paged state of cpu_offload, clipping with the penalty's weights and
+    anomaly detector: the first anchor of a delayed run equals the blocking run's from the same launch
+    parameters, bit for bit, and alpha = 0 gives every worker that anchor."""
+    gta = local = state_kwargs = None
+    if variant == "gta":
+        gta = GTAConfig(reducer="gta", consensus_method="sum", sparsification_method="magnitude", density=0.5)
+    elif variant == "cpu-offload":
+        state_kwargs = dict(paged=True)
+    else:
+        local = dict(clip_pseudo_grad=0.5, skip_anomaly=True, ewma_warmup_steps=0, pseudo_gradnorm_reduce=True)
+    out = {}
+    for blocking in (False, True):
+        world = FakeWorld(WORKERS)
+        out[blocking] = run_workers(world, _worker, world, local or {}, 0.0, gta, state_kwargs, blocking)
+    for w in range(WORKERS):
+        delayed, blocking = out[False][w], out[True][w]
+        assert [r.delay for r in delayed["reports"]] == [TAU] * ROUNDS and blocking["reports"][0].delay == 0
+        assert delayed["log"] == blocking["log"]  # the same collectives, in the same order
+        for b in range(len(BUCKETS)):
+            assert torch.equal(delayed["merged"][0][b], blocking["merged"][0][b])  # round 1: anchor'
+            assert torch.equal(delayed["merged"][1][b], out[False][0]["merged"][1][b])  # replicas

@@ -58,3 +58,48 @@ def test_delayed_outer_step_matches_the_simulation_in_both_modes():
     for run in range(3):
         a, b = results[0]["runs"][run]["params"], results[2]["runs"][run]["params"]
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+DELAYED = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, outer_step_delay=2, sync_mode="layerwise")
+
+
+def _refused_mid_flight_then_saved_on_the_grid(rank, world_size, path):
+    """Steps 1-3 (the exchange of the sync after step 4 launched after step 2); a checkpoint
+    now is refused; steps 4-8, saving after step 4 (applied there: nothing in flight)."""
+    import megatron_edit as me
+    from checkpoint_runs import DP_RESHARDABLE, _setup, _sharded, _state, _train
+    from megatron.core import parallel_state as ps
+    from megatron_edit.config import NotSupportedYet
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    ddp, opt, ctl = _setup(DELAYED)
+    _train(ddp, opt, ctl, 1, 3)
+    message = None
+    try:
+        _sharded(ddp, opt, DP_RESHARDABLE)
+    except NotSupportedYet as e:
+        message = str(e)
+    in_flight = ctl.delayed.in_flight
+    _train(ddp, opt, ctl, 4, 8, saves={4: [(path, DP_RESHARDABLE)]})
+    out = dict(message=message, in_flight=in_flight, final=_state(ddp, opt, ctl),
+               reports=[(r.step, r.delay) for r in ctl.drain_reports()])
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_a_checkpoint_mid_flight_is_refused_and_one_on_the_grid_resumes_exactly(tmp_path):
+    from checkpoint_runs import DP_RESHARDABLE, _equal, train_job
+
+    path = str(tmp_path / "ckpt")
+    first = run_ranks(_refused_mid_flight_then_saved_on_the_grid, WORLD, path, timeout=360)
+    resumed = run_ranks(train_job, WORLD, local_sgd=DELAYED, steps=8, load=(path, DP_RESHARDABLE, 4), timeout=360)
+    for a, b in zip(first, resumed):
+        assert a["in_flight"] and a["reports"] == [(4, 2), (8, 2)]
+        assert a["message"] == (
+            "megatron_edit: a checkpoint was requested after step 3 while the exchange of the delayed outer step "
+            "(--local-sgd-outer-step-delay) is in flight (launched after step 2, applied after step 4); saving "
+            "it is not supported yet: save on the sync grid (steps W + k*H, e.g. a --save-interval that is a "
+            "multiple of --local-sgd-sync-interval with W a multiple of it).")
+        for key in ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step"):
+            _equal(a["final"][key], b["final"][key], key)

@@ -394,6 +394,53 @@ def test_real_sync_report_has_what_the_log_uses():
             "local-sgd/workers"} <= set(scalars)
 
 
+@pytest.mark.parametrize("delay, warmup, save_interval, train_iters, iteration", [
+    (1, 4, 4, 100, None),  # saves on the sync grid (W and the interval multiples of H): fine
+    (1, 4, 8, None, None),
+    (3, 0, 12, 100, None),
+    (1, 4, 6, 100, None),  # saves 2 or 4 steps before a sync: outside the 1-step windows
+    (2, 4, 6, 100, 6),  # the sync after 8 is launched after 6: the save after 6 is inside
+    (1, 4, 4, 7, None),  # 4 is W; the sync after 8 would be after the last step: not delayed
+    (1, 1, 4, 100, 4),  # W = 1: every save is 1 step before a sync
+])
+def test_save_interval_inside_a_delayed_exchange_is_refused(delay, warmup, save_interval, train_iters, iteration):
+    args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4", "--local-sgd-warmup-steps",
+                               str(warmup), "--local-sgd-outer-step-delay", str(delay), save="ckpt",
+                               save_interval=save_interval, train_iters=train_iters)
+    if iteration is None:
+        validate_local_sgd_args(args)
+        return
+    with pytest.raises(ConfigError) as info:
+        validate_local_sgd_args(args)
+    message = str(info.value)
+    assert f"--save-interval={save_interval} with --local-sgd-outer-step-delay {delay}" in message
+    assert f"the save after iteration {iteration} would fall while" in message and "sync grid" in message
+
+
+def test_delay_and_exposed_wait_reach_the_log_line_and_tensorboard():
+    from megatron_edit.exchange.report import SyncReport
+
+    class _Delayed:
+        def __init__(self, reports):
+            self.reports, self.config = reports, SimpleNamespace(use_async=False)
+
+        def drain_reports(self):
+            out, self.reports = self.reports, []
+            return out
+
+    reports = [SyncReport(step=s, mode="step_end", buckets=1, payload_bytes=100, seconds=0.5, workers=2,
+                          delay=2, exposed_wait_seconds=w) for s, w in ((8, 0.25), (12, 0.5))]
+    metrics, args = SyncMetrics(), SimpleNamespace(log_interval=12, tensorboard_log_interval=12)
+    written = []
+    writer = SimpleNamespace(add_scalar=lambda k, v, i: written.append((k, v, i)))
+    line = training_log_fields(metrics, [_Delayed(reports)], args, 12, writer, None)
+    assert "local sgd outer step delay: 2 |" in line and "local sgd exposed wait seconds: 0.75 |" in line
+    assert ("local-sgd/exposed-wait-seconds", 0.75, 12) in written and ("local-sgd/outer-step-delay", 2.0, 12) in written
+    # without a delay, nothing new on the line
+    plain = SyncReport(step=4, mode="layerwise", buckets=1, payload_bytes=1, seconds=0.1, workers=2).scalars()
+    assert not {"local-sgd/outer-step-delay", "local-sgd/exposed-wait-seconds"} & set(plain)
+
+
 # ================================================================ with the checkout
 def _env():
     env = dict(os.environ)
