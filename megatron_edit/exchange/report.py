@@ -56,8 +56,9 @@ class SyncReport:
     """Delayed outer step (``LocalSGDConfig.outer_step_delay``): the exchange was launched after
     step ``step - delay`` and applied after ``step``; 0: a blocking sync."""
     exposed_wait_seconds: float = 0.0
-    """Delayed outer step: seconds this rank waited for the exchange when it was applied (0
-    when it had finished behind the ``delay`` inner steps)."""
+    """Delayed outer step: host seconds this rank spent in the exchange's waits when it was
+    applied (about 0 when it had finished behind the ``delay`` inner steps). Gloo blocks the
+    host there; with NCCL ``Work.wait`` only orders the streams, so this is a lower bound."""
 
     def scalars(self) -> Dict[str, float]:
         """Flat name -> value, for Megatron's console line and TensorBoard / W&B writers."""
