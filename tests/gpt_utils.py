@@ -53,24 +53,53 @@ def tiny_gpt_config(**overrides) -> TransformerConfig:
         use_cpu_initialization=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
     )
+    if overrides.get("num_moe_experts"):
+        fields.update(expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                      expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size())
     fields.update(overrides)
     return TransformerConfig(**fields)
 
 
 def build_tiny_gpt(seed=1234, **config_overrides) -> GPTModel:
-    """A GPTModel whose initial weights depend only on ``seed`` (needs parallel_state set up).
+    """A GPTModel whose initial weights depend only on ``seed`` (needs parallel_state set up);
+    MoE when ``config_overrides`` has ``num_moe_experts``.
 
     Seeds both the model-parallel RNG tracker and the CPU generator (on CPU, weight init draws
     from the latter), so any rank or a world-size-1 process gets identical weights.
     """
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
+    config = tiny_gpt_config(**config_overrides)
     return GPTModel(
-        config=tiny_gpt_config(**config_overrides),
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        config=config,
+        transformer_layer_spec=layer_spec(config),
         vocab_size=VOCAB_SIZE,
         max_sequence_length=SEQ_LENGTH,
     )
+
+
+class SequenceParallelNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm, marked for Megatron's sequence parallelism (its gradients are
+    all-reduced over the tensor-parallel group by ``finalize_model_grads``): the local spec's
+    norm refuses sequence parallelism, which MoE with tensor parallelism requires."""
+
+    def __init__(self, config, hidden_size, eps=1e-5):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(config):
+    """The local layer spec; a MoE one (sequential experts) when ``config.num_moe_experts``;
+    with sequence parallelism, a block spec whose norms are :class:`SequenceParallelNorm`."""
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelNorm)
 
 
 def wrap_ddp(model, **ddp_overrides) -> DistributedDataParallel:
@@ -161,3 +190,47 @@ def named_params(module) -> dict:
     """``{name: detached CPU copy}`` of a module's parameters (unwraps DDP's ``.module``)."""
     module = getattr(module, "module", module)
     return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def global_param_name(name, num_local_experts=None, ep_rank=0) -> str:
+    """A parameter's name in the whole model: a local expert's number becomes its global one
+    (expert parallelism: rank r holds experts r x local .. (r + 1) x local - 1)."""
+    import re
+
+    name = name[len("module."):] if name.startswith("module.") else name
+    if num_local_experts is None:
+        return name
+    return re.sub(r"(\.local_experts\.)(\d+)\.",
+                  lambda m: f"{m.group(1)}{int(m.group(2)) + ep_rank * num_local_experts}.", name)
+
+
+def reinit_by_global_name(model, seed=1234) -> None:
+    """Overwrite every parameter with values drawn from its global name (and this rank's
+    tensor-parallel slice of the full tensor): the same model whatever the tensor- and
+    expert-parallel layout (Megatron's own init draws experts from one generator in build order,
+    so expert parallelism would change every weight after the first MoE layer)."""
+    import zlib
+
+    from megatron.core import parallel_state as ps
+
+    module = getattr(model, "module", model)
+    experts = module.config.num_moe_experts
+    ep = ps.get_expert_model_parallel_world_size() if experts else 1
+    local = experts // ep if experts else None
+    ep_rank = ps.get_expert_model_parallel_rank() if experts else 0
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            full_name = global_param_name(name, local, ep_rank)
+            generator = torch.Generator().manual_seed(seed + zlib.crc32(full_name.encode()))
+            shape, dim = list(param.shape), getattr(param, "partition_dim", -1)
+            split = getattr(param, "tensor_model_parallel", False) and dim >= 0
+            if split:
+                if ".experts." in full_name:
+                    tp, tp_rank = (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank())
+                else:
+                    tp, tp_rank = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+                shape[dim] *= tp
+            full = torch.randn(shape, generator=generator) * 0.02
+            if param.dim() == 1 and "norm" in name and name.endswith("weight"):
+                full += 1.0
+            param.copy_(full.chunk(tp, dim)[tp_rank] if split else full)

@@ -20,7 +20,9 @@ Usage (per rank, before building anything megatron)::
 Release-specific: megatron-core 0.12.x calls its FP8 shard-quantization helper from
 ``DistributedOptimizer._copy_main_params_to_model_params`` on every step, and without
 transformer-engine that helper raises even when there is no FP8 parameter; the adapter gives
-it 0.13's behaviour (nothing to do for an empty list, still an error otherwise).
+it 0.13's behaviour (nothing to do for an empty list, still an error otherwise). MoE without
+transformer-engine (0.16.x's router GEMM name, the alltoall dispatcher's split sizes): see
+:mod:`megatron_edit.cpu.moe`.
 
 Every replacement is a declared :class:`~megatron_edit.mcore.patching.Patch` (``replace`` patches
 for stand-ins, wraps for functions that still call the original) applied by the package's one
@@ -44,6 +46,7 @@ import torch
 
 from ..mcore.patching import Patch, PatchError, PatchRegistry, VersionRange
 from ..mcore.session import SESSION
+from .moe import declare_moe
 
 __all__ = ["activate", "deactivate", "is_active"]
 
@@ -339,6 +342,8 @@ def _declare(registry: PatchRegistry, version: str) -> PatchRegistry:
         if not fp8_utils.HAVE_TE:
             wrap("megatron.core.fp8_utils:_quantize_param_shard_impl", _quantize_no_fp8_params,
                  "0.12.x without transformer-engine: nothing to quantize without FP8 params")
+    # (7) MoE without transformer-engine: the router's GEMM name, the alltoall dispatcher's splits.
+    declare_moe(registry, _ANY_RELEASE)
     return registry
 
 

@@ -97,3 +97,39 @@ def check_optimizer_options(config, has_grad_scaler: bool) -> None:
             "fp16 with loss scaling and --use-local-sgd is not supported yet: a skipped step on "
             "one worker would desynchronise the workers' schedules; use --bf16."
         )
+
+
+def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_parallel: bool) -> None:
+    """MoE: refuse what would cross workers between syncs or is not covered yet.
+
+    ``expert_parallel``: the DDP model has expert-parallel buffers (expert parallelism > 1: a
+    second distributed optimizer, and a second EDiT controller, for the experts)."""
+    import torch
+
+    c = transformer_config
+    tp = getattr(c, "tensor_model_parallel_size", 1)
+    etp = getattr(c, "expert_tensor_parallel_size", None)
+    if expert_parallel and etp is not None and etp != tp:
+        raise NotSupportedYet(
+            f"--expert-tensor-parallel-size {etp} different from --tensor-model-parallel-size {tp} "
+            "with MoE and --use-local-sgd is not supported yet.")
+    if getattr(c, "context_parallel_size", 1) > 1:
+        raise NotSupportedYet("--context-parallel-size > 1 with MoE (--num-experts) and --use-local-sgd is not supported yet.")
+    if getattr(c, "moe_router_enable_expert_bias", False):
+        raise NotSupportedYet(
+            "--moe-router-enable-expert-bias with --use-local-sgd is not supported yet: the expert-bias "
+            "update all-reduces token counts over every data-parallel rank (across workers) each step.")
+    balancing = getattr(c, "moe_router_load_balancing_type", "aux_loss")
+    if "global_aux_loss" in ([balancing] if isinstance(balancing, str) else list(balancing)):
+        raise NotSupportedYet(
+            "--moe-router-load-balancing-type global_aux_loss with --use-local-sgd is not supported yet: "
+            "it all-reduces token counts over every data-parallel rank (across workers) each step.")
+    if not torch.cuda.is_available():
+        if getattr(c, "moe_grouped_gemm", False):
+            raise ConfigError("--moe-grouped-gemm needs CUDA (the grouped_gemm package): on CPU use sequential experts.")
+        if getattr(c, "moe_token_dispatcher_type", "allgather") == "flex":
+            raise ConfigError("--moe-token-dispatcher-type flex needs CUDA: on CPU use allgather or alltoall.")
+    if expert_parallel and local_cfg.use_async:
+        raise NotSupportedYet(
+            "A-EDiT (--local-sgd-async) with MoE expert parallelism (--expert-model-parallel-size > 1) "
+            "is not supported yet: the dense and the expert optimizers would each plan their own syncs.")

@@ -218,6 +218,20 @@ def tensor_parallel_group(ddp):
     return parallel_state.get_tensor_model_parallel_group()
 
 
+def expert_groups(ddp):
+    """MoE with expert parallelism: ``(expert tensor-parallel group, expert tensor x model
+    parallel group)`` of a DDP-wrapped model chunk, the groups its token dispatchers use
+    (``tp_group`` / ``tp_ep_group`` since 0.15); before, ``parallel_state``'s."""
+    for module in ddp.modules():
+        tp_ep = getattr(module, "tp_ep_group", None)
+        if tp_ep is not None and getattr(module, "tp_group", None) is not None:
+            return module.tp_group, tp_ep
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_expert_tensor_parallel_group(),
+            parallel_state.get_expert_tensor_and_model_parallel_group())
+
+
 def pipeline_parallel_group(ddp):
     """The pipeline-parallel group of a DDP-wrapped model chunk: ``pp_group`` since 0.15;
     before, ``parallel_state``'s."""

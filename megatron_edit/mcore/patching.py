@@ -62,6 +62,7 @@ class VersionRange:
 
 WRAP = "wrap"
 REPLACE = "replace"
+DEFINE = "define"
 
 
 @dataclass
@@ -85,17 +86,25 @@ class Patch:
     """``"wrap"``: ``wrap(original)`` calls the original; the registry checks ``params``, marks
     it (``__wrapped__``) and keeps a static or class method one. ``"replace"``: ``wrap(original)``
     is the new object, set as it is (only the target's existence is checked); still recorded
-    and reverted like a wrap."""
+    and reverted like a wrap. ``"define"``: ``wrap(None)`` is set on a target that must not
+    exist (a name the module uses without defining it); revert deletes it."""
 
     def __post_init__(self):
-        if self.kind not in (WRAP, REPLACE):
-            raise ValueError(f"patch {self.id}: kind must be {WRAP!r} or {REPLACE!r}, got {self.kind!r}")
+        if self.kind not in (WRAP, REPLACE, DEFINE):
+            raise ValueError(f"patch {self.id}: kind must be {WRAP!r}, {REPLACE!r} or {DEFINE!r}, got {self.kind!r}")
 
     @classmethod
     def replacing(cls, id: str, target: str, value: object, versions: "VersionRange",
                   description: str) -> "Patch":
         """A ``replace`` patch: ``target`` becomes ``value`` while applied."""
         return cls(id, target, lambda original: value, versions, (), description, REPLACE)
+
+    @classmethod
+    def defining(cls, id: str, target: str, value: object, versions: "VersionRange",
+                 description: str) -> "Patch":
+        """A ``define`` patch: sets ``target``, a name its module uses but lacks, to ``value``
+        (the target must not exist); reverting deletes it again."""
+        return cls(id, target, lambda original: value, versions, (), description, DEFINE)
 
     def resolve(self) -> Tuple[object, str]:
         module_name, _, path = self.target.partition(":")
@@ -142,6 +151,10 @@ class PatchRegistry:
         the parameters it expects."""
         for patch in self.applicable(version):
             owner, attr = patch.resolve()
+            if patch.kind == DEFINE:
+                if hasattr(owner, attr):
+                    raise PatchError(f"patch {patch.id}: {patch.target} already exists in {version}")
+                continue
             if not hasattr(owner, attr):
                 raise PatchError(f"patch {patch.id}: {patch.target} does not exist in {version}")
             if patch.kind == REPLACE or not patch.params:
@@ -164,6 +177,11 @@ class PatchRegistry:
             if patch.id in self._applied:
                 continue
             owner, attr = patch.resolve()
+            if patch.kind == DEFINE:
+                setattr(owner, attr, patch.wrap(None))
+                self._applied[patch.id] = _Applied(owner, attr, None, inherited=True)  # revert deletes
+                done.append(patch.id)
+                continue
             raw = inspect.getattr_static(owner, attr)
             inherited = attr not in vars(owner)
             if patch.kind == REPLACE:

@@ -16,9 +16,9 @@ from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
-from ..config import GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig, check_combination
+from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig, check_combination
 from . import compat
-from .checks import check_megatron_options, check_optimizer_options, check_workers
+from .checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
 from .controller import LocalSGD
 
 logger = logging.getLogger(__name__)
@@ -80,19 +80,23 @@ class LocalSGDRuntime:
         if self.configs is None:
             return
         check_megatron_options(self.configs.local, ddp.config, ddp.ddp_config)
-        if ddp.expert_parallel_bucket_groups:
-            raise NotSupportedYet("--use-local-sgd with MoE expert parameters is not supported yet.")
+        expert_groups = list(getattr(ddp, "expert_parallel_bucket_groups", ()))
+        if getattr(ddp.config, "num_moe_experts", None):
+            check_moe_options(self.configs.local, ddp.config, bool(expert_groups))
         check_workers(
             compat.data_parallel_group(ddp).size(), ddp.ddp_config.num_distributed_optimizer_instances
         )
-        for group in ddp.bucket_groups:
+        # MoE with expert parallelism: the experts' bucket groups (their own buffers, sharded over
+        # the worker's expert data-parallel ranks) belong to a second distributed optimizer.
+        for group in list(ddp.bucket_groups) + expert_groups:
             self.registered_groups.add(group)
 
     def on_optimizer_init(self, optimizer) -> None:
         if self.configs is None:
             return
         check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None)
-        unchecked = [g for chunk in optimizer.model_chunks for g in getattr(chunk, "bucket_groups", ())
+        unchecked = [g for chunk in optimizer.model_chunks
+                     for g in (*getattr(chunk, "bucket_groups", ()), *getattr(chunk, "expert_parallel_bucket_groups", ()))
                      if g not in self.registered_groups]
         if unchecked:
             raise RuntimeError(

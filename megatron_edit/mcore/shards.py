@@ -91,11 +91,15 @@ def build_layout(optimizer) -> ShardLayout:
             for bucket in group.buckets:
                 bucket_to_group[id(bucket)] = group
         tp = compat.tensor_parallel_group(chunk)
+        expert_params = {p for b in getattr(chunk, "expert_parallel_buffers", ()) for p in b.params}
+        # expert parameters are sliced over the expert tensor-parallel group
+        expert_tp = compat.expert_groups(chunk)[0] if expert_params else None
         for name, param in chunk.named_parameters():
             # Virtual pipeline chunks reuse local layer numbers: keep them apart.
             prefix = f"chunk{index}." if len(optimizer.model_chunks) > 1 else ""
             layer_of[param] = prefix + layer_key(name)
-            tp_rank[param] = tp.rank() if tp is not None else 0
+            group = expert_tp if param in expert_params else tp
+            tp_rank[param] = group.rank() if group is not None else 0
     # Layers of every param in this optimizer's buckets: the same list on every rank of the
     # worker (a rank's own shard may hold no element of some layer).
     layer_names = sorted(

@@ -36,7 +36,12 @@ class WorkerLayout:
     shard_group: Optional[Any] = field(default=None, compare=False)
     """The worker's ranks that share this optimizer's buckets (the first buffer's group)."""
     tp_group: Optional[Any] = field(default=None, compare=False)
-    """The model's tensor-parallel group."""
+    """The model's tensor-parallel group; for the expert optimizer of a MoE model (expert
+    parallelism), the expert tensor x expert model-parallel group: the worker's other ranks that
+    hold a piece of the same expert layers (a layer's norm sums over it and ``shard_group``)."""
+    expert: bool = False
+    """The optimizer of the expert-parallel parameters (Megatron's ``expert_parallel_buffers``,
+    the second optimizer of its ``ChainedOptimizer``)."""
 
     @classmethod
     def of(cls, optimizer, first_bucket_group=None) -> "WorkerLayout":
@@ -44,6 +49,8 @@ class WorkerLayout:
         group is the sync group); None: the optimizer has no buckets."""
         workers = int(optimizer.ddp_config.num_distributed_optimizer_instances)
         inter = compat.inter_instance_group(first_bucket_group) if workers > 1 else None
+        chunk = optimizer.model_chunks[0]
+        expert = is_expert_optimizer(optimizer)
         return cls(
             worker=int(optimizer.distributed_optimizer_instance_id),
             num_workers=workers,
@@ -52,5 +59,12 @@ class WorkerLayout:
             dp_group_idx=int(optimizer.data_parallel_group_idx),
             sync_group=inter,
             shard_group=optimizer.buffers[0].data_parallel_group if optimizer.buffers else None,
-            tp_group=compat.tensor_parallel_group(optimizer.model_chunks[0]),
+            tp_group=compat.expert_groups(chunk)[1] if expert else compat.tensor_parallel_group(chunk),
+            expert=expert,
         )
+
+
+def is_expert_optimizer(optimizer) -> bool:
+    """Whether ``optimizer``'s buffers are its model chunks' expert-parallel buffers."""
+    experts = {id(b) for chunk in optimizer.model_chunks for b in getattr(chunk, "expert_parallel_buffers", ())}
+    return bool(optimizer.buffers) and all(id(b) in experts for b in optimizer.buffers)

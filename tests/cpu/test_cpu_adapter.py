@@ -219,3 +219,38 @@ def test_fp8_helper_accepts_no_fp8_params_on_0_12():
     finally:
         cpu_adapter.deactivate()
     assert vars(fp8_utils)["_quantize_param_shard_impl"] is original
+
+
+@pytest.mark.timeout(60)
+def test_moe_router_and_alltoall_splits_run_without_transformer_engine():
+    """megatron-core 0.16.x reads ``te_general_gemm`` in the router without defining it when
+    transformer-engine is missing (NameError): the adapter defines it as None where, and only
+    where, the module lacks it, so the router takes its torch path (forward and backward); the
+    alltoall dispatcher's split sizes come back as numpy arrays on CPU. Both reverted exactly."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+    from megatron_edit.cpu import adapter as cpu_adapter
+    from megatron_edit.cpu.moe import _router_gemm_undefined
+
+    needs = _router_gemm_undefined()
+    had = hasattr(moe_utils, "te_general_gemm")
+    assert needs == (not had and moe_utils.RouterGatingLinearFunction is not None)
+    original_move = token_dispatcher.maybe_move_tensor_to_cpu
+    inp = torch.randn(5, 8, requires_grad=True)
+    weight = torch.randn(4, 8, requires_grad=True)
+    if needs:
+        with pytest.raises(NameError, match="te_general_gemm"):
+            moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    try:
+        cpu_adapter.activate()
+        out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+        assert torch.allclose(out, inp @ weight.t(), atol=1e-6)
+        out.sum().backward()
+        assert torch.allclose(weight.grad, inp.detach().sum(0).expand(4, 8), atol=1e-5)
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 4]), as_numpy=True)
+        assert list(splits) == [3, 4] and not torch.is_tensor(splits)
+        assert torch.is_tensor(token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 4])))
+    finally:
+        cpu_adapter.deactivate()
+    assert hasattr(moe_utils, "te_general_gemm") == had
+    assert token_dispatcher.maybe_move_tensor_to_cpu is original_move

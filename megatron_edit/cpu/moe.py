@@ -1,0 +1,60 @@
+"""The CPU adapter's MoE patches (megatron-core without transformer-engine, on CPU).
+
+* megatron-core 0.16.x imports ``te_general_gemm`` only when transformer-engine is installed,
+  yet ``RouterGatingLinearFunction`` always reads it: every router call fails with a
+  ``NameError``. Where the module reads the name without defining it, a ``define`` patch sets
+  it to None, which selects the torch path right below (0.19 defines it as None itself: no
+  patch there).
+* The alltoall token dispatcher moves its split sizes to the host as numpy arrays only for CUDA
+  tensors; on CPU they stayed tensors, which ``all_to_all_single`` refuses. Wrapped to give the
+  numpy array the GPU path gives.
+
+Applied and reverted with the rest of :mod:`megatron_edit.cpu.adapter`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..mcore.patching import Patch, PatchRegistry, VersionRange
+
+
+def _router_gemm_undefined() -> bool:
+    """megatron-core 0.16.x imports ``te_general_gemm`` only with transformer-engine yet its
+    router gating function always reads it (a ``NameError`` on every router call without TE);
+    0.19 defines it as None. True where the module reads it without defining it."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    gating = getattr(moe_utils, "RouterGatingLinearFunction", None)
+    if gating is None or hasattr(moe_utils, "te_general_gemm"):
+        return False
+    return any("te_general_gemm" in f.__code__.co_names for f in (gating.forward, gating.backward))
+
+
+def _splits_as_numpy(original):
+    """The alltoall dispatcher moves its split sizes off the GPU as numpy arrays (what
+    ``all_to_all_single`` takes); a CPU tensor was left a tensor, which gloo's
+    ``all_to_all_single`` refuses. On CPU: the same numpy array the CUDA path makes."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
+def declare_moe(registry: PatchRegistry, versions: VersionRange) -> None:
+    """Add the MoE patches this megatron-core needs on CPU to ``registry`` (the adapter's)."""
+    moe = "megatron.core.transformer.moe."
+    if _router_gemm_undefined():
+        registry.add(Patch.defining(
+            "cpu-moe-router-gemm", moe + "moe_utils:te_general_gemm", None, versions,
+            "MoE without transformer-engine: te_general_gemm := None (the router's torch path)"))
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        registry.add(Patch(
+            "cpu-moe-alltoall-splits", moe + "token_dispatcher:maybe_move_tensor_to_cpu", _splits_as_numpy,
+            versions, ("tensor", "as_numpy", "record_stream"),
+            "MoE alltoall dispatcher on CPU: split sizes as numpy, as on the GPU"))
