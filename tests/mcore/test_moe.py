@@ -133,3 +133,70 @@ def test_moe_nothing_crosses_workers_between_syncs():
         shards = sum(len(c["shard_numels"]) for c in run["per_controller"])
         assert phases["step 4"].count("all_reduce") == shards
         assert phases["step 4"].count("all_gather") == len(run["per_controller"])
+
+
+@pytest.mark.timeout(300)
+def test_moe_expert_parallel_quantized_exchange_and_cpu_offload():
+    """EP=2: the int8 exchange with error feedback and cpu_offload take the expert shards like
+    the dense ones: layer-wise == step-end bit for bit, replicas identical after each sync, the
+    expert optimizer's state on the CPU, the same bytes per parameter as the dense one."""
+    quant = dict(EDIT, exchange_dtype="int8", exchange_block_size=64, exchange_error_feedback=True, cpu_offload=True)
+    specs = [default_spec(steps=6, model=MOE, local_sgd=dict(quant, sync_mode=mode), outer=OUTER,
+                          snapshot_every_step=True) for mode in ("layerwise", "step_end")]
+    results = run_ranks(megatron_runs, WORLD, specs, ep=2, timeout=280)
+    slots = {}
+    for r in results:
+        layerwise, step_end = r["runs"]
+        for a, b in zip(layerwise["params"].values(), step_end["params"].values()):
+            assert torch.equal(a, b), "layer-wise vs step-end"
+        dense, experts = layerwise["per_controller"]
+        assert [rep.step for rep in experts["reports"]] == SYNCS
+        assert experts["reports"][0].quantization_error is not None
+        # the same bytes per parameter as the dense shards (anchor, momentum, int8 error feedback)
+        per_param = [c["state_bytes"] / sum(c["shard_numels"]) for c in (dense, experts)]
+        assert per_param[1] == pytest.approx(per_param[0], abs=0.1), per_param  # block padding aside
+        assert layerwise["anchor_devices"] == ["cpu"]
+        slots.setdefault(layerwise["ep_rank"], {})[layerwise["worker"]] = layerwise
+    for by_worker in slots.values():
+        for step in SYNCS:
+            a, b = by_worker[0]["snapshots"][step], by_worker[1]["snapshots"][step]
+            assert all(torch.equal(a[k], b[k]) for k in a), f"replicas differ after sync step {step}"
+
+
+def _moe_config(**overrides):
+    from types import SimpleNamespace
+
+    fields = dict(num_moe_experts=4, tensor_model_parallel_size=1, expert_tensor_parallel_size=1,
+                  context_parallel_size=1, moe_router_enable_expert_bias=False,
+                  moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False,
+                  moe_token_dispatcher_type="alltoall")
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize("overrides,expert_parallel,use_async,match", [
+    (dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), True, False, "--expert-tensor-parallel-size"),
+    (dict(context_parallel_size=2), False, False, "--context-parallel-size"),
+    (dict(moe_router_enable_expert_bias=True), False, False, "--moe-router-enable-expert-bias"),
+    (dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"]), False, False, "global_aux_loss"),
+    (dict(moe_grouped_gemm=True), False, False, "--moe-grouped-gemm"),
+    (dict(moe_token_dispatcher_type="flex"), False, False, "flex"),
+    ({}, True, True, "A-EDiT"),
+])
+def test_moe_options_refused_with_a_message_naming_the_option(overrides, expert_parallel, use_async, match):
+    from megatron_edit import LocalSGDConfig
+    from megatron_edit.mcore.checks import check_moe_options
+
+    local = LocalSGDConfig(use_async=use_async, async_time_budget=None) if use_async else LocalSGDConfig()
+    with pytest.raises(Exception, match=match):
+        check_moe_options(local, _moe_config(**overrides), expert_parallel)
+
+
+def test_moe_options_accepted():
+    """Sequential experts, alltoall or allgather, EP with ETP = TP, A-EDiT without EP."""
+    from megatron_edit import LocalSGDConfig
+    from megatron_edit.mcore.checks import check_moe_options
+
+    check_moe_options(LocalSGDConfig(), _moe_config(), True)
+    check_moe_options(LocalSGDConfig(), _moe_config(tensor_model_parallel_size=2, expert_tensor_parallel_size=2), True)
+    check_moe_options(LocalSGDConfig(use_async=True), _moe_config(moe_token_dispatcher_type="allgather"), False)
