@@ -421,3 +421,42 @@ def async_budget_job(rank, world, instances, train_iters, seconds_per_step, save
                worker_steps=list(ctl.last_sync.worker_steps))
     me.unpatch_megatron_for_local_sgd()
     return out
+
+
+def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None, load_at=None, ep=2):
+    """EDiT on a MoE GPT with expert parallelism ``ep`` (2 workers): train to ``steps``, saving
+    at ``save_at`` or resuming from ``load_at`` (the checkpoint at ``path``); returns every
+    rank's final parameters and both controllers' anchors, mains and outer state."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    from edit_runs import MICRO_BATCH, _build, default_spec
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2, expert_model_parallel_size=ep)
+    me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**OUTER))
+    ddp, opt = _build(default_spec(model=model), 1, 1)
+    controllers = me.get_local_sgd(opt)
+    first = 1
+    if load_at is not None:
+        _load(ddp, opt, path)
+        first = load_at + 1
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    batches = make_batches(steps, dp * MICRO_BATCH)
+    for step in range(first, steps + 1):
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], dp_rank, dp))
+        if step == save_at:
+            _save(ddp, opt, path)
+    from gpt_utils import named_params
+
+    ddp.start_param_sync(force_sync=True)
+    out = dict(params=named_params(ddp), controllers=[])
+    for c in controllers:
+        outer = c.outer_optimizer
+        out["controllers"].append(dict(
+            steps_done=c.steps_done,
+            anchors=[s.anchor.clone() for s in c.shards],
+            mains=[s.read_current(torch.empty(s.numel)) for s in c.shards],
+            outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} for s in c.shards]))
+    me.unpatch_megatron_for_local_sgd()
+    return out

@@ -200,3 +200,29 @@ def test_moe_options_accepted():
     check_moe_options(LocalSGDConfig(), _moe_config(), True)
     check_moe_options(LocalSGDConfig(), _moe_config(tensor_model_parallel_size=2, expert_tensor_parallel_size=2), True)
     check_moe_options(LocalSGDConfig(use_async=True), _moe_config(moe_token_dispatcher_type="allgather"), False)
+
+
+@pytest.mark.timeout(400)
+def test_moe_expert_parallel_checkpoint_resumes_exactly(tmp_path):
+    """EP=2, 2 workers, penalty on: a run saved between syncs (step 4, the workers apart) and
+    resumed there ends bit for bit where the uninterrupted run ends (step 6), parameters and
+    both controllers' (dense and expert) anchors, mains and outer momentum."""
+    from checkpoint_runs import moe_checkpoint_job
+    from megatron_edit.mcore import checkpoint as checkpointing, compat
+
+    if not checkpointing.SUPPORTED.contains(compat.megatron_core_version()):
+        pytest.skip(f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+    path = str(tmp_path / "step4")
+    local = dict(EDIT, sync_mode="layerwise")
+    whole = run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, save_at=4, timeout=280)
+    resumed = run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, load_at=4, timeout=280)
+    for a, b in zip(whole, resumed):
+        assert len(a["controllers"]) == 2
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), k
+        for ca, cb in zip(a["controllers"], b["controllers"]):
+            assert ca["steps_done"] == cb["steps_done"] == 6
+            for what in ("anchors", "mains"):
+                assert all(torch.equal(x, y) for x, y in zip(ca[what], cb[what])), what
+            for x, y in zip(ca["outer"], cb["outer"]):
+                assert all(torch.equal(x[k], y[k]) for k in x), "outer state"
