@@ -27,7 +27,8 @@ the next pending group's, so one exchange is in flight while layers compute. Ste
 
 What a sync holds while it runs is in :mod:`.in_flight`, not in the shards; which reducer a
 shard gets (GTA, quantized, the mean) is chosen once per sync and shard, in :meth:`OuterSync._plan`.
-The collectives go through ``sync_group`` and ``worker_groups``
+This module is long because the phases share one sync's state. The collectives go through
+``sync_group`` and ``worker_groups``
 (:mod:`megatron_edit.exchange.groups`, or fakes with the same methods); the math is in
 :mod:`megatron_edit.algorithm`.
 """
@@ -350,6 +351,13 @@ class OuterSync:
             if flying:
                 break
         self.complete(shards, write_model=True)
+
+    def advance(self) -> None:
+        """A delayed sync: start the second phase of every exchange in flight (GTA, the quantized
+        exchange) once its first is in, in the shards' order (the same on every worker)."""
+        for state in map(self._sync.of, self.shards):
+            if state.flight is not None:
+                state.reducer.advance(state.flight)
 
     def _is_pending(self, shard: BucketShard) -> bool:
         return self._sync is not None and self._sync.of(shard).pending  # between syncs: none

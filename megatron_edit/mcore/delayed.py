@@ -19,7 +19,9 @@ of tau = 0 there, so every worker ends with the same model and nothing is left i
 Between launch and apply the :class:`~megatron_edit.exchange.in_flight.SyncInProgress` owns
 every tensor the collectives read or write (each shard's Delta, the reducers' flights and
 their stage buffers); nothing else holds or frees them until :meth:`OuterSync.complete` waits
-for them. A checkpoint in that window is refused (:attr:`LocalSGD.exchange_in_flight`).
+for them. A two-phase exchange (GTA, the quantized exchange) starts its second phase one step
+after the launch (a blocking wait for the first, small one), so with tau >= 2 both run behind
+inner steps. A checkpoint in that window is refused (``mcore.checkpoint.patches``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class DelayedOuterStep:
         step ``steps_done + tau`` (unless that is the run's last step or later)."""
         c, target = self.controller, steps_done + self.delay
         cfg = c.config
+        if self.in_flight and steps_done == self.apply_at - self.delay + 1:
+            c.sync.advance()  # one step after the launch: a two-phase exchange starts its second
         if self.in_flight or not schedule.is_sync_step(target, cfg.local_sgd_warmup_steps,
                                                        cfg.local_sgd_sync_interval):
             return

@@ -69,6 +69,7 @@ def _worker(worker, world, local, alpha, gta=None, state_kwargs=None, blocking=F
             sync.launch(group)
         # the sync owns every buffer its collectives use until complete() waits for them
         owned.append(all(sync._sync.of(s).flight is not None and sync._sync.of(s).delta is not None for s in shards))
+        sync.advance()  # as the controller does one step after the launch: the second phases start
         for mains, moves in zip(params, _randn(500 + worker + 10 * k, 0.3)):  # tau inner steps meanwhile
             for m, d in zip(mains, moves):
                 m.add_(d)

@@ -103,3 +103,23 @@ def test_a_checkpoint_mid_flight_is_refused_and_one_on_the_grid_resumes_exactly(
             "multiple of --local-sgd-sync-interval with W a multiple of it).")
         for key in ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step"):
             _equal(a["final"][key], b["final"][key], key)
+
+
+@pytest.mark.timeout(400)
+def test_two_phase_exchanges_with_a_delay_keep_replicas_identical():
+    """The int8 exchange with error feedback and GTA (second phase started one step after the
+    launch, tau = 2): both workers apply the same bytes, so after the last (blocking) sync the
+    replicas are identical; the syncs are where they are without the quantization."""
+    specs = [
+        _spec(outer_step_delay=2, sync_mode="step_end", exchange_dtype="int8", exchange_error_feedback=True,
+              exchange_block_size=64),
+        dict(_spec(outer_step_delay=2, sync_mode="layerwise"),
+             gta=dict(reducer="gta", consensus_method="sum", sparsification_method="magnitude", density=0.5)),
+    ]
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=360)
+    for run in range(len(specs)):
+        for r in results:
+            assert [(rep.step, rep.delay) for rep in r["runs"][run]["reports"]] == [(4, 2), (7, 2), (9, 0)]
+        for shard in (0, 1):
+            a, b = results[shard]["runs"][run]["params"], results[2 + shard]["runs"][run]["params"]
+            assert all(torch.equal(a[k], b[k]) for k in a), (run, shard)
