@@ -423,40 +423,51 @@ def async_budget_job(rank, world, instances, train_iters, seconds_per_step, save
     return out
 
 
-def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None, load_at=None, ep=2):
-    """EDiT on a MoE GPT with expert parallelism ``ep`` (2 workers): train to ``steps``, saving
-    at ``save_at`` or resuming from ``load_at`` (the checkpoint at ``path``); returns every
-    rank's final parameters and both controllers' anchors, mains and outer state."""
+def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None, load_at=None, ep=2, instances=2):
+    """EDiT on a MoE GPT with expert parallelism ``ep`` (``instances`` workers): train to
+    ``steps``, saving at ``save_at`` or resuming from ``load_at`` (the checkpoint at ``path``);
+    returns every rank's final parameters and both controllers' anchors, mains and outer state
+    (also at the save, and right after the load)."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps
 
     from edit_runs import MICRO_BATCH, _build, default_spec
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=2, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances, expert_model_parallel_size=ep)
     me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**OUTER))
-    ddp, opt = _build(default_spec(model=model), 1, 1)
+    ddp, opt = _build(default_spec(model=model, instances=instances), 1, 1)
     controllers = me.get_local_sgd(opt)
-    first = 1
+
+    def states():
+        out = []
+        for c in controllers:
+            outer = c.outer_optimizer
+            out.append(dict(
+                steps_done=c.steps_done,
+                anchors=[s.anchor.clone() for s in c.shards],
+                mains=[s.read_current(torch.empty(s.numel)) for s in c.shards],
+                outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} for s in c.shards]))
+        return out
+
+    first, out = 1, dict(ep_rank=ps.get_expert_model_parallel_rank())
     if load_at is not None:
         _load(ddp, opt, path)
         first = load_at + 1
+        out["loaded"] = states()
+    # data cut for 4 data-parallel ranks whatever the layout (as train_job)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    batches = make_batches(steps, dp * MICRO_BATCH)
+    batches = make_batches(steps, WORLD * MICRO_BATCH)
+    per_rank = WORLD // dp
     for step in range(first, steps + 1):
-        train_step(ddp, opt, rank_micro_batches(batches[step - 1], dp_rank, dp))
+        mine = torch.cat([rank_micro_batches(batches[step - 1], dp_rank * per_rank + i, WORLD) for i in range(per_rank)], 1)
+        train_step(ddp, opt, mine)
         if step == save_at:
             _save(ddp, opt, path)
+            out["saved"] = states()
     from gpt_utils import named_params
 
     ddp.start_param_sync(force_sync=True)
-    out = dict(params=named_params(ddp), controllers=[])
-    for c in controllers:
-        outer = c.outer_optimizer
-        out["controllers"].append(dict(
-            steps_done=c.steps_done,
-            anchors=[s.anchor.clone() for s in c.shards],
-            mains=[s.read_current(torch.empty(s.numel)) for s in c.shards],
-            outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} for s in c.shards]))
+    out.update(params=named_params(ddp), controllers=states())
     me.unpatch_megatron_for_local_sgd()
     return out

@@ -226,3 +226,34 @@ def test_moe_expert_parallel_checkpoint_resumes_exactly(tmp_path):
                 assert all(torch.equal(x, y) for x, y in zip(ca[what], cb[what])), what
             for x, y in zip(ca["outer"], cb["outer"]):
                 assert all(torch.equal(x[k], y[k]) for k in x), "outer state"
+
+
+@pytest.mark.timeout(400)
+def test_moe_expert_parallel_elastic_resume_to_one_worker(tmp_path):
+    """EP=2: a checkpoint of 2 workers saved between syncs, resumed by 1 worker (2 ranks, EP=2)
+    as in the dense case: the experts' anchor (and model) after the load is one outer step over
+    the 2 saved workers' expert shards (Nesterov SGD, momentum carried), and training goes on."""
+    from checkpoint_runs import moe_checkpoint_job
+    from megatron_edit.mcore import checkpoint as checkpointing, compat
+
+    if not checkpointing.SUPPORTED.contains(compat.megatron_core_version()):
+        pytest.skip(f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+    path = str(tmp_path / "step4")
+    local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1, sync_mode="layerwise")  # syncs 3, 5
+    saver = run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 4, save_at=4, timeout=280)
+    resumed = run_ranks(moe_checkpoint_job, 2, MOE, local, path, 6, load_at=4, instances=1, timeout=280)
+    lr, mu = OUTER["outer_optim_kwargs"]["lr"], OUTER["outer_optim_kwargs"]["momentum"]
+    for r in resumed:
+        experts = r["loaded"][1]
+        saved = [s["saved"][1] for s in saver if s["ep_rank"] == r["ep_rank"]]  # worker 0, worker 1
+        assert len(saved) == 2
+        for i, anchor in enumerate(experts["anchors"]):
+            old = saved[0]["anchors"][i]
+            assert torch.equal(old, saved[1]["anchors"][i])
+            delta = sum(old - s["mains"][i] for s in saved) / 2
+            momentum = mu * saved[0]["outer"][i]["momentum_buffer"] + delta
+            expected = old - lr * (delta + mu * momentum)
+            torch.testing.assert_close(anchor, expected, atol=1e-6, rtol=0)
+            torch.testing.assert_close(experts["mains"][i], expected, atol=1e-6, rtol=0)
+        assert r["controllers"][1]["steps_done"] == 6
+        assert all(torch.isfinite(p).all() for p in r["params"].values())
