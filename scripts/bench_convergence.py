@@ -26,7 +26,10 @@ A run is named by a spec, ``kind[:key=value,...]``:
   keys: H, W (warmup steps), lr, m, nesterov (outer SGD; default: the package's),
         dtype (fp32 bf16 fp8 int8 int4), ef (1: error feedback), clip (EDiT's clip),
         steps (run length; the learning-rate schedule spans it), slow (A-EDiT),
-        mbs (sequences per worker and step; more tokens at the same steps)
+        mbs (sequences per worker and step; more tokens at the same steps),
+        tau, alpha (the delayed outer step: --local-sgd-outer-step-delay, --local-sgd-outer-merge-alpha;
+        with alpha > 0 the workers differ between syncs' merges, so only the final loss, after
+        the run's last, blocking sync, compares one model)
 
 Every run validates on the same held-out samples (``--eval-samples``, spread over all ranks) at
 steps W + k x ``--eval-every`` (right after a sync: the workers hold identical models; A-EDiT:
@@ -60,7 +63,7 @@ QUANT_RUNS = ["edit:H=8,dtype=int8,ef=1", "edit:H=8,dtype=int4,ef=1"]
 VALID_SEED = 1234  # the held-out samples' order: one validation set for every seed
 KINDS = ("sync", "edit", "diloco", "aedit")
 KEYS = {"H": int, "W": int, "lr": float, "m": float, "nesterov": int, "dtype": str, "ef": int,
-        "clip": float, "steps": int, "slow": float, "mbs": int}
+        "clip": float, "steps": int, "slow": float, "mbs": int, "tau": int, "alpha": float}
 
 
 def parse_args(argv=None):
@@ -133,6 +136,8 @@ def label(spec: str) -> str:
         extra.append(f"{s['steps']} steps")
     if "mbs" in s:
         extra.append(f"{s['mbs']} sequences per worker step")
+    if "tau" in s:
+        extra.append(f"delay {s['tau']}, merge alpha {s.get('alpha', 0.0):g}")
     return text + (", " + ", ".join(extra) if extra else "")
 
 
@@ -152,6 +157,7 @@ def run_args_for(args, spec: str, seed: int):
         local_sgd_exchange_error_feedback=bool(s.get("ef", 0)),
         outer_optimizer_lr=s.get("lr"), outer_optimizer_momentum=s.get("m"),
         outer_optimizer_nesterov=(False if s.get("m") == 0 else None) if "nesterov" not in s else bool(s["nesterov"]),
+        local_sgd_outer_step_delay=s.get("tau", 0), local_sgd_outer_merge_alpha=s.get("alpha", 0.0),
         **common,
     )
     if penalty:
@@ -203,6 +209,8 @@ def train(args, spec: str, seed: int, datasets) -> dict:
     tokens_per_worker_step = lay["worker_size"] * run_args.micro_batch_size * run_args.seq_length
     shard_numel = sum(b.grad_data.numel() // lay["worker_size"] for buf in ddp.buffers for b in buf.buckets)
     warmup = run_args.local_sgd_warmup_steps if c else 0
+    if c is not None and s["kind"] != "aedit":
+        c.last_step = steps  # the run ends with a (blocking) sync: one model on every worker
     if c is not None and s["kind"] == "aedit":
         c.budget_steps = steps * workers
         now = [0.0]
