@@ -15,7 +15,8 @@ from types import SimpleNamespace
 from ..arguments import changed_flags, configs_from_args
 from ..config import ConfigError, NotSupportedYet
 from ..mcore import compat
-from ..mcore.checks import check_megatron_options, check_optimizer_options, check_workers
+from ..mcore.checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
+from ..mcore.patching import VersionRange
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +131,26 @@ def _check_saves_between_delayed_exchanges(local, args: argparse.Namespace) -> N
                 f"({h}) with --local-sgd-warmup-steps ({w}) a multiple of it too.")
 
 
+def _check_moe_args(local, args: argparse.Namespace) -> None:
+    """MoE (--num-experts): what megatron-core refuses (:func:`check_moe_options`, on the flags
+    of the same names), the MoE options only Megatron-LM has, and the releases whose MoE logging
+    reduction is kept inside the worker (:mod:`megatron_edit.training.worker_local`)."""
+    version = compat.megatron_core_version()
+    if not VersionRange("0.16.0", "0.17.0").contains(version):
+        raise NotSupportedYet(
+            f"--num-experts with --use-local-sgd on megatron-core {version} is not supported yet "
+            "(checked with 0.16.x: its MoE metrics logging is kept inside the worker).")
+    if getattr(args, "moe_use_upcycling", False):
+        raise NotSupportedYet("--moe-use-upcycling with --use-local-sgd is not supported yet.")
+    check_moe_options(local, args, (getattr(args, "expert_model_parallel_size", 1) or 1) > 1)
+
+
 def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
     """Options only Megatron-LM's training loop has."""
     if getattr(args, "use_torch_fsdp2", False):
         raise ConfigError("--use-local-sgd does not work with --use-torch-fsdp2.")
     if getattr(args, "num_experts", None):
-        raise NotSupportedYet("--use-local-sgd with MoE (--num-experts) is not supported yet.")
+        _check_moe_args(local, args)
     if (getattr(args, "gtp_weight_remat_size", 1) or 1) > 1:  # 0.19+
         raise NotSupportedYet(
             "--tensor-parallel-num-weight-shards > 1 (GTP weight rematerialisation) with "

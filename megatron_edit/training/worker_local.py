@@ -13,6 +13,7 @@ import inspect
 import sys
 import threading
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Callable, List, Optional
 
 from ..algorithm.schedule import is_sync_step
@@ -27,6 +28,7 @@ _TRAINING = "megatron.training.training"
 _PS = "megatron.core.parallel_state"
 _TIMERS = "megatron.core.timers"
 _RERUN = "megatron.core.rerun_state_machine"
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 _SIGNALS = "megatron.training.dist_signal_handler"
 _V19 = VersionRange("0.19.0", compat.TRAINING_SUPPORTED.below)
 
@@ -66,6 +68,11 @@ class WorkerLocalCollectives:
     * **Signal handler** (``--exit-signal-handler``): its check, an all-gather over the world,
       runs only after steps where the workers meet anyway (synchronous warmup steps and syncs);
       a signal is acted on at the next of them.
+
+    * **MoE metrics** (0.16.x, ``track_moe_metrics`` in ``training_log``, every iteration): the
+      tracked auxiliary losses are averaged over the worker's data-parallel ranks, not all of
+      them (``reduce_aux_losses_tracker_across_ranks`` gets a process-group collection whose
+      ``dp`` is the worker's): the logged MoE losses are the worker's, like the logged loss.
 
     * **Packed sequences** (0.18+): Megatron-LM all-reduces their sequence-length statistics
       over all ranks every iteration; refused at start-up (``--sft``,
@@ -197,6 +204,26 @@ class WorkerLocalCollectives:
 
         return consume_seqlen_stats_in_iteration
 
+    def wrap_reduce_aux_losses(self, original):
+        def reduce_aux_losses_tracker_across_ranks(track_names=None, pg_collection=None):
+            if not self.controllers():
+                return original(track_names, pg_collection=pg_collection)
+            # MoE logging (track_moe_metrics, every iteration): the tracked losses are averaged
+            # over the data-parallel group; give it the worker's (context parallelism with MoE
+            # is refused, so it is the data-parallel group without CP). Entries reduced over a
+            # group spanning data parallelism (global aux loss) are refused at start-up.
+            from megatron.core import parallel_state
+
+            worker = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+            if pg_collection is None:
+                local = SimpleNamespace(pp=parallel_state.get_pipeline_model_parallel_group(), dp=worker)
+            else:
+                local = copy.copy(pg_collection)
+                local.dp = worker
+            return original(track_names, pg_collection=local)
+
+        return reduce_aux_losses_tracker_across_ranks
+
     def wrap_timers_call(self, original):
         def __call__(timers, name, log_level=None):
             timer = original(timers, name, log_level)
@@ -317,6 +344,9 @@ def add_worker_local_patches(
                 wl.wrap_get_attr_wrapped_model,
                 "inside train_step / evaluate: the model's pg_collection with the worker's "
                 "data-parallel groups (the logged losses)", _V19),
+        Patch("worker-local-moe-metrics", f"{_MOE_UTILS}:reduce_aux_losses_tracker_across_ranks",
+              wl.wrap_reduce_aux_losses, VersionRange("0.16.0", "0.17.0"), ("track_names", "pg_collection"),
+              "MoE metrics logging (track_moe_metrics): averaged over the worker's data-parallel ranks"),
         tracked("worker-local-seqlen-stats", f"{_TRAINING}:consume_seqlen_stats_in_iteration",
                 wl.wrap_consume_seqlen_stats,
                 "packed sequences (a world all-reduce per iteration) refused with local SGD"),

@@ -160,6 +160,30 @@ def test_inside_a_reporting_region_the_full_data_parallel_group_is_the_workers(m
     assert seen == [False]
 
 
+def test_moe_metrics_are_averaged_over_the_worker(monkeypatch):
+    """track_moe_metrics (every iteration in training_log) averages the tracked MoE losses over
+    the data-parallel group: with EDiT running, the worker's (a copy of the collection; with
+    none given, parallel_state's pipeline group and the worker's); without EDiT, untouched."""
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_data_parallel_group",
+                        lambda **kwargs: "worker" if kwargs.get("partial_data_parallel") else "all dp")
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: "pp")
+    seen = []
+    original = lambda names=None, pg_collection=None: seen.append((names, pg_collection))  # noqa: E731
+    collection = SimpleNamespace(pp="pp", dp="all dp", tp="tp")
+    wl = _worker_local(_Controller(6))
+    reduce = wl.wrap_reduce_aux_losses(original)
+    reduce(["load_balancing_loss"], pg_collection=collection)
+    reduce(None)
+    assert seen[0][0] == ["load_balancing_loss"] and (seen[0][1].dp, seen[0][1].pp, seen[0][1].tp) == ("worker", "pp", "tp")
+    assert collection.dp == "all dp"  # the caller's collection is untouched
+    assert (seen[1][1].dp, seen[1][1].pp) == ("worker", "pp")
+    plain = WorkerLocalCollectives(lambda: None).wrap_reduce_aux_losses(original)
+    plain(None, pg_collection=collection)
+    assert seen[2][1] is collection
+
+
 def test_inside_a_reporting_region_the_expert_group_and_the_models_groups_are_the_workers(monkeypatch):
     """0.19: calc_params_l2_norm reduces over the expert data-parallel group, train_step and
     evaluate over the model's pg_collection.dp_cp: both become the worker's in the region."""
@@ -277,6 +301,7 @@ def test_worker_local_patches_are_applied_and_reverted(probe_cases):
     ids = ["worker-local-train-step", "worker-local-evaluate", "worker-local-params-norm",
            "worker-local-dp-group",
            *(["worker-local-expert-dp-group", "worker-local-pg-collection"] if since("0.19.0") else []),
+           *(["worker-local-moe-metrics"] if not since("0.17.0") else []),
            *(["worker-local-seqlen-stats"] if since("0.18.0") else []),
            "worker-local-timer-barrier", "worker-local-timers-gather",
            "worker-local-rerun-vote", "worker-local-rerun-exit", "worker-local-signal-check"]
