@@ -2,6 +2,7 @@
 
     python scripts/train_gpt_edit.py              # EDiT, 4 processes: 2 workers x 2 shards
     python scripts/train_gpt_edit.py --mode both  # then synchronous training on the same data
+    python scripts/train_gpt_edit.py --num-experts 4 --expert-model-parallel-size 2  # MoE
 
 Started with python, it checks its flags before torch is even imported (a mistake costs one
 line and exit code 2, in a fraction of a second), then starts --nproc-per-node ranks on this
@@ -122,6 +123,12 @@ def build_parser() -> Rank0ArgumentParser:
     add("--data-dir", default=os.environ.get("MEGATRON_EDIT_DATA", "data-cache"),
         help="where the indexed dataset is built (once)")
     add("--seed", type=int, default=1234, help="random seed")
+    add("--num-experts", type=_int_at_least(2), default=None,
+        help="MoE: this many experts per transformer layer (top-2 routing, sequential experts, "
+             "the alltoall token dispatcher); default: a dense model")
+    add("--expert-model-parallel-size", type=at_least_1, default=1,
+        help="MoE: expert parallelism (must divide --num-experts and the number of processes, "
+             "with --workers dividing processes / this)")
     add("--bucket-size", type=at_least_1, default=20000,
         help="DDP bucket size in elements (small: several layer-wise buckets)")
     add("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
@@ -193,6 +200,14 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
     if args.lr_warmup_steps >= args.steps:
         parser.fail(f"--lr-warmup-steps {args.lr_warmup_steps} must be below --steps {args.steps} "
                     "(Megatron's scheduler warms up, then decays over the run).")
+    ep = args.expert_model_parallel_size
+    if ep > 1 and not args.num_experts:
+        parser.fail(f"--expert-model-parallel-size {ep} needs a MoE model: pass --num-experts.")
+    if args.num_experts and args.num_experts % ep:
+        parser.fail(f"--expert-model-parallel-size {ep} must divide --num-experts {args.num_experts}.")
+    if ep > 1 and args.local_sgd_async and args.mode != "baseline":
+        parser.fail(f"--local-sgd-async with --expert-model-parallel-size {ep} is not supported yet "
+                    "(A-EDiT with expert parallelism); use synchronous EDiT or --expert-model-parallel-size 1.")
     if args.use_local_sgd:
         parser.fail("--use-local-sgd is Megatron-LM's switch; in the main job --mode edit (the "
                     "default) or --mode both trains with EDiT.")
@@ -240,6 +255,11 @@ def check_launch(args: argparse.Namespace, parser: Rank0ArgumentParser) -> int:
     if world % args.workers:
         parser.fail(f"--workers {args.workers} must divide the number of processes ({world}, "
                     f"{starts}).")
+    ep = args.expert_model_parallel_size
+    if world % ep or (world // ep) % args.workers:
+        parser.fail(f"--expert-model-parallel-size {ep} must divide the number of processes ({world}, "
+                    f"{starts}), and --workers {args.workers} the quotient (each worker holds every "
+                    "expert once).")
     per_step = world // args.workers * args.micro_batch_size
     if args.eval_samples < per_step:
         parser.fail(f"--eval-samples {args.eval_samples} is fewer than one validation batch of "
@@ -346,11 +366,16 @@ def build(args, use_local_sgd):
         megatron_edit.unpatch_megatron_for_local_sgd()
     model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
+    moe = {}
+    if args.num_experts:  # sequential experts on CPU; 0.16.1's expert bias is added in place on a view
+        moe = dict(num_moe_experts=args.num_experts, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                   expert_model_parallel_size=args.expert_model_parallel_size, add_bias_linear=False)
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, **moe,
     )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=data.VOCAB_SIZE, max_sequence_length=args.seq_length)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
@@ -505,9 +530,11 @@ def penalty_line(report):
     return "penalty: " + " | ".join(parts) if parts else None
 
 
-def log_syncs(reports, counts) -> None:
-    """Rank 0 prints each sync (the syncs are the same on every worker)."""
-    for r in reports:
+def log_syncs(per_controller, counts) -> None:
+    """Rank 0 prints each sync (the syncs are the same on every worker). ``per_controller``:
+    each EDiT controller's reports (a MoE model with expert parallelism has two, the dense and
+    the experts' optimizer, which sync together: one line per sync)."""
+    for r, *more in zip(*per_controller):
         if r.skipped_sync:
             counts["skipped"] += 1
             log0(f"          sync after step {r.step} skipped: the workers took "
@@ -516,16 +543,19 @@ def log_syncs(reports, counts) -> None:
                  f"--local-sgd-min-total-global-steps")
             continue
         counts["syncs"] += 1
-        counts["bytes"] += r.payload_bytes
+        sent = r.payload_bytes + sum(x.payload_bytes for x in more)
+        counts["bytes"] += sent
         steps = ""
         if r.worker_steps is not None:
             steps = f"; steps per worker since the last: {', '.join(str(int(s)) for s in r.worker_steps)}"
-        log0(f"          sync {counts['syncs']} after step {r.step}: {r.buckets} buckets, "
-             f"{r.payload_bytes / 1e3:.1f} kB sent by this rank across the sync group "
-             f"({r.workers} workers), {r.seconds * 1e3:.1f} ms in EDiT code{steps}")
-        line = penalty_line(r)
-        if line:
-            log0(f"            {line}")
+        experts = "".join(f" + {x.buckets} expert buckets" for x in more)
+        log0(f"          sync {counts['syncs']} after step {r.step}: {r.buckets} buckets{experts}, "
+             f"{sent / 1e3:.1f} kB sent by this rank across the sync group "
+             f"({r.workers} workers), {(r.seconds + sum(x.seconds for x in more)) * 1e3:.1f} ms in EDiT code{steps}")
+        for report, what in zip((r, *more), ("", *["experts: "] * len(more))):
+            line = penalty_line(report)
+            if line:
+                log0(f"            {what}{line}")
 
 
 def train(args, use_local_sgd, datasets):
@@ -552,10 +582,11 @@ def train(args, use_local_sgd, datasets):
     worker, lead = dp_rank // intra.size(), intra.rank() == 0
     it = data.batch_iterator(train_ds, args.micro_batch_size, start=dp_rank, stride=dp)
     name = "EDiT" if use_local_sgd else "synchronous"
-    shard_numel = sum(b.grad_data.numel() // intra.size() for buf in ddp.buffers for b in buf.buckets)
+    buffers = [*ddp.buffers, *ddp.expert_parallel_buffers]  # MoE, expert parallelism: the experts'
+    shard_numel = sum(b.grad_data.numel() // buf.data_parallel_group.size() for buf in buffers for b in buf.buckets)
     log0(f"\n=== {name}: {args.steps} steps, {args.workers} workers x {intra.size()} shards, "
-         f"{sum(p.numel() for p in ddp.parameters()):,} parameters, "
-         f"{len([b for buf in ddp.buffers for b in buf.buckets])} buckets ===")
+         f"{sum(p.numel() for p in ddp.parameters()):,} parameters on this rank, "
+         f"{len([b for buf in buffers for b in buf.buckets])} buckets ===")
     if controllers:
         log0(describe_edit(controllers[0], args))
     counts = dict(syncs=0, skipped=0, bytes=0)
@@ -583,8 +614,8 @@ def train(args, use_local_sgd, datasets):
         if args.workers > 1 and not local_grads:
             grad_bytes += 4 * shard_numel  # Megatron all-reduces each gradient shard across workers
         ms = (time.perf_counter() - t0) * 1e3
-        reports = [r for c in controllers for r in c.drain_reports()]
-        if step % args.log_interval == 0 or reports:
+        reports = [c.drain_reports() for c in controllers]
+        if step % args.log_interval == 0 or any(reports):
             phase = "" if not controllers else ("  local" if local_grads else "  warmup (synchronous)")
             log0(f"step {step:4d} | worker {worker} loss {loss:.4f} | lr {scheduler.get_lr(optimizer.param_groups[0]):.2e} "
                  f"| {ms:6.1f} ms{phase}")
@@ -595,10 +626,10 @@ def train(args, use_local_sgd, datasets):
                 print(f"          validation after step {step}: worker {worker} {valid:.4f}", flush=True)
             stop_if_not_finite(args, "validation loss", valid, step, worker, lead, use_local_sgd)
             # A layer-wise sync due after this step completed inside the evaluation.
-            log_syncs([r for c in controllers for r in c.drain_reports()], counts)
+            log_syncs([c.drain_reports() for c in controllers], counts)
     for c in controllers:
         c.flush()  # nothing should be pending after the last evaluation; never leave a sync open
-    log_syncs([r for c in controllers for r in c.drain_reports()], counts)
+    log_syncs([c.drain_reports() for c in controllers], counts)
     elapsed = time.perf_counter() - t_start
     # Every worker is past its last sync here: the one collective across workers of the script.
     final = gather_per_worker(valid)
@@ -644,7 +675,8 @@ def main(argv=None):
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=args.workers)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=args.workers,
+                                 expert_model_parallel_size=args.expert_model_parallel_size)
     if args.workers == 1 and args.mode != "baseline":
         log0("note: --workers 1 is one EDiT worker: synchronous training plus an outer optimizer "
              "step every H steps; nothing is saved. Use --workers 2 or more to train locally.")

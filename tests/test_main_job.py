@@ -84,6 +84,13 @@ REFUSED = [
      "betas must be a pair of numbers in [0, 1) for Adam"),
     (["--outer-optimizer-lr", "0.5", "--outer-optimizer-nesterov"], "Nesterov momentum needs momentum > 0"),
     (["--nproc-per-node", "2"], "--nproc-per-node 2 differs from torchrun's --nproc_per_node 4"),
+    # MoE
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs a MoE model: pass --num-experts"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3 must divide --num-experts 4"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4"], "and --workers 2 the quotient"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--local-sgd-async", "--local-sgd-sync-time", "2"],
+     "--local-sgd-async with --expert-model-parallel-size 2 is not supported yet"),
+    (["--num-experts", "1"], "argument --num-experts: must be an integer >= 2"),
 ]
 
 
@@ -111,6 +118,7 @@ LAUNCHER_REFUSED = [
       '{"betas": [0.9]}'], "betas must be a pair of numbers in [0, 1) for Adam"),
     (["--local-sgd-sync-time", "1"], "--local-sgd-sync-time does nothing without --local-sgd-async"),
     (["--data-dir", str(SCRIPT)], f"--data-dir {SCRIPT} is a file, not a folder"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4"], "and --workers 2 the quotient"),
 ]
 
 
@@ -132,7 +140,8 @@ def test_a_mistake_costs_one_line_before_torch_is_imported(argv, fragment):
 @pytest.mark.parametrize("argv", [[], ["--mode", "baseline"], ["--mode", "both"],
                                   ["--local-sgd-async", "--local-sgd-sync-time", "2"],
                                   ["--steps", "16"],  # the first sync is the last step
-                                  ["--local-sgd-skip-anomaly", "--local-sgd-ewma-alpha", "0.1"]])
+                                  ["--local-sgd-skip-anomaly", "--local-sgd-ewma-alpha", "0.1"],
+                                  ["--num-experts", "4", "--expert-model-parallel-size", "2"]])
 def test_good_flags_pass_the_checks(job, argv):
     job.check_args(job.build_parser().parse_args(argv), job.build_parser())
 
