@@ -120,12 +120,13 @@ class AsyncPlan:
         self.next_sync_at = steps_done + int(interval[self.sync_group.rank])
         self.progress_scale = asynchronous.progress_per_step(interval, self.sync_group.rank)
 
-    def plan(self, step: int, last_sync_step: int, device: torch.device):
+    def plan(self, step: int, last_sync_step: int, device: torch.device, arrived: Optional[float] = None):
         """At the sync after ``step``: one small all-reduce over every rank gives an identical
-        schedule everywhere. Returns (the workers' figures, skip this exchange?, is this the
-        run's last sync?)."""
+        schedule everywhere. ``arrived``: the clock when this worker reached the sync, before
+        it waited for the others (default: now). Returns (the workers' figures, skip this
+        exchange?, is this the run's last sync?)."""
         c = self.config
-        now = self.clock()
+        now = self.clock() if arrived is None else arrived
         message = asynchronous.schedule_message(
             self.sync_group.size,
             self.sync_group.rank,

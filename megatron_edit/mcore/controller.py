@@ -305,13 +305,16 @@ class LocalSGD:
 
     def _start_sync(self, step: int) -> bool:
         """Begin the sync due after ``step``; False when A-EDiT skips it (no exchange)."""
+        # A-EDiT's interval ends at this worker's arrival: waiting for the others is not training
+        # time (counted, a fast worker would look as slow as the slowest and never get more steps).
+        arrived = self.async_plan.clock() if self.config.use_async else None
         if self.arrivals is not None:  # before the sync's first collective: name a missing worker
             self.arrivals.wait(step)
         bytes_at_start = self.sync_group.counters.payload_bytes
         schedule, skip, final = None, False, False
         if self.config.use_async:
             device = self.shards[0].device if self.shards else torch.device("cpu")
-            schedule, skip, final = self.async_plan.plan(step, self._last_sync_step, device)
+            schedule, skip, final = self.async_plan.plan(step, self._last_sync_step, device, arrived)
         return self.sync.start(
             step, step - self._last_sync_step,
             None if schedule is None else schedule.steps_since_exchange,
