@@ -104,6 +104,9 @@ class GlobalBudget:
         loop's cap to what one worker could take."""
         self.train_iters = args.train_iters
         self._progress_at_last_sync = controller.global_progress
+        # Resumed from a checkpoint (labelled with global progress): each worker's loop goes on
+        # from its own step count, which the EDiT state restored (a fast worker had taken more).
+        args.iteration = getattr(controller, "steps_done", args.iteration)
         cap = self.train_iters * controller.num_workers
         args.train_iters = args.iteration if controller.finished else args.iteration + cap
         if getattr(args, "rank", 0) == 0:
