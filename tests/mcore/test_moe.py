@@ -226,6 +226,11 @@ def test_moe_expert_parallel_checkpoint_resumes_exactly(tmp_path):
                 assert all(torch.equal(x, y) for x, y in zip(ca[what], cb[what])), what
             for x, y in zip(ca["outer"], cb["outer"]):
                 assert all(torch.equal(x[k], y[k]) for k in x), "outer state"
+    # another expert-parallel size: refused, naming it
+    from dist import RankError
+
+    with pytest.raises(RankError, match="chained_0., chained_1.. than this run.s.*expert-parallel change"):
+        run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, load_at=4, ep=1, timeout=280)
 
 
 @pytest.mark.timeout(400)

@@ -66,6 +66,15 @@ def parallel_sizes(optimizer) -> Tuple[int, int]:
     return compat.tensor_parallel_group(chunk).size(), compat.pipeline_parallel_group(chunk).size()
 
 
+def expert_sizes(optimizer) -> Tuple[int, int]:
+    """(expert model, expert tensor) parallel sizes of the optimizer's model: (1, 1) without MoE."""
+    config = getattr(optimizer.model_chunks[0], "config", None)
+    if not getattr(config, "num_moe_experts", None):
+        return 1, 1
+    return (int(getattr(config, "expert_model_parallel_size", 1) or 1),
+            int(getattr(config, "expert_tensor_parallel_size", None) or getattr(config, "tensor_model_parallel_size", 1)))
+
+
 def _class_name(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -91,6 +100,7 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
         worker_size=layout.worker_size,
         tensor_parallel=tp,
         pipeline_parallel=pp,
+        expert_parallel=expert_sizes(optimizer),  # MoE: (EP, ETP); a change is refused on resume
         sharding_type=sharding_type,
         steps_done=counters["steps_done"],
         last_sync_step=counters["last_sync_step"],

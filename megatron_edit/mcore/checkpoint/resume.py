@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from typing import Dict, List, Optional
 
 import torch
@@ -49,12 +50,15 @@ from .record import (
     OLD_FORMATS,
     check_run_record,
     format_message,
+    expert_sizes,
     layout_difference,
     outer_state_keys,
     parallel_sizes,
 )
 
 logger = logging.getLogger(__name__)
+# A run record's key (sharded objects carry a "/shard_..." suffix), with Megatron's prefix.
+_RECORD_KEY = re.compile(r"^(.*?)local_sgd\.record(?:/|$)")
 
 ANCHOR = f"{PREFIX}anchor."
 RESULT_RESIDUAL = f"{PREFIX}result_residual."
@@ -135,6 +139,13 @@ class ResumePlan:
             ours = [k for k in saved if is_local_sgd_key(k) and not WORKER_KEY.search(k)]
             if any(".record.dp_group_idx_" in k for k in ours):  # format 1: a record per slice
                 return format_message(next(iter(OLD_FORMATS)), "the checkpoint")
+            records = sorted({m.group(1) for k in ours for m in [_RECORD_KEY.match(k)] if m})
+            if records:  # records under other optimizer prefixes: another ChainedOptimizer
+                return (f"megatron_edit: the checkpoint holds EDiT records of other optimizers "
+                        f"({', '.join(r or '(none)' for r in records)}) than this run's: its model has "
+                        "another number of distributed optimizers (MoE: expert parallelism 1 keeps "
+                        "the experts in the dense optimizer, more a second one). EDiT's state cannot "
+                        "follow an expert-parallel change yet; keep --expert-model-parallel-size.")
             if ours:
                 return (f"megatron_edit: the checkpoint has EDiT state but no EDiT record "
                         f"({PREFIX}record): it is incomplete or corrupted.")
@@ -153,6 +164,12 @@ class ResumePlan:
         now = dict(num_workers=layout.num_workers, worker_size=layout.worker_size, tensor_parallel=tp,
                    pipeline_parallel=pp)
         self.difference = layout_difference(record, now)
+        saved_ep, ep = tuple(record.get("expert_parallel", (1, 1))), expert_sizes(self.optimizer)
+        if saved_ep != ep:
+            return (f"megatron_edit: the checkpoint was saved with expert parallelism {saved_ep[0]} "
+                    f"(expert TP {saved_ep[1]}), this run has {ep[0]} (expert TP {ep[1]}): EDiT's "
+                    "state cannot follow an expert-parallel change yet; keep "
+                    "--expert-model-parallel-size and --expert-tensor-parallel-size.")
         if record["sharding_type"] != self.sharding_type:
             return (f"megatron_edit: the checkpoint's optimizer state is in Megatron's "
                     f"{record['sharding_type']!r} format, this run loads {self.sharding_type!r}: "
