@@ -768,3 +768,21 @@ def test_e2e_resume_is_exact(request, route):
     # the line after it averages two iterations: compare every other iteration exactly.
     for i in [SAVE_AT + 1, *range(SAVE_AT + 3, ITERS + 1)]:
         assert _field(resumed[i], "lm loss") == _field(first[i], "lm loss"), i
+
+
+MOE = ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "
+       "--moe-token-dispatcher-type alltoall --disable-bias-linear --moe-aux-loss-coeff 0.01").split()
+
+
+@needs_checkout
+@pytest.mark.timeout(400)
+def test_e2e_moe_with_expert_parallelism_trains_with_edit(tmp_path):
+    """pretrain_gpt.py, a 4-expert top-2 MoE GPT with expert parallelism 2 on 4 CPU ranks (2
+    workers), the penalty on: Megatron-LM accepts the flags, the router runs without
+    transformer-engine, the MoE auxiliary loss is logged, and EDiT syncs on its grid."""
+    if compat.megatron_core_version().split(".")[:2] != ["0", "16"]:
+        pytest.skip("MoE with --use-local-sgd through Megatron-LM is checked with megatron-core 0.16.x")
+    log = _torchrun(CHECKOUT / "pretrain_gpt.py", TINY + EDIT + PENALTY + MOE + ["--train-iters", "12"], tmp_path)
+    assert sorted(_lines(log)) == list(range(1, 13))
+    assert all(_field(line, "load_balancing_loss") is not None for line in _lines(log).values())
+    assert _synced_steps(log) == [8, 12]
