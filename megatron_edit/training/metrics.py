@@ -7,6 +7,7 @@ Megatron's log points and written through Megatron's own writers, from the rank 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -16,17 +17,37 @@ SUMMED_KEYS = frozenset({"local-sgd/sync-seconds", "local-sgd/sync-bytes", "loca
 latest sync's value is reported)."""
 
 
+_ACROSS_OPTIMIZERS = {
+    "local-sgd/pseudo-grad-norm": lambda a, b: math.hypot(a, b),  # disjoint layers (MoE: experts)
+    "local-sgd/pseudo-grad-norm-max-layer": max,
+    "local-sgd/weight-min": min,
+    "local-sgd/clip-coef-min": min,
+    "local-sgd/excluded": lambda a, b: a + b,
+    "local-sgd/excluded-workers": max,
+    "local-sgd/skipped-layers": lambda a, b: a + b,
+    "local-sgd/clipped-layers": lambda a, b: a + b,
+}
+"""How one sync's reports of several optimizers combine (they hold disjoint layers)."""
+
+
 def merge_reports(reports: Iterable) -> List[Tuple[int, Dict[str, float]]]:
     """One (step, scalars) per sync, in step order.
 
-    A rank with several distributed optimizers (a chained optimizer) has one report per optimizer
-    for the same sync: their summed keys add up, other keys take the last optimizer's value.
+    A rank with several distributed optimizers (a chained optimizer: a MoE model with expert
+    parallelism has a dense and an expert one) has one report per optimizer for the same sync:
+    their summed keys add up, the per-layer figures combine over the layers of both (the
+    pseudo-gradient norm over the whole model, the largest layer, the smallest weight and clip
+    factor, the layer counts added), other keys take the last optimizer's value.
     """
     by_step: Dict[int, Dict[str, float]] = {}
     for report in reports:
         merged = by_step.setdefault(report.step, {})
         for key, value in report.scalars().items():
-            merged[key] = merged.get(key, 0.0) + value if key in SUMMED_KEYS else value
+            if key in merged and (key in SUMMED_KEYS or key in _ACROSS_OPTIMIZERS):
+                combine = _ACROSS_OPTIMIZERS.get(key, lambda a, b: a + b)
+                merged[key] = float(combine(merged[key], value))
+            else:
+                merged[key] = value
     return sorted(by_step.items())
 
 

@@ -347,6 +347,12 @@ def test_merge_reports_of_one_sync_from_several_optimizers():
     assert [step for step, _ in merged] == [4, 8]
     assert merged[1][1] == {"local-sgd/sync-seconds": 0.75, "local-sgd/sync-bytes": 150.0,
                             "local-sgd/outer-lr": 0.7}
+    # MoE with expert parallelism: the dense and the expert optimizers' per-layer figures
+    dense = _Report(8, pseudo_grad_norm=3, pseudo_grad_norm_max_layer=2, weight_min=0.4, clipped_layers=1)
+    experts = _Report(8, pseudo_grad_norm=4, pseudo_grad_norm_max_layer=3, weight_min=0.45, clipped_layers=2)
+    ((_, both),) = merge_reports([dense, experts])
+    assert both == {"local-sgd/pseudo-grad-norm": 5.0, "local-sgd/pseudo-grad-norm-max-layer": 3.0,
+                    "local-sgd/weight-min": 0.4, "local-sgd/clipped-layers": 3.0}
 
 
 def test_training_log_fields_follow_megatrons_intervals_and_lose_no_sync():
