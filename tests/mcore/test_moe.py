@@ -262,3 +262,20 @@ def test_moe_expert_parallel_elastic_resume_to_one_worker(tmp_path):
             torch.testing.assert_close(experts["mains"][i], expected, atol=1e-6, rtol=0)
         assert r["controllers"][1]["steps_done"] == 6
         assert all(torch.isfinite(p).all() for p in r["params"].values())
+
+
+@pytest.mark.timeout(400)
+def test_moe_expert_parallel_with_a_delayed_outer_step_matches_the_simulation():
+    """EP=2 with the delayed outer step (tau 1, alpha 0.5; H=3 so the delay fits): the dense and
+    the expert controllers launch after step s - 1 and apply after step s together; every
+    parameter equals the simulation's (which models the delay), in both modes."""
+    local = dict(EDIT, local_sgd_sync_interval=3, outer_step_delay=1, outer_merge_alpha=0.5)
+    specs = [default_spec(steps=7, model=MOE, local_sgd=dict(local, sync_mode=mode), outer=OUTER)
+             for mode in ("layerwise", "step_end")]
+    (sim,) = run_ranks(simulate_edit, 1, specs[0], WORLD, timeout=200)
+    results = run_ranks(megatron_runs, WORLD, specs, ep=2, timeout=280)
+    for r in results:
+        for run in r["runs"]:
+            assert [[rep.step for rep in c["reports"]] for c in run["per_controller"]] == [[4, 7]] * 2
+            worst = _worst(run, run["params"], sim["params"][run["worker"]], 2)
+            assert worst <= SIM_ATOL, f"EDiT vs simulation: {worst:.3g}"
