@@ -311,13 +311,15 @@ def test_worker_local_patches_are_applied_and_reverted(probe_cases):
 
 # ---------------------------------------------------------------- end to end
 ITERS = 14
-SYNC_STEPS = list(range(W + H, ITERS + 1, H))  # 8, 12
+# The grid's syncs, and the run's last step (--train-iters known: the run ends with a sync there,
+# off the grid too, so every worker ends with one model).
+SYNC_STEPS = sorted(set(range(W + H, ITERS + 1, H)) | {ITERS})  # 8, 12, 14
 SAVE_AT = 8
 EVAL_AT = 6
 # Iterations after warmup at which no sync is due or completing (a layer-wise sync due after s
 # completes in the forward pass of s + 1).
 LOCAL_ITERATIONS = [i for i in range(W + 1, ITERS + 1)
-                    if i not in SYNC_STEPS and i - 1 not in SYNC_STEPS]  # 5, 6, 7, 10, 11, 14
+                    if i not in SYNC_STEPS and i - 1 not in SYNC_STEPS]  # 5, 6, 7, 10, 11
 OPTIONS = [
     "--train-iters", str(ITERS), "--log-params-norm", "--timing-log-level", "2",
     "--log-throughput", "--log-num-zeros-in-grad", "--exit-signal-handler",
