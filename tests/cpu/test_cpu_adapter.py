@@ -222,6 +222,8 @@ def test_fp8_helper_accepts_no_fp8_params_on_0_12():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(not compat.version_at_least("0.16.0"),
+                    reason="the router shim is for megatron-core 0.16+ (MoE with EDiT starts there)")
 def test_moe_router_and_alltoall_splits_run_without_transformer_engine():
     """megatron-core 0.16.x reads ``te_general_gemm`` in the router without defining it when
     transformer-engine is missing (NameError): the adapter defines it as None where, and only

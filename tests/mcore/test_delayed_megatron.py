@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dist import run_ranks
+from megatron_edit.mcore import checkpoint as checkpointing, compat
 from edit_runs import default_spec, megatron_runs, simulate_edit
 
 WORLD = 4
@@ -88,6 +89,8 @@ def _refused_mid_flight_then_saved_on_the_grid(rank, world_size, path):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
+                    reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
 def test_a_checkpoint_mid_flight_is_refused_and_one_on_the_grid_resumes_exactly(tmp_path):
     from checkpoint_runs import DP_RESHARDABLE, _equal, train_job
 

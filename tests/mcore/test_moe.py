@@ -12,8 +12,16 @@ import pytest
 import torch
 
 from dist import run_ranks
+from megatron_edit.mcore import compat
 from edit_runs import default_spec, megatron_runs, simulate_edit
 from gpt_utils import global_param_name
+
+# megatron-core before 0.16 refuses expert parallelism with the partial distributed optimizer
+# ("Partial DistOpt cannot support MoE models with expert parallelism", 0.12.3); MoE under EDiT
+# is built and checked on 0.16+.
+pytestmark = pytest.mark.skipif(not compat.version_at_least("0.16.0"),
+                                reason="MoE with EDiT needs megatron-core 0.16+ (0.12's partial "
+                                       "distributed optimizer refuses expert parallelism)")
 
 WORLD = 4
 EXPERTS = 4
