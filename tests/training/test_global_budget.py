@@ -131,6 +131,13 @@ def straggler_run(tmp_path_factory):
     if not HAVE_CHECKOUT:
         pytest.skip(HOW_TO_RUN)
     workdir = tmp_path_factory.mktemp("budget")
+    log, ranks = _a_edit_run(workdir)
+    return SimpleNamespace(log=log, ranks=ranks, workdir=workdir)
+
+
+def _a_edit_run(workdir, *extra):
+    """The straggler run of 2 A-EDiT workers through pretrain_gpt.py in ``workdir`` (checkpoints
+    in ckpt/; ``extra``: more Megatron flags): (its log, each rank's recorded collectives)."""
     out = workdir / "traffic"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(PROBE), str(out), "--cpu", str(CHECKOUT / "pretrain_gpt.py"), *TINY,
@@ -140,7 +147,7 @@ def straggler_run(tmp_path_factory):
            "--local-sgd-async", "--local-sgd-sync-time", str(SYNC_SECONDS),
            "--local-sgd-min-total-global-steps", "0", "--train-iters", str(T),
            "--save", "ckpt", "--save-interval", str(SAVE_INTERVAL), "--ckpt-format", "torch_dist",
-           "--local-sgd-debug"]
+           "--local-sgd-debug", *extra]
     env = {**_env(), "MEGATRON_EDIT_PROBE_SLOW": f"1:{SLOW_SECONDS}"}
     try:
         proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
@@ -149,8 +156,7 @@ def straggler_run(tmp_path_factory):
                     f"{(e.stdout or b'')[-4000:]!r}\n{(e.stderr or b'')[-4000:]!r}")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)}\n...\n{log[-8000:]}"
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return SimpleNamespace(log=log, ranks=ranks, workdir=workdir)
+    return log, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def _steps_per_worker(run):
@@ -228,25 +234,7 @@ def resumed_run(straggler_run, tmp_path_factory):
     for later in (i for i in labels if i > label):
         shutil.rmtree(workdir / "ckpt" / f"iter_{later:07d}")
     (workdir / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(label))
-    out = workdir / "traffic"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(PROBE), str(out), "--cpu", str(CHECKOUT / "pretrain_gpt.py"), *TINY,
-           "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
-           "--overlap-grad-reduce", "--overlap-param-gather", "--use-local-sgd",
-           "--local-sgd-sync-interval", str(H), "--local-sgd-warmup-steps", str(WARMUP),
-           "--local-sgd-async", "--local-sgd-sync-time", str(SYNC_SECONDS),
-           "--local-sgd-min-total-global-steps", "0", "--train-iters", str(T),
-           "--save", "ckpt", "--load", "ckpt", "--save-interval", str(SAVE_INTERVAL),
-           "--ckpt-format", "torch_dist", "--local-sgd-debug"]
-    env = {**_env(), "MEGATRON_EDIT_PROBE_SLOW": f"1:{SLOW_SECONDS}"}
-    try:
-        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the resumed A-EDiT run hung (no exit in {e.timeout} s):\n"
-                    f"{(e.stdout or b'')[-4000:]!r}\n{(e.stderr or b'')[-4000:]!r}")
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n...\n{log[-8000:]}"
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    log, ranks = _a_edit_run(workdir, "--load", "ckpt")
     return SimpleNamespace(log=log, ranks=ranks, workdir=workdir, label=label, saved_steps=own)
 
 
