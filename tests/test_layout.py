@@ -22,18 +22,11 @@ LAYERS = {"config": 0, "arguments": 0, "flags": 0, "algorithm": 1, "exchange": 2
 ENTRY = 6  # api, launch, patches, __init__ and the old-path alias training_patches
 
 
-def _modules():
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        if is_package:
-            parts = parts[:-1]
-        out[".".join(parts)] = (path, is_package)
-    return out
+_SPEC = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+import_graph = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(import_graph)
 
-
-MODULES = _modules()
+MODULES = import_graph.modules(PACKAGE)  # name -> (path, is a package), as the script counts them
 
 
 def _imports(name):
@@ -82,9 +75,6 @@ def test_every_module_belongs_to_a_layer():
 
 
 def test_no_import_cycles():
-    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
-    import_graph = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(import_graph)
     assert import_graph.cycles(GRAPH) == []
     assert import_graph.cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # it finds one
 
