@@ -326,11 +326,17 @@ def scan_messages() -> List[Message]:
     files = source_files()
     exceptions = set(package_exception_classes(files)) | BUILTIN_EXCEPTIONS
     messages: List[Message] = []
-    for path in files:
-        tree = ast.parse(path.read_text())
+    trees = {path: ast.parse(path.read_text()) for path in files}
+    # A helper defined in one module may be imported by another (config.values._require): every
+    # module's helpers are known everywhere, its own first.
+    shared = {}
+    for tree in trees.values():
+        shared.update(_find_helpers(tree, exceptions))
+    for path, tree in trees.items():
         rel = str(path.relative_to(ROOT))
         prog = path.name if path.parent.name == "scripts" else "{prog}"
-        helpers = _find_helpers(tree, exceptions)
+        imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        helpers = {**{k: v for k, v in shared.items() if k in imported}, **_find_helpers(tree, exceptions)}
         builders = _find_builders(tree)
         _scan_scope(tree, [], rel, prog, exceptions, helpers, (FLAG_NAMES, builders), messages)
     return messages

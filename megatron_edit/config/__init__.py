@@ -17,9 +17,10 @@ Each field of :class:`LocalSGDConfig` and :class:`GTAConfig` declares its comman
 (:func:`megatron_edit.flags.flag`): :data:`FLAG_NAMES`, the parser of
 :mod:`megatron_edit.arguments` and its args -> config mapping are generated from it.
 
-The package: the classes and their checks here (every field's checks next to it, the style of
-megatron-core's and torchtitan's configs); the exceptions and the value kinds in
-``megatron_edit.config.values``; the outer optimizer's class and keyword checks in
+The package: :class:`LocalSGDConfig` and :class:`OuterOptimizerConfig` with their checks here
+(every field's checks next to it, the style of megatron-core's and torchtitan's configs);
+:class:`GTAConfig` in ``megatron_edit.config.gta``; the exceptions, the value kinds and the type
+checks in ``megatron_edit.config.values``; the outer optimizer's class and keyword checks in
 ``megatron_edit.config.outer_optimizer``. Every name is importable from ``megatron_edit.config``.
 This module is long because each field's declaration, documentation and checks stay together.
 """
@@ -38,6 +39,7 @@ from .outer_optimizer import (  # noqa: F401 (re-exported)
     check_outer_numbers,
     resolve_optimizer_class,
 )
+from .gta import GTA_CONSENSUS, GTA_SPARSIFICATION, REDUCERS, GTAConfig  # noqa: F401 (re-exported)
 from .values import (  # noqa: F401 (re-exported)
     FLAG_NAMES,
     ConfigError,
@@ -47,37 +49,10 @@ from .values import (  # noqa: F401 (re-exported)
     _is_int,
     _is_number,
     _is_tensor,
+    _check_types,
     _name,
+    _require,
 )
-
-
-def _require(cond: bool, field_name: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{_name(field_name)}: {msg}")
-
-
-# What _check_types checks a field's value for, by its annotation (a str field is checked
-# against its choices by its class).
-_KINDS = {"bool": "bool", "int": "int", "float": "number", "Optional[float]": "optional number"}
-
-
-def _check_types(cfg) -> None:
-    """Types first, so a range check never meets a string (which would raise a bare TypeError):
-    booleans, integers, numbers, then optional numbers, each in field order."""
-    kinds = {f.name: _KINDS.get(f.type) for f in dataclasses.fields(cfg)}  # f.type: a string
-    for kind in _KINDS.values():
-        for name in (n for n, k in kinds.items() if k == kind):
-            value = getattr(cfg, name)
-            if kind == "bool":
-                _require(_is_bool(value), name,
-                         f"must be True or False ({_got(value)}); a string such as 'no' is not a boolean.")
-            elif kind == "int":
-                _require(_is_int(value), name, f"must be an integer ({_got(value)}).")
-            elif kind == "number":
-                _require(_is_number(value), name, f"must be a finite number ({_got(value)}).")
-            else:
-                _require(value is None or _is_number(value), name,
-                         f"must be a finite number or None ({_got(value)}).")
 
 
 SYNC_MODES = ("layerwise", "step_end")
@@ -357,70 +332,6 @@ class OuterOptimizerConfig:
     @property
     def optimizer_class(self) -> type:
         return resolve_optimizer_class(self.outer_optim_class)
-
-
-REDUCERS = ("linear", "gta")
-GTA_CONSENSUS = ("sum", "count")
-GTA_SPARSIFICATION = ("magnitude", "random", "rescaled_random")
-
-
-@documented
-@dataclass
-class GTAConfig:
-    """The reducer that turns the workers' pseudo-gradients into one."""
-
-    reducer: str = flag(
-        "--local-sgd-reducer", "linear", choices=REDUCERS,
-        help="linear: (weighted) mean of the pseudo-gradients; gta: generalized task arithmetic.")
-    """``linear``: (weighted) mean. ``gta``: generalized task arithmetic (sparsify, sign
-    consensus, mean of the agreeing entries)."""
-
-    consensus_method: Optional[str] = flag("--gta-consensus-method", None, choices=GTA_CONSENSUS,
-                                           help="GTA sign consensus (needs --local-sgd-reducer gta).")
-    """GTA: ``sum`` (sign of the sum) or ``count`` (sign of the sum of signs); None: no sign
-    consensus."""
-
-    sparsification_method: Optional[str] = flag(
-        "--gta-sparsification-method", None, choices=GTA_SPARSIFICATION,
-        help="GTA sparsification (needs --local-sgd-reducer gta).")
-    """GTA: ``magnitude``, ``random`` or ``rescaled_random``; None: no sparsification."""
-
-    normalize: bool = flag(
-        "--gta-normalize", True, help="GTA: divide by the weight of the workers that kept each entry.")
-    """GTA: divide by the number (weight) of entries kept instead of the number of workers."""
-
-    density: float = flag(
-        "--gta-density", 1.0, help="GTA: fraction of entries kept by sparsification, in (0, 1].")
-    """GTA: fraction of entries kept by sparsification, in (0, 1]."""
-
-    int8_mask: bool = flag("--gta-int8-mask", False, help="GTA: masks as int8 (less memory, traffic).")
-    """GTA: keep masks as int8 instead of the pseudo-gradient's dtype (memory)."""
-
-    def __post_init__(self) -> None:
-        _check_types(self)
-        _require(isinstance(self.reducer, str) and self.reducer in REDUCERS, "reducer",
-                 f"must be 'linear' or 'gta' (got {self.reducer!r}).")
-        _require(self.consensus_method in (None,) + GTA_CONSENSUS, "consensus_method",
-                 f"must be one of {GTA_CONSENSUS} or None (got {self.consensus_method!r}).")
-        _require(self.sparsification_method in (None,) + GTA_SPARSIFICATION, "sparsification_method",
-                 f"must be one of {GTA_SPARSIFICATION} or None (got {self.sparsification_method!r}).")
-        _require(0.0 < self.density <= 1.0, "density", f"must be in (0, 1] (got {self.density!r}).")
-        if self.reducer != "gta":
-            for name in ("consensus_method", "sparsification_method"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"{_name(name)}: only used with reducer='gta' (--local-sgd-reducer gta).")
-            if self.density != 1.0:
-                raise ConfigError(f"{_name('density')}: only used with reducer='gta'.")
-            if self.int8_mask:
-                raise ConfigError(f"{_name('int8_mask')}: only used with reducer='gta'.")
-            if not self.normalize:
-                raise ConfigError(f"{_name('normalize')}: only used with reducer='gta' "
-                                  "(--no-gta-normalize needs --local-sgd-reducer gta).")
-        elif self.density < 1.0 and self.sparsification_method is None:
-            raise ConfigError(
-                f"{_name('density')}: density < 1 needs a sparsification method "
-                f"({FLAG_NAMES['sparsification_method']} magnitude|random|rescaled_random)."
-            )
 
 
 # Field -> flag, for every message (megatron_edit.config.values), from the fields' metadata.

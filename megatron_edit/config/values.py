@@ -5,6 +5,7 @@ a string not a number). Part of :mod:`megatron_edit.config`, which re-exports it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Dict
@@ -51,3 +52,32 @@ def _got(value) -> str:
 
 def _is_tensor(value) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "dim")
+
+
+def _require(cond: bool, field_name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{_name(field_name)}: {msg}")
+
+
+# What _check_types checks a field's value for, by its annotation (a str field is checked
+# against its choices by its class).
+_KINDS = {"bool": "bool", "int": "int", "float": "number", "Optional[float]": "optional number"}
+
+
+def _check_types(cfg) -> None:
+    """Types first, so a range check never meets a string (which would raise a bare TypeError):
+    booleans, integers, numbers, then optional numbers, each in field order."""
+    kinds = {f.name: _KINDS.get(f.type) for f in dataclasses.fields(cfg)}  # f.type: a string
+    for kind in _KINDS.values():
+        for name in (n for n, k in kinds.items() if k == kind):
+            value = getattr(cfg, name)
+            if kind == "bool":
+                _require(_is_bool(value), name,
+                         f"must be True or False ({_got(value)}); a string such as 'no' is not a boolean.")
+            elif kind == "int":
+                _require(_is_int(value), name, f"must be an integer ({_got(value)}).")
+            elif kind == "number":
+                _require(_is_number(value), name, f"must be a finite number ({_got(value)}).")
+            else:
+                _require(value is None or _is_number(value), name,
+                         f"must be a finite number or None ({_got(value)}).")
