@@ -218,6 +218,12 @@ def _train(rank, spec, tp, pp):
         out["shard_numels"] = [s.numel for s in c.shards]
         out["forward_numels"] = [s.numel for group in c.sync.groups for s in group]
         out["groups_per_sync"] = len(c.group_order)
+        # Streaming fragments: the parameter names of each fragment (the simulation syncs them).
+        names = {p: n for n, p in getattr(ddp, "module", ddp).named_parameters()}
+        out["fragment_params"] = [
+            sorted(names[p] for g in c.group_order if any(s is c.group_shards[g][0] for s in frag)
+                   for b in g.buckets for p in b.params)
+            for frag in c.sync_shards.fragments]
         out["state_bytes"] = c.state_bytes()
         out["sync_group_ranks"] = (
             None if c.sync_group.group is None else torch.distributed.get_process_group_ranks(c.sync_group.group)
@@ -280,16 +286,35 @@ def simulate_edit(rank, world_size, spec, dp_size):
     stats = penalty.EWMAStats.zeros(n, len(layers))
     anchor, outer_opt, decisions = None, None, []
     tau, alpha, last, flight = cfg.get("outer_step_delay", 0), cfg.get("outer_merge_alpha", 0.0), spec.get("last_step"), None
+    # Streaming fragments: which parameters each fragment holds (from the real run: how Megatron
+    # buckets the model is not simulated); fragment f syncs after s - W = f H/F (mod H).
+    frags = spec.get("fragment_params")
+    period = interval // len(frags) if frags else interval
+    everything = set(names)
+
+    def fragment_of(step):
+        """The parameter names synchronised after ``step`` (None: no sync there)."""
+        if step == last and step > warmup and (tau or frags):
+            return everything
+        if step <= warmup or (step - warmup) % period:
+            return None
+        return set(frags[((step - warmup) // period) % len(frags)]) if frags else everything
 
     def loss_of(model, tokens):
         return model(**gpt_inputs(tokens)).float().mean()
 
     @torch.no_grad()
-    def decide_and_reduce():
-        """The workers' pseudo-gradients now, the decisions and the reduced (clipped) one."""
+    def decide_and_reduce(members=None):
+        """The workers' pseudo-gradients now, the decisions and the reduced (clipped) one;
+        ``members``: the parameter names synchronised (a fragment; the others get no step)."""
         nonlocal stats
+        members = everything if members is None else members
         params = [list(m.parameters()) for m in models]
-        deltas = [[a - p[i] for i, a in enumerate(anchor)] for p in params]
+        deltas = [[a - p[i] if names[i] in members else torch.zeros_like(a) for i, a in enumerate(anchor)]
+                  for p in params]
+        in_sync = torch.zeros(len(layers), dtype=torch.bool)
+        for i, name in enumerate(names):
+            in_sync[layer_index[i]] |= name in members
         norms = torch.zeros(n, len(layers), dtype=torch.float64)
         for w in range(n):
             for i, d in enumerate(deltas[w]):
@@ -299,7 +324,7 @@ def simulate_edit(rank, world_size, spec, dp_size):
         if cfg.get("skip_anomaly"):
             excluded, stats = penalty.detect_anomalies(
                 norms, stats, cfg.get("ewma_alpha", 0.02), cfg.get("ewma_warmup_steps", 120),
-                cfg.get("ewma_threshold", 3.0))
+                cfg.get("ewma_threshold", 3.0), None if members is everything else in_sync)
         if cfg.get("skip_anomaly") or cfg.get("pseudo_gradnorm_reduce"):
             weights = penalty.averaging_weights(
                 norms, excluded, bool(cfg.get("pseudo_gradnorm_reduce")),
@@ -319,18 +344,20 @@ def simulate_edit(rank, world_size, spec, dp_size):
             coef = penalty.clip_coefficients(avg_norms.sqrt(), tau_clip)
         skipped = penalty.skipped_layers(excluded, len(layers))
         decisions.append(dict(norms=norms, weights=weights, excluded=excluded, coef=coef))
-        return avg, coef, skipped
+        return avg, coef, skipped, members
 
     @torch.no_grad()
     def _sync_and_restart(reduced, merge_alpha):
-        """Outer step of the anchor; every worker restarts from it, or merges with it."""
-        avg, coef, skipped = reduced
+        """Outer step of the anchor; every worker restarts from it, or merges with it (only the
+        parameters synchronised: a fragment's)."""
+        avg, coef, skipped, members = reduced
         for i, a in enumerate(anchor):
-            a.grad = None if skipped[layer_index[i]] else avg[i] * coef[layer_index[i]].item()
+            a.grad = None if skipped[layer_index[i]] or names[i] not in members else avg[i] * coef[layer_index[i]].item()
         outer_opt.step()
         for m in models:
-            for p, a in zip(m.parameters(), anchor):
-                p.copy_(a if not merge_alpha else merge_alpha * p + (1 - merge_alpha) * a)
+            for name, p, a in zip(names, m.parameters(), anchor):
+                if name in members:
+                    p.copy_(a if not merge_alpha else merge_alpha * p + (1 - merge_alpha) * a)
 
     for step in range(1, spec["steps"] + 1):
         if anchor is None and step - 1 >= warmup:
@@ -342,10 +369,10 @@ def simulate_edit(rank, world_size, spec, dp_size):
             loss_of(model, tokens).backward()
             opt.step()
             _inject_fault(spec, step, w, list(model.parameters()))
-        on_grid = step > warmup and (step - warmup) % interval == 0
+        due = fragment_of(step)
         if not tau:
-            if on_grid:
-                _sync_and_restart(decide_and_reduce(), None)
+            if due is not None:
+                _sync_and_restart(decide_and_reduce(due), None)
             continue
         # Delayed outer step: launched tau steps before its sync step (its decisions and Delta
         # are taken then), applied after the inner step of the sync step with the merge; the
@@ -356,8 +383,8 @@ def simulate_edit(rank, world_size, spec, dp_size):
         if step == last and step > warmup:
             _sync_and_restart(decide_and_reduce(), None)
         target = step + tau
-        if target > warmup and (target - warmup) % interval == 0 and (last is None or target < last):
-            flight = (target, decide_and_reduce())
+        if fragment_of(target) is not None and (last is None or target < last):
+            flight = (target, decide_and_reduce(fragment_of(target)))
     return dict(params=[named_params(m) for m in models], decisions=decisions, layers=layers)
 
 

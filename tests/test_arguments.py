@@ -274,6 +274,8 @@ LOCAL_FLAG_CASES = {
     "outer_step_delay": (["--local-sgd-outer-step-delay", "1"], ConfigError),
     # The merge follows a delayed outer step only: alone it is refused.
     "outer_merge_alpha": (["--local-sgd-outer-merge-alpha", "0.5"], ConfigError),
+    # F must divide --local-sgd-sync-interval (default 1): alone it is refused.
+    "fragments": (["--local-sgd-fragments", "2"], ConfigError),
 }
 
 
@@ -429,6 +431,8 @@ def test_delayed_outer_step_flags_reach_their_fields():
     local, _, _ = _configs("--local-sgd-sync-interval", "8", "--local-sgd-outer-step-delay", "3",
                            "--local-sgd-outer-merge-alpha", "0.5")
     assert (local.outer_step_delay, local.outer_merge_alpha) == (3, 0.5)
+    local, _, _ = _configs("--local-sgd-sync-interval", "8", "--local-sgd-fragments", "4")
+    assert local.fragments == 4
 
 
 @pytest.mark.parametrize("argv, exc, fragments", [

@@ -45,6 +45,7 @@ FLAGS = {
     "sync_timeout": "--local-sgd-sync-timeout",
     "outer_step_delay": "--local-sgd-outer-step-delay",
     "outer_merge_alpha": "--local-sgd-outer-merge-alpha",
+    "fragments": "--local-sgd-fragments",
     "outer_optim_class": "--outer-optimizer",
     "outer_optim_kwargs": "--outer-optimizer-lr",
     "reducer": "--local-sgd-reducer",
@@ -461,3 +462,18 @@ def test_delayed_outer_step_checks():
     assert "--local-sgd-sync-interval (4)" in message and "one in flight" in message
     with pytest.raises(NotSupportedYet, match="A-EDiT.*not supported yet"):
         LocalSGDConfig(use_async=True, outer_step_delay=1, local_sgd_sync_interval=4)
+
+
+def test_fragments_checks():
+    cfg = LocalSGDConfig(local_sgd_sync_interval=8, fragments=4, outer_step_delay=1)
+    assert (cfg.fragments, LocalSGDConfig().fragments) == (4, 1)
+    _raises(LocalSGDConfig, ConfigError, "fragments", fragments=0)
+    _raises(LocalSGDConfig, ConfigError, "fragments", fragments=2.0, local_sgd_sync_interval=4)
+    message = _raises(LocalSGDConfig, ConfigError, "fragments", fragments=3, local_sgd_sync_interval=8)
+    assert "must divide --local-sgd-sync-interval (8)" in message
+    # tau < H/F: one fragment in flight at a time
+    message = _raises(LocalSGDConfig, ConfigError, "outer_step_delay", fragments=4, outer_step_delay=2,
+                      local_sgd_sync_interval=8)
+    assert "H/F = 2" in message and "--local-sgd-fragments" not in message.split(":")[0]
+    with pytest.raises(NotSupportedYet, match="A-EDiT.*not supported yet"):
+        LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4)

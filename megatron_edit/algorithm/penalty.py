@@ -92,7 +92,8 @@ def _ewma(x, mean, var, count, update, alpha):
 
 
 def detect_anomalies(
-    norms: torch.Tensor, stats: EWMAStats, alpha: float, warmup: int, threshold: float
+    norms: torch.Tensor, stats: EWMAStats, alpha: float, warmup: int, threshold: float,
+    layers: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, EWMAStats]:
     """Returns (excluded [W, L] bool, updated statistics); ``stats`` is not modified.
 
@@ -102,7 +103,9 @@ def detect_anomalies(
     change, a resume with another H) is not one worker's anomaly, and neither is a rise of one
     worker's relative norm because another worker's fell. Statistics are warm after ``warmup``
     updates, and never before two (one value has no spread). Excluded entries keep their
-    previous statistics; a non-finite norm is always excluded.
+    previous statistics; a non-finite norm is always excluded. ``layers`` ([L] bool, streaming
+    fragments): only those layers were synchronised; the others are neither excluded nor
+    counted (their norms are not this sync's).
     """
     raw = norms.to(torch.float64)
     rel = relative_norms(raw)
@@ -110,8 +113,10 @@ def detect_anomalies(
     warmed = stats.count >= max(warmup, 2)
     anomalous = (_z(raw, stats.mean, stats.var) > threshold) & (_z(rel, stats.rel_mean, stats.rel_var) > threshold)
     excluded = ~finite | (warmed & anomalous)
+    if layers is not None:
+        excluded &= layers.to(torch.bool)
 
-    update = ~excluded
+    update = ~excluded if layers is None else ~excluded & layers.to(torch.bool)
     new = stats.clone()
     new.mean, new.var = _ewma(raw, stats.mean, stats.var, stats.count, update, alpha)
     new.rel_mean, new.rel_var = _ewma(rel, stats.rel_mean, stats.rel_var, stats.count, update, alpha)

@@ -195,6 +195,20 @@ class LocalSGDConfig:
     during the exchange are dropped), larger values keep part of them (replicas then differ by
     alpha times their local drift until the next sync)."""
 
+    fragments: int = flag(
+        "--local-sgd-fragments", 1,
+        help="F: split the model's bucket groups into F fragments synced in turn, one every "
+             "H/F steps (each every H steps), so the link carries 1/F of the model at a time "
+             "(1: the whole model at every sync).")
+    """F (Streaming DiLoCo's fragments, torchft's ``_StreamingDiLoCoFragment``): the bucket
+    groups, in forward order, are split into F contiguous fragments of about equal size (closed
+    over layers when the penalty, clipping or GTA takes per-layer decisions, so no layer's norm
+    spans two fragments); fragment f is synchronised after the steps s > W with
+    s - W = f H/F (mod H). Each sync exchanges one fragment, with its own anchor; the run's last
+    step syncs every fragment. With ``outer_step_delay`` each fragment's exchange is launched
+    tau steps before its sync (tau < H/F: one fragment in flight at a time). Needs H divisible
+    by F; not with A-EDiT yet. 1: today's sync of the whole model, bit for bit."""
+
     exchange_dtype: str = flag(
         "--local-sgd-exchange-dtype", "fp32", choices=EXCHANGE_DTYPES,
         help="Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of "
@@ -285,7 +299,8 @@ class LocalSGDConfig:
                 f"add {FLAG_NAMES['pseudo_gradnorm_reduce']}.")
 
     def _check_delay(self) -> None:
-        """The delayed outer step's settings (``outer_step_delay``, ``outer_merge_alpha``)."""
+        """The delayed outer step's and the fragments' settings (``outer_step_delay``,
+        ``outer_merge_alpha``, ``fragments``)."""
         tau, alpha = self.outer_step_delay, self.outer_merge_alpha
         _require(tau >= 0, "outer_step_delay", f"must be an integer >= 0 (got {tau!r}); 0: no delay.")
         _require(0.0 <= alpha <= 1.0, "outer_merge_alpha", f"must be in [0, 1] (got {alpha!r}).")
@@ -302,6 +317,21 @@ class LocalSGDConfig:
                 f"{_name('outer_step_delay')}: {tau} must be < {FLAG_NAMES['local_sgd_sync_interval']} "
                 f"({self.local_sgd_sync_interval}): an exchange must be applied before the next one is "
                 "launched (one in flight at a time).")
+        f, h = self.fragments, self.local_sgd_sync_interval
+        _require(f >= 1, "fragments", f"must be an integer >= 1 (got {f!r}); 1: no fragments.")
+        if f > 1 and self.use_async:
+            raise NotSupportedYet(
+                f"{_name('fragments')}: streaming fragments with {FLAG_NAMES['use_async']} (A-EDiT) "
+                "are not supported yet; drop one of the two.")
+        if h % f:
+            raise ConfigError(
+                f"{_name('fragments')}: {f} must divide {FLAG_NAMES['local_sgd_sync_interval']} ({h}): "
+                "one fragment is synchronised every H/F steps.")
+        if f > 1 and tau >= h // f:
+            raise ConfigError(
+                f"{_name('outer_step_delay')}: {tau} must be < H/F = {h // f} with {f} fragments "
+                f"({FLAG_NAMES['local_sgd_sync_interval']} {h}): a fragment's exchange must be applied "
+                "before the next fragment's is launched (one in flight at a time).")
 
 
 @documented

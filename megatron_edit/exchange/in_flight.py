@@ -57,6 +57,12 @@ class SyncInProgress:
     apply (after step ``step``); the flights own every buffer their collectives use until then."""
     exposed_wait: float = 0.0
     """Delayed outer step: host seconds spent waiting for the exchange at its completion."""
+    members: List[BucketShard] = field(default_factory=list)
+    """The shards this sync exchanges, in group order: all, or one streaming fragment's."""
+    fragment: Optional[int] = None
+    """Streaming fragments: the index of the fragment synchronised (None: the whole model)."""
+    layers: Optional[torch.Tensor] = None
+    """Streaming fragments: [L] bool, the layers the members hold (None: every layer)."""
     shards: Dict[int, ShardInFlight] = field(default_factory=dict)  # id(shard) -> its record
 
     def of(self, shard: BucketShard) -> ShardInFlight:

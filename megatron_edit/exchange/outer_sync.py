@@ -113,22 +113,35 @@ class OuterSync:
     def pending(self) -> bool:
         return self._sync is not None and self._sync.pending
 
+    @property
+    def members(self) -> List[BucketShard]:
+        """The shards the sync in progress exchanges (all, or a streaming fragment's)."""
+        return self._sync.members
+
     # ------------------------------------------------------------------ start
     def start(self, step: int, steps_since_last: int, worker_steps: Optional[torch.Tensor] = None,
               worker_seconds: Optional[torch.Tensor] = None, skip: bool = False,
               bytes_at_start: Optional[int] = None, worker_idle: Optional[torch.Tensor] = None,
-              final: bool = False, delay: int = 0) -> bool:
+              final: bool = False, delay: int = 0, fragment: Optional[int] = None,
+              members: Optional[Sequence[BucketShard]] = None) -> bool:
         """Begin the sync due after ``step``: the penalty's decisions. ``skip`` (A-EDiT: too few
         steps in total) ends it at once without any exchange; returns whether it goes on.
         ``bytes_at_start``: the sync group's byte count where the sync's traffic began (A-EDiT's
         schedule message comes first). ``delay``: the sync is launched now and applied ``delay``
-        steps later (a delayed outer step; ``step`` is the apply step)."""
+        steps later (a delayed outer step; ``step`` is the apply step). ``members``: the shards
+        this sync exchanges (streaming fragment ``fragment``; default: every shard)."""
         assert self._sync is None, "a sync is already in progress"
         if bytes_at_start is None:
             bytes_at_start = self.sync_group.counters.payload_bytes
         self._sync = SyncInProgress(step, steps_since_last, bytes_at_start)
         self._sync.worker_steps, self._sync.worker_seconds = worker_steps, worker_seconds
         self._sync.worker_idle, self._sync.final, self._sync.delay = worker_idle, final, delay
+        self._sync.members = list(self.shards if members is None else members)
+        if members is not None:
+            self._sync.fragment = fragment
+            layers = torch.zeros(len(self.layer_names), dtype=torch.bool)
+            layers[[layer for s in self._sync.members for layer in s.bucket_layers]] = True
+            self._sync.layers = layers
         if skip:
             self._sync.skipped_sync = True
             self._finish_if_done()
@@ -169,14 +182,14 @@ class OuterSync:
         """Per-layer norms of every worker (one all-gather), then the decisions: the penalty's,
         and the stop for a non-finite pseudo-gradient that is not excluded."""
         c, sync = self.config, self._sync
-        for shard in self.shards:
+        for shard in sync.members:
             sync.of(shard).delta = self._delta(shard)
-        own = self._layer_norms(self.shards)
+        own = self._layer_norms(sync.members)
         norms = self.sync_group.all_gather(own).cpu()  # the decisions are taken on the host
         excluded = None
         if c.skip_anomaly:
             excluded, self.ewma = penalty.detect_anomalies(
-                norms, self.ewma, c.ewma_alpha, c.ewma_warmup_steps, c.ewma_threshold
+                norms, self.ewma, c.ewma_alpha, c.ewma_warmup_steps, c.ewma_threshold, sync.layers
             )
         self._refuse_non_finite(norms, excluded)
         if self._penalty:
@@ -224,7 +237,7 @@ class OuterSync:
         quantized = None
         if not self._gta and self.quantized is not None:
             quantized = QuantizedReducer(self.quantized, sync.own_weights, mean=sync.weights is None)
-        for shard in self.shards:
+        for shard in sync.members:
             # Tiny shards go in fp32: a few elements per worker weigh less than scales and padding.
             pays = quantized is not None and self.quantized.pays_off(shard.numel)
             sync.of(shard).reducer = quantized if pays else chosen
@@ -330,10 +343,9 @@ class OuterSync:
         """Layer-wise: every shard waits for its group's parameter gather; every group's
         exchange starts now, in forward order, so each is in flight while earlier layers
         compute (the backend runs them in launch order)."""
-        for shard in self.shards:
+        for shard in self._sync.members:
             self._sync.of(shard).pending = True
-        for group in self.groups:
-            self.launch(group)
+        self.launch(self._sync.members)  # in group order: the forward order
 
     def complete_group(self, index: int) -> None:
         """Layer-wise: group ``index`` is about to be gathered: complete its pending outer step.
@@ -355,7 +367,7 @@ class OuterSync:
     def advance(self) -> None:
         """A delayed sync: start the second phase of every exchange in flight (GTA, the quantized
         exchange) once its first is in, in the shards' order (the same on every worker)."""
-        for state in map(self._sync.of, self.shards):
+        for state in map(self._sync.of, self._sync.members):
             if state.flight is not None:
                 state.reducer.advance(state.flight)
 
@@ -376,11 +388,14 @@ class OuterSync:
         clip = None
         if self.config.clip_pseudo_grad is not None and not sync.skipped_sync:
             # Stacked on the device; read on the host only when a log asks (SyncReport.scalars).
-            clip = torch.stack([sync.clip_coef[i] for i in range(len(self.layer_names))])
+            # A layer outside this sync's fragment is not clipped here: 1.
+            one = next(iter(sync.clip_coef.values())).new_ones(()) if sync.clip_coef else torch.ones(())
+            clip = torch.stack([sync.clip_coef.get(i, one) for i in range(len(self.layer_names))])
         report = SyncReport(
             step=sync.step,
             mode=self.config.sync_mode,
-            buckets=len(self.shards),
+            buckets=len(sync.members),
+            fragment=sync.fragment,
             payload_bytes=self.sync_group.counters.payload_bytes - sync.bytes_at_start,
             seconds=sync.seconds,
             workers=self.num_workers,

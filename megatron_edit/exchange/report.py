@@ -55,6 +55,9 @@ class SyncReport:
     delay: int = 0
     """Delayed outer step (``LocalSGDConfig.outer_step_delay``): the exchange was launched after
     step ``step - delay`` and applied after ``step``; 0: a blocking sync."""
+    fragment: Optional[int] = None
+    """Streaming fragments (``LocalSGDConfig.fragments``): the fragment this sync exchanged;
+    None: every shard (no fragments, or the run's last sync)."""
     exposed_wait_seconds: float = 0.0
     """Delayed outer step: host seconds this rank spent in the exchange's waits when it was
     applied (about 0 when it had finished behind the ``delay`` inner steps). Gloo blocks the
@@ -93,6 +96,8 @@ class SyncReport:
         if self.delay:
             out["local-sgd/outer-step-delay"] = float(self.delay)
             out["local-sgd/exposed-wait-seconds"] = self.exposed_wait_seconds
+        if self.fragment is not None:
+            out["local-sgd/fragment"] = float(self.fragment)
         if self.worker_idle is not None:
             out["local-sgd/idle-seconds-max"] = float(self.worker_idle.max())
             out["local-sgd/final-sync"] = float(self.final)

@@ -41,7 +41,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..algorithm import asynchronous, schedule
+from ..algorithm import schedule
 from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from ..exchange.arrival import Arrivals
 from ..exchange.groups import SyncGroup, WorkerGroups, default_store
@@ -49,7 +49,9 @@ from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
 from .async_plan import AsyncPlan, SyncPoint
+from .controller_state import ControllerState
 from .delayed import DelayedOuterStep
+from .fragments import SyncShards, closed_over_layers
 from .process_state import PROCESS
 from .shards import build_layout
 from .worker_layout import WorkerLayout
@@ -57,7 +59,7 @@ from .worker_layout import WorkerLayout
 logger = logging.getLogger(__name__)
 
 
-class LocalSGD:
+class LocalSGD(ControllerState):
     """EDiT state and schedule for one Megatron ``DistributedOptimizer``."""
 
     def __init__(
@@ -125,6 +127,9 @@ class LocalSGD:
             on_done=self._on_sync_done,
         )
         self._group_index = {g: i for i, g in enumerate(self.group_order)}
+        self.sync_shards = SyncShards(self.sync.groups, self.config,
+                                      closed_over_layers(self.config, self.gta_config.reducer), self.worker_groups)
+        """Which shards each sync exchanges: all, or a streaming fragment's."""
         self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
 
     def _arrivals(self, inter) -> Arrivals:
@@ -204,9 +209,7 @@ class LocalSGD:
         c = self.config
         if c.use_async:
             return self.async_plan.due(steps_done)
-        if steps_done == self.last_step and steps_done > c.local_sgd_warmup_steps:
-            return True  # the run's last step: end with one model on every worker
-        return schedule.is_sync_step(steps_done, c.local_sgd_warmup_steps, c.local_sgd_sync_interval)
+        return self.sync_shards.due(steps_done, self.last_step) is not None
 
     @property
     def progress_scale(self) -> float:
@@ -251,7 +254,7 @@ class LocalSGD:
         if self._in_step and self.config.sync_mode == "step_end" and self._sync_due(self.steps_done + 1):
             if self._start_sync(self.steps_done + 1):
                 # Megatron's own main -> model copy follows: no need to write the model here.
-                self.sync.complete(self.shards, write_model=False)
+                self.sync.complete(self.sync.members, write_model=False)
             self._synced_in_step = True
 
     def end_step(self) -> None:
@@ -303,25 +306,29 @@ class LocalSGD:
                 group.param_gather_handle = None
             group.start_param_sync(force_sync=True)
 
-    def _start_sync(self, step: int) -> bool:
-        """Begin the sync due after ``step``; False when A-EDiT skips it (no exchange)."""
+    def _start_sync(self, step: int, due=None, delay: int = 0) -> bool:
+        """Begin the sync due after ``step``; False when A-EDiT skips it (no exchange). ``due``:
+        (fragment, shards) to exchange (default: what :attr:`sync_shards` says is due there);
+        ``delay``: launched now, applied after ``step``."""
         # A-EDiT's interval ends at this worker's arrival: waiting for the others is not training
         # time (counted, a fast worker would look as slow as the slowest and never get more steps).
         arrived = self.async_plan.clock() if self.config.use_async else None
         if self.arrivals is not None:  # before the sync's first collective: name a missing worker
-            self.arrivals.wait(step)
+            self.arrivals.wait(step - delay)  # where this worker is (a delayed sync: its launch)
         bytes_at_start = self.sync_group.counters.payload_bytes
-        schedule, skip, final = None, False, False
+        schedule, skip, final, fragment, members = None, False, False, None, None
         if self.config.use_async:
             device = self.shards[0].device if self.shards else torch.device("cpu")
             schedule, skip, final = self.async_plan.plan(step, self._last_sync_step, device, arrived)
+        else:
+            fragment, members = due or self.sync_shards.due(step, self.last_step)
         return self.sync.start(
-            step, step - self._last_sync_step,
+            step, self.sync_shards.steps_since(step, fragment, self._last_sync_step),
             None if schedule is None else schedule.steps_since_exchange,
             None if schedule is None else schedule.interval_seconds,
             skip, bytes_at_start,
             worker_idle=None if schedule is None else schedule.idle,
-            final=final,
+            final=final, delay=delay, fragment=fragment, members=members,
         )
 
     def _on_sync_done(self, report: SyncReport) -> None:
@@ -350,91 +357,6 @@ class LocalSGD:
     def drain_reports(self) -> List[SyncReport]:
         reports, self.reports = self.reports, []
         return reports
-
-    # ------------------------------------------------------------------ checkpoints
-    # The controller owns its state: a checkpoint reads it through state_dict() and restores
-    # it through load_state_dict() and the named resume methods below, never its fields.
-    COUNTERS = ("steps_done", "last_sync_step", "global_progress")
-
-    @property
-    def in_step(self) -> bool:
-        """Between :meth:`begin_step` and :meth:`end_step` (no checkpoint can be taken there)."""
-        return self._in_step
-
-    @property
-    def last_sync_step(self) -> int:
-        """This worker's step count at its latest exchange (the warmup's end before the first)."""
-        return self._last_sync_step
-
-    def state_dict(self) -> dict:
-        """Everything of this controller a checkpoint carries, picklable: the counters
-        (:data:`COUNTERS`) and :meth:`extra_state`. The anchor and the outer optimizer's state
-        are tensors, saved per parameter by the checkpoint (:attr:`outer_state`)."""
-        return {"steps_done": self.steps_done, "last_sync_step": self._last_sync_step,
-                "global_progress": float(self.global_progress), **self.extra_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` gave: the counters present in ``state``, then the
-        rest when present (a checkpoint's run record holds worker 0's counters, its per-slice
-        record the rest). A checkpoint taken right after an A-EDiT sync gives every worker its
-        own counters and plan."""
-        if "steps_done" in state:
-            self.steps_done = int(state["steps_done"])
-        if "last_sync_step" in state:
-            self._last_sync_step = int(state["last_sync_step"])
-        if "global_progress" in state:
-            self.global_progress = float(state["global_progress"])
-        if "layer_names" in state:
-            self.load_extra_state(state)
-
-    def extra_state(self) -> dict:
-        """The part of :meth:`state_dict` beyond the counters, identical on every rank: the
-        anomaly detector's statistics and A-EDiT's plan (:meth:`AsyncPlan.state_dict`)."""
-        return {"layer_names": list(self.layer_names), "ewma": self.sync.ewma.state_dict(),
-                "global_progress": self.global_progress, **self.async_plan.state_dict(self.at_sync)}
-
-    def load_extra_state(self, state: dict) -> None:
-        """Restore :meth:`extra_state` (raises ValueError when it was saved for other layers);
-        saved right after an A-EDiT sync, every worker takes its own counters."""
-        from ..algorithm.penalty import EWMAStats
-
-        if list(state["layer_names"]) != self.layer_names:
-            raise ValueError(
-                "EDiT checkpoint state was saved for different layers: "
-                f"{state['layer_names'][:3]}... vs {self.layer_names[:3]}..."
-            )
-        self.sync.ewma = EWMAStats.from_state_dict(state["ewma"])
-        self.global_progress = float(state.get("global_progress", self.steps_done))
-        point = self.async_plan.load_state_dict(state, self.steps_done)
-        if point is not None:
-            self.steps_done = point.step
-            self._last_sync_step = point.last_exchange[self.sync_group.rank]
-            self.global_progress = point.global_progress
-
-    def resume_elastic(self) -> None:
-        """After :meth:`load_state_dict` of another layout's counters (worker 0's), with an
-        anchor: A-EDiT's new workers share the worker-steps done (global progress x workers,
-        as even as possible), so that the budget left is the saved run's; every worker restarts
-        its interval here."""
-        if self.config.use_async:
-            done = round(self.global_progress * self.num_workers)
-            self.steps_done = int(asynchronous.share_steps(done, self.num_workers)[self.sync_group.rank])
-        self._last_sync_step = self.steps_done
-
-    def resume_from_synchronous(self, steps: int) -> None:
-        """Continue a synchronous run after ``steps`` optimizer steps: past warmup the anchor
-        is taken from the loaded parameters now (the exchange restarts here), else warmup goes
-        on; no error-feedback residual carries over."""
-        self.steps_done = steps
-        self.global_progress = float(steps)  # synchronous steps: one iteration each
-        for shard in self.shards:
-            shard.residual = shard.chunk_residual = None
-        if steps >= self.config.local_sgd_warmup_steps:
-            self.capture_anchor()
-            self._last_sync_step = steps
-        else:
-            self.drop_anchor()
-            self._last_sync_step = self.config.local_sgd_warmup_steps
 
     def chunk_span(self, shard) -> Optional[Tuple[int, int, int]]:
         """Quantized exchange with error feedback: (offset, length, padded length) of the chunk

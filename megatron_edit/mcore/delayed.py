@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..algorithm import schedule
-
 
 class DelayedOuterStep:
     """Launch and apply of the delayed syncs of one controller (tau = ``outer_step_delay``)."""
@@ -53,19 +51,15 @@ class DelayedOuterStep:
         """After the optimizer step ``steps_done``: launch the exchange of the sync due after
         step ``steps_done + tau`` (unless that is the run's last step or later)."""
         c, target = self.controller, steps_done + self.delay
-        cfg = c.config
         if self.in_flight and steps_done == self.apply_at - self.delay + 1:
             c.sync.advance()  # one step after the launch: a two-phase exchange starts its second
-        if self.in_flight or not schedule.is_sync_step(target, cfg.local_sgd_warmup_steps,
-                                                       cfg.local_sgd_sync_interval):
+        fragment = c.sync_shards.fragment_due(target)
+        if self.in_flight or fragment is None:
             return
         if c.last_step is not None and target >= c.last_step:
             return  # the run's last sync is blocking: nothing may be left in flight at the end
-        if c.arrivals is not None:  # before the sync's first collective: name a missing worker
-            c.arrivals.wait(steps_done)
-        c.sync.start(target, target - c.last_sync_step, delay=self.delay)
-        for group in c.sync.groups:
-            c.sync.launch(group)
+        c._start_sync(target, c.sync_shards.due(target, None), delay=self.delay)
+        c.sync.launch(c.sync.members)  # in group order: the forward order
         self.apply_at = target
 
     def after_inner_update(self, step: int) -> None:
@@ -73,7 +67,7 @@ class DelayedOuterStep:
         exchange due here; at the run's last step, a blocking sync of every shard."""
         c = self.controller
         if self.in_flight and (step == self.apply_at or self._is_last(step)):
-            c.sync.complete(c.sync.shards, write_model=False, merge_alpha=self.alpha)
+            c.sync.complete(c.sync.members, write_model=False, merge_alpha=self.alpha)
             self.apply_at = None
         if self._is_last(step) and c._start_sync(step):
-            c.sync.complete(c.sync.shards, write_model=False)  # Megatron's main -> model copy follows
+            c.sync.complete(c.sync.members, write_model=False)  # Megatron's main -> model copy follows

@@ -121,12 +121,18 @@ class LocalSGDRuntime:
         if torch.distributed.get_rank() == 0:
             logger.info(
                 "megatron_edit: EDiT on a distributed optimizer with %d buckets, %d workers, "
-                "sync every %d steps after %d warmup steps (%s)",
+                "sync every %d steps after %d warmup steps (%s%s%s)",
                 len(controller.shards),
                 controller.num_workers,
                 controller.config.local_sgd_sync_interval,
                 controller.config.local_sgd_warmup_steps,
                 controller.config.sync_mode,
+                f", outer step delayed {controller.config.outer_step_delay} steps"
+                if controller.config.outer_step_delay else "",
+                f", {controller.config.fragments} fragments of "
+                f"{'/'.join(str(len(f)) for f in controller.sync_shards.fragments)} buckets, one every "
+                f"{controller.config.local_sgd_sync_interval // controller.config.fragments} steps"
+                if controller.config.fragments > 1 else "",
             )
 
     @staticmethod

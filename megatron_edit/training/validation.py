@@ -118,7 +118,8 @@ def _check_saves_between_delayed_exchanges(local, args: argparse.Namespace) -> N
     tau, si, last = local.outer_step_delay, getattr(args, "save_interval", None), getattr(args, "train_iters", None)
     if not tau or not si or not getattr(args, "save", None):
         return
-    h, w = local.local_sgd_sync_interval, local.local_sgd_warmup_steps
+    # With streaming fragments a (fragment's) sync is due every H/F steps.
+    h, w = local.local_sgd_sync_interval // local.fragments, local.local_sgd_warmup_steps
     end = w + si * h + h if last is None else min(last, w + si * h + h)
     for i in range(si, end, si):
         left = h - (i - w) % h  # steps from the save to the next sync
@@ -128,7 +129,13 @@ def _check_saves_between_delayed_exchanges(local, args: argparse.Namespace) -> N
                 f"iteration {i} would fall while the exchange of the sync after iteration {i + left} is "
                 f"in flight (launched after {i + left - tau}), which cannot be saved yet. Save on the "
                 "sync grid: a --save-interval that is a multiple of --local-sgd-sync-interval "
+                f"{'/ --local-sgd-fragments ' if local.fragments > 1 else ''}"
                 f"({h}) with --local-sgd-warmup-steps ({w}) a multiple of it too.")
+
+
+# Releases whose MoE metrics logging worker_local keeps inside the worker (0.17 / 0.18 log
+# through other functions, not covered).
+_MOE_LOGGING_LOCAL = (VersionRange("0.16.0", "0.17.0"), VersionRange("0.19.0", "0.20.0"))
 
 
 def _check_moe_args(local, args: argparse.Namespace) -> None:
@@ -136,10 +143,10 @@ def _check_moe_args(local, args: argparse.Namespace) -> None:
     of the same names), the MoE options only Megatron-LM has, and the releases whose MoE logging
     reduction is kept inside the worker (:mod:`megatron_edit.training.worker_local`)."""
     version = compat.megatron_core_version()
-    if not VersionRange("0.16.0", "0.17.0").contains(version):
+    if not any(r.contains(version) for r in _MOE_LOGGING_LOCAL):
         raise NotSupportedYet(
             f"--num-experts with --use-local-sgd on megatron-core {version} is not supported yet "
-            "(checked with 0.16.x: its MoE metrics logging is kept inside the worker).")
+            "(checked with 0.16.x and 0.19.x, whose MoE metrics logging is kept inside the worker).")
     if getattr(args, "moe_use_upcycling", False):
         raise NotSupportedYet("--moe-use-upcycling with --use-local-sgd is not supported yet.")
     check_moe_options(local, args, (getattr(args, "expert_model_parallel_size", 1) or 1) > 1)
@@ -174,6 +181,12 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             "hashes at all. Drop the flag (synchronous EDiT can check at multiples of "
             "--local-sgd-sync-interval)."
         )
+    if interval is not None and local.fragments > 1:
+        raise ConfigError(
+            f"--check-weight-hash-across-dp-replicas-interval={interval} with --local-sgd-fragments "
+            f"{local.fragments}: each sync makes one fragment identical on every worker, never the "
+            "whole model (until the run's last step), so Megatron's check could never pass. Drop "
+            "the flag, or --local-sgd-fragments.")
     if interval is not None:
         # Replicas are identical only during warmup and right after a sync: every iteration
         # Megatron checks must be one of those. It checks every `interval` iterations and once

@@ -106,7 +106,8 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
         last_sync_step=counters["last_sync_step"],
         anchor_taken=outer is not None,
         config=dict(sync_interval=c.local_sgd_sync_interval, warmup_steps=c.local_sgd_warmup_steps,
-                    sync_mode=c.sync_mode, use_async=c.use_async, exchange_dtype=c.exchange_dtype),
+                    sync_mode=c.sync_mode, use_async=c.use_async, exchange_dtype=c.exchange_dtype,
+                    fragments=c.fragments),
         outer_class=_class_name(controller.outer_config.optimizer_class),
         outer_hyperparameters=(
             [{k: v for k, v in g.items() if k != "params"} for g in outer.param_groups] if outer else None

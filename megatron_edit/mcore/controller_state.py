@@ -1,0 +1,98 @@
+"""The state of a :class:`~megatron_edit.mcore.controller.LocalSGD` that a checkpoint carries:
+its counters, the anomaly detector's statistics and A-EDiT's plan, read through
+:meth:`ControllerState.state_dict` and restored through :meth:`ControllerState.load_state_dict` and
+the named resume methods (an elastic resume, a resume of a synchronous run), never through the
+controller's fields. A part of the controller (it inherits this class), kept apart so that
+the state machine of the steps and syncs stays readable.
+"""
+
+from __future__ import annotations
+
+from ..algorithm import asynchronous
+from ..algorithm.penalty import EWMAStats
+
+
+class ControllerState:
+    """Checkpoint state of the controller (mixed into :class:`LocalSGD`; uses its fields)."""
+
+    # The controller owns its state: a checkpoint reads it through state_dict() and restores
+    # it through load_state_dict() and the named resume methods below, never its fields.
+    COUNTERS = ("steps_done", "last_sync_step", "global_progress")
+
+    @property
+    def in_step(self) -> bool:
+        """Between :meth:`begin_step` and :meth:`end_step` (no checkpoint can be taken there)."""
+        return self._in_step
+
+    @property
+    def last_sync_step(self) -> int:
+        """This worker's step count at its latest exchange (the warmup's end before the first)."""
+        return self._last_sync_step
+
+    def state_dict(self) -> dict:
+        """Everything of this controller a checkpoint carries, picklable: the counters
+        (:data:`COUNTERS`) and :meth:`extra_state`. The anchor and the outer optimizer's state
+        are tensors, saved per parameter by the checkpoint (:attr:`outer_state`)."""
+        return {"steps_done": self.steps_done, "last_sync_step": self._last_sync_step,
+                "global_progress": float(self.global_progress), **self.extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` gave: the counters present in ``state``, then the
+        rest when present (a checkpoint's run record holds worker 0's counters, its per-slice
+        record the rest). A checkpoint taken right after an A-EDiT sync gives every worker its
+        own counters and plan."""
+        if "steps_done" in state:
+            self.steps_done = int(state["steps_done"])
+        if "last_sync_step" in state:
+            self._last_sync_step = int(state["last_sync_step"])
+        if "global_progress" in state:
+            self.global_progress = float(state["global_progress"])
+        if "layer_names" in state:
+            self.load_extra_state(state)
+
+    def extra_state(self) -> dict:
+        """The part of :meth:`state_dict` beyond the counters, identical on every rank: the
+        anomaly detector's statistics and A-EDiT's plan (:meth:`AsyncPlan.state_dict`)."""
+        return {"layer_names": list(self.layer_names), "ewma": self.sync.ewma.state_dict(),
+                "global_progress": self.global_progress, **self.async_plan.state_dict(self.at_sync)}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore :meth:`extra_state` (raises ValueError when it was saved for other layers);
+        saved right after an A-EDiT sync, every worker takes its own counters."""
+        if list(state["layer_names"]) != self.layer_names:
+            raise ValueError(
+                "EDiT checkpoint state was saved for different layers: "
+                f"{state['layer_names'][:3]}... vs {self.layer_names[:3]}..."
+            )
+        self.sync.ewma = EWMAStats.from_state_dict(state["ewma"])
+        self.global_progress = float(state.get("global_progress", self.steps_done))
+        point = self.async_plan.load_state_dict(state, self.steps_done)
+        if point is not None:
+            self.steps_done = point.step
+            self._last_sync_step = point.last_exchange[self.sync_group.rank]
+            self.global_progress = point.global_progress
+
+    def resume_elastic(self) -> None:
+        """After :meth:`load_state_dict` of another layout's counters (worker 0's), with an
+        anchor: A-EDiT's new workers share the worker-steps done (global progress x workers,
+        as even as possible), so that the budget left is the saved run's; every worker restarts
+        its interval here."""
+        if self.config.use_async:
+            done = round(self.global_progress * self.num_workers)
+            self.steps_done = int(asynchronous.share_steps(done, self.num_workers)[self.sync_group.rank])
+        self._last_sync_step = self.steps_done
+
+    def resume_from_synchronous(self, steps: int) -> None:
+        """Continue a synchronous run after ``steps`` optimizer steps: past warmup the anchor
+        is taken from the loaded parameters now (the exchange restarts here), else warmup goes
+        on; no error-feedback residual carries over."""
+        self.steps_done = steps
+        self.global_progress = float(steps)  # synchronous steps: one iteration each
+        for shard in self.shards:
+            shard.residual = shard.chunk_residual = None
+        if steps >= self.config.local_sgd_warmup_steps:
+            self.capture_anchor()
+            self._last_sync_step = steps
+        else:
+            self.drop_anchor()
+            self._last_sync_step = self.config.local_sgd_warmup_steps

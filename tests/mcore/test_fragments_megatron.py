@@ -1,0 +1,124 @@
+"""Streaming fragments (``LocalSGDConfig.fragments``) on real megatron-core (CPU, gloo, 2 workers x
+2 ranks), against the plain-PyTorch simulation told which parameters each fragment holds
+(``simulate_edit`` with ``fragment_params``: how Megatron buckets the model is not simulated,
+the schedule and the math are)."""
+
+import pytest
+import torch
+
+from dist import run_ranks
+from edit_runs import default_spec, megatron_runs, simulate_edit
+from megatron_edit.mcore import checkpoint as checkpointing, compat
+
+WORLD = 4
+SIM_ATOL = 2e-4  # as in test_edit_megatron: Megatron's and the simulation's reduction orders differ
+OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
+# W = 1, H = 4, F = 2, --train-iters 9: fragment 1 syncs after steps 3 and 7, fragment 0 after
+# step 5; the run's last step (9) syncs every fragment.
+FRAG = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=1, fragments=2)
+STEPS = [(3, 1), (5, 0), (7, 1), (9, None)]
+
+
+def _spec(**local):
+    return default_spec(steps=9, last_step=9, local_sgd=dict(FRAG, **local), outer=OUTER, bucket_size=1000)
+
+
+def _worst(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _simulate(spec, fragment_params):
+    return run_ranks(simulate_edit, 1, dict(spec, fragment_params=fragment_params), WORLD, timeout=120)[0]["params"]
+
+
+@pytest.mark.timeout(500)
+def test_fragments_sync_in_turn_and_match_the_simulation():
+    """F = 2 with the penalty's weights (fragments closed over layers) in layer-wise and step-end
+    mode (bit for bit the same), and with a delay tau = 1 (alpha = 0): each sync exchanges one
+    fragment, in turn, the run's last one every fragment; each run equals the simulation; right
+    after a fragment's sync its parameters are identical on both workers and the others are not."""
+    specs = [
+        _spec(sync_mode="layerwise", pseudo_gradnorm_reduce=True),
+        _spec(sync_mode="step_end", pseudo_gradnorm_reduce=True),
+        _spec(sync_mode="step_end", outer_step_delay=1),
+    ]
+    specs[1]["snapshot_every_step"] = True
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=420)
+    runs_frags = [results[0]["runs"][i]["fragment_params"] for i in range(3)]
+    for frags in runs_frags:
+        assert len(frags) == 2 and all(frags) and not set(frags[0]) & set(frags[1])
+        assert set(frags[0]) | set(frags[1]) == set(results[0]["runs"][0]["params"])
+    layer_of = lambda name: name.split(".layers.")[1].split(".")[0] if ".layers." in name else name  # noqa: E731
+    # with the penalty the fragments are closed over layers: no transformer layer in both
+    frags = runs_frags[0]
+    assert not {layer_of(n) for n in frags[0]} & {layer_of(n) for n in frags[1]}
+    for r in results:  # the same fragments on every rank
+        assert [run["fragment_params"] for run in r["runs"]] == runs_frags
+        layerwise, step_end, delayed = r["runs"]
+        for run, delay in ((layerwise, 0), (step_end, 0), (delayed, 1)):
+            assert [(rep.step, rep.fragment) for rep in run["reports"]] == STEPS
+            assert [rep.delay for rep in run["reports"]] == [delay] * 3 + [0]
+            assert not run["pending_at_end"]
+        for k in layerwise["params"]:
+            assert torch.equal(layerwise["params"][k], step_end["params"][k]), k
+    sims = [_simulate(specs[0], runs_frags[0]), _simulate(specs[2], runs_frags[2])]
+    for r in results:
+        layerwise, _, delayed = r["runs"]
+        assert _worst(layerwise["params"], sims[0][layerwise["worker"]]) <= SIM_ATOL
+        assert _worst(delayed["params"], sims[1][delayed["worker"]]) <= SIM_ATOL
+    # replicas: worker 0 is ranks 0-1, worker 1 ranks 2-3 (shard 0 of each)
+    a_snap, b_snap = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
+    for step, fragment in STEPS:
+        synced = set(frags[fragment]) if fragment is not None else set(a_snap[step])
+        for name in a_snap[step]:
+            same = torch.equal(a_snap[step][name], b_snap[step][name])
+            assert same == (name in synced), f"after step {step}: {name} {'equal' if same else 'differs'}"
+    for run in range(3):  # every worker ends with one model
+        a, b = results[0]["runs"][run]["params"], results[2]["runs"][run]["params"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(400)
+def test_fragments_with_the_int8_exchange_and_a_delay_keep_replicas_identical():
+    """F = 2, tau = 1, the int8 exchange with error feedback and clipping (closed fragments):
+    the syncs are where they are without the quantization, the per-layer clip factors of the
+    layers outside a fragment are 1, and after the last (blocking) sync the replicas are
+    identical."""
+    spec = _spec(sync_mode="layerwise", outer_step_delay=1, exchange_dtype="int8",
+                 exchange_error_feedback=True, exchange_block_size=64, clip_pseudo_grad=0.05)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=360)
+    for r in results:
+        reports = r["runs"][0]["reports"]
+        assert [(rep.step, rep.fragment) for rep in reports] == STEPS
+        for rep in reports[:3]:  # a fragment's sync: the other fragment's layers are not clipped
+            untouched = rep.norms[rep.worker] == 0
+            assert bool(untouched.any()) and torch.all(rep.clip_coef[untouched] == 1)
+    for shard in (0, 1):
+        a, b = results[shard]["runs"][0]["params"], results[2 + shard]["runs"][0]["params"]
+        assert all(torch.equal(a[k], b[k]) for k in a), shard
+
+
+FRAG_CKPT = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, fragments=2, outer_step_delay=1,
+                 sync_mode="layerwise", pseudo_gradnorm_reduce=True, skip_anomaly=True, ewma_warmup_steps=1)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
+                    reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+def test_a_checkpoint_between_fragment_syncs_resumes_exactly(tmp_path):
+    """F = 2, tau = 1, the penalty with anomaly detection: saved after step 4 (fragment 0 just
+    applied; fragment 1's anchor and the per-layer statistics from step 2), resumed to step 8:
+    the same parameters, optimizer state, anchors and outer state as the run without the stop."""
+    from checkpoint_runs import DP_RESHARDABLE, _equal, train_job
+
+    path = str(tmp_path / "ckpt")
+    whole = run_ranks(train_job, WORLD, local_sgd=FRAG_CKPT, steps=8, saves={4: [(path, DP_RESHARDABLE)]},
+                      bucket_size=1000, timeout=360)
+    resumed = run_ranks(train_job, WORLD, local_sgd=FRAG_CKPT, steps=8, load=(path, DP_RESHARDABLE, 4),
+                        bucket_size=1000, timeout=360)
+    for a, b in zip(whole, resumed):
+        assert [(r.step, r.fragment, r.delay) for r in a["reports"]] == [(2, 1, 1), (4, 0, 1), (6, 1, 1), (8, 0, 1)]
+        assert [(r.step, r.fragment) for r in b["reports"]] == [(6, 1), (8, 0)]
+        for key in ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step"):
+            _equal(a["final"][key], b["final"][key], key)
