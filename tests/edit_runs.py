@@ -347,16 +347,21 @@ def simulate_edit(rank, world_size, spec, dp_size):
         return avg, coef, skipped, members
 
     @torch.no_grad()
-    def _sync_and_restart(reduced, merge_alpha):
+    def _sync_and_restart(reduced, merge_alpha, launch=None):
         """Outer step of the anchor; every worker restarts from it, or merges with it (only the
-        parameters synchronised: a fragment's)."""
+        parameters synchronised: a fragment's); ``launch`` (keep_local): each worker's
+        parameters at the launch, theta <- theta + anchor' - launch."""
         avg, coef, skipped, members = reduced
         for i, a in enumerate(anchor):
             a.grad = None if skipped[layer_index[i]] or names[i] not in members else avg[i] * coef[layer_index[i]].item()
         outer_opt.step()
-        for m in models:
-            for name, p, a in zip(names, m.parameters(), anchor):
-                if name in members:
+        for w, m in enumerate(models):
+            for i, (name, p, a) in enumerate(zip(names, m.parameters(), anchor)):
+                if name not in members:
+                    continue
+                if launch is not None:
+                    p.add_(a - launch[w][i])
+                else:
                     p.copy_(a if not merge_alpha else merge_alpha * p + (1 - merge_alpha) * a)
 
     for step in range(1, spec["steps"] + 1):
@@ -378,13 +383,15 @@ def simulate_edit(rank, world_size, spec, dp_size):
         # are taken then), applied after the inner step of the sync step with the merge; the
         # run's last step is a blocking sync, and nothing is launched for a sync at or after it.
         if flight is not None and step == flight[0]:
-            _sync_and_restart(flight[1], alpha)
+            _sync_and_restart(flight[1], alpha, flight[2])
             flight = None
         if step == last and step > warmup:
             _sync_and_restart(decide_and_reduce(), None)
         target = step + tau
         if fragment_of(target) is not None and (last is None or target < last):
-            flight = (target, decide_and_reduce(fragment_of(target)))
+            keep = cfg.get("outer_merge_rule") == "keep_local"
+            launch = [[p.detach().clone() for p in m.parameters()] for m in models] if keep else None
+            flight = (target, decide_and_reduce(fragment_of(target)), launch)
     return dict(params=[named_params(m) for m in models], decisions=decisions, layers=layers)
 
 

@@ -276,6 +276,8 @@ LOCAL_FLAG_CASES = {
     "outer_merge_alpha": (["--local-sgd-outer-merge-alpha", "0.5"], ConfigError),
     # F must divide --local-sgd-sync-interval (default 1): alone it is refused.
     "fragments": (["--local-sgd-fragments", "2"], ConfigError),
+    # The merge rule follows a delayed outer step only: alone it is refused.
+    "outer_merge_rule": (["--local-sgd-outer-merge-rule", "keep_local"], ConfigError),
 }
 
 

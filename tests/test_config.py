@@ -46,6 +46,7 @@ FLAGS = {
     "outer_step_delay": "--local-sgd-outer-step-delay",
     "outer_merge_alpha": "--local-sgd-outer-merge-alpha",
     "fragments": "--local-sgd-fragments",
+    "outer_merge_rule": "--local-sgd-outer-merge-rule",
     "outer_optim_class": "--outer-optimizer",
     "outer_optim_kwargs": "--outer-optimizer-lr",
     "reducer": "--local-sgd-reducer",
@@ -477,3 +478,16 @@ def test_fragments_checks():
     assert "H/F = 2" in message and "--local-sgd-fragments" not in message.split(":")[0]
     with pytest.raises(NotSupportedYet, match="A-EDiT.*not supported yet"):
         LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4)
+
+
+def test_outer_merge_rule_checks():
+    assert LocalSGDConfig().outer_merge_rule == "lerp"
+    cfg = LocalSGDConfig(local_sgd_sync_interval=4, outer_step_delay=2, outer_merge_rule="keep_local")
+    assert cfg.outer_merge_rule == "keep_local"
+    _raises(LocalSGDConfig, ConfigError, "outer_merge_rule", outer_merge_rule="keep", local_sgd_sync_interval=4,
+            outer_step_delay=2)
+    message = _raises(LocalSGDConfig, ConfigError, "outer_merge_rule", outer_merge_rule="keep_local")
+    assert "--local-sgd-outer-step-delay" in message
+    message = _raises(LocalSGDConfig, ConfigError, "outer_merge_alpha", outer_merge_rule="keep_local",
+                      outer_merge_alpha=0.5, outer_step_delay=1, local_sgd_sync_interval=4)
+    assert "--local-sgd-outer-merge-rule keep_local" in message

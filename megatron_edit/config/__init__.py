@@ -195,6 +195,18 @@ class LocalSGDConfig:
     during the exchange are dropped), larger values keep part of them (replicas then differ by
     alpha times their local drift until the next sync)."""
 
+    outer_merge_rule: str = flag(
+        "--local-sgd-outer-merge-rule", "lerp", choices=("lerp", "keep_local"),
+        help="After a delayed outer step: lerp: theta <- alpha*theta + (1-alpha)*new anchor "
+             "(--local-sgd-outer-merge-alpha); keep_local: theta <- new anchor + the tau local "
+             "steps taken during the exchange (needs --local-sgd-outer-step-delay).")
+    """The merge after a delayed outer step (tau > 0). ``lerp``:
+    ``theta <- alpha * theta_s + (1 - alpha) * anchor'`` (``outer_merge_alpha``; torchft's
+    rule). ``keep_local``: ``theta <- anchor' + (theta_s - theta_{s-tau})``: the new anchor
+    plus the worker's own progress during the exchange (its tau inner steps), so nothing is
+    dropped; replicas then differ by that progress until the next sync. It keeps the launch's
+    parameters while the exchange is in flight (4 more B/param)."""
+
     fragments: int = flag(
         "--local-sgd-fragments", 1,
         help="F: split the model's bucket groups into F fragments synced in turn, one every "
@@ -304,6 +316,18 @@ class LocalSGDConfig:
         tau, alpha = self.outer_step_delay, self.outer_merge_alpha
         _require(tau >= 0, "outer_step_delay", f"must be an integer >= 0 (got {tau!r}); 0: no delay.")
         _require(0.0 <= alpha <= 1.0, "outer_merge_alpha", f"must be in [0, 1] (got {alpha!r}).")
+        rule = self.outer_merge_rule
+        _require(rule in ("lerp", "keep_local"), "outer_merge_rule",
+                 f"must be 'lerp' or 'keep_local' (got {rule!r}).")
+        if rule != "lerp" and tau == 0:
+            raise ConfigError(
+                f"{_name('outer_merge_rule')}: the merge only follows a delayed outer step; add "
+                f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
+        if rule == "keep_local" and alpha != 0.0:
+            raise ConfigError(
+                f"{_name('outer_merge_alpha')}: alpha is the lerp rule's; keep_local keeps the local "
+                f"steps whole. Drop one of {FLAG_NAMES['outer_merge_alpha']} and "
+                f"{FLAG_NAMES['outer_merge_rule']} keep_local.")
         if alpha != 0.0 and tau == 0:
             raise ConfigError(
                 f"{_name('outer_merge_alpha')}: the merge only follows a delayed outer step; add "

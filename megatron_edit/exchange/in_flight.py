@@ -28,6 +28,8 @@ class ShardInFlight:
     exchanged: bool = False
     pending: bool = False
     """Layer-wise: the outer step waits for the shard's group's parameter gather."""
+    launch_params: Optional[torch.Tensor] = None
+    """The ``keep_local`` merge of a delayed outer step: the main params at the launch."""
 
 
 @dataclass

@@ -146,6 +146,7 @@ class OuterState:
         divisor: int = 1,
         layer_scales: Optional[Dict[int, torch.Tensor]] = None,
         merge_alpha: Optional[float] = None,
+        keep_from: Optional[torch.Tensor] = None,
     ) -> None:
         """Outer step of one shard with the pseudo-gradient ``delta / divisor`` (``delta`` is
         scratch: it is overwritten), then the main params (and, with ``write_model``, the
@@ -155,7 +156,8 @@ class OuterState:
         pseudo-gradient, even NaN/Inf), folded into the compiled kernel (no pass of its own) and
         otherwise applied to ``delta`` first. ``merge_alpha`` (a delayed outer step): the mains
         are merged with the new anchor instead, ``theta <- alpha theta + (1 - alpha) anchor'``
-        (0: the anchor itself), one elementwise pass after the step."""
+        (0: the anchor itself), one elementwise pass after the step; with ``keep_from`` (the
+        mains at the launch; scratch) ``theta <- theta + (anchor' - keep_from)`` instead."""
         restart = merge_alpha is None
         with self._on_device(shard):
             if self.fused and not skipped:
@@ -171,7 +173,9 @@ class OuterState:
                     shard.write_mains(shard.anchor)
                     if write_model:
                         shard.write_model(shard.anchor)
-            if not restart:
+            if keep_from is not None:
+                self._keep_local(shard, keep_from, write_model)
+            elif not restart:
                 self._merge(shard, float(merge_alpha), write_model)
 
     @staticmethod
@@ -184,6 +188,18 @@ class OuterState:
             shard.flat_mains.lerp_(shard.anchor, 1.0 - alpha)
         elif shard.mains:
             torch._foreach_lerp_([m.view(-1) for m in shard.mains], shard.main_views(shard.anchor), 1.0 - alpha)
+        if write_model:
+            shard.write_model(shard.read_current(torch.empty_like(shard.anchor)))
+
+    @staticmethod
+    def _keep_local(shard: BucketShard, launch: torch.Tensor, write_model: bool) -> None:
+        """Mains += anchor' - mains at the launch (the new anchor plus the progress since; the
+        padding stays 0, where all three are 0). ``launch`` is overwritten."""
+        correction = torch.sub(shard.anchor, launch, out=launch)
+        if shard.flat_mains is not None:
+            shard.flat_mains.add_(correction)
+        elif shard.mains:
+            torch._foreach_add_([m.view(-1) for m in shard.mains], shard.main_views(correction))
         if write_model:
             shard.write_model(shard.read_current(torch.empty_like(shard.anchor)))
 

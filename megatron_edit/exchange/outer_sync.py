@@ -182,8 +182,11 @@ class OuterSync:
         """Per-layer norms of every worker (one all-gather), then the decisions: the penalty's,
         and the stop for a non-finite pseudo-gradient that is not excluded."""
         c, sync = self.config, self._sync
+        keep = sync.delay and c.outer_merge_rule == "keep_local"
         for shard in sync.members:
             sync.of(shard).delta = self._delta(shard)
+            if keep:  # the merge adds the progress made since: keep where the worker was
+                sync.of(shard).launch_params = shard.read_current(torch.empty_like(sync.of(shard).delta))
         own = self._layer_norms(sync.members)
         norms = self.sync_group.all_gather(own).cpu()  # the decisions are taken on the host
         excluded = None
@@ -323,7 +326,7 @@ class OuterSync:
             else:
                 shard.scale_layers(delta, sync.clip_coef)
         self.outer.apply(shard, delta, sync.skipped_ranges(shard), write_model, sync.divisor, layer_scales=scales,
-                         merge_alpha=merge_alpha)
+                         merge_alpha=merge_alpha, keep_from=sync.of(shard).launch_params)
         sync.done(shard)
 
     @torch.no_grad()

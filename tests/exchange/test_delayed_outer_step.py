@@ -43,7 +43,10 @@ def _padded(per_param):
 
 
 def _worker(worker, world, local, alpha, gta=None, state_kwargs=None, blocking=False):
-    """``blocking``: the same syncs without a delay (launch and apply at once, no drift)."""
+    """``blocking``: the same syncs without a delay (launch and apply at once, no drift).
+    ``alpha`` "keep": the keep_local merge rule."""
+    if alpha == "keep":
+        local, alpha = dict(local, outer_merge_rule="keep_local"), 0.0
     params = _randn(0)
     shards = [BucketShard(numel=n, mains=mains, local_ranges=[(s, e) for s, e, _ in segs],
                           segments=[(s, e, layer, True) for s, e, layer in segs],
@@ -147,15 +150,19 @@ def _reference(case, alpha):
         opt.step()
         for w in range(WORKERS):  # the tau inner steps, then the merge
             moved = [t + d for t, d in zip(theta[w], _padded(_randn(500 + w + 10 * k, 0.3)))]
-            theta[w] = [alpha * t + (1 - alpha) * a for t, a in zip(moved, anchors)]
+            if alpha == "keep":  # the new anchor plus the progress since the launch
+                theta[w] = [m + (a - t) for m, a, t in zip(moved, anchors, theta[w])]
+            else:
+                theta[w] = [alpha * t + (1 - alpha) * a for t, a in zip(moved, anchors)]
         rounds.append(([a.detach().clone() for a in anchors], [[t.clone() for t in th] for th in theta]))
     return rounds
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("alpha", [0.0, 0.5])
+@pytest.mark.parametrize("alpha", [0.0, 0.5, "keep"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_delayed_outer_step_and_merge_equal_the_formula(case, alpha):
+    """alpha 0 and 0.5: the lerp rule; "keep": keep_local, theta <- theta + anchor' - theta_launch."""
     world = FakeWorld(WORKERS)
     out = run_workers(world, _worker, world, CASES[case], alpha)
     expected = _reference(case, alpha)
@@ -183,7 +190,7 @@ def test_delayed_outer_step_and_merge_equal_the_formula(case, alpha):
         assert [(rep.step, rep.delay, rep.steps_since_last) for rep in r["reports"]] == [(H, TAU, H), (2 * H, TAU, H)]
         scalars = r["reports"][0].scalars()
         assert scalars["local-sgd/outer-step-delay"] == TAU and scalars["local-sgd/exposed-wait-seconds"] >= 0
-    if alpha == 0.5:  # the merge keeps half of each worker's own drift: replicas differ
+    if alpha != 0.0:  # the merge keeps (half of) each worker's own drift: replicas differ
         assert not torch.equal(out[0]["merged"][0][0], out[1]["merged"][0][0])
 
 

@@ -35,13 +35,13 @@ def _simulate(spec, fragment_params):
 @pytest.mark.timeout(500)
 def test_fragments_sync_in_turn_and_match_the_simulation():
     """F = 2 with the penalty's weights (fragments closed over layers) in layer-wise and step-end
-    mode (bit for bit the same), and with a delay tau = 1 (alpha = 0): each sync exchanges one
+    mode (bit for bit the same), and with a delay tau = 1 (the keep_local merge): each sync exchanges one
     fragment, in turn, the run's last one every fragment; each run equals the simulation; right
     after a fragment's sync its parameters are identical on both workers and the others are not."""
     specs = [
         _spec(sync_mode="layerwise", pseudo_gradnorm_reduce=True),
         _spec(sync_mode="step_end", pseudo_gradnorm_reduce=True),
-        _spec(sync_mode="step_end", outer_step_delay=1),
+        _spec(sync_mode="step_end", outer_step_delay=1, outer_merge_rule="keep_local"),
     ]
     specs[1]["snapshot_every_step"] = True
     results = run_ranks(megatron_runs, WORLD, specs, timeout=420)
