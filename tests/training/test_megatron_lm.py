@@ -432,6 +432,23 @@ def test_save_interval_inside_a_delayed_exchange_is_refused(delay, warmup, save_
     assert f"the save after iteration {iteration} would fall while" in message and "sync grid" in message
 
 
+def test_save_interval_with_fragments_counts_every_fragment_sync():
+    """F = 2, H = 4: a fragment syncs every 2 steps, so a save 1 step before any multiple of 2
+    falls inside a delayed exchange (tau = 1); --save-interval 2 saves on the fragments' grid."""
+    def args(save_interval):
+        return _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4", "--local-sgd-fragments", "2",
+                                   "--local-sgd-outer-step-delay", "1", save="ckpt", save_interval=save_interval,
+                                   train_iters=100)
+    validate_local_sgd_args(args(2))
+    with pytest.raises(ConfigError, match=r"the save after iteration 3 would fall while the exchange of the "
+                                          r"sync after iteration 4 is in flight .* --local-sgd-fragments \(2\)"):
+        validate_local_sgd_args(args(3))
+    with pytest.raises(ConfigError, match="check-weight-hash.*--local-sgd-fragments 2: each sync makes one fragment"):
+        validate_local_sgd_args(_megatron_like_args(
+            "--use-local-sgd", "--local-sgd-sync-interval", "4", "--local-sgd-fragments", "2",
+            check_weight_hash_across_dp_replicas_interval=4))
+
+
 def test_delay_and_exposed_wait_reach_the_log_line_and_tensorboard():
     from megatron_edit.exchange.report import SyncReport
 
@@ -444,16 +461,18 @@ def test_delay_and_exposed_wait_reach_the_log_line_and_tensorboard():
             return out
 
     reports = [SyncReport(step=s, mode="step_end", buckets=1, payload_bytes=100, seconds=0.5, workers=2,
-                          delay=2, exposed_wait_seconds=w) for s, w in ((8, 0.25), (12, 0.5))]
+                          delay=2, exposed_wait_seconds=w, fragment=f) for s, w, f in ((8, 0.25, 0), (12, 0.5, 1))]
     metrics, args = SyncMetrics(), SimpleNamespace(log_interval=12, tensorboard_log_interval=12)
     written = []
     writer = SimpleNamespace(add_scalar=lambda k, v, i: written.append((k, v, i)))
     line = training_log_fields(metrics, [_Delayed(reports)], args, 12, writer, None)
     assert "local sgd outer step delay: 2 |" in line and "local sgd exposed wait seconds: 0.75 |" in line
     assert ("local-sgd/exposed-wait-seconds", 0.75, 12) in written and ("local-sgd/outer-step-delay", 2.0, 12) in written
-    # without a delay, nothing new on the line
+    # streaming fragments: the latest sync's fragment
+    assert "local sgd fragment: 1 |" in line and ("local-sgd/fragment", 1.0, 12) in written
+    # without a delay or fragments, nothing new on the line
     plain = SyncReport(step=4, mode="layerwise", buckets=1, payload_bytes=1, seconds=0.1, workers=2).scalars()
-    assert not {"local-sgd/outer-step-delay", "local-sgd/exposed-wait-seconds"} & set(plain)
+    assert not {"local-sgd/outer-step-delay", "local-sgd/exposed-wait-seconds", "local-sgd/fragment"} & set(plain)
 
 
 # ================================================================ with the checkout
