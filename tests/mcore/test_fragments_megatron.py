@@ -122,3 +122,35 @@ def test_a_checkpoint_between_fragment_syncs_resumes_exactly(tmp_path):
         assert [(r.step, r.fragment) for r in b["reports"]] == [(6, 1), (8, 0)]
         for key in ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step"):
             _equal(a["final"][key], b["final"][key], key)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
+                    reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+def test_elastic_resume_with_fragments_and_the_int8_exchange(tmp_path):
+    """Saved by 2 workers x 2 shards after step 3 (fragment 1 synced after step 2, fragment 0
+    not since warmup; int8 exchange with error feedback), resumed by 4 workers x 1 shard: one
+    outer step at load over the saved workers makes every new worker identical, and each
+    fragment's anchor is then the loaded model; the fragments' schedule goes on from step 3."""
+    from checkpoint_runs import DP_RESHARDABLE, train_job
+
+    local = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, fragments=2, sync_mode="layerwise",
+                 exchange_dtype="int8", exchange_error_feedback=True, exchange_block_size=64)
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(train_job, WORLD, local_sgd=local, steps=3, saves={3: [(path, DP_RESHARDABLE)]},
+                      bucket_size=1000, timeout=360)
+    assert [(r.step, r.fragment) for r in saved[0]["reports"]] == [(2, 1)]
+    resumed = run_ranks(train_job, WORLD, local_sgd=local, instances=4, steps=8,
+                        load=(path, DP_RESHARDABLE, 3), bucket_size=1000, timeout=360)
+    first = resumed[0]["loaded"]
+    for r in resumed:
+        loaded = r["loaded"]
+        assert loaded["steps_done"] == 3
+        for k in first["params"]:
+            assert torch.equal(loaded["params"][k], first["params"][k]), k  # one model on every worker
+        for anchor, main in zip(loaded["anchors"], loaded["mains"]):
+            assert torch.equal(anchor, main)  # every fragment restarts from the load's anchor
+        assert [(rep.step, rep.fragment) for rep in r["reports"]] == [(4, 0), (6, 1), (8, 0)]
+    # and the saved workers really differed (the load made one model of two)
+    assert not all(torch.equal(saved[0]["final"]["params"][k], saved[2]["final"]["params"][k])
+                   for k in saved[0]["final"]["params"])
