@@ -29,6 +29,7 @@ _PS = "megatron.core.parallel_state"
 _TIMERS = "megatron.core.timers"
 _RERUN = "megatron.core.rerun_state_machine"
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+_MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
 _SIGNALS = "megatron.training.dist_signal_handler"
 _V19 = VersionRange("0.19.0", compat.TRAINING_SUPPORTED.below)
 
@@ -73,6 +74,10 @@ class WorkerLocalCollectives:
       tracked auxiliary losses are averaged over the worker's data-parallel ranks, not all of
       them (``reduce_aux_losses_tracker_across_ranks`` gets a process-group collection whose
       ``dp`` is the worker's): the logged MoE losses are the worker's, like the logged loss.
+
+    * **MoE metrics** (0.19, ``MoEMetricsTracker.report`` in ``training_log``, every iteration):
+      the tracker's data-parallel average (over the model's ``pg_collection.dp_cp_gtp_remat``,
+      or every data-parallel rank without one) is taken over the worker's data-parallel ranks.
 
     * **Packed sequences** (0.18+): Megatron-LM all-reduces their sequence-length statistics
       over all ranks every iteration; refused at start-up (``--sft``,
@@ -224,6 +229,25 @@ class WorkerLocalCollectives:
 
         return reduce_aux_losses_tracker_across_ranks
 
+    def wrap_moe_sync_metrics(self, original):
+        def _sync_metrics(tracker, metric_names, pg_collection=None):
+            if not self.controllers():
+                return original(tracker, metric_names, pg_collection)
+            # 0.19: the MoE metrics (every iteration) are averaged over pg_collection's
+            # dp_cp_gtp_remat, or every data-parallel rank without a collection; give it the
+            # worker's (context parallelism and GTP remat with MoE are refused: the same ranks).
+            from megatron.core import parallel_state
+
+            worker = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+            if pg_collection is None:
+                local = SimpleNamespace(pp=parallel_state.get_pipeline_model_parallel_group())
+            else:
+                local = copy.copy(pg_collection)
+            local.dp_cp_gtp_remat = worker
+            return original(tracker, metric_names, local)
+
+        return _sync_metrics
+
     def wrap_timers_call(self, original):
         def __call__(timers, name, log_level=None):
             timer = original(timers, name, log_level)
@@ -347,6 +371,9 @@ def add_worker_local_patches(
         Patch("worker-local-moe-metrics", f"{_MOE_UTILS}:reduce_aux_losses_tracker_across_ranks",
               wl.wrap_reduce_aux_losses, VersionRange("0.16.0", "0.17.0"), ("track_names", "pg_collection"),
               "MoE metrics logging (track_moe_metrics): averaged over the worker's data-parallel ranks"),
+        Patch("worker-local-moe-metrics-tracker", f"{_MOE_LOGGING}:MoEMetricsTracker._sync_metrics",
+              wl.wrap_moe_sync_metrics, _V19, ("self", "metric_names", "pg_collection"),
+              "MoE metrics logging (MoEMetricsTracker.report): averaged over the worker's data-parallel ranks"),
         tracked("worker-local-seqlen-stats", f"{_TRAINING}:consume_seqlen_stats_in_iteration",
                 wl.wrap_consume_seqlen_stats,
                 "packed sequences (a world all-reduce per iteration) refused with local SGD"),

@@ -26,6 +26,10 @@ from test_megatron_lm import (
     CHECKOUT,
     EDIT,
     H,
+    LINE,
+    MOE,
+    MOE_LINES,
+    PENALTY,
     HAVE_CHECKOUT,
     HAVE_TENSORBOARD,
     HOW_TO_RUN,
@@ -33,7 +37,11 @@ from test_megatron_lm import (
     TINY,
     W,
     _env,
+    _field,
+    _hash_checks,
+    _lines,
     _megatron_like_args,
+    _synced_steps,
     needs_checkout,
 )
 
@@ -184,6 +192,29 @@ def test_moe_metrics_are_averaged_over_the_worker(monkeypatch):
     assert seen[2][1] is collection
 
 
+def test_moe_metrics_tracker_averages_over_the_worker(monkeypatch):
+    """0.19: MoEMetricsTracker.report (every iteration in training_log) averages the MoE metrics
+    over pg_collection.dp_cp_gtp_remat (every data-parallel rank without a collection): with
+    EDiT running, over the worker's (a copy of the collection); without EDiT, untouched."""
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_data_parallel_group",
+                        lambda **kwargs: "worker" if kwargs.get("partial_data_parallel") else "all dp")
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: "pp")
+    seen = []
+    original = lambda tracker, names, pg_collection=None: seen.append((tracker, names, pg_collection))  # noqa: E731
+    collection = SimpleNamespace(pp="pp", dp_cp_gtp_remat="all dp", tp="tp")
+    sync = _worker_local(_Controller(6)).wrap_moe_sync_metrics(original)
+    sync("tracker", ["load_balancing_loss"], collection)
+    sync("tracker", ["z_loss"])
+    assert seen[0][:2] == ("tracker", ["load_balancing_loss"])
+    assert (seen[0][2].dp_cp_gtp_remat, seen[0][2].pp, seen[0][2].tp) == ("worker", "pp", "tp")
+    assert collection.dp_cp_gtp_remat == "all dp"  # the caller's collection is untouched
+    assert (seen[1][2].dp_cp_gtp_remat, seen[1][2].pp) == ("worker", "pp")
+    WorkerLocalCollectives(lambda: None).wrap_moe_sync_metrics(original)("tracker", None, collection)
+    assert seen[2][2] is collection
+
+
 def test_inside_a_reporting_region_the_expert_group_and_the_models_groups_are_the_workers(monkeypatch):
     """0.19: calc_params_l2_norm reduces over the expert data-parallel group, train_step and
     evaluate over the model's pg_collection.dp_cp: both become the worker's in the region."""
@@ -302,6 +333,7 @@ def test_worker_local_patches_are_applied_and_reverted(probe_cases):
            "worker-local-dp-group",
            *(["worker-local-expert-dp-group", "worker-local-pg-collection"] if since("0.19.0") else []),
            *(["worker-local-moe-metrics"] if not since("0.17.0") else []),
+           *(["worker-local-moe-metrics-tracker"] if since("0.19.0") else []),
            *(["worker-local-seqlen-stats"] if since("0.18.0") else []),
            "worker-local-timer-barrier", "worker-local-timers-gather",
            "worker-local-rerun-vote", "worker-local-rerun-exit", "worker-local-signal-check"]
@@ -517,3 +549,60 @@ def test_e2e_a_edit_workers_run_apart_between_syncs(async_run):
     # together the budget.
     assert final[0] == final[1] and final[2] == final[3], final
     assert final[0] > ASYNC_ITERS > final[2] and final[0] + final[2] == 2 * ASYNC_ITERS, final
+
+
+# MoE: a 4-expert top-2 GPT with expert parallelism 2 on 4 CPU ranks (2 workers, each with one
+# copy of every expert), the penalty on, Megatron's replica check every H iterations.
+MOE_ITERS = 12
+MOE_SYNC_STEPS = [8, 12]
+MOE_LOCAL_ITERATIONS = [5, 6, 7, 10, 11]
+_MOE_LOGGING = ("moe_utils.py:reduce_aux_losses_tracker_across_ranks",  # 0.16
+                "moe_logging.py:_sync_metrics")  # 0.19
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    if not HAVE_CHECKOUT:
+        pytest.skip(HOW_TO_RUN)
+    if LINE not in MOE_LINES:
+        pytest.skip(f"MoE with --use-local-sgd through Megatron-LM is refused on megatron-core {LINE}")
+    options = [*PENALTY, *MOE, "--train-iters", str(MOE_ITERS),
+               "--check-weight-hash-across-dp-replicas-interval", str(H)]
+    return _traffic_run(tmp_path_factory.mktemp("moe"), options)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_e2e_moe_with_expert_parallelism_trains_with_edit(moe_run):
+    """pretrain_gpt.py (core_v0.16.1 or core_v0.19.0) accepts the MoE flags with
+    --use-local-sgd, the router runs without transformer-engine, the MoE auxiliary loss is
+    logged every iteration, EDiT syncs on its grid, and every replica (experts included: Megatron
+    hashes them over the expert data-parallel group, across the workers) is identical at every
+    check: after warmup and after each sync."""
+    lines = _lines(moe_run.log)
+    assert sorted(lines) == list(range(1, MOE_ITERS + 1))
+    assert all(_field(line, "load_balancing_loss") is not None for line in lines.values())
+    losses = [_field(lines[i], "lm loss") for i in sorted(lines)]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert _synced_steps(moe_run.log) == MOE_SYNC_STEPS
+    assert _hash_checks(moe_run.log) == list(range(0, MOE_ITERS + 1, H))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_e2e_moe_nothing_crosses_workers_between_syncs(moe_run):
+    """The recorder's count of collectives across workers at the iterations between syncs is 0
+    (before the worker-local MoE logging patches, the MoE metrics' data-parallel average crossed
+    at every iteration); the MoE metrics are still reduced, inside the worker."""
+    crossing = _crossing(moe_run)
+    unexpected = [(rank, r["iteration"], r["op"], r["ranks"], r["stack"][-4:])
+                  for rank, r in crossing if _why_allowed(r, MOE_SYNC_STEPS, W) is None]
+    assert not unexpected, "\n".join(map(str, unexpected))
+    assert [r for _, r in crossing if r["iteration"] in MOE_LOCAL_ITERATIONS] == []
+    reasons = {(_why_allowed(r, MOE_SYNC_STEPS, W), r["iteration"]) for _, r in crossing}
+    for step in MOE_SYNC_STEPS:
+        assert ("the sync exchange (completes in the next forward pass)", step) in reasons
+    for data in moe_run.ranks:
+        moe_logging = [r for r in data["records"] if r["iteration"] in MOE_LOCAL_ITERATIONS
+                       and _has(r, *_MOE_LOGGING)]
+        assert moe_logging and all(set(r["ranks"]) <= set(data["worker_ranks"]) for r in moe_logging)
