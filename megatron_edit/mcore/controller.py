@@ -24,6 +24,10 @@ Two ways to run a sync, same numbers:
 * ``step_end``: all exchanges run, blocking, right after the inner optimizer update and before
   Megatron copies main params into the model and gathers them.
 
+Which shards a sync exchanges (all, or one streaming fragment's, ``LocalSGDConfig.fragments``)
+is :class:`~megatron_edit.mcore.fragments.SyncShards`; a delayed outer step's launch and apply
+(``outer_step_delay``) are :class:`~megatron_edit.mcore.delayed.DelayedOuterStep`.
+
 A-EDiT's schedule (when each worker syncs next, from the measured speeds) is
 :class:`~megatron_edit.mcore.async_plan.AsyncPlan`; the controller counts the steps and owns
 the state a checkpoint carries (:meth:`LocalSGD.state_dict`, :meth:`LocalSGD.load_state_dict`
