@@ -123,6 +123,38 @@ def test_moe_tensor_parallel_2_matches_the_simulation_in_both_modes():
     _check_job(results, sim, 1, tp=2)
 
 
+@pytest.mark.timeout(900)
+def test_moe_tensor_parallel_2_with_expert_parallel_2_matches_the_simulation_in_both_modes():
+    """TP=2 x EP=2 (experts tensor-parallel too: ETP = TP), 2 workers on 8 ranks, penalty on:
+    each rank's dense and expert slices equal the simulation's in both modes; the replicas are
+    identical after every sync. The expert controller sums each layer's norm over the expert
+    TP x EP ranks (4 pieces per layer here), or the clipping and the weights would differ."""
+    specs = _specs(model=dict(MOE, sequence_parallel=True))
+    (sim,) = run_ranks(simulate_edit, 1, _specs()[0], 2 * WORLD // 2, timeout=200)
+    results = run_ranks(megatron_runs, 2 * WORLD, specs, tp=2, ep=2, timeout=840)
+    _check_job(results, sim, 2, tp=2)
+
+
+def uneven_gather_job(rank, world_size):
+    """Megatron's tensor-parallel all-gather in uneven pieces (what the alltoall dispatcher does
+    with TP > 1) under the CPU adapter (run_ranks activates it)."""
+    from megatron.core.tensor_parallel import mappings
+
+    sizes = [3, 5]
+    piece = torch.arange(sizes[rank] * 2, dtype=torch.float32).view(-1, 2) + 100 * rank
+    return mappings._gather_along_first_dim(piece, torch.distributed.group.WORLD, sizes)
+
+
+@pytest.mark.timeout(120)
+def test_cpu_adapter_gathers_uneven_pieces_over_gloo():
+    """gloo refuses an all-gather of pieces of different sizes; the adapter pads them to the
+    largest and cuts them back: every rank gets the pieces in rank order."""
+    expected = torch.cat([torch.arange(6, dtype=torch.float32).view(-1, 2),
+                          torch.arange(10, dtype=torch.float32).view(-1, 2) + 100])
+    for out in run_ranks(uneven_gather_job, 2, timeout=100):
+        assert torch.equal(out, expected)
+
+
 @pytest.mark.timeout(300)
 def test_moe_nothing_crosses_workers_between_syncs():
     """EP=2: no collective between syncs spans two workers (dispatcher all-to-alls, router
@@ -169,6 +201,20 @@ def test_moe_expert_parallel_quantized_exchange_and_cpu_offload():
         for step in SYNCS:
             a, b = by_worker[0]["snapshots"][step], by_worker[1]["snapshots"][step]
             assert all(torch.equal(a[k], b[k]) for k in a), f"replicas differ after sync step {step}"
+
+
+@pytest.mark.timeout(300)
+def test_moe_a_edit_with_expert_parallelism_is_refused_when_the_model_is_wrapped():
+    """A-EDiT with EP=2 on real megatron-core: refused when Megatron's DDP wraps the model, before
+    any step, naming both options (each of the dense and the expert optimizers would plan its
+    own time-based syncs, so the two halves of a model could sync after different steps)."""
+    from dist import RankError
+
+    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1)
+    spec = default_spec(steps=2, model=MOE, local_sgd=local, outer=OUTER)
+    with pytest.raises(RankError, match=r"A-EDiT \(--local-sgd-async\) with MoE expert parallelism "
+                                        r"\(--expert-model-parallel-size > 1\) is not supported yet"):
+        run_ranks(megatron_runs, WORLD, [spec], ep=2, timeout=250)
 
 
 def _moe_config(**overrides):
