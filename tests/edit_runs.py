@@ -281,8 +281,16 @@ def simulate_edit(rank, world_size, spec, dp_size):
     batches = make_batches(spec["steps"], dp_size * MICRO_BATCH, seed=spec["data_seed"])
     per_worker = batches.shape[1] // n
     names = [name for name, _ in models[0].named_parameters()]
-    layers = sorted({layer_key(name) for name in names})
-    layer_index = [layers.index(layer_key(name)) for name in names]
+    key = {name: layer_key(name) for name in names}
+    if spec.get("fragment_params"):  # a layer in several fragments: one layer per fragment
+        frag_of = {name: f for f, members in enumerate(spec["fragment_params"]) for name in members}
+        spread = {}
+        for name in names:
+            spread.setdefault(key[name], set()).add(frag_of[name])
+        key = {name: key[name] if len(spread[key[name]]) == 1 else f"{key[name]}@fragment{frag_of[name]}"
+               for name in names}
+    layers = sorted(set(key.values()))
+    layer_index = [layers.index(key[name]) for name in names]
     stats = penalty.EWMAStats.zeros(n, len(layers))
     anchor, outer_opt, decisions = None, None, []
     tau, alpha, last, flight = cfg.get("outer_step_delay", 0), cfg.get("outer_merge_alpha", 0.0), spec.get("last_step"), None

@@ -55,7 +55,7 @@ from ..exchange.report import SyncReport
 from .async_plan import AsyncPlan, SyncPoint
 from .controller_state import ControllerState
 from .delayed import DelayedOuterStep
-from .fragments import SyncShards, closed_over_layers
+from .fragments import SyncShards, partition_groups, split_layers
 from .process_state import PROCESS
 from .shards import build_layout
 from .worker_layout import WorkerLayout
@@ -96,12 +96,7 @@ class LocalSGD(ControllerState):
         self._synced_in_step = False
 
         buckets = build_layout(optimizer)
-        self.shards = buckets.shards
-        self.group_order = buckets.group_order
-        self.group_shards = buckets.group_shards
-        self.layer_names = buckets.layer_names
-
-        self.layout = WorkerLayout.of(optimizer, self.group_order[0] if self.group_order else None)
+        self.layout = WorkerLayout.of(optimizer, buckets.group_order[0] if buckets.group_order else None)
         """Where this optimizer sits among the workers (derived once, passed down)."""
         self.num_workers = self.layout.num_workers
         inter = self.layout.sync_group
@@ -117,6 +112,14 @@ class LocalSGD(ControllerState):
         self.async_plan = AsyncPlan(self.config, self.sync_group, schedule_group)
         """A-EDiT's schedule (unused by synchronous EDiT)."""
         self.worker_groups = WorkerGroups(shard_group=self.layout.shard_group, tp_group=self.layout.tp_group)
+        parts = None  # streaming fragments: a layer in two of them is two layers for the decisions
+        if self.config.fragments > 1 and buckets.group_order:
+            parts = partition_groups(buckets, self.config.fragments, self.worker_groups)
+            buckets = split_layers(buckets, parts)
+        self.shards = buckets.shards
+        self.group_order = buckets.group_order
+        self.group_shards = buckets.group_shards
+        self.layer_names = buckets.layer_names
         self.outer_state = OuterState(
             outer_optim_config, torch.device("cpu") if self.config.cpu_offload else None
         )
@@ -131,8 +134,7 @@ class LocalSGD(ControllerState):
             on_done=self._on_sync_done,
         )
         self._group_index = {g: i for i, g in enumerate(self.group_order)}
-        self.sync_shards = SyncShards(self.sync.groups, self.config,
-                                      closed_over_layers(self.config, self.gta_config.reducer), self.worker_groups)
+        self.sync_shards = SyncShards(self.sync.groups, self.config, parts)
         """Which shards each sync exchanges: all, or a streaming fragment's."""
         self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
 

@@ -2,52 +2,93 @@
 (``LocalSGDConfig.fragments``; the math is :mod:`megatron_edit.algorithm.fragments`).
 
 The fragments are made once, when the controller is built, of its bucket groups in forward
-order; they are closed over layers when a per-layer decision is taken (the penalty, clipping,
-GTA's weights), so a layer's norm never spans two fragments. The sizes they are balanced by are
-summed over the worker's model-shard and tensor-parallel groups first (one small all-reduce,
-on every rank as the controller is built), so every rank of the worker makes the same fragments;
-the workers make the same ones because they hold the same model.
+order, balanced by size. The sizes are summed over the worker's model-shard and tensor-parallel
+groups first (one small all-reduce, on every rank as the controller is built), so every rank of
+the worker makes the same fragments; the workers make the same ones because they hold the same
+model.
+
+Megatron's buckets are not aligned with layers (a bucket often ends inside one layer and begins
+the next), so fragments cannot in general keep layers whole. Instead, a layer whose parameters
+fall in two fragments becomes one "layer" per fragment for every per-layer decision (the
+penalty's norms, weights, exclusions and statistics, clipping): ``decoder.layers.3`` becomes
+``decoder.layers.3@fragment1`` and ``decoder.layers.3@fragment2``. So no layer's norm spans two
+fragments, and each sync decides on what it exchanges (:func:`split_layers`).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..algorithm import fragments as math_fragments
 from ..config import FLAG_NAMES, ConfigError, LocalSGDConfig
 from ..exchange.shard import BucketShard
+from .shards import ShardLayout
+
+
+def partition_groups(layout: ShardLayout, count: int, worker_groups=None) -> List[List[int]]:
+    """The fragments as lists of indices into ``layout.group_order``, of about equal size."""
+    groups = [layout.group_shards[g] for g in layout.group_order]
+    sizes = torch.tensor([float(sum(s.numel for s in g)) for g in groups], dtype=torch.float64,
+                         device=groups[0][0].device)
+    if worker_groups is not None:
+        sizes = worker_groups.sum(sizes)
+    try:
+        return math_fragments.partition(sizes.cpu().tolist(), count)
+    except math_fragments.FragmentError as e:
+        raise ConfigError(
+            f"fragments ({FLAG_NAMES['fragments']}): {e} on this rank's distributed optimizer; use "
+            "fewer fragments, or smaller buckets (--ddp-bucket-size) so that the model has more "
+            "bucket groups.") from e
+
+
+def split_layers(layout: ShardLayout, parts: Sequence[Sequence[int]]) -> ShardLayout:
+    """``layout`` with each layer that falls in several fragments cut into one layer per fragment
+    (named ``<layer>@fragment<f>``); new shards (their segments renumbered), the same order."""
+    fragment_of = {layout.group_order[g]: f for f, part in enumerate(parts) for g in part}
+    holders: Dict[int, set] = {}
+    for group, shards in layout.group_shards.items():
+        for shard in shards:
+            for layer in shard.bucket_layers:
+                holders.setdefault(layer, set()).add(fragment_of[group])
+    key_of: Dict[Tuple[int, int], str] = {}
+    for layer, fragments in holders.items():
+        for f in fragments:
+            name = layout.layer_names[layer]
+            key_of[(layer, f)] = name if len(fragments) == 1 else f"{name}@fragment{f}"
+    names = sorted(set(key_of.values()))
+    index = {name: i for i, name in enumerate(names)}
+    new_of: Dict[int, BucketShard] = {}
+    for group, shards in layout.group_shards.items():
+        f = fragment_of[group]
+        for shard in shards:
+            new_of[id(shard)] = dataclasses.replace(
+                shard,
+                segments=[(s, e, index[key_of[(layer, f)]], counts) for s, e, layer, counts in shard.segments],
+                bucket_layers={index[key_of[(layer, f)]] for layer in shard.bucket_layers},
+            )
+    return ShardLayout(
+        shards=[new_of[id(s)] for s in layout.shards],
+        group_order=list(layout.group_order),
+        group_shards={g: [new_of[id(s)] for s in shards] for g, shards in layout.group_shards.items()},
+        layer_names=names,
+    )
 
 
 class SyncShards:
     """The shards due for exchange after each step (synchronous EDiT)."""
 
-    def __init__(self, groups: Sequence[Sequence[BucketShard]], config: LocalSGDConfig, closed: bool,
-                 worker_groups=None):
-        """``groups``: the shards in bucket groups, in forward order. ``closed``: the fragments
-        must be closed over layers. ``worker_groups``: sums the sizes inside the worker."""
+    def __init__(self, groups: Sequence[Sequence[BucketShard]], config: LocalSGDConfig,
+                 parts: Optional[Sequence[Sequence[int]]] = None):
+        """``groups``: the shards in bucket groups, in forward order; ``parts``: the fragments as
+        lists of group indices (None: one fragment, the whole model)."""
         self.config = config
         self.all: List[BucketShard] = [s for g in groups for s in g]
-        self.fragments: List[List[BucketShard]] = [self.all]
+        self.fragments: List[List[BucketShard]] = (
+            [self.all] if parts is None else [[s for g in part for s in groups[g]] for part in parts])
         """The fragments, each a list of shards in group order (one: the whole model)."""
-        count = config.fragments
-        if count == 1 or not groups:
-            return
-        sizes = torch.tensor([float(sum(s.numel for s in g)) for g in groups], dtype=torch.float64,
-                             device=groups[0][0].device)
-        if worker_groups is not None:
-            sizes = worker_groups.sum(sizes)
-        sizes = sizes.cpu()
-        layers = [set().union(*(s.bucket_layers for s in g)) for g in groups]
-        try:
-            parts = math_fragments.partition(sizes.tolist(), layers, count, closed)
-        except math_fragments.FragmentError as e:
-            raise ConfigError(
-                f"fragments ({FLAG_NAMES['fragments']}): {e} on this rank's distributed optimizer; use fewer "
-                "fragments, or smaller buckets (--ddp-bucket-size) so that the model has more "
-                "bucket groups.") from e
-        self.fragments = [[s for g in part for s in groups[g]] for part in parts]
 
     def fragment_due(self, step: int) -> Optional[int]:
         """The fragment synchronised after ``step`` on the grid (None: no sync there); without
@@ -74,9 +115,3 @@ class SyncShards:
         if fragment is None:
             return step - last_sync_step
         return min(c.local_sgd_sync_interval, step - c.local_sgd_warmup_steps)
-
-
-def closed_over_layers(config: LocalSGDConfig, gta_reducer: str) -> bool:
-    """Whether fragments must keep each layer whole: a per-layer decision is taken."""
-    return bool(config.skip_anomaly or config.pseudo_gradnorm_reduce or config.clip_pseudo_grad is not None
-                or config.use_step_weight or gta_reducer == "gta")

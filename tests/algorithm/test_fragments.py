@@ -19,31 +19,23 @@ def _brute_force(sizes, fragments):
 
 @pytest.mark.parametrize("sizes,fragments", [
     ([5, 1, 1, 1, 1, 5], 2), ([5, 1, 1, 1, 1, 5], 3), ([1, 2, 3, 4, 5, 6, 7], 4), ([9, 1, 1, 1], 2),
-    ([3, 3, 3, 3], 4), ([1] * 9, 3), ([100, 1, 1, 1, 1, 1, 1, 1], 4),
+    ([3, 3, 3, 3], 4), ([1] * 9, 3), ([100, 1, 1, 1, 1, 1, 1, 1], 4), ([4, 2, 2, 4, 1, 4], 1),
 ])
 def test_partition_is_contiguous_complete_and_as_balanced_as_possible(sizes, fragments):
-    parts = partition(sizes, [{i} for i in range(len(sizes))], fragments, closed=True)
+    parts = partition(sizes, fragments)
     assert len(parts) == fragments and all(parts)
     assert [g for p in parts for g in p] == list(range(len(sizes)))  # contiguous, in order, complete
     assert max(sum(sizes[g] for g in p) for p in parts) == _brute_force(sizes, fragments)
 
 
-def test_closed_fragments_keep_each_layer_whole():
-    """Groups 1-2 share layer 1 and groups 3 and 5 layer 7 (not adjacent): each pair stays
-    together when closed; not closed, the split is by size alone."""
-    sizes = [4, 2, 2, 4, 1, 4]
-    layers = [{0}, {1}, {1, 2}, {3, 7}, {4}, {5, 7}]
-    closed = partition(sizes, layers, 2, closed=True)
-    owner = {g: i for i, p in enumerate(closed) for g in p}
-    assert owner[1] == owner[2] and owner[3] == owner[5]
-    assert closed == [[0, 1, 2], [3, 4, 5]]
-    assert partition(sizes, layers, 3, closed=False) == [[0, 1], [2, 3], [4, 5]]
+def test_partition_examples():
+    assert partition([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert partition([10, 1, 1, 1, 1, 10], 3) == [[0], [1, 2, 3, 4], [5]]
 
 
 def test_too_few_groups_is_an_error_naming_the_count():
-    with pytest.raises(FragmentError, match="2 bucket groups closed over layers cannot make 3 fragments"):
-        partition([1, 1, 1], [{0}, {0}, {1}], 3, closed=True)
-    assert partition([1, 1, 1], [{0}, {0}, {1}], 3, closed=False) == [[0], [1], [2]]
+    with pytest.raises(FragmentError, match="3 bucket groups cannot make 4 fragments"):
+        partition([1, 1, 1], 4)
 
 
 def test_fragment_due_is_each_fragment_every_h_steps_in_turn():

@@ -34,7 +34,7 @@ def _simulate(spec, fragment_params):
 
 @pytest.mark.timeout(500)
 def test_fragments_sync_in_turn_and_match_the_simulation():
-    """F = 2 with the penalty's weights (fragments closed over layers) in layer-wise and step-end
+    """F = 2 with the penalty's weights (per layer inside a fragment) in layer-wise and step-end
     mode (bit for bit the same), and with a delay tau = 1 (the keep_local merge): each sync exchanges one
     fragment, in turn, the run's last one every fragment; each run equals the simulation; right
     after a fragment's sync its parameters are identical on both workers and the others are not."""
@@ -45,24 +45,26 @@ def test_fragments_sync_in_turn_and_match_the_simulation():
     ]
     specs[1]["snapshot_every_step"] = True
     results = run_ranks(megatron_runs, WORLD, specs, timeout=420)
-    runs_frags = [results[0]["runs"][i]["fragment_params"] for i in range(3)]
-    for frags in runs_frags:
-        assert len(frags) == 2 and all(frags) and not set(frags[0]) & set(frags[1])
-        assert set(frags[0]) | set(frags[1]) == set(results[0]["runs"][0]["params"])
-    layer_of = lambda name: name.split(".layers.")[1].split(".")[0] if ".layers." in name else name  # noqa: E731
-    # with the penalty the fragments are closed over layers: no transformer layer in both
-    frags = runs_frags[0]
-    assert not {layer_of(n) for n in frags[0]} & {layer_of(n) for n in frags[1]}
+    frags = results[0]["runs"][0]["fragment_params"]
+    assert len(frags) == 2 and all(frags) and not set(frags[0]) & set(frags[1])
+    assert set(frags[0]) | set(frags[1]) == set(results[0]["runs"][0]["params"])
     for r in results:  # the same fragments on every rank
-        assert [run["fragment_params"] for run in r["runs"]] == runs_frags
+        assert all(run["fragment_params"] == frags for run in r["runs"])
         layerwise, step_end, delayed = r["runs"]
+        # a fragment's sync decides on its own layers only (a layer in both fragments is two)
+        names = layerwise["per_controller"][0]["layer_names"]
+        held = [set(), set()]
+        for rep in layerwise["reports"][:3]:
+            held[rep.fragment] |= {names[i] for i in (rep.norms[rep.worker] != 0).nonzero()[:, 0].tolist()}
+        assert held[0] and held[1] and not held[0] & held[1]
+        assert any("@fragment" in name for name in names)  # the buckets cut a layer here
         for run, delay in ((layerwise, 0), (step_end, 0), (delayed, 1)):
             assert [(rep.step, rep.fragment) for rep in run["reports"]] == STEPS
             assert [rep.delay for rep in run["reports"]] == [delay] * 3 + [0]
             assert not run["pending_at_end"]
         for k in layerwise["params"]:
             assert torch.equal(layerwise["params"][k], step_end["params"][k]), k
-    sims = [_simulate(specs[0], runs_frags[0]), _simulate(specs[2], runs_frags[2])]
+    sims = [_simulate(specs[0], frags), _simulate(specs[2], frags)]
     for r in results:
         layerwise, _, delayed = r["runs"]
         assert _worst(layerwise["params"], sims[0][layerwise["worker"]]) <= SIM_ATOL
