@@ -59,10 +59,15 @@ class ControllerState:
     def load_extra_state(self, state: dict) -> None:
         """Restore :meth:`extra_state` (raises ValueError when it was saved for other layers);
         saved right after an A-EDiT sync, every worker takes its own counters."""
-        if list(state["layer_names"]) != self.layer_names:
+        saved = list(state["layer_names"])
+        if saved != self.layer_names:
+            differ = sorted(set(saved) ^ set(self.layer_names))
             raise ValueError(
-                "EDiT checkpoint state was saved for different layers: "
-                f"{state['layer_names'][:3]}... vs {self.layer_names[:3]}..."
+                "EDiT checkpoint state was saved for different layers "
+                f"({len(saved)} saved, {len(self.layer_names)} now; differing: {differ[:4]}"
+                f"{' ...' if len(differ) > 4 else ''}): the model, its pipeline split or "
+                "--local-sgd-fragments (a layer cut by a fragment boundary is one layer per "
+                "fragment, <layer>@fragment<f>) differs from the saved run's."
             )
         self.sync.ewma = EWMAStats.from_state_dict(state["ewma"])
         self.global_progress = float(state.get("global_progress", self.steps_done))
