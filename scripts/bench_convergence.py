@@ -26,10 +26,14 @@ A run is named by a spec, ``kind[:key=value,...]``:
   keys: H, W (warmup steps), lr, m, nesterov (outer SGD; default: the package's),
         dtype (fp32 bf16 fp8 int8 int4), ef (1: error feedback), clip (EDiT's clip),
         steps (run length; the learning-rate schedule spans it), slow (A-EDiT),
+        experts (a MoE model: that many routed experts per layer, top-2, sequential experts,
+        the alltoall dispatcher; expert parallelism 1: each worker holds every expert),
         mbs (sequences per worker and step; more tokens at the same steps),
         tau, alpha (the delayed outer step: --local-sgd-outer-step-delay, --local-sgd-outer-merge-alpha;
         with alpha > 0 the workers differ between syncs' merges, so only the final loss, after
-        the run's last, blocking sync, compares one model)
+        the run's last, blocking sync, compares one model), rule (keep: the keep_local merge,
+        --local-sgd-outer-merge-rule keep_local), F (streaming fragments, --local-sgd-fragments;
+        the workers differ between syncs, as with alpha > 0)
 
 Every run validates on the same held-out samples (``--eval-samples``, spread over all ranks) at
 steps W + k x ``--eval-every`` (right after a sync: the workers hold identical models; A-EDiT:
@@ -63,7 +67,8 @@ QUANT_RUNS = ["edit:H=8,dtype=int8,ef=1", "edit:H=8,dtype=int4,ef=1"]
 VALID_SEED = 1234  # the held-out samples' order: one validation set for every seed
 KINDS = ("sync", "edit", "diloco", "aedit")
 KEYS = {"H": int, "W": int, "lr": float, "m": float, "nesterov": int, "dtype": str, "ef": int,
-        "clip": float, "steps": int, "slow": float, "mbs": int, "tau": int, "alpha": float}
+        "clip": float, "steps": int, "slow": float, "mbs": int, "tau": int, "alpha": float, "rule": str, "F": int,
+        "experts": int}
 
 
 def parse_args(argv=None):
@@ -137,7 +142,12 @@ def label(spec: str) -> str:
     if "mbs" in s:
         extra.append(f"{s['mbs']} sequences per worker step")
     if "tau" in s:
-        extra.append(f"delay {s['tau']}, merge alpha {s.get('alpha', 0.0):g}")
+        merge = "keep_local" if s.get("rule") == "keep" else f"merge alpha {s.get('alpha', 0.0):g}"
+        extra.append(f"delay {s['tau']}, {merge}")
+    if "F" in s:
+        extra.append(f"{s['F']} fragments")
+    if "experts" in s:
+        extra.append(f"MoE {s['experts']} experts top-2")
     return text + (", " + ", ".join(extra) if extra else "")
 
 
@@ -146,7 +156,8 @@ def run_args_for(args, spec: str, seed: int):
     if s["kind"] != "sync" and "lr" not in s and "m" not in s:
         s.update({k: v for k, v in parse_spec("edit:" + args.outer).items() if k in ("lr", "m", "nesterov")})
     steps = s.get("steps", args.bench_steps)
-    common = dict(seed=seed, steps=steps, micro_batch_size=s.get("mbs", args.micro_batch_size))
+    common = dict(seed=seed, steps=steps, micro_batch_size=s.get("mbs", args.micro_batch_size),
+                  num_experts=s.get("experts"), expert_model_parallel_size=1)
     if s["kind"] == "sync":
         return bc.edit_args(args, use_local_sgd=False, **common), s
     penalty = s["kind"] in ("edit", "aedit")
@@ -158,6 +169,8 @@ def run_args_for(args, spec: str, seed: int):
         outer_optimizer_lr=s.get("lr"), outer_optimizer_momentum=s.get("m"),
         outer_optimizer_nesterov=(False if s.get("m") == 0 else None) if "nesterov" not in s else bool(s["nesterov"]),
         local_sgd_outer_step_delay=s.get("tau", 0), local_sgd_outer_merge_alpha=s.get("alpha", 0.0),
+        local_sgd_outer_merge_rule="keep_local" if s.get("rule") == "keep" else "lerp",
+        local_sgd_fragments=s.get("F", 1),
         **common,
     )
     if penalty:
@@ -317,9 +330,10 @@ def save_results(args, runs: List[dict]) -> None:
 
 
 def baseline_of(spec: str) -> str:
-    """The synchronous run of the same length."""
-    steps = parse_spec(spec).get("steps")
-    return "sync" if steps is None else f"sync:steps={steps}"
+    """The synchronous run of the same length and model (a MoE run: the same experts)."""
+    s = parse_spec(spec)
+    keys = ",".join(f"{k}={s[k]}" for k in ("steps", "experts") if k in s)
+    return f"sync:{keys}" if keys else "sync"
 
 
 def _mean(values):
@@ -421,12 +435,12 @@ def plot(args, runs: List[dict], rows: List[dict]) -> None:
     panels = 3 if quant else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
     cmap = plt.get_cmap("tab10")
-    colors = {spec: ("k" if spec == "sync" else cmap(i % 10)) for i, spec in enumerate(main + quant)}
-    sync_runs = {r["seed"]: r for r in by_spec.get("sync", [])}
+    colors = {spec: ("k" if parse_spec(spec)["kind"] == "sync" else cmap(i % 10)) for i, spec in enumerate(main + quant)}
 
     def rel_curve(spec):
         """Loss relative to synchronous at the same tokens (interpolated), mean over seeds."""
         points = {}
+        sync_runs = {r["seed"]: r for r in by_spec.get(baseline_of(spec), [])}
         for r in by_spec[spec]:
             base = sync_runs.get(r["seed"])
             if base is None:
@@ -452,7 +466,7 @@ def plot(args, runs: List[dict], rows: List[dict]) -> None:
     ax.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
     ax2 = ax.inset_axes([0.42, 0.45, 0.55, 0.32])
     for spec in main:
-        if spec != "sync":
+        if parse_spec(spec)["kind"] != "sync":
             xs, ys = rel_curve(spec)
             ax2.plot([x / 1e6 for x in xs], ys, color=colors[spec], marker=".", ms=2)
     ax2.axhline(0, color="k", lw=0.8)

@@ -3,9 +3,9 @@ megatron-core (CPU, gloo, 4 processes, 2 workers): expert parallelism 1 (the exp
 dense buffers) and 2 (Megatron's expert-parallel buffers and a second distributed optimizer),
 against the independent plain-PyTorch simulation, with the pseudo-gradient penalty.
 
-Layouts on 4 ranks with 2 workers: EP=2 needs TP=1 (TP=2 x EP=2 leaves one expert data-parallel
-rank, which cannot hold 2 workers; TP=2 with expert tensor parallelism 1 is refused); TP=2 is
-tested with EP=1.
+Layouts with 2 workers: on 4 ranks EP=2 with TP=1 and TP=2 with EP=1 (TP=2 x EP=2 leaves one
+expert data-parallel rank there, which cannot hold 2 workers; TP=2 with expert tensor parallelism
+1 is refused); TP=2 x EP=2 on 8 ranks (4 per worker, each with one copy of every expert).
 """
 
 import pytest
