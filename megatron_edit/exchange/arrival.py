@@ -7,7 +7,8 @@ default in torch, 10 in Megatron-LM), which then says nothing about who was miss
 
 Before a sync's first collective each rank writes one key into the job's key-value store (the
 rendezvous store every ``torch.distributed`` job has; no extra connection) and waits until the
-ranks of the other workers holding the same shard (its sync group) have written theirs. While it
+ranks of the other workers holding the same shard (its sync group) have written theirs (the
+store's own blocking ``wait``, so the last arrival is seen at once, without polling). While it
 waits it reports, every ``report_every`` seconds, how long it has waited and for which workers;
 after ``timeout`` seconds it raises :class:`SyncTimeout` naming them and the step. The keys of a
 sync are ``<prefix>/<sync index>/<rank>``; the sync index is the count of syncs this object has
@@ -17,9 +18,10 @@ key of two syncs before (every peer has read it by then).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +33,15 @@ class SyncTimeout(TimeoutError):
 class Arrivals:
     """Arrival checks of one sync group (see the module docstring).
 
-    ``store``: a ``torch.distributed`` Store (``set``, ``check``, ``delete_key``); ``ranks``:
-    the sync group's global ranks, in worker order; ``me``: this rank's index in it (its
-    worker). ``clock`` and ``sleep`` are injectable for tests.
+    ``store``: a ``torch.distributed`` Store (``set``, ``check``, ``wait``, ``delete_key``);
+    ``ranks``: the sync group's global ranks, in worker order; ``me``: this rank's index in it
+    (its worker). ``clock`` and ``wait_for(keys, seconds)`` (wait until the keys exist or the
+    seconds have passed) are injectable for tests.
     """
 
     def __init__(self, store, prefix: str, ranks: Sequence[int], me: int, timeout: float,
                  report_every: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 wait_for: Optional[Callable[[List[str], float], None]] = None):
         self.store = store
         self.prefix = prefix
         self.ranks = list(ranks)
@@ -46,10 +49,19 @@ class Arrivals:
         self.timeout = float(timeout)
         self.report_every = float(report_every)
         self.clock = clock
-        self.sleep = sleep
+        self.wait_for = wait_for or self._store_wait
         self.index = 0
         self.last_wait = 0.0
         """Seconds this rank waited at the latest sync for the other workers to arrive."""
+
+    def _store_wait(self, keys: List[str], seconds: float) -> None:
+        """Block in the store until ``keys`` exist or ``seconds`` have passed (then return: the
+        caller checks which are still missing)."""
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=seconds))
+        except RuntimeError as e:  # DistStoreError, or a wrapped store's plain "Wait timeout"
+            if "timeout" not in str(e).lower():
+                raise  # the store itself failed: not a missing worker
 
     def _key(self, index: int, rank: int) -> str:
         return f"{self.prefix}/{index}/{rank}"
@@ -61,7 +73,7 @@ class Arrivals:
         self.store.set(self._key(index, self.ranks[self.me]), str(step))
         start = self.clock()
         missing: List[int] = [w for w in range(len(self.ranks)) if w != self.me]
-        poll, next_report = 0.0005, self.report_every
+        next_report = self.report_every
         while True:
             missing = [w for w in missing if not self.store.check([self._key(index, self.ranks[w])])]
             waited = self.clock() - start
@@ -80,8 +92,8 @@ class Arrivals:
                 logger.warning("megatron_edit: worker %d has waited %.0f s at the sync after its step %d for %s",
                                self.me, waited, step, _workers(missing))
                 next_report += self.report_every
-            self.sleep(poll)
-            poll = min(2 * poll, 0.05)
+            keys = [self._key(index, self.ranks[w]) for w in missing]
+            self.wait_for(keys, max(min(next_report, self.timeout) - waited, 0.001))
         if index >= 2:
             self.store.delete_key(self._key(index - 2, self.ranks[self.me]))
         self.last_wait = waited

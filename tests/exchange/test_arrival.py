@@ -18,13 +18,14 @@ class FakeClock:
     def __call__(self):
         return self.now
 
-    def sleep(self, seconds):
-        self.now += max(seconds, 0.5)  # each poll advances the clock half a second at least
+    def wait_for(self, keys, seconds):
+        self.now += min(seconds, 0.5)  # a wait in the store that returns within half a second
 
 
 def test_a_missing_worker_is_reported_then_named_with_the_step(caplog):
     store, clock = dist.HashStore(), FakeClock()
-    me = Arrivals(store, "t", ranks=[0, 4, 8], me=0, timeout=10.0, report_every=3.0, clock=clock, sleep=clock.sleep)
+    me = Arrivals(store, "t", ranks=[0, 4, 8], me=0, timeout=10.0, report_every=3.0, clock=clock,
+                  wait_for=clock.wait_for)
     store.set("t/0/4", "7")  # worker 1 arrived; worker 2 (global rank 8) never does
     with caplog.at_level(logging.WARNING, logger="megatron_edit"):
         with pytest.raises(SyncTimeout) as err:
@@ -56,3 +57,24 @@ def test_workers_that_arrive_pass_and_old_keys_are_removed():
     assert workers[0].index == workers[1].index == 3
     assert not store.check(["t/0/0"]) and not store.check(["t/0/1"])  # deleted at the third sync
     assert store.check(["t/2/0"]) and store.check(["t/2/1"])
+
+
+def test_the_last_arrival_wakes_one_blocking_wait():
+    """The waiting worker blocks in the store until the other worker's key appears (no loop of
+    polls with a growing interval, which saw the last arrival up to 50 ms late)."""
+    store = dist.HashStore()
+    me = Arrivals(store, "t", ranks=[0, 1], me=0, timeout=600.0)
+    calls = []
+    original = me.wait_for
+
+    def recording(keys, seconds):
+        calls.append((list(keys), seconds))
+        original(keys, seconds)
+
+    me.wait_for = recording
+    timer = threading.Timer(0.2, lambda: store.set("t/0/1", "3"))
+    timer.start()
+    waited = me.wait(step=3)
+    timer.join()
+    assert waited >= 0.2 and len(calls) == 1  # one wait, up to the next report (60 s)
+    assert calls[0][0] == ["t/0/1"] and 59 < calls[0][1] <= 60
