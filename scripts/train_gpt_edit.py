@@ -487,6 +487,12 @@ def describe_edit(controller, args) -> str:
                 f"{c.min_total_global_steps} steps in total, the last at step {args.steps}")
     else:
         when = f"sync every {c.local_sgd_sync_interval} steps"
+        if c.fragments > 1:
+            when += (f" in {c.fragments} fragments ({'/'.join(str(len(f)) for f in controller.sync_shards.fragments)}"
+                     f" buckets), one every {c.local_sgd_sync_interval // c.fragments} steps")
+        if c.outer_step_delay:
+            merge = ("keep_local" if c.outer_merge_rule == "keep_local" else f"lerp alpha {c.outer_merge_alpha:g}")
+            when += f", each exchange launched {c.outer_step_delay} steps early (merge: {merge})"
     text = (f"{when}, after {c.local_sgd_warmup_steps} synchronous warmup steps, {c.sync_mode} mode; "
             f"outer {outer.optimizer_class.__name__} ({kwargs})")
     penalty = []
@@ -549,7 +555,10 @@ def log_syncs(per_controller, counts) -> None:
         if r.worker_steps is not None:
             steps = f"; steps per worker since the last: {', '.join(str(int(s)) for s in r.worker_steps)}"
         experts = "".join(f" + {x.buckets} expert buckets" for x in more)
-        log0(f"          sync {counts['syncs']} after step {r.step}: {r.buckets} buckets{experts}, "
+        what = "" if r.fragment is None else f" (fragment {r.fragment})"
+        if r.delay:
+            what += f" (launched after step {r.step - r.delay}, exposed wait {r.exposed_wait_seconds * 1e3:.1f} ms)"
+        log0(f"          sync {counts['syncs']} after step {r.step}{what}: {r.buckets} buckets{experts}, "
              f"{sent / 1e3:.1f} kB sent by this rank across the sync group "
              f"({r.workers} workers), {(r.seconds + sum(x.seconds for x in more)) * 1e3:.1f} ms in EDiT code{steps}")
         for report, what in zip((r, *more), ("", *["experts: "] * len(more))):
