@@ -374,6 +374,30 @@ class OuterSync:
             if state.flight is not None:
                 state.reducer.advance(state.flight)
 
+    # ------------------------------------------------------------------ checkpoints
+    def finish_in_flight(self):
+        """A delayed sync in flight, for a checkpoint: wait for its exchange (the result does not
+        depend on when; applying early would) and return what its apply needs, ``(meta,
+        {id(shard): (reduced Delta, launch params or None)})``, for :meth:`resume_in_flight`."""
+        sync = self._sync
+        self._finish_exchange(sync.members)
+        meta = dict(step=sync.step, steps_since_last=sync.steps_since_last, delay=sync.delay, fragment=sync.fragment,
+                    divisor=sync.divisor, skipped=None if sync.skipped is None else sync.skipped.tolist(),
+                    keep=any(sync.of(s).launch_params is not None for s in sync.members))
+        return meta, {id(s): (sync.of(s).delta, sync.of(s).launch_params) for s in sync.members}
+
+    def resume_in_flight(self, meta: dict, members: Sequence[BucketShard], deltas, launch) -> None:
+        """The sync of :meth:`finish_in_flight` again, exchanged, waiting for its apply."""
+        self._sync = sync = SyncInProgress(meta["step"], meta["steps_since_last"],
+                                           self.sync_group.counters.payload_bytes)
+        sync.delay, sync.fragment, sync.divisor = meta["delay"], meta["fragment"], meta["divisor"]
+        sync.members = list(members)
+        if meta["skipped"] is not None:
+            sync.skipped = torch.tensor(meta["skipped"], dtype=torch.bool)
+        for shard, delta, params in zip(members, deltas, launch):
+            record = sync.of(shard)
+            record.delta, record.exchanged, record.launch_params = delta, True, params
+
     def _is_pending(self, shard: BucketShard) -> bool:
         return self._sync is not None and self._sync.of(shard).pending  # between syncs: none
 

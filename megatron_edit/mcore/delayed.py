@@ -21,7 +21,9 @@ every tensor the collectives read or write (each shard's Delta, the reducers' fl
 their stage buffers); nothing else holds or frees them until :meth:`OuterSync.complete` waits
 for them. A two-phase exchange (GTA, the quantized exchange) starts its second phase one step
 after the launch (a blocking wait for the first, small one), so with tau >= 2 both run behind
-inner steps. A checkpoint in that window is refused (``mcore.checkpoint.patches``).
+inner steps. A checkpoint in that window waits for the exchange and saves its result (and, for
+the ``keep_local`` merge, the launch's parameters) for the apply (:meth:`checkpoint_state`,
+:meth:`resume`; ``mcore.checkpoint``): the resumed run applies it at the same step.
 """
 
 from __future__ import annotations
@@ -71,3 +73,24 @@ class DelayedOuterStep:
             self.apply_at = None
         if self._is_last(step) and c._start_sync(step):
             c.sync.complete(c.sync.members, write_model=False)  # Megatron's main -> model copy follows
+
+    def checkpoint_state(self):
+        """For a checkpoint while an exchange is in flight: ``(meta, per shard (reduced Delta,
+        launch params))`` in the controller's shard order (see :meth:`OuterSync.finish_in_flight`);
+        None when nothing is in flight."""
+        if not self.in_flight:
+            return None
+        c = self.controller
+        meta, by_shard = c.sync.finish_in_flight()
+        meta["apply_at"] = self.apply_at
+        meta["members"] = [i for i, s in enumerate(c.shards) if id(s) in by_shard]
+        return meta, [by_shard.get(id(s), (None, None)) for s in c.shards]
+
+    def resume(self, meta: dict, deltas, launch) -> None:
+        """Restore a checkpoint's exchange in flight (``deltas`` / ``launch``: per shard of the
+        controller, None for shards not in it): applied after step ``meta["apply_at"]``."""
+        c = self.controller
+        members = meta["members"]
+        c.sync.resume_in_flight(meta, [c.shards[i] for i in members], [deltas[i] for i in members],
+                                [launch[i] for i in members])
+        self.apply_at = meta["apply_at"]

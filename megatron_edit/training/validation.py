@@ -79,7 +79,6 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
     # Megatron builds a grad scaler for fp16, and for any --loss-scale.
     check_optimizer_options(optimizer_options, bool(get("fp16")) or bool(get("loss_scale")))
     _check_megatron_lm_options(local, args)
-    _check_saves_between_delayed_exchanges(local, args)
     if get("rank", 0) != 0:
         return
     if get("num_distributed_optimizer_instances", 1) == 1:
@@ -108,34 +107,6 @@ def _warn_if_edit_never_acts(local, train_iters) -> None:
             "+ --local-sgd-sync-interval %d), after --train-iters %d: the workers train locally "
             "and never sync.", w + h, w, h, train_iters,
         )
-
-
-def _check_saves_between_delayed_exchanges(local, args: argparse.Namespace) -> None:
-    """A delayed outer step (tau > 0) launches the exchange of the sync after step W + kH after
-    step W + kH - tau; a checkpoint cannot be saved while it is in flight: refuse a
-    ``--save-interval`` of which a save would fall there (the first saves cover every residue
-    modulo H; a sync at or after ``--train-iters`` is not delayed)."""
-    tau, si, last = local.outer_step_delay, getattr(args, "save_interval", None), getattr(args, "train_iters", None)
-    if not tau or not si or not getattr(args, "save", None):
-        return
-    # With streaming fragments a (fragment's) sync is due every H/F steps.
-    h, w = local.local_sgd_sync_interval // local.fragments, local.local_sgd_warmup_steps
-    end = w + si * h + h if last is None else min(last, w + si * h + h)
-    for i in range(si, end, si):
-        left = h - (i - w) % h  # steps from the save to the next sync
-        if i > w and left <= tau and (last is None or i + left < last):
-            raise ConfigError(
-                f"--save-interval={si} with --local-sgd-outer-step-delay {tau}: the save after "
-                f"iteration {i} would fall while the exchange of the sync after iteration {i + left} is "
-                f"in flight (launched after {i + left - tau}), which cannot be saved yet. Save on the "
-                "sync grid: a --save-interval that is a multiple of --local-sgd-sync-interval "
-                f"{'/ --local-sgd-fragments ' if local.fragments > 1 else ''}"
-                f"({h}) with --local-sgd-warmup-steps ({w}) a multiple of it too.")
-
-
-# Releases whose MoE metrics logging worker_local keeps inside the worker (0.17 / 0.18 log
-# through other functions, not covered).
-_MOE_LOGGING_LOCAL = (VersionRange("0.16.0", "0.17.0"), VersionRange("0.19.0", "0.20.0"))
 
 
 def _check_moe_args(local, args: argparse.Namespace) -> None:

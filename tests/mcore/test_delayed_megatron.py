@@ -64,48 +64,46 @@ def test_delayed_outer_step_matches_the_simulation_in_both_modes():
 DELAYED = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, outer_step_delay=2, sync_mode="layerwise")
 
 
-def _refused_mid_flight_then_saved_on_the_grid(rank, world_size, path):
-    """Steps 1-3 (the exchange of the sync after step 4 launched after step 2); a checkpoint
-    now is refused; steps 4-8, saving after step 4 (applied there: nothing in flight)."""
-    import megatron_edit as me
-    from checkpoint_runs import DP_RESHARDABLE, _setup, _sharded, _state, _train
-    from megatron.core import parallel_state as ps
-    from megatron_edit.config import NotSupportedYet
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
+                    reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+@pytest.mark.parametrize("variant", ["lerp", "keep_local-int8"])
+def test_a_checkpoint_mid_flight_resumes_exactly(tmp_path, variant):
+    """Saved after step 3, while the exchange of the sync after step 4 is in flight (launched
+    after step 2): the save waits for the exchange and keeps its result (and, for keep_local,
+    each worker's launch parameters); the resumed run applies it after step 4 and ends with the
+    same parameters, optimizer state, anchors and outer state as the run without the stop. The
+    int8 exchange with error feedback: its residuals are the finished exchange's."""
+    from checkpoint_runs import DP_RESHARDABLE, _equal, train_job
 
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
-    ddp, opt, ctl = _setup(DELAYED)
-    _train(ddp, opt, ctl, 1, 3)
-    message = None
-    try:
-        _sharded(ddp, opt, DP_RESHARDABLE)
-    except NotSupportedYet as e:
-        message = str(e)
-    in_flight = ctl.delayed.in_flight
-    _train(ddp, opt, ctl, 4, 8, saves={4: [(path, DP_RESHARDABLE)]})
-    out = dict(message=message, in_flight=in_flight, final=_state(ddp, opt, ctl),
-               reports=[(r.step, r.delay) for r in ctl.drain_reports()])
-    me.unpatch_megatron_for_local_sgd()
-    return out
+    local = dict(DELAYED)
+    if variant != "lerp":
+        local.update(outer_merge_rule="keep_local", exchange_dtype="int8", exchange_error_feedback=True,
+                     exchange_block_size=64)
+    path = str(tmp_path / "ckpt")
+    whole = run_ranks(train_job, WORLD, local_sgd=local, steps=8, saves={3: [(path, DP_RESHARDABLE)]}, timeout=360)
+    resumed = run_ranks(train_job, WORLD, local_sgd=local, steps=8, load=(path, DP_RESHARDABLE, 3), timeout=360)
+    for a, b in zip(whole, resumed):
+        assert [(r.step, r.delay) for r in a["reports"]] == [(4, 2), (8, 2)]
+        assert [(r.step, r.delay) for r in b["reports"]] == [(4, 2), (8, 2)]
+        for key in ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step", "residuals"):
+            _equal(a["final"][key], b["final"][key], key)
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
-def test_a_checkpoint_mid_flight_is_refused_and_one_on_the_grid_resumes_exactly(tmp_path):
-    from checkpoint_runs import DP_RESHARDABLE, _equal, train_job
+def test_a_checkpoint_mid_flight_resumes_with_the_same_workers_only(tmp_path):
+    from checkpoint_runs import DP_RESHARDABLE, train_job
+    from dist import RankError
 
     path = str(tmp_path / "ckpt")
-    first = run_ranks(_refused_mid_flight_then_saved_on_the_grid, WORLD, path, timeout=360)
-    resumed = run_ranks(train_job, WORLD, local_sgd=DELAYED, steps=8, load=(path, DP_RESHARDABLE, 4), timeout=360)
-    for a, b in zip(first, resumed):
-        assert a["in_flight"] and a["reports"] == [(4, 2), (8, 2)]
-        assert a["message"] == (
-            "megatron_edit: a checkpoint was requested after step 3 while the exchange of the delayed outer step "
-            "(--local-sgd-outer-step-delay) is in flight (launched after step 2, applied after step 4); saving "
-            "it is not supported yet: save on the sync grid (steps W + k*H, e.g. a --save-interval that is a "
-            "multiple of --local-sgd-sync-interval with W a multiple of it).")
-        for key in ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step"):
-            _equal(a["final"][key], b["final"][key], key)
+    run_ranks(train_job, WORLD, local_sgd=DELAYED, steps=3, saves={3: [(path, DP_RESHARDABLE)]}, timeout=360)
+    with pytest.raises(RankError, match="saved while the exchange of a delayed outer step was in flight "
+                                        r"\(launched after step 2, due after step 4\); it resumes with the "
+                                        "same number of workers only"):
+        run_ranks(train_job, WORLD, local_sgd=DELAYED, instances=4, steps=8, load=(path, DP_RESHARDABLE, 3),
+                  timeout=360)
 
 
 @pytest.mark.timeout(400)

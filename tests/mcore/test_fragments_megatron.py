@@ -102,26 +102,29 @@ def test_fragments_with_the_int8_exchange_and_a_delay_keep_replicas_identical():
 
 
 FRAG_CKPT = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, fragments=2, outer_step_delay=1,
-                 sync_mode="layerwise", pseudo_gradnorm_reduce=True, skip_anomaly=True, ewma_warmup_steps=1)
+                 sync_mode="layerwise", pseudo_gradnorm_reduce=True, skip_anomaly=True, ewma_warmup_steps=1,
+                 outer_merge_rule="keep_local")
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
-def test_a_checkpoint_between_fragment_syncs_resumes_exactly(tmp_path):
-    """F = 2, tau = 1, the penalty with anomaly detection: saved after step 4 (fragment 0 just
-    applied; fragment 1's anchor and the per-layer statistics from step 2), resumed to step 8:
-    the same parameters, optimizer state, anchors and outer state as the run without the stop."""
+@pytest.mark.parametrize("save_at", [4, 3])
+def test_a_checkpoint_between_fragment_syncs_resumes_exactly(tmp_path, save_at):
+    """F = 2, tau = 1, keep_local, the penalty with anomaly detection: saved after step 4
+    (fragment 0 just applied; fragment 1's anchor and the per-layer statistics from step 2), or
+    after step 3 (fragment 0's exchange in flight), resumed to step 8: the same parameters,
+    optimizer state, anchors and outer state as the run without the stop."""
     from checkpoint_runs import DP_RESHARDABLE, _equal, train_job
 
     path = str(tmp_path / "ckpt")
-    whole = run_ranks(train_job, WORLD, local_sgd=FRAG_CKPT, steps=8, saves={4: [(path, DP_RESHARDABLE)]},
+    whole = run_ranks(train_job, WORLD, local_sgd=FRAG_CKPT, steps=8, saves={save_at: [(path, DP_RESHARDABLE)]},
                       bucket_size=1000, timeout=360)
-    resumed = run_ranks(train_job, WORLD, local_sgd=FRAG_CKPT, steps=8, load=(path, DP_RESHARDABLE, 4),
+    resumed = run_ranks(train_job, WORLD, local_sgd=FRAG_CKPT, steps=8, load=(path, DP_RESHARDABLE, save_at),
                         bucket_size=1000, timeout=360)
     for a, b in zip(whole, resumed):
         assert [(r.step, r.fragment, r.delay) for r in a["reports"]] == [(2, 1, 1), (4, 0, 1), (6, 1, 1), (8, 0, 1)]
-        assert [(r.step, r.fragment) for r in b["reports"]] == [(6, 1), (8, 0)]
+        assert [(r.step, r.fragment) for r in b["reports"]] == [(4, 0), (6, 1), (8, 0)][save_at - 3:]
         for key in ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step"):
             _equal(a["final"][key], b["final"][key], key)
 

@@ -82,14 +82,6 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
             if controller.in_step:
                 raise RuntimeError("megatron_edit: a checkpoint cannot be taken inside an optimizer step.")
             controller.flush()  # a due layer-wise sync completes now, with the same numbers
-            delayed = getattr(controller, "delayed", None)
-            if not is_loading and delayed is not None and delayed.in_flight:
-                raise NotSupportedYet(
-                    f"megatron_edit: a checkpoint was requested after step {controller.steps_done} while the "
-                    f"exchange of the delayed outer step (--local-sgd-outer-step-delay) is in flight (launched "
-                    f"after step {delayed.apply_at - delayed.delay}, applied after step {delayed.apply_at}); "
-                    "saving it is not supported yet: save on the sync grid (steps W + k*H, e.g. a "
-                    "--save-interval that is a multiple of --local-sgd-sync-interval with W a multiple of it).")
             if not is_loading and self.ddp_config.overlap_param_gather:
                 controller.gather_params_in_worker()
             state = original(*bound.args, **bound.kwargs)

@@ -79,8 +79,10 @@ def _class_name(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def run_record(optimizer, controller, layout, sharding_type: str, residuals: bool) -> dict:
-    """The run record of one optimizer, as saved now (identical on every rank)."""
+def run_record(optimizer, controller, layout, sharding_type: str, residuals: bool,
+               in_flight: Optional[dict] = None) -> dict:
+    """The run record of one optimizer, as saved now (identical on every rank). ``in_flight``:
+    the delayed outer step in flight (:meth:`DelayedOuterStep.checkpoint_state`'s meta)."""
     outer = controller.outer_optimizer
     tensor_keys, scalar_keys = outer_state_keys(controller)
     present, scalars = set(), {}
@@ -118,6 +120,9 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
         # Error feedback's residuals are in the units of what the workers exchange: the plain
         # mean's (the sum is divided by the workers) or a weighted sum's (penalty, step weights).
         residuals_summed=residuals and controller.sync.exchanges_weighted_sum,
+        # A delayed outer step's exchange in flight at the save (None: none): applied on resume
+        # at the step it was due, from the saved reduced pseudo-gradient.
+        in_flight=in_flight,
         # Synchronous iterations done (A-EDiT: worker-steps / workers at the sync), which the
         # global budget, checkpoint labels and exits count; the same on every worker at a sync.
         global_progress=counters["global_progress"],

@@ -62,6 +62,8 @@ _RECORD_KEY = re.compile(r"^(.*?)local_sgd\.record(?:/|$)")
 
 ANCHOR = f"{PREFIX}anchor."
 RESULT_RESIDUAL = f"{PREFIX}result_residual."
+IN_FLIGHT = f"{PREFIX}in_flight."
+"""A delayed outer step's reduced pseudo-gradient, in flight at the save (worker 0 writes)."""
 _MAIN_KEYS = ("param", "fp32_param")  # the main params in Megatron's per-parameter optimizer state
 
 
@@ -71,6 +73,11 @@ def outer_prefix(state_key: str) -> str:
 
 def residual_prefix(worker: int) -> str:
     return f"{PREFIX}residual.worker_{worker}."
+
+
+def launch_prefix(worker: int) -> str:
+    """The keep_local merge: worker k's parameters at the launch of the exchange in flight."""
+    return f"{PREFIX}in_flight_launch.worker_{worker}."
 
 
 def capture_of(optimizer) -> Optional[dict]:
@@ -199,6 +206,21 @@ class ResumePlan:
                         f"optimizer changed ({record.get('outer_class')} saved).")
             part["outer"] = {k: v for k, v in part["outer"].items() if k in record["outer_tensor_state"]}
         self._fit_residuals(record, m, n, workers)
+        flight = record.get("in_flight")
+        if flight is not None:
+            if self.mode != "same-workers":
+                return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
+                        f"step was in flight (launched after step {flight['apply_at'] - flight['delay']}, "
+                        f"due after step {flight['apply_at']}); it resumes with the same number of "
+                        f"workers only ({n} saved, {workers} now). Resume with {n} workers, or from a "
+                        "checkpoint saved outside the exchange's window.")
+            if c.delayed is None:
+                return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
+                        f"step was in flight (due after step {flight['apply_at']}); resume with "
+                        f"--local-sgd-outer-step-delay {flight['delay']} (this run has no delay).")
+            part["in_flight"] = self.space.load_requests(IN_FLIGHT, m == 0)
+            if flight["keep"]:
+                part["in_flight_launch"] = self.space.load_requests(launch_prefix(m), True)
         self.slice_loaded = (n, record["tensor_parallel"], record["pipeline_parallel"]) == (workers, tp, pp)
         if not self.slice_loaded:
             del part["slice"]

@@ -111,10 +111,12 @@ from .record import (
 )
 from .resume import (
     ANCHOR,
+    IN_FLIGHT,
     RESULT_RESIDUAL,
     ResumePlan,
     decode_mains,
     adam_step_of,
+    launch_prefix,
     load_time_sync,
     merge_residuals,
     outer_prefix,
@@ -147,7 +149,10 @@ def local_sgd_sharded_state_dict(optimizer, controller, state: dict, model_shard
     tensor_keys, _ = outer_state_keys(controller)
     residuals = controller.config.exchange_error_feedback and any(
         controller.chunk_span(s) is not None for s in controller.shards)
-    record = ShardedObject(RECORD_KEY, run_record(optimizer, controller, layout, sharding_type, residuals),
+    delayed = getattr(controller, "delayed", None)
+    flight = delayed.checkpoint_state() if delayed is not None and not is_loading else None
+    record = ShardedObject(RECORD_KEY, run_record(optimizer, controller, layout, sharding_type, residuals,
+                                                  flight[0] if flight else None),
                            (1,), (0,), replica_id=torch.distributed.get_rank())
     slice_ = ShardedObject(slice_key(layout.dp_group_idx), slice_record(controller), (1,), (0,),
                            replica_id=(layout.worker, 0, layout.intra_rank))
@@ -170,6 +175,13 @@ def local_sgd_sharded_state_dict(optimizer, controller, state: dict, model_shard
                                   layout.worker)
             for k in sorted(present)
         }
+    if flight is not None:  # the reduced pseudo-gradient (the same on every worker), launch params
+        zeros = [torch.zeros(s.numel, dtype=torch.float32, device=s.device) for s in controller.shards]
+        part["in_flight"] = space.save_entries(
+            IN_FLIGHT, [d if d is not None else z for (d, _), z in zip(flight[1], zeros)], layout.worker)
+        if flight[0]["keep"]:
+            part["in_flight_launch"] = space.save_entries(
+                launch_prefix(layout.worker), [p if p is not None else z for (_, p), z in zip(flight[1], zeros)], 0)
     if residuals:
         part["residual"] = space.save_entries(residual_prefix(layout.worker),
                                               [s.residual for s in controller.shards], 0)
@@ -245,6 +257,8 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
         _load_extra_state(controller, (part.get("slice") or {}).get("extra_state"))
     elif record["anchor_taken"]:
         controller.restart_async_schedule()
+    if record.get("in_flight") is not None:
+        _restore_in_flight(controller, plan, part, record["in_flight"])
     if not elastic:
         note = "each worker its own state"
     elif not record["anchor_taken"]:
@@ -277,6 +291,18 @@ def _restore_anchor_and_outer_state(controller, plan: ResumePlan, part: dict) ->
     # Hyperparameters come from this run's configuration; the state from the checkpoint.
     outer.load_state_dict({"state": state, "param_groups": outer.state_dict()["param_groups"]})
     _warn_if_changed(record, controller)
+
+
+def _restore_in_flight(controller, plan: ResumePlan, part: dict, meta: dict) -> None:
+    """The delayed outer step that was in flight at the save, waiting for its apply again."""
+    members = set(meta["members"])
+
+    def shard_values(key):
+        return [plan.space.assemble(part[key], slot, torch.empty(s.numel, dtype=torch.float32, device=s.device))
+                if slot in members else None for slot, s in enumerate(controller.shards)]
+
+    launch = shard_values("in_flight_launch") if meta["keep"] else [None] * len(controller.shards)
+    controller.delayed.resume(meta, shard_values("in_flight"), launch)
 
 
 def _load_extra_state(controller, saved_extra) -> None:
