@@ -336,6 +336,18 @@ def baseline_of(spec: str) -> str:
     return f"sync:{keys}" if keys else "sync"
 
 
+# The keys that change how the same run exchanges (format, delay, merge, fragments): a run with
+# any of them is compared with the run without them ("vs base run", paired by seed).
+EXCHANGE_KEYS = ("dtype", "ef", "tau", "alpha", "rule", "F")
+
+
+def base_of(spec: str) -> str:
+    """The same run with the fp32 exchange, no delay and no fragments."""
+    kind, _, rest = spec.partition(":")
+    kept = [item for item in filter(None, rest.split(",")) if item.partition("=")[0] not in EXCHANGE_KEYS]
+    return kind + (":" + ",".join(kept) if kept else "")
+
+
 def _mean(values):
     return sum(values) / len(values)
 
@@ -362,10 +374,11 @@ def summarise(args, runs: List[dict]) -> List[dict]:
         if s["kind"] == "aedit":
             row["steps_per_worker"] = seeds[next(iter(seeds))]["steps_per_worker"]
             row["simulated_time"] = _mean([r["simulated_time"] for r in seeds.values()])
-        if s.get("dtype") is not None:
-            base = by_spec.get(spec.replace(f",dtype={s['dtype']}", "").replace(",ef=1", ""), {})
+        if base_of(spec) != spec:
+            base = by_spec.get(base_of(spec), {})
             vs = [seeds[k]["final"] / base[k]["final"] - 1 for k in seeds if k in base]
-            row["vs_fp32"] = _mean(vs) if vs else None
+            row["vs_base"] = _mean(vs) if vs else None
+            row["vs_base_range"] = (min(vs), max(vs)) if vs else None
         rows.append(row)
     return rows
 
@@ -381,13 +394,15 @@ def report(args, runs: List[dict]) -> None:
         return "-" if x is None else f"{100 * x:+.2f}%"
 
     headers = ["run", "seeds", "final valid loss (mean)", "spread (max-min)", "vs synchronous (range)",
-               "vs fp32 exchange", "MB across workers", "x fewer bytes", "train s"]
+               "vs base run (range)", "MB across workers", "x fewer bytes", "train s"]
     table_rows = []
     for r in rows:
         table_rows.append([
             r["label"], r["seeds"], f"{r['final']:.4f}", f"{r['spread']:.4f}",
             "-" if r["rel"] is None else f"{pct(r['rel'])} ({pct(r['rel_range'][0])} .. {pct(r['rel_range'][1])})",
-            pct(r.get("vs_fp32")) if "vs_fp32" in r else "-", f"{r['bytes'] / 1e6:.1f}",
+            "-" if r.get("vs_base") is None else
+            f"{pct(r['vs_base'])} ({pct(r['vs_base_range'][0])} .. {pct(r['vs_base_range'][1])})",
+            f"{r['bytes'] / 1e6:.1f}",
             f"{sync_bytes[baseline_of(r['spec'])] / r['bytes']:.1f}" if baseline_of(r["spec"]) in sync_bytes
             and r["bytes"] else "-", f"{r['seconds']:.0f}",
         ])
@@ -397,7 +412,9 @@ def report(args, runs: List[dict]) -> None:
              f"({first['tokens'] if parse_spec(first['spec'])['kind'] != 'aedit' else runs[0]['tokens']:,} tokens), "
              f"local SGD after {args.edit_warmup} synchronous steps; validation on {args.eval_samples} held-out "
              "samples. 'vs synchronous': final loss / synchronous final loss - 1, paired by seed (mean, and the "
-             "range over seeds); spread: max - min of the final loss over seeds; bytes: payload per rank "
+             "range over seeds); 'vs base run': the same against the run without the exchange format, "
+             "delay, merge rule and fragments (fp32, blocking, whole model), paired by seed; spread: max - min "
+             "of the final loss over seeds; bytes: payload per rank "
              "across workers (warmup included). Train s: wall time of the training steps (load: "
              + ", ".join(sorted({r['load'] for r in runs}))[:200] + ")."]
     for r in rows:
