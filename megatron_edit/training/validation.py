@@ -109,6 +109,11 @@ def _warn_if_edit_never_acts(local, train_iters) -> None:
         )
 
 
+# Releases whose MoE metrics logging worker_local keeps inside the worker (0.17 / 0.18 log
+# through other functions, not covered).
+_MOE_LOGGING_LOCAL = (VersionRange("0.16.0", "0.17.0"), VersionRange("0.19.0", "0.20.0"))
+
+
 def _check_moe_args(local, args: argparse.Namespace) -> None:
     """MoE (--num-experts): what megatron-core refuses (:func:`check_moe_options`, on the flags
     of the same names), the MoE options only Megatron-LM has, and the releases whose MoE logging
