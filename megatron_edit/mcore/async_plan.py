@@ -7,6 +7,10 @@ last intervals, the interval's clock, and the latest sync as every worker saw it
 every rank (:meth:`AsyncPlan.plan`), so every rank of every worker plans the same thing; the math
 is in :mod:`megatron_edit.algorithm.asynchronous`. The controller
 (:class:`~megatron_edit.mcore.controller.LocalSGD`) owns one and counts the steps.
+
+MoE with expert parallelism has two controllers per model (the dense and the expert optimizer):
+the expert one follows the dense one's plan (:class:`FollowerPlan`), so both halves of the model
+sync after the same steps with one schedule all-reduce per sync.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ class AsyncPlan:
         self.interval_start: Optional[float] = None
         self.interval_start_step = 0
         self.train_start: Optional[float] = None
+        self.planned_at: Optional[int] = None
+        """The step of the latest :meth:`plan` (a follower syncs there too)."""
+        self.last_plan = None
 
     @property
     def workers(self) -> int:
@@ -173,6 +180,7 @@ class AsyncPlan:
             final=final,
         )
         self.interval_start, self.interval_start_step = self.clock(), step
+        self.planned_at, self.last_plan = step, (schedule, skip, final)
         return schedule, skip, final
 
     # ------------------------------------------------------------------ checkpoints
@@ -218,4 +226,51 @@ class AsyncPlan:
             interval = torch.tensor(point.interval, dtype=torch.int64)
             self.next_sync_at = point.step + point.interval[me]
             self.progress_scale = asynchronous.progress_per_step(interval, me)
+        return point
+
+
+class FollowerPlan:
+    """The A-EDiT schedule of a second optimizer of the same model (MoE with expert parallelism:
+    the expert optimizer steps right after the dense one, whose plan leads). It syncs at the
+    step its leader planned a sync at, with the leader's answer (no collective of its own), and
+    keeps its own view of what its controller reads between its steps: the learning-rate
+    progress of the interval and whether its final sync is behind it. Clock, budget, speeds
+    and checkpoint state are the leader's."""
+
+    def __init__(self, leader: AsyncPlan):
+        self.leader = leader
+        self.finished = False
+        self.progress_scale = leader.progress_scale
+        self._synced_at: Optional[int] = None
+
+    def __getattr__(self, name):  # clock_started, last_sync, state_dict, workers, ...
+        return getattr(self.leader, name)
+
+    clock = property(lambda self: self.leader.clock, lambda self, c: setattr(self.leader, "clock", c))
+    budget_steps = property(lambda self: self.leader.budget_steps,
+                            lambda self, n: setattr(self.leader, "budget_steps", n))
+
+    def due(self, steps_done: int) -> bool:
+        return self.leader.planned_at == steps_done and self._synced_at != steps_done
+
+    def start_clock(self, step: int) -> None:
+        """The leader's clock (started by its controller at the same step)."""
+
+    def plan_first(self, steps_done: int, global_progress: float) -> None:
+        """The leader plans (its controller reaches the end of warmup first)."""
+        self.progress_scale = self.leader.progress_scale
+
+    def plan(self, step: int, last_sync_step: int, device, arrived: Optional[float] = None):
+        if self.leader.planned_at != step:
+            raise RuntimeError(f"megatron_edit: A-EDiT follower plan at step {step}, its leader "
+                               f"planned at {self.leader.planned_at}")
+        self._synced_at = step
+        schedule, skip, final = self.leader.last_plan
+        self.finished = final
+        self.progress_scale = self.leader.progress_scale
+        return schedule, skip, final
+
+    def load_state_dict(self, state: dict, steps_done: int):
+        point = self.leader.load_state_dict(state, steps_done)
+        self.finished, self.progress_scale = self.leader.finished, self.leader.progress_scale
         return point

@@ -129,7 +129,3 @@ def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_para
             raise ConfigError("--moe-grouped-gemm needs CUDA (the grouped_gemm package): on CPU use sequential experts.")
         if getattr(c, "moe_token_dispatcher_type", "allgather") == "flex":
             raise ConfigError("--moe-token-dispatcher-type flex needs CUDA: on CPU use allgather or alltoall.")
-    if expert_parallel and local_cfg.use_async:
-        raise NotSupportedYet(
-            "A-EDiT (--local-sgd-async) with MoE expert parallelism (--expert-model-parallel-size > 1) "
-            "is not supported yet: the dense and the expert optimizers would each plan their own syncs.")

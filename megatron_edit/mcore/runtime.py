@@ -18,6 +18,7 @@ import torch
 
 from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig, check_combination
 from . import compat
+from .async_plan import AsyncPlan, FollowerPlan
 from .checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
 from .controller import LocalSGD
 
@@ -106,6 +107,14 @@ class LocalSGDRuntime:
                 "model and get_megatron_optimizer(...)."
             )
         controller = LocalSGD(optimizer, *self.configs)
+        if controller.config.use_async:
+            # MoE with expert parallelism: the expert optimizer (built after the dense one, from
+            # the same model chunks) follows the dense one's A-EDiT plan, or the two halves of
+            # the model would sync after different steps.
+            for other_optimizer, other in list(self.controllers.items()):
+                if _same_model(other_optimizer, optimizer) and isinstance(other.async_plan, AsyncPlan):
+                    controller.async_plan = FollowerPlan(other.async_plan)
+                    break
         if self.train_iters is not None:
             if controller.config.use_async:
                 controller.budget_steps = self.train_iters * controller.num_workers
@@ -198,3 +207,10 @@ def get_local_sgd(optimizer, runtime: Optional[LocalSGDRuntime]) -> List[LocalSG
         return []
     optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
     return [runtime.controllers[o] for o in optimizers if o in runtime.controllers]
+
+
+def _same_model(a, b) -> bool:
+    """Two distributed optimizers of one model (MoE with expert parallelism: the dense and the
+    expert one are given the same DDP model chunks)."""
+    chunks_b = getattr(b, "model_chunks", None) or []
+    return any(x is y for x in getattr(a, "model_chunks", None) or [] for y in chunks_b)

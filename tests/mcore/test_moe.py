@@ -203,18 +203,71 @@ def test_moe_expert_parallel_quantized_exchange_and_cpu_offload():
             assert all(torch.equal(a[k], b[k]) for k in a), f"replicas differ after sync step {step}"
 
 
-@pytest.mark.timeout(300)
-def test_moe_a_edit_with_expert_parallelism_is_refused_when_the_model_is_wrapped():
-    """A-EDiT with EP=2 on real megatron-core: refused when Megatron's DDP wraps the model, before
-    any step, naming both options (each of the dense and the expert optimizers would plan its
-    own time-based syncs, so the two halves of a model could sync after different steps)."""
-    from dist import RankError
+def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters):
+    """A-EDiT on the MoE GPT with EP=2 (2 workers, a dense and an expert controller), each
+    worker's fake clock advancing ``seconds_per_step[worker]`` per step, until the budget of
+    ``train_iters`` synchronous iterations is used."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
 
-    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1)
-    spec = default_spec(steps=2, model=MOE, local_sgd=local, outer=OUTER)
-    with pytest.raises(RankError, match=r"A-EDiT \(--local-sgd-async\) with MoE expert parallelism "
-                                        r"\(--expert-model-parallel-size > 1\) is not supported yet"):
-        run_ranks(megatron_runs, WORLD, [spec], ep=2, timeout=250)
+    from edit_runs import MICRO_BATCH, _build
+    from gpt_utils import make_batches, named_params, rank_micro_batches, train_step
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2, expert_model_parallel_size=2)
+    me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**OUTER))
+    ddp, optimizer = _build(default_spec(model=MOE), 1, 1)
+    controllers = me.get_local_sgd(optimizer)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    worker = dp_rank // (dp // 2)
+    now = [0.0]
+    for c in controllers:
+        c.clock = lambda: now[0]
+        c.budget_steps = train_iters * 2
+    batches = make_batches(4 * train_iters, dp * MICRO_BATCH, seed=0)
+    steps, reports, progress = 0, [[] for _ in controllers], [0.0 for _ in controllers]
+    while not controllers[0].finished:
+        steps += 1
+        train_step(ddp, optimizer, rank_micro_batches(batches[steps - 1], dp_rank, dp))
+        now[0] += seconds_per_step[worker]
+        for i, c in enumerate(controllers):
+            reports[i] += c.drain_reports()
+            progress[i] += c.last_step_progress
+    ddp.start_param_sync(force_sync=True)
+    for out, c in zip(reports, controllers):
+        out += c.drain_reports()
+    result = dict(worker=worker, ep_rank=ps.get_expert_model_parallel_rank(), steps=steps, reports=reports,
+                  finished=[c.finished for c in controllers], params=named_params(ddp), progress=progress,
+                  steps_done=[c.steps_done for c in controllers])
+    me.unpatch_megatron_for_local_sgd()
+    return result
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["layerwise", "step_end"])
+def test_moe_a_edit_with_expert_parallelism_syncs_both_halves_at_the_same_steps(mode):
+    """A-EDiT with EP=2 (worker 0 1 s per step, worker 1 0.25 s, sync every 4 s, a budget of 20
+    synchronous iterations): the expert controller follows the dense one's schedule, so both
+    halves of the model sync after the same steps (the schedule of the dense A-EDiT test in
+    tests/mcore/test_async.py: worker 0 after 3, 7, 10, worker 1 after 3, 19, 30, the first
+    sync skipped), both end at the budget with the same learning-rate progress, and the final
+    sync leaves every replica identical, experts included."""
+    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1,
+                 min_total_global_steps=10, sync_mode=mode)
+    results = run_ranks(a_edit_moe_job, WORLD, local, [1.0, 0.25], 20, timeout=250)
+    slots = {}
+    for r in results:
+        expected = [3, 7, 10] if r["worker"] == 0 else [3, 19, 30]
+        assert r["finished"] == [True, True] and r["steps_done"] == [expected[-1]] * 2
+        assert [[rep.step for rep in reports] for reports in r["reports"]] == [expected, expected]
+        dense, experts = r["reports"]
+        assert [rep.skipped_sync for rep in dense] == [rep.skipped_sync for rep in experts] == [True, False, False]
+        assert all(torch.equal(a.worker_steps, b.worker_steps) for a, b in zip(dense, experts))
+        assert experts[-1].final and r["progress"] == [pytest.approx(20.0)] * 2
+        slots.setdefault(r["ep_rank"], {})[r["worker"]] = r["params"]
+    for by_worker in slots.values():
+        a, b = by_worker[0], by_worker[1]
+        assert any(".experts." in k for k in a)
+        assert all(torch.equal(a[k], b[k]) for k in a), "replicas after the final sync"
 
 
 def _moe_config(**overrides):
@@ -235,7 +288,6 @@ def _moe_config(**overrides):
     (dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"]), False, False, "global_aux_loss"),
     (dict(moe_grouped_gemm=True), False, False, "--moe-grouped-gemm"),
     (dict(moe_token_dispatcher_type="flex"), False, False, "flex"),
-    ({}, True, True, "A-EDiT"),
 ])
 def test_moe_options_refused_with_a_message_naming_the_option(overrides, expert_parallel, use_async, match):
     from megatron_edit import LocalSGDConfig
@@ -247,13 +299,14 @@ def test_moe_options_refused_with_a_message_naming_the_option(overrides, expert_
 
 
 def test_moe_options_accepted():
-    """Sequential experts, alltoall or allgather, EP with ETP = TP, A-EDiT without EP."""
+    """Sequential experts, alltoall or allgather, EP with ETP = TP, A-EDiT with and without EP."""
     from megatron_edit import LocalSGDConfig
     from megatron_edit.mcore.checks import check_moe_options
 
     check_moe_options(LocalSGDConfig(), _moe_config(), True)
     check_moe_options(LocalSGDConfig(), _moe_config(tensor_model_parallel_size=2, expert_tensor_parallel_size=2), True)
     check_moe_options(LocalSGDConfig(use_async=True), _moe_config(moe_token_dispatcher_type="allgather"), False)
+    check_moe_options(LocalSGDConfig(use_async=True), _moe_config(), True)
 
 
 @pytest.mark.timeout(400)

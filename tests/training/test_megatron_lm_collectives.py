@@ -606,3 +606,39 @@ def test_e2e_moe_nothing_crosses_workers_between_syncs(moe_run):
         moe_logging = [r for r in data["records"] if r["iteration"] in MOE_LOCAL_ITERATIONS
                        and _has(r, *_MOE_LOGGING)]
         assert moe_logging and all(set(r["ranks"]) <= set(data["worker_ranks"]) for r in moe_logging)
+
+
+@pytest.fixture(scope="module")
+def moe_async_run(tmp_path_factory):
+    if not HAVE_CHECKOUT:
+        pytest.skip(HOW_TO_RUN)
+    if LINE not in MOE_LINES:
+        pytest.skip(f"MoE with --use-local-sgd through Megatron-LM is refused on megatron-core {LINE}")
+    options = ["--train-iters", str(ASYNC_ITERS), "--local-sgd-async", "--local-sgd-sync-time", "1000",
+               "--local-sgd-min-total-global-steps", "0", *MOE]
+    return _traffic_run(tmp_path_factory.mktemp("moe-async"), options,
+                        {"MEGATRON_EDIT_PROBE_SLOW": f"2,3:{SLOW_SECONDS}"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_e2e_moe_a_edit_with_expert_parallelism(moe_async_run):
+    """A-EDiT with EP=2 (the dense and the expert optimizers, one schedule), one worker slowed
+    down as in the A-EDiT test above: nothing crosses workers between the syncs, the fast
+    worker takes more steps, together the budget, and both halves of the model sync together
+    (each rank plans every sync once: the expert controller follows the dense one's plan)."""
+    sync_step = W + H
+    final = {data["rank"]: max(r["iteration"] for r in data["records"]
+                               if r["iteration"] is not None and _has(r, PLAN_ASYNC))
+             for data in moe_async_run.ranks}
+    unexpected = []
+    for rank, r in _crossing(moe_async_run):
+        syncing = r["iteration"] in (sync_step, sync_step + 1, final[rank]) and _has(r, SYNC)
+        if not syncing and _why_allowed(r, [], W) is None and r["iteration"] != final[rank]:
+            unexpected.append((rank, r["iteration"], r["op"], r["ranks"], r["stack"][-4:]))
+    assert not unexpected, "\n".join(map(str, unexpected))
+    assert final[0] == final[1] and final[2] == final[3], final
+    assert final[0] > ASYNC_ITERS > final[2] and final[0] + final[2] == 2 * ASYNC_ITERS, final
+    for data in moe_async_run.ranks:
+        plans = [r["iteration"] for r in data["records"] if _has(r, PLAN_ASYNC)]
+        assert plans == sorted(set(plans)), plans  # one schedule all-reduce per sync
