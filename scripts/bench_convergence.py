@@ -29,7 +29,8 @@ A run is named by a spec, ``kind[:key=value,...]``:
         experts (a MoE model: that many routed experts per layer, top-2, sequential experts,
         the alltoall dispatcher; expert parallelism 1: each worker holds every expert),
         mbs (sequences per worker and step; more tokens at the same steps),
-        tau, alpha (the delayed outer step: --local-sgd-outer-step-delay, --local-sgd-outer-merge-alpha;
+        tau, alpha (the delayed outer step: --local-sgd-outer-step-delay, --local-sgd-outer-merge-alpha,
+        default 0.5;
         with alpha > 0 the workers differ between syncs' merges, so only the final loss, after
         the run's last, blocking sync, compares one model), rule (keep: the keep_local merge,
         --local-sgd-outer-merge-rule keep_local), F (streaming fragments, --local-sgd-fragments;
@@ -142,7 +143,7 @@ def label(spec: str) -> str:
     if "mbs" in s:
         extra.append(f"{s['mbs']} sequences per worker step")
     if "tau" in s:
-        merge = "keep_local" if s.get("rule") == "keep" else f"merge alpha {s.get('alpha', 0.0):g}"
+        merge = "keep_local" if s.get("rule") == "keep" else f"merge alpha {s.get('alpha', 0.5):g}"
         extra.append(f"delay {s['tau']}, {merge}")
     if "F" in s:
         extra.append(f"{s['F']} fragments")
@@ -168,7 +169,7 @@ def run_args_for(args, spec: str, seed: int):
         local_sgd_exchange_error_feedback=bool(s.get("ef", 0)),
         outer_optimizer_lr=s.get("lr"), outer_optimizer_momentum=s.get("m"),
         outer_optimizer_nesterov=(False if s.get("m") == 0 else None) if "nesterov" not in s else bool(s["nesterov"]),
-        local_sgd_outer_step_delay=s.get("tau", 0), local_sgd_outer_merge_alpha=s.get("alpha", 0.0),
+        local_sgd_outer_step_delay=s.get("tau", 0), local_sgd_outer_merge_alpha=s.get("alpha"),
         local_sgd_outer_merge_rule="keep_local" if s.get("rule") == "keep" else "lerp",
         local_sgd_fragments=s.get("F", 1),
         **common,

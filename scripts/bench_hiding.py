@@ -114,7 +114,8 @@ def modes(args):
         "bound + barrier every H": dict(local_sgd_sync_interval=10**6, _barrier=True),
         "synchronous": None,
         "EDiT layer-wise": dict(local_sgd_sync_interval=h),
-        f"EDiT delay {tau}": dict(local_sgd_sync_interval=h, local_sgd_outer_step_delay=tau),
+        f"EDiT delay {tau}": dict(local_sgd_sync_interval=h, local_sgd_outer_step_delay=tau,
+                                  local_sgd_outer_merge_alpha=0.0),
     }
     if args.alpha_half:
         out[f"EDiT delay {tau}, alpha 0.5"] = dict(local_sgd_sync_interval=h, local_sgd_outer_step_delay=tau,

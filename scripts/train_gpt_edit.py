@@ -491,7 +491,7 @@ def describe_edit(controller, args) -> str:
             when += (f" in {c.fragments} fragments ({'/'.join(str(len(f)) for f in controller.sync_shards.fragments)}"
                      f" buckets), one every {c.local_sgd_sync_interval // c.fragments} steps")
         if c.outer_step_delay:
-            merge = ("keep_local" if c.outer_merge_rule == "keep_local" else f"lerp alpha {c.outer_merge_alpha:g}")
+            merge = ("keep_local" if c.outer_merge_rule == "keep_local" else f"lerp alpha {c.merge_alpha:g}")
             when += f", each exchange launched {c.outer_step_delay} steps early (merge: {merge})"
     text = (f"{when}, after {c.local_sgd_warmup_steps} synchronous warmup steps, {c.sync_mode} mode; "
             f"outer {outer.optimizer_class.__name__} ({kwargs})")

@@ -293,7 +293,10 @@ def simulate_edit(rank, world_size, spec, dp_size):
     layer_index = [layers.index(key[name]) for name in names]
     stats = penalty.EWMAStats.zeros(n, len(layers))
     anchor, outer_opt, decisions = None, None, []
-    tau, alpha, last, flight = cfg.get("outer_step_delay", 0), cfg.get("outer_merge_alpha", 0.0), spec.get("last_step"), None
+    tau, alpha, last, flight = cfg.get("outer_step_delay", 0), cfg.get("outer_merge_alpha"), spec.get("last_step"), None
+    alpha = 0.5 if alpha is None else alpha  # LocalSGDConfig.merge_alpha: 0.5 with a delay by default
+    if cfg.get("outer_merge_rule") == "keep_local":
+        alpha = 0.0
     # Streaming fragments: which parameters each fragment holds (from the real run: how Megatron
     # buckets the model is not simulated); fragment f syncs after s - W = f H/F (mod H).
     frags = spec.get("fragment_params")

@@ -453,7 +453,10 @@ def test_every_field_is_documented_where_help_and_ides_see_it(cls):
 def test_delayed_outer_step_checks():
     cfg = LocalSGDConfig(local_sgd_sync_interval=4, outer_step_delay=3, outer_merge_alpha=1.0)
     assert (cfg.outer_step_delay, cfg.outer_merge_alpha) == (3, 1.0)
-    assert LocalSGDConfig().outer_step_delay == 0 and LocalSGDConfig().outer_merge_alpha == 0.0
+    assert LocalSGDConfig().outer_step_delay == 0 and LocalSGDConfig().outer_merge_alpha is None
+    # the default merge: alpha 0.5 with a delay (chosen by the convergence benchmark)
+    assert LocalSGDConfig(local_sgd_sync_interval=4, outer_step_delay=1).merge_alpha == 0.5
+    assert LocalSGDConfig(local_sgd_sync_interval=4, outer_step_delay=1, outer_merge_alpha=0.0).merge_alpha == 0.0
     _raises(LocalSGDConfig, ConfigError, "outer_step_delay", outer_step_delay=1.0, local_sgd_sync_interval=4)
     _raises(LocalSGDConfig, ConfigError, "outer_step_delay", outer_step_delay=True, local_sgd_sync_interval=4)
     _raises(LocalSGDConfig, ConfigError, "outer_merge_alpha", outer_merge_alpha=float("nan"))

@@ -323,13 +323,15 @@ class LocalSGD(ControllerState):
             self.arrivals.wait(step - delay)  # where this worker is (a delayed sync: its launch)
         bytes_at_start = self.sync_group.counters.payload_bytes
         schedule, skip, final, fragment, members = None, False, False, None, None
+        steps_since = step - self._last_sync_step
         if self.config.use_async:
             device = self.shards[0].device if self.shards else torch.device("cpu")
             schedule, skip, final = self.async_plan.plan(step, self._last_sync_step, device, arrived)
         else:
             fragment, members = due or self.sync_shards.due(step, self.last_step)
+            steps_since = self.sync_shards.steps_since(step, fragment, self._last_sync_step)
         return self.sync.start(
-            step, self.sync_shards.steps_since(step, fragment, self._last_sync_step),
+            step, steps_since,
             None if schedule is None else schedule.steps_since_exchange,
             None if schedule is None else schedule.interval_seconds,
             skip, bytes_at_start,

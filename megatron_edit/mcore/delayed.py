@@ -37,7 +37,8 @@ class DelayedOuterStep:
     def __init__(self, controller):
         self.controller = controller
         c = controller.config
-        self.delay, self.alpha = c.outer_step_delay, float(c.outer_merge_alpha)
+        self.delay = c.outer_step_delay
+        self.alpha = 0.0 if c.outer_merge_rule == "keep_local" else c.merge_alpha
         self.apply_at: Optional[int] = None
         """The step after whose inner update the exchange in flight is applied (None: none)."""
 

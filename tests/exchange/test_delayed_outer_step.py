@@ -57,7 +57,7 @@ def _worker(worker, world, local, alpha, gta=None, state_kwargs=None, blocking=F
     reports, merged, owned = [], [], []
     sync = OuterSync([[shards[i] for i in g] for g in GROUPS], LAYERS, world.group(worker), FakeWorkerGroups(),
                      LocalSGDConfig(local_sgd_sync_interval=H, outer_step_delay=0 if blocking else TAU,
-                                    outer_merge_alpha=alpha, **local), gta or GTAConfig(), state,
+                                    outer_merge_alpha=None if blocking else alpha, **local), gta or GTAConfig(), state,
                      on_done=reports.append)
     for k in range(ROUNDS):
         for mains, moves in zip(params, _randn(100 + worker + 10 * k)):  # local steps up to the launch

@@ -33,8 +33,8 @@ def test_delayed_outer_step_matches_the_simulation_in_both_modes():
     against the simulation; replicas identical right after an alpha = 0 merge (steps 4, 7) and
     at the end, different between."""
     specs = [
-        _spec(outer_step_delay=2, sync_mode="layerwise"),
-        _spec(outer_step_delay=2, sync_mode="step_end"),
+        _spec(outer_step_delay=2, outer_merge_alpha=0.0, sync_mode="layerwise"),
+        _spec(outer_step_delay=2, outer_merge_alpha=0.0, sync_mode="step_end"),
         _spec(outer_step_delay=1, outer_merge_alpha=0.5, sync_mode="step_end", pseudo_gradnorm_reduce=True),
     ]
     specs[0]["snapshot_every_step"] = True
