@@ -205,9 +205,6 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
         parser.fail(f"--expert-model-parallel-size {ep} needs a MoE model: pass --num-experts.")
     if args.num_experts and args.num_experts % ep:
         parser.fail(f"--expert-model-parallel-size {ep} must divide --num-experts {args.num_experts}.")
-    if ep > 1 and args.local_sgd_async and args.mode != "baseline":
-        parser.fail(f"--local-sgd-async with --expert-model-parallel-size {ep} is not supported yet "
-                    "(A-EDiT with expert parallelism); use synchronous EDiT or --expert-model-parallel-size 1.")
     if args.use_local_sgd:
         parser.fail("--use-local-sgd is Megatron-LM's switch; in the main job --mode edit (the "
                     "default) or --mode both trains with EDiT.")

@@ -88,8 +88,6 @@ REFUSED = [
     (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs a MoE model: pass --num-experts"),
     (["--num-experts", "4", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3 must divide --num-experts 4"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4"], "and --workers 2 the quotient"),
-    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--local-sgd-async", "--local-sgd-sync-time", "2"],
-     "--local-sgd-async with --expert-model-parallel-size 2 is not supported yet"),
     (["--num-experts", "1"], "argument --num-experts: must be an integer >= 2"),
 ]
 
