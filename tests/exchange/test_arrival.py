@@ -61,20 +61,23 @@ def test_workers_that_arrive_pass_and_old_keys_are_removed():
 
 def test_the_last_arrival_wakes_one_blocking_wait():
     """The waiting worker blocks in the store until the other worker's key appears (no loop of
-    polls with a growing interval, which saw the last arrival up to 50 ms late)."""
+    polls with a growing interval, which saw the last arrival up to 50 ms late). The other
+    worker arrives 0.2 s after the wait began (a timer started inside it, so the machine's load
+    cannot make it arrive first)."""
     store = dist.HashStore()
     me = Arrivals(store, "t", ranks=[0, 1], me=0, timeout=600.0)
-    calls = []
+    calls, timers = [], []
     original = me.wait_for
 
     def recording(keys, seconds):
         calls.append((list(keys), seconds))
+        if not timers:
+            timers.append(threading.Timer(0.2, lambda: store.set("t/0/1", "3")))
+            timers[0].start()
         original(keys, seconds)
 
     me.wait_for = recording
-    timer = threading.Timer(0.2, lambda: store.set("t/0/1", "3"))
-    timer.start()
     waited = me.wait(step=3)
-    timer.join()
-    assert waited >= 0.2 and len(calls) == 1  # one wait, up to the next report (60 s)
+    timers[0].join()
+    assert waited >= 0.2 and len(calls) == 1  # one wait, woken by the key (the next report: 60 s)
     assert calls[0][0] == ["t/0/1"] and 59 < calls[0][1] <= 60
