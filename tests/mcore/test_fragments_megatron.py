@@ -159,3 +159,28 @@ def test_elastic_resume_with_fragments_and_the_int8_exchange(tmp_path):
     # and the saved workers really differed (the load made one model of two)
     assert not all(torch.equal(saved[0]["final"]["params"][k], saved[2]["final"]["params"][k])
                    for k in saved[0]["final"]["params"])
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_ranks_make_the_same_fragments_and_decisions():
+    """TP = 2 x 2 workers, F = 2, the penalty's weights and clipping: both tensor-parallel ranks
+    of a worker make the same fragments (the sizes are summed over the worker's ranks) and take
+    the same per-layer decisions at every sync; the run ends with one model on every worker."""
+    spec = _spec(sync_mode="layerwise", pseudo_gradnorm_reduce=True, clip_pseudo_grad=0.05)
+    results = run_ranks(megatron_runs, WORLD, [spec], tp=2, timeout=240)
+    by_worker = {}
+    for r in results:
+        run = r["runs"][0]
+        assert [(rep.step, rep.fragment) for rep in run["reports"]] == STEPS
+        by_worker.setdefault(run["worker"], []).append(run)
+    assert sorted(by_worker) == [0, 1]
+    for a, b in by_worker.values():
+        names = a["per_controller"][0]["layer_names"]
+        assert names == b["per_controller"][0]["layer_names"]
+        for ra, rb in zip(a["reports"], b["reports"]):
+            assert torch.equal(ra.norms, rb.norms) and torch.equal(ra.weights, rb.weights)
+            assert torch.equal(ra.clip_coef, rb.clip_coef)
+    for tp_rank in (0, 1):  # worker 0 and worker 1 hold the same slice: equal after the last sync
+        a = next(r["runs"][0] for r in results if r["runs"][0]["worker"] == 0 and r["runs"][0]["tp_rank"] == tp_rank)
+        b = next(r["runs"][0] for r in results if r["runs"][0]["worker"] == 1 and r["runs"][0]["tp_rank"] == tp_rank)
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
