@@ -287,3 +287,21 @@ def timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def exchange_alone(shard_numels: Sequence[int], group, reps: int = 7) -> float:
+    """Seconds for a sync's all-reduces across the workers (one per shard, every rank's at once:
+    the ranks of a worker share its link), blocking, nothing else running; the median of
+    ``reps`` - 1 timings (the first warms up), each the slowest rank's."""
+    import statistics
+
+    tensors = [torch.zeros(n) for n in shard_numels]
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        handles = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+        for handle in handles:
+            handle.wait()
+        times.append(max_over_ranks(time.perf_counter() - t0))
+    return statistics.median(times[1:])

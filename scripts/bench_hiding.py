@@ -232,17 +232,7 @@ SYNC_GROUP = None
 def exchange_alone(shard_numels, reps=7) -> float:
     """Seconds for the sync's all-reduces across the workers, blocking, nothing else running
     (every rank's shards at once: the ranks of a worker share its link)."""
-    group = SYNC_GROUP
-    tensors = [torch.zeros(n) for n in shard_numels]
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        handles = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
-        for handle in handles:
-            handle.wait()
-        times.append(bc.max_over_ranks(time.perf_counter() - t0))
-    return statistics.median(times[1:])
+    return bc.exchange_alone(shard_numels, SYNC_GROUP, reps)
 
 
 def median(xs, default=float("nan")):

@@ -78,17 +78,7 @@ def exchange_alone(shard_numels, reps=7) -> float:
     """Seconds for the sync's all-reduces across the workers, blocking, nothing else running."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_inter_distributed_optimizer_instance_group()
-    tensors = [torch.zeros(n) for n in shard_numels]
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        handles = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
-        for handle in handles:
-            handle.wait()
-        times.append(bc.max_over_ranks(time.perf_counter() - t0))
-    return statistics.median(times[1:])
+    return bc.exchange_alone(shard_numels, ps.get_inter_distributed_optimizer_instance_group(), reps)
 
 
 def analyse(args, r):
