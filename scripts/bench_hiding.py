@@ -16,8 +16,7 @@ The main job's GPT (bench_common, as bench_overlap.py) trains, in one run, in th
   EDiT layer-wise   sync every H steps, completed bucket by bucket in the next forward pass;
   EDiT delay tau    --local-sgd-outer-step-delay tau (default H/2): launched after step s - tau,
                     applied after step s (alpha 0; with --alpha-half also alpha 0.5);
-  EDiT F fragments  --local-sgd-fragments F with delay max(1, H/(2F)) (only where that option is
-                    built: LocalSGDConfig has the field and the flags accept it; else "not built").
+  EDiT F fragments  --local-sgd-fragments F with delay max(1, H/(2F)).
 No warmup (local from step 1). Each mode trains (skip + syncs) x H steps; the first `skip`
 intervals are not measured (build, caches, first exchanges); one more step ends each run (its
 last step: a blocking sync of everything, untimed, after which replicas are compared). Modes run
@@ -49,7 +48,6 @@ Writes bench-results/hiding{suffix}.{md,json,png}.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -95,14 +93,6 @@ def parse_args():
     if args.fragment_delay is None:
         args.fragment_delay = max(1, args.interval // (2 * args.fragments))
     return args
-
-
-def fragments_built(args) -> bool:
-    """Whether streaming fragments exist in this checkout (config field and flag)."""
-    from megatron_edit import LocalSGDConfig
-
-    names = {f.name for f in dataclasses.fields(LocalSGDConfig)}
-    return "fragments" in names and hasattr(args, "local_sgd_fragments")
 
 
 def modes(args):
@@ -299,9 +289,6 @@ def main():
     instrument_gathers()
     h = args.interval
     all_modes = modes(args)
-    built = fragments_built(args)
-    if not built:
-        all_modes = {k: v for k, v in all_modes.items() if not (v and "local_sgd_fragments" in v)}
     if args.modes:
         unknown = set(args.modes) - set(all_modes)
         if unknown:
@@ -311,7 +298,7 @@ def main():
     train_ds, _ = bc.setup(args, train_samples=(longest * h + 8) * 8 * args.micro_batch_size)
     lay = bc.layout(args)
     bc.log0(f"hiding benchmark: {args.label}; {args.workers} workers x {lay['worker_size']} ranks, H={h}, "
-            f"tau={args.tau}, load {bc.load_average()}; fragments {'built' if built else 'not built'}")
+            f"tau={args.tau}, load {bc.load_average()}")
 
     if args.calibrate:
         r = run(args, "bound", all_modes["bound"], train_ds, args.syncs)
@@ -340,11 +327,11 @@ def main():
                     f"load {r['load']}")
     alone_after = exchange_alone(results["bound"][0]["shard_numels"])
     if dist.get_rank() == 0:
-        report(args, results, (alone_before, alone_after), built)
+        report(args, results, (alone_before, alone_after))
     dist.destroy_process_group()
 
 
-def report(args, results, alone, built):
+def report(args, results, alone):
     h = args.interval
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
     bound_runs = [analyse(args, r) for r in results["bound"]]
@@ -367,7 +354,6 @@ def report(args, results, alone, built):
         agg["ratio_robust"] = bound_robust / agg["robust_interval"]
         agg["ratio_barrier"] = agg["tokens_per_s"] / bound_barrier_tps
         stats[name] = agg
-    not_built = f"EDiT F={args.fragments} fragments, delay {args.fragment_delay}"
     headers = ["run", "tokens/s [min-max]", "vs bound [per repetition]", "vs bound, per-position medians",
                "vs bound with a barrier per interval", "step ms (window mean)", "ordinary step ms", "syncs measured"]
     rows = []
@@ -380,8 +366,6 @@ def report(args, results, alone, built):
             f"{s['ratio_robust']:.2f}", f"{s['ratio_barrier']:.2f}",
             ms(s["step_mean"]), ms(s["base"]), "-" if quiet else str(int(s["syncs"])),
         ])
-    if not built:
-        rows.append([not_built, "not built", "-", "-", "-", "-", "-", "-"])
     cheaders = ["run", "extra per sync vs bound ms",
                 "sync start (arrival check + all-gather): wait / arrival skew / last arriver ms",
                 "launch step +ms", "steps in flight +ms", "apply step +ms", "exposed wait ms (max rank)",
@@ -438,8 +422,6 @@ def report(args, results, alone, built):
         "over syncs; launch, in-flight and apply steps above the run's own "
         "ordinary steps; exposed wait = SyncReport.exposed_wait_seconds (mean over ranks, median over syncs; "
         "layer-wise: steps s and s+1 above its ordinary step, as bench_overlap)."
-        + ("" if built else f"\n{not_built}: not built in this checkout "
-           "(LocalSGDConfig has no 'fragments' field / no --local-sgd-fragments); re-run when it is.")
         + ("\nPROBLEMS: " + "; ".join(problems) if problems else "")
     )
     text, ctext = bc.table(headers, rows), bc.table(cheaders, crows)
@@ -449,7 +431,7 @@ def report(args, results, alone, built):
     bc.write_result(f"hiding{suffix}.md", bc.table(headers, rows, markdown=True) + "\n\n"
                     + bc.table(cheaders, crows, markdown=True) + "\n\n" + summary.replace("\n", "  \n") + "\n")
     bc.write_result(f"hiding{suffix}.json", json.dumps(dict(
-        label=args.label, rate=args.rate, interval=h, tau=args.tau, fragments_built=built, payload=payload,
+        label=args.label, rate=args.rate, interval=h, tau=args.tau, payload=payload,
         procs_per_worker=procs, alone=alone, bound_tokens_per_s=bound_tps, stats=stats,
         runs=results)))
 
