@@ -53,8 +53,12 @@ class ControllerState:
     def extra_state(self) -> dict:
         """The part of :meth:`state_dict` beyond the counters, identical on every rank: the
         anomaly detector's statistics and A-EDiT's plan (:meth:`AsyncPlan.state_dict`)."""
-        return {"layer_names": list(self.layer_names), "ewma": self.sync.ewma.state_dict(),
-                "global_progress": self.global_progress, **self.async_plan.state_dict(self.at_sync)}
+        out = {"layer_names": list(self.layer_names), "ewma": self.sync.ewma.state_dict(),
+               "global_progress": self.global_progress, **self.async_plan.state_dict(self.at_sync)}
+        delayed = getattr(self, "delayed", None)
+        if delayed is not None and delayed.in_flight:  # a checkpoint mid-flight (DelayedOuterStep)
+            out["in_flight_skipped"] = delayed.saved_skipped
+        return out
 
     def load_extra_state(self, state: dict) -> None:
         """Restore :meth:`extra_state` (raises ValueError when it was saved for other layers);

@@ -41,6 +41,8 @@ class DelayedOuterStep:
         self.alpha = 0.0 if c.outer_merge_rule == "keep_local" else c.merge_alpha
         self.apply_at: Optional[int] = None
         """The step after whose inner update the exchange in flight is applied (None: none)."""
+        self.saved_skipped: Optional[list] = None
+        """A checkpoint mid-flight: the exchange's skipped layers, for the slice record."""
 
     @property
     def in_flight(self) -> bool:
@@ -84,14 +86,27 @@ class DelayedOuterStep:
         c = self.controller
         meta, by_shard = c.sync.finish_in_flight()
         meta["apply_at"] = self.apply_at
-        meta["members"] = [i for i, s in enumerate(c.shards) if id(s) in by_shard]
+        # Layers every worker was excluded from: this optimizer's own (each pipeline stage has its
+        # layers), so they go with its slice record (ControllerState.extra_state), not the run's.
+        self.saved_skipped = meta.pop("skipped")
         return meta, [by_shard.get(id(s), (None, None)) for s in c.shards]
 
-    def resume(self, meta: dict, deltas, launch) -> None:
-        """Restore a checkpoint's exchange in flight (``deltas`` / ``launch``: per shard of the
-        controller, None for shards not in it): applied after step ``meta["apply_at"]``."""
+    def members(self, meta: dict) -> list:
+        """Indices (into the controller's shards) of what the saved exchange holds on this rank:
+        its fragment's shards (this rank's fragments: each pipeline stage has its own), or all."""
         c = self.controller
-        members = meta["members"]
+        fragment = meta["fragment"]
+        shards = c.sync_shards.all if fragment is None else c.sync_shards.fragments[fragment]
+        ids = {id(s) for s in shards}
+        return [i for i, s in enumerate(c.shards) if id(s) in ids]
+
+    def resume(self, meta: dict, deltas, launch, skipped=None) -> None:
+        """Restore a checkpoint's exchange in flight (``deltas`` / ``launch``: per shard of the
+        controller, None for shards not in it; ``skipped``: this optimizer's layers every worker
+        was excluded from, from its slice record): applied after step ``meta["apply_at"]``."""
+        c = self.controller
+        members = self.members(meta)
+        meta = dict(meta, skipped=skipped)
         c.sync.resume_in_flight(meta, [c.shards[i] for i in members], [deltas[i] for i in members],
                                 [launch[i] for i in members])
         self.apply_at = meta["apply_at"]

@@ -32,6 +32,11 @@ then calls :func:`restore`. What each kind of resume does:
 Megatron's own inner optimizer format limits what can change: ``dp_reshardable`` (Megatron-LM's
 default) stores buckets, so TP, PP and the buckets must stay (a message names the difference);
 ``fully_reshardable`` follows everything.
+
+A checkpoint saved while a delayed outer step's exchange was in flight holds its reduced
+pseudo-gradient (``local_sgd.in_flight.*``); it resumes with the same workers, TP and PP only.
+This module is long because every kind of resume fits its load requests in one place
+(:meth:`ResumePlan.prepare`), before anything large is read.
 """
 
 from __future__ import annotations
@@ -214,6 +219,11 @@ class ResumePlan:
                         f"due after step {flight['apply_at']}); it resumes with the same number of "
                         f"workers only ({n} saved, {workers} now). Resume with {n} workers, or from a "
                         "checkpoint saved outside the exchange's window.")
+            if (record["tensor_parallel"], record["pipeline_parallel"]) != (tp, pp):
+                return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
+                        f"step was in flight (due after step {flight['apply_at']}); it resumes with the "
+                        f"same tensor / pipeline parallel sizes only (saved TP={record['tensor_parallel']}, "
+                        f"PP={record['pipeline_parallel']}; now TP={tp}, PP={pp}).")
             if c.delayed is None:
                 return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
                         f"step was in flight (due after step {flight['apply_at']}); resume with "

@@ -295,14 +295,15 @@ def _restore_anchor_and_outer_state(controller, plan: ResumePlan, part: dict) ->
 
 def _restore_in_flight(controller, plan: ResumePlan, part: dict, meta: dict) -> None:
     """The delayed outer step that was in flight at the save, waiting for its apply again."""
-    members = set(meta["members"])
+    members = set(controller.delayed.members(meta))
 
     def shard_values(key):
         return [plan.space.assemble(part[key], slot, torch.empty(s.numel, dtype=torch.float32, device=s.device))
                 if slot in members else None for slot, s in enumerate(controller.shards)]
 
     launch = shard_values("in_flight_launch") if meta["keep"] else [None] * len(controller.shards)
-    controller.delayed.resume(meta, shard_values("in_flight"), launch)
+    extra = (part.get("slice") or {}).get("extra_state") or {}
+    controller.delayed.resume(meta, shard_values("in_flight"), launch, extra.get("in_flight_skipped"))
 
 
 def _load_extra_state(controller, saved_extra) -> None:
