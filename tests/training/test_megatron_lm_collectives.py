@@ -560,12 +560,17 @@ _MOE_LOGGING = ("moe_utils.py:reduce_aux_losses_tracker_across_ranks",  # 0.16
                 "moe_logging.py:_sync_metrics")  # 0.19
 
 
-@pytest.fixture(scope="module")
-def moe_run(tmp_path_factory):
+def _skip_without_moe_route() -> None:
+    """The MoE runs need the checkout, on a release whose MoE route is not refused."""
     if not HAVE_CHECKOUT:
         pytest.skip(HOW_TO_RUN)
     if LINE not in MOE_LINES:
         pytest.skip(f"MoE with --use-local-sgd through Megatron-LM is refused on megatron-core {LINE}")
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    _skip_without_moe_route()
     options = [*PENALTY, *MOE, "--train-iters", str(MOE_ITERS),
                "--check-weight-hash-across-dp-replicas-interval", str(H)]
     return _traffic_run(tmp_path_factory.mktemp("moe"), options)
@@ -610,10 +615,7 @@ def test_e2e_moe_nothing_crosses_workers_between_syncs(moe_run):
 
 @pytest.fixture(scope="module")
 def moe_async_run(tmp_path_factory):
-    if not HAVE_CHECKOUT:
-        pytest.skip(HOW_TO_RUN)
-    if LINE not in MOE_LINES:
-        pytest.skip(f"MoE with --use-local-sgd through Megatron-LM is refused on megatron-core {LINE}")
+    _skip_without_moe_route()
     options = ["--train-iters", str(ASYNC_ITERS), "--local-sgd-async", "--local-sgd-sync-time", "1000",
                "--local-sgd-min-total-global-steps", "0", *MOE]
     return _traffic_run(tmp_path_factory.mktemp("moe-async"), options,
