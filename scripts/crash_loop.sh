@@ -14,6 +14,8 @@
 #   bench_multi    scripts/bench_convergence.py itself (its model), four short runs in one process:
 #                  sync, edit:H=$H, edit:H=$H,dtype=int8,ef=1, diloco:H=$H ($BENCH_STEPS steps each;
 #                  STUB=a folder with a no-op matplotlib where matplotlib is not installed)
+#   bench_aedit_int4  scripts/bench_convergence.py with the two run kinds bench_multi leaves out:
+#                  aedit:H=$H,slow=2 (A-EDiT, worker 1 at half speed) and edit:H=$H,dtype=int4,ef=1
 #   gloo_stress    scripts/repro_gloo_crash.py (no megatron_edit, no Megatron): the same gloo
 #                  pattern, $STRESS_ITERS iterations, quantized exchange
 # The configurations are run round-robin until DEADLINE_EPOCH (date +%s); one job at a time,
@@ -49,7 +51,7 @@ while [ "$(date +%s)" -lt "$DEADLINE" ]; do
       edit_fp32) extra=(--mode edit "${HW[@]}") ;;
       edit_stepend) extra=(--mode edit "${HW[@]}" --local-sgd-sync-mode step_end) ;;
       baseline) extra=(--mode baseline) ;;
-      bench_multi) extra=() ;;
+      bench_multi|bench_aedit_int4) extra=() ;;
       gloo_stress) extra=() ;;
       *) echo "unknown config $cfg"; exit 2 ;;
     esac
@@ -57,10 +59,11 @@ while [ "$(date +%s)" -lt "$DEADLINE" ]; do
     if [ "$cfg" = gloo_stress ]; then
       (cd "$dir" && exec nice -n 19 timeout -s KILL 900 "$PY" -m torch.distributed.run --standalone \
           --nproc_per_node "$np" "$REPO/scripts/repro_gloo_crash.py" --iters "${STRESS_ITERS:-300}") > "$dir/log" 2>&1 </dev/null
-    elif [ "$cfg" = bench_multi ]; then  # the convergence benchmark itself: several runs in one process
+    elif [ "$cfg" = bench_multi ] || [ "$cfg" = bench_aedit_int4 ]; then  # the convergence benchmark itself
+      runs=(sync "edit:H=$H" "edit:H=$H,dtype=int8,ef=1" "diloco:H=$H")  # several runs in one process
+      [ "$cfg" = bench_aedit_int4 ] && runs=("aedit:H=$H,slow=2" "edit:H=$H,dtype=int4,ef=1")
       (cd "$dir" && export PYTHONPATH=${STUB:-}; exec nice -n 19 timeout -s KILL 900 "$PY" -m torch.distributed.run \
-          --standalone --nproc_per_node "$np" "$REPO/scripts/bench_convergence.py" --runs sync "edit:H=$H" \
-          "edit:H=$H,dtype=int8,ef=1" "diloco:H=$H" --seeds $((1000 + i)) --bench-steps "${BENCH_STEPS:-48}" \
+          --standalone --nproc_per_node "$np" "$REPO/scripts/bench_convergence.py" --runs "${runs[@]}" --seeds $((1000 + i)) --bench-steps "${BENCH_STEPS:-48}" \
           --edit-warmup "$W" --lr-warmup-steps 8 --eval-every 16 --eval-samples 32 --out "$dir/convergence" --fresh \
           --data-dir "$OUT/data-cache") > "$dir/log" 2>&1 </dev/null
     else
