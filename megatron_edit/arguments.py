@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 from .config import (
@@ -52,7 +53,16 @@ _OUTER_FLAGS = {"lr": "--outer-optimizer-lr", "momentum": "--outer-optimizer-mom
 class Rank0ArgumentParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` for scripts started on every rank (torchrun): help, usage and
     errors are printed by rank 0 only (``RANK``), and an error is one line, not the usage.
-    :meth:`fail` reports a :class:`ConfigError` (or any message) the same way."""
+    :meth:`fail` reports a :class:`ConfigError` (or any message) the same way.
+
+    On an error, the other ranks wait (:attr:`peer_wait_s`) before they exit, so that rank 0
+    prints the line and exits first and the launcher stops them. Exiting at once let a rank
+    that failed first have torchrun stop rank 0 before it printed: the job then ended with exit
+    code 2 and no message at all (issue 24: 2 of 20 runs under load). A rank still running
+    after the wait (rank 0 did not stop the job: its flags passed) prints the error itself."""
+
+    #: Seconds a rank other than 0 waits on an error before printing it itself and exiting.
+    peer_wait_s: float = 60.0
 
     def _print_message(self, message, file=None):
         if message and os.environ.get("RANK", "0") == "0":
@@ -62,7 +72,12 @@ class Rank0ArgumentParser(argparse.ArgumentParser):
         self.fail(message)
 
     def fail(self, message) -> NoReturn:
-        self._print_message(f"{self.prog}: error: {message}\n", sys.stderr)
+        line = f"{self.prog}: error: {message}\n"
+        if os.environ.get("RANK", "0") == "0":
+            self._print_message(line, sys.stderr)
+        else:
+            time.sleep(self.peer_wait_s)  # rank 0 prints and the launcher ends this rank
+            super()._print_message(line, sys.stderr)
         raise SystemExit(2)
 
 

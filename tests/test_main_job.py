@@ -99,9 +99,22 @@ def test_a_bad_flag_is_refused_in_one_line_by_rank_0(job, monkeypatch, capsys, a
     assert fragment in text, text
 
 
-def test_other_ranks_print_nothing(job, monkeypatch, capsys):
-    assert _refusal(job, monkeypatch, capsys, ["--workers", "0"], rank="3") == ""
-    assert _refusal(job, monkeypatch, capsys, ["--local-sgd-sync-time", "1"], rank="1") == ""
+def test_other_ranks_wait_for_rank_0_before_they_print(job, monkeypatch, capsys):
+    # Before: they exited at once and silently, and under load torchrun could stop rank 0 for
+    # the first of them before rank 0 printed its line: no message at all. Now they wait for
+    # the launcher to end them; one still running after the wait prints the error itself.
+    from megatron_edit import arguments
+
+    waits = []
+    monkeypatch.setattr(arguments.time, "sleep", waits.append)
+    assert _refusal(job, monkeypatch, capsys, ["--workers", "0"], rank="3") == (
+        f"{SCRIPT.name}: error: argument --workers: must be an integer >= 1 (got 0)\n")
+    assert waits == [arguments.Rank0ArgumentParser.peer_wait_s] and waits[0] >= 30
+    text = _refusal(job, monkeypatch, capsys, ["--local-sgd-sync-time", "1"], rank="1")
+    assert text.count("\n") == 1 and "--local-sgd-sync-time" in text, text
+    assert len(waits) == 2
+    assert _refusal(job, monkeypatch, capsys, ["--workers", "0"], rank="0").count("\n") == 1
+    assert len(waits) == 2  # rank 0 does not wait
 
 
 # Started with python (no torchrun): the flags are checked before torch is imported, so a
