@@ -195,6 +195,48 @@ def test_outer_sgd_defaults_of_the_job_apply_only_where_unset(job):
     job.check_args(args, job.build_parser())  # accepted: a valid outer SGD
 
 
+class _Ended(Exception):
+    """Raised by the test's stand-in for os._exit."""
+
+
+@pytest.mark.parametrize("raised, code, printed", [
+    (SystemExit(1), 1, ""),  # stop_if_not_finite: its message is already printed
+    (SystemExit("stopped: a reason"), 1, "stopped: a reason"),
+    (RuntimeError("a failed sync"), 1, "RuntimeError: a failed sync"),
+    (KeyboardInterrupt(), 1, "KeyboardInterrupt"),
+    (SystemExit(0), 0, ""),
+])
+def test_a_rank_that_stops_ends_through_os_exit(job, monkeypatch, capsys, raised, code, printed):
+    # Issue 24: after sys.exit(1) the interpreter's teardown of the rank's live gloo groups once
+    # ended rank 1 with SIGABRT ("terminate called without an active exception"), so the job
+    # reported signal 6, not exit code 1. Once the process group exists, a rank that stops ends
+    # through os._exit after its message (before: the SystemExit propagated here).
+    from megatron_edit.cpu import adapter
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(adapter, "activate", lambda: None)
+    monkeypatch.setattr(job.dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(job.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(job, "setup_logging", lambda debug: None)  # process-wide otherwise
+    monkeypatch.setattr(job, "quiet_upstream_warnings", lambda: None)
+
+    def run_rank(args, world):
+        raise raised
+
+    def exit_now(status):
+        raise _Ended(status)
+
+    monkeypatch.setattr(job, "run_rank", run_rank)
+    monkeypatch.setattr(job.os, "_exit", exit_now)
+    with pytest.raises(_Ended) as ended:
+        job.main([])
+    assert ended.value.args == (code,)
+    err = capsys.readouterr().err
+    assert (printed in err) if printed else err == "", err
+
+
 def test_help_is_printed_once(job, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "2")
     with pytest.raises(SystemExit):
