@@ -50,19 +50,35 @@ _OUTER_FLAGS = {"lr": "--outer-optimizer-lr", "momentum": "--outer-optimizer-mom
                 "nesterov": "--[no-]outer-optimizer-nesterov"}
 
 
+#: Seconds a rank other than 0 waits on a start-up error before it prints the error itself and
+#: exits (see :func:`end_with_error`).
+PEER_WAIT_S = 60.0
+
+
+def end_with_error(line: str, wait_s: Optional[float] = None) -> NoReturn:
+    """End this rank with exit code 2 after a start-up error that every rank finds: rank 0
+    prints ``line`` at once; the other ranks first wait ``wait_s`` (default
+    :data:`PEER_WAIT_S`) seconds.
+
+    Why the wait: a rank that exits first makes the launcher (torchrun, or the main job's own)
+    stop the others. Exiting at once let another rank be first and rank 0 be stopped before it
+    printed: exit code 2 and no message at all (issue 24: 2 of 14 runs of the main job's
+    torchrun test under load). Now rank 0 exits first and the launcher ends the waiting ranks;
+    a rank still running after the wait (rank 0 found no error) prints the line itself."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(PEER_WAIT_S if wait_s is None else wait_s)
+    print(line, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 class Rank0ArgumentParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` for scripts started on every rank (torchrun): help, usage and
-    errors are printed by rank 0 only (``RANK``), and an error is one line, not the usage.
-    :meth:`fail` reports a :class:`ConfigError` (or any message) the same way.
+    """An ``ArgumentParser`` for scripts started on every rank (torchrun): help and usage are
+    printed by rank 0 only (``RANK``), and an error is one line, not the usage, printed by
+    rank 0 while the other ranks wait (:func:`end_with_error`). :meth:`fail` reports a
+    :class:`ConfigError` (or any message) the same way."""
 
-    On an error, the other ranks wait (:attr:`peer_wait_s`) before they exit, so that rank 0
-    prints the line and exits first and the launcher stops them. Exiting at once let a rank
-    that failed first have torchrun stop rank 0 before it printed: the job then ended with exit
-    code 2 and no message at all (issue 24: 2 of 20 runs under load). A rank still running
-    after the wait (rank 0 did not stop the job: its flags passed) prints the error itself."""
-
-    #: Seconds a rank other than 0 waits on an error before printing it itself and exiting.
-    peer_wait_s: float = 60.0
+    #: Seconds a rank other than 0 waits on an error (:func:`end_with_error`).
+    peer_wait_s: float = PEER_WAIT_S
 
     def _print_message(self, message, file=None):
         if message and os.environ.get("RANK", "0") == "0":
@@ -72,13 +88,7 @@ class Rank0ArgumentParser(argparse.ArgumentParser):
         self.fail(message)
 
     def fail(self, message) -> NoReturn:
-        line = f"{self.prog}: error: {message}\n"
-        if os.environ.get("RANK", "0") == "0":
-            self._print_message(line, sys.stderr)
-        else:
-            time.sleep(self.peer_wait_s)  # rank 0 prints and the launcher ends this rank
-            super()._print_message(line, sys.stderr)
-        raise SystemExit(2)
+        end_with_error(f"{self.prog}: error: {message}", self.peer_wait_s)
 
 
 def _json_object(text: str) -> Dict[str, Any]:

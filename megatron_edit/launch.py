@@ -162,10 +162,11 @@ def quiet_upstream_warnings() -> None:
 
 
 def _refuse(message: str) -> NoReturn:
-    """End this rank with exit code 2; rank 0 prints the one line."""
-    if _rank0():
-        print(f"megatron_edit: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    """End this rank with exit code 2; rank 0 prints the one line, the others wait for the
+    launcher to stop them (:func:`megatron_edit.arguments.end_with_error`)."""
+    from .arguments import end_with_error
+
+    end_with_error(f"megatron_edit: error: {message}")
 
 
 class _FlagError(Exception):

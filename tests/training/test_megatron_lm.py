@@ -99,17 +99,21 @@ def test_launcher_passes_everything_after_the_script_to_it():
 def test_launcher_refuses_a_bad_edit_flag_before_megatron_in_one_line(tmp_path, monkeypatch, capsys, rank):
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("raise AssertionError('the script must not run')\n")
+    from megatron_edit import arguments
+
+    waits = []
+    monkeypatch.setattr(arguments.time, "sleep", waits.append)
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setattr(launch, "_use_cpu", lambda opts: pytest.fail("checked after the flags"))
     with pytest.raises(SystemExit) as info:
         launch.main([str(script), "--num-layers", "2", "--use-local-sgd", "--local-sgd-sync-time", "5"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    if rank == "0":
-        assert err.count("\n") == 1 and err.startswith("megatron_edit: error: --local-sgd-sync-time"), err
-        assert "--local-sgd-async" in err
-    else:
-        assert err == ""
+    assert err.count("\n") == 1 and err.startswith("megatron_edit: error: --local-sgd-sync-time"), err
+    assert "--local-sgd-async" in err
+    # Rank 0 prints at once; another rank waits for torchrun to stop it (issue 24: exiting at
+    # once could have rank 0 stopped before it printed), and prints only if still running.
+    assert waits == ([] if rank == "0" else [arguments.PEER_WAIT_S])
 
 
 def test_launcher_reports_a_config_error_from_the_script_in_one_line(tmp_path, monkeypatch, capsys):
