@@ -46,7 +46,7 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 import megatron_edit  # noqa: E402  (light: the flags' modules import neither torch nor Megatron)
-from megatron_edit.arguments import Rank0ArgumentParser, changed_flags, check_flags  # noqa: E402
+from megatron_edit.arguments import PEER_WAIT_S, Rank0ArgumentParser, changed_flags, check_flags  # noqa: E402
 from megatron_edit.config import ConfigError  # noqa: E402
 from megatron_edit.launch import quiet_upstream_warnings  # noqa: E402
 
@@ -462,16 +462,20 @@ def gather_per_worker(value: float) -> dict:
 
 def stop_if_not_finite(args, what: str, value, step: int, worker: int, lead: bool, use_local_sgd: bool) -> None:
     """Like Megatron-LM's --check-for-nan-in-loss-and-grad: a worker whose loss or gradient norm
-    is not finite stops the job (its ranks exit 1; torchrun ends the others)."""
+    is not finite stops the job (its ranks exit 1; the launcher ends the others). The worker's
+    lead prints the line and exits at once; its other ranks wait for the launcher to stop them
+    (a rank that exited first had the launcher stop the leads before they printed: issue 24)
+    and print the line themselves if still running after the wait."""
     if value is None or math.isfinite(value) or not args.check_for_nan_in_loss_and_grad:
         return
-    if lead:
-        hint = (f" Check the outer optimizer (--outer-optimizer {args.outer_optimizer}, "
-                f"--outer-optimizer-lr, --outer-optimizer-momentum) and --lr {args.lr}."
-                if use_local_sgd else f" Check --lr {args.lr}.")
-        print(f"train_gpt_edit.py: error: step {step}: worker {worker}'s {what} is {value}; "
-              f"stopping.{hint} (--no-check-for-nan-in-loss-and-grad trains on.)",
-              file=sys.stderr, flush=True)
+    hint = (f" Check the outer optimizer (--outer-optimizer {args.outer_optimizer}, "
+            f"--outer-optimizer-lr, --outer-optimizer-momentum) and --lr {args.lr}."
+            if use_local_sgd else f" Check --lr {args.lr}.")
+    if not lead:
+        time.sleep(PEER_WAIT_S)
+    print(f"train_gpt_edit.py: error: step {step}: worker {worker}'s {what} is {value}; "
+          f"stopping.{hint} (--no-check-for-nan-in-loss-and-grad trains on.)",
+          file=sys.stderr, flush=True)
     sys.exit(1)
 
 
@@ -713,6 +717,10 @@ def end_rank(error: BaseException) -> None:
 
 def run_rank(args: argparse.Namespace, world: int) -> None:
     """The rank's work once the process group exists: data, the runs, the summary."""
+    for stream in (sys.stdout, sys.stderr):
+        # Whole lines, one write each, even under python -u (torchrun starts ranks so): a rank
+        # stopped between print's text and its newline glued the next rank's line to it.
+        stream.reconfigure(line_buffering=True, write_through=False)
     from megatron_edit.cpu import data
     from megatron.core import parallel_state as ps
 

@@ -6,6 +6,7 @@ the runs start ``torchrun --nproc_per_node 4`` with a free port and a hard timeo
 the whole process group, so a hang fails the test instead of the suite.
 """
 
+import argparse
 import importlib.util
 import os
 import re
@@ -193,6 +194,23 @@ def test_outer_sgd_defaults_of_the_job_apply_only_where_unset(job):
     args = parse([])
     job.apply_outer_defaults(args)
     job.check_args(args, job.build_parser())  # accepted: a valid outer SGD
+
+
+@pytest.mark.parametrize("lead", [True, False])
+def test_a_non_finite_value_is_printed_by_the_lead_first(job, monkeypatch, capsys, lead):
+    # Issue 24: once a rank ends at once (os._exit), a non-lead rank that stopped first had the
+    # launcher stop the leads before they printed: no message. The lead prints at once; the
+    # others wait for the launcher, and print only if still running after the wait.
+    waits = []
+    monkeypatch.setattr(job.time, "sleep", waits.append)
+    args = argparse.Namespace(check_for_nan_in_loss_and_grad=True, outer_optimizer="sgd", lr=0.003)
+    with pytest.raises(SystemExit) as info:
+        job.stop_if_not_finite(args, "validation loss", float("nan"), 4, 1, lead, True)
+    assert info.value.code == 1
+    assert waits == ([] if lead else [job.PEER_WAIT_S])
+    err = capsys.readouterr().err
+    assert err.startswith("train_gpt_edit.py: error: step 4: worker 1's validation loss is nan; stopping.")
+    job.stop_if_not_finite(args, "validation loss", 2.5, 4, 1, lead, True)  # finite: goes on
 
 
 class _Ended(Exception):
