@@ -55,7 +55,8 @@ _OUTER_FLAGS = {"lr": "--outer-optimizer-lr", "momentum": "--outer-optimizer-mom
 PEER_WAIT_S = 60.0
 
 
-def end_with_error(line: str, wait_s: Optional[float] = None) -> NoReturn:
+def end_with_error(line: str, wait_s: Optional[float] = None, first: Optional[bool] = None,
+                   code: int = 2) -> NoReturn:
     """End this rank with exit code 2 after a start-up error that every rank finds: rank 0
     prints ``line`` at once; the other ranks first wait ``wait_s`` (default
     :data:`PEER_WAIT_S`) seconds.
@@ -64,11 +65,14 @@ def end_with_error(line: str, wait_s: Optional[float] = None) -> NoReturn:
     stop the others. Exiting at once let another rank be first and rank 0 be stopped before it
     printed: exit code 2 and no message at all (issue 24: 3 of 21 runs of the main job's
     torchrun test under load). Now rank 0 exits first and the launcher ends the waiting ranks;
-    a rank still running after the wait (rank 0 found no error) prints the line itself."""
-    if os.environ.get("RANK", "0") != "0":
+    a rank still running after the wait (rank 0 found no error) prints the line itself.
+    ``first``: whether this rank prints at once (default: rank 0); ``code``: the exit code."""
+    if first is None:
+        first = os.environ.get("RANK", "0") == "0"
+    if not first:
         time.sleep(PEER_WAIT_S if wait_s is None else wait_s)
     print(line, file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
 class Rank0ArgumentParser(argparse.ArgumentParser):

@@ -46,7 +46,9 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 import megatron_edit  # noqa: E402  (light: the flags' modules import neither torch nor Megatron)
-from megatron_edit.arguments import PEER_WAIT_S, Rank0ArgumentParser, changed_flags, check_flags  # noqa: E402
+from megatron_edit.arguments import (  # noqa: E402
+    PEER_WAIT_S, Rank0ArgumentParser, changed_flags, check_flags, end_with_error,
+)
 from megatron_edit.config import ConfigError  # noqa: E402
 from megatron_edit.launch import quiet_upstream_warnings  # noqa: E402
 
@@ -471,12 +473,8 @@ def stop_if_not_finite(args, what: str, value, step: int, worker: int, lead: boo
     hint = (f" Check the outer optimizer (--outer-optimizer {args.outer_optimizer}, "
             f"--outer-optimizer-lr, --outer-optimizer-momentum) and --lr {args.lr}."
             if use_local_sgd else f" Check --lr {args.lr}.")
-    if not lead:
-        time.sleep(PEER_WAIT_S)
-    print(f"train_gpt_edit.py: error: step {step}: worker {worker}'s {what} is {value}; "
-          f"stopping.{hint} (--no-check-for-nan-in-loss-and-grad trains on.)",
-          file=sys.stderr, flush=True)
-    sys.exit(1)
+    end_with_error(f"train_gpt_edit.py: error: step {step}: worker {worker}'s {what} is {value}; "
+                   f"stopping.{hint} (--no-check-for-nan-in-loss-and-grad trains on.)", first=lead, code=1)
 
 
 def describe_edit(controller, args) -> str:
