@@ -15,7 +15,7 @@ The layers, each importing only those before it: :mod:`.config` and :mod:`.argum
 (configuration); :mod:`.algorithm` (pure math); :mod:`.exchange` (the collectives of a sync,
 over groups passed in); :mod:`.mcore` (the attachment to megatron-core); :mod:`.cpu` (running on
 CPU, demo data); :mod:`.training` (Megatron-LM's training code); and the entry points
-:mod:`.api`, :mod:`.launch` and :mod:`.patches`.
+:mod:`.api`, :mod:`.launch` and :mod:`.wraps`.
 """
 
 # The public names, each from the module that defines it, imported on first use (PEP 562): a
@@ -41,7 +41,7 @@ _PUBLIC = {
     "SyncReport": "exchange.report",
     "SUPPORTED_MEGATRON_CORE": "mcore.compat",
     "LocalSGD": "mcore.controller",
-    "PatchError": "mcore.patching",
+    "PatchError": "mcore.wrap_registry",
 }
 _RENAMED = {"SUPPORTED_MEGATRON_CORE": "SUPPORTED"}
 

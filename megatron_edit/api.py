@@ -1,8 +1,8 @@
 """Patch and unpatch Megatron for local SGD: the package's entry points.
 
-Composes the registry (:class:`~megatron_edit.mcore.patching.PatchRegistry`) from the wraps the
-layers below declare (:mod:`megatron_edit.mcore.patches`: the megatron-core wraps;
-:mod:`megatron_edit.mcore.checkpoint`: the checkpoint wraps; :mod:`megatron_edit.training.patches`:
+Composes the registry (:class:`~megatron_edit.mcore.wrap_registry.PatchRegistry`) from the wraps the
+layers below declare (:mod:`megatron_edit.mcore.core_wraps`: the megatron-core wraps;
+:mod:`megatron_edit.mcore.checkpoint`: the checkpoint wraps; :mod:`megatron_edit.training.training_wraps`:
 Megatron-LM's training wraps, when it is importable) and opens the process's patch session
 (:data:`megatron_edit.mcore.session.SESSION`).
 """
@@ -17,8 +17,8 @@ from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from .mcore.checkpoint import add_checkpoint_patches, add_load_fix_patches
 from .mcore.compat import SUPPORTED, TESTED, megatron_core_version
 from .mcore.controller import LocalSGD
-from .mcore.patches import build_registry
-from .mcore.patching import PatchError, PatchRegistry, version_tuple
+from .mcore.core_wraps import build_registry
+from .mcore.wrap_registry import PatchError, PatchRegistry, version_tuple
 from .mcore.runtime import Configs, LocalSGDRuntime, get_local_sgd as _get
 from .mcore.session import SESSION
 
@@ -31,7 +31,7 @@ class UnsupportedMegatronVersion(PatchError):
 
 def build_full_registry(runtime_ref, need_training: bool = False) -> PatchRegistry:
     """The registry of every patch, in application order: the megatron-core wraps
-    (:mod:`megatron_edit.mcore.patches`), the checkpoint wraps
+    (:mod:`megatron_edit.mcore.core_wraps`), the checkpoint wraps
     (:mod:`megatron_edit.mcore.checkpoint`: EDiT state in torch_dist checkpoints), and
     Megatron-LM's training wraps when ``megatron.training`` is there (a Megatron-LM checkout
     on the path; since 0.17 also the copy in the megatron-core wheel). ``need_training``: it
@@ -161,7 +161,7 @@ def _check_configs(local_sgd_config, outer_optim_config, gta_config) -> None:
 
 
 def _add_training_patches(registry: PatchRegistry, runtime_ref, required: bool) -> None:
-    """Megatron-LM's training wraps (:mod:`megatron_edit.training.patches`: flags, validation,
+    """Megatron-LM's training wraps (:mod:`megatron_edit.training.training_wraps`: flags, validation,
     metrics) on ``registry``, when ``megatron.training`` is there."""
     import importlib.util
 
@@ -173,7 +173,7 @@ def _add_training_patches(registry: PatchRegistry, runtime_ref, required: bool) 
         return
     declared = PatchRegistry()
     try:
-        from .training.patches import add_training_patches
+        from .training.training_wraps import add_training_patches
 
         add_training_patches(declared, runtime_ref)  # imports megatron.training
     except PatchError:

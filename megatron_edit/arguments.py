@@ -63,7 +63,7 @@ def end_with_error(line: str, wait_s: Optional[float] = None, first: Optional[bo
 
     Why the wait: a rank that exits first makes the launcher (torchrun, or the main job's own)
     stop the others. Exiting at once let another rank be first and rank 0 be stopped before it
-    printed: exit code 2 and no message at all (issue 24: 3 of 21 runs of the main job's
+    printed: exit code 2 and no message at all (seen in 3 of 21 runs of the main job's
     torchrun test under load). Now rank 0 exits first and the launcher ends the waiting ranks;
     a rank still running after the wait (rank 0 found no error) prints the line itself.
     ``first``: whether this rank prints at once (default: rank 0); ``code``: the exit code."""

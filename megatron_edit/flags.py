@@ -11,7 +11,7 @@ every validation message uses, :func:`flag_names`), the argparse declaration
 (:func:`add_flags`, used by :func:`megatron_edit.arguments.local_sgd_args_provider`), the args ->
 config mapping (:func:`config_kwargs`, used by :func:`megatron_edit.arguments.configs_from_args`),
 and through those the flag table of the generated configuration reference
-(``scripts/gen_docs.py``). What argparse needs is derived from the field's annotation and
+(``scripts/dev/gen_docs.py``). What argparse needs is derived from the field's annotation and
 default where it can be: a ``bool`` defaulting to False is a switch (``store_true``), one
 defaulting to True an on/off pair (``--[no-]...``); ``int`` / ``float`` parse as such,
 ``Optional[float]`` as a number or ``none``; a flag with ``choices`` takes them as strings;

@@ -7,7 +7,7 @@
 
 Per process: activate the CPU adapters when there is no GPU, apply the start-up patches on every
 device and route (``lm-compile-helpers``: no ``make`` when the compiled dataset helpers are
-importable, see :mod:`megatron_edit.training.patches`), patch Megatron
+importable, see :mod:`megatron_edit.training.training_wraps`), patch Megatron
 (``patch_megatron_for_local_sgd()``: megatron-core for the algorithm, ``megatron.training`` for
 the flags, their validation and the metrics in the log), then run the script as ``__main__``
 with ``sys.argv`` set to the script and its arguments. The same thing by hand, at the top of a
@@ -216,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     _set_up_path(opts.script)
     if cpu:
         cpu_training_adapter.activate()
-    from .training.patches import apply_startup_patches
+    from .training.training_wraps import apply_startup_patches
 
     startup = apply_startup_patches()
     if not opts.no_runtime_patches:

@@ -1,7 +1,7 @@
-"""The fault matrix (issue 24): what a user of EDiT sees when a rank dies, hangs, writes a bad
+"""The fault matrix: what a user of EDiT sees when a rank dies, hangs, writes a bad
 number, or a checkpoint is damaged, and whether anything is lost.
 
-    python scripts/fault_matrix.py [--rows kill-between,nan-fp32,...] [--out bench-results/fault_matrix.md]
+    python scripts/fault_matrix.py [--rows kill-between,nan-fp32,...] [--out scripts/bench/results/fault_matrix.md]
 
 Each row starts fresh processes (``torchrun --nproc_per_node 4 scripts/fault_job.py``: EDiT on
 megatron-core, 2 workers x 2 shards, CPU over gloo, 12 steps, syncs after steps 5, 8, 11 and 12)

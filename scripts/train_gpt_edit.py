@@ -466,7 +466,7 @@ def stop_if_not_finite(args, what: str, value, step: int, worker: int, lead: boo
     """Like Megatron-LM's --check-for-nan-in-loss-and-grad: a worker whose loss or gradient norm
     is not finite stops the job (its ranks exit 1; the launcher ends the others). The worker's
     lead prints the line and exits at once; its other ranks wait for the launcher to stop them
-    (a rank that exited first had the launcher stop the leads before they printed: issue 24)
+    (a rank that exited first had the launcher stop the leads before they printed)
     and print the line themselves if still running after the wait."""
     if value is None or math.isfinite(value) or not args.check_for_nan_in_loss_and_grad:
         return
@@ -693,7 +693,7 @@ def end_rank(error: BaseException) -> None:
 
     Why: such a rank still holds its gloo process groups (and an exchange may be in flight)
     while the other ranks stop at the same moment. Through ``sys.exit`` the interpreter then
-    tears those down, and once in the suite's repeated runs (issue 24; torch 2.13.0, load 30-40)
+    tears those down, and once in the suite's repeated runs (torch 2.13.0, load 30-40)
     that teardown ended rank 1 with SIGABRT ("terminate called without an active exception"),
     no Python frame, so the launcher reported "killed by signal 6" instead of the rank's exit
     code 1. Nothing is left to save at this point: the stop itself is the result."""

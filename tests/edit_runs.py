@@ -606,7 +606,7 @@ def hung_worker_job(rank, world_size, local_sgd, hang_after_step, hung_worker=1,
 
 
 def patch_order_job(rank, world_size, case):
-    """Patching at the wrong time (issue 30 item 1) on 2 workers x 1 rank: returns the error
+    """Patching at the wrong time on 2 workers x 1 rank: returns the error
     message raised, or ``"ran"`` with whether EDiT drove the optimizer."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps

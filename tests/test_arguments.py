@@ -378,7 +378,7 @@ def test_gta_flags_reach_their_fields():
         _configs("--gta-sparsification-method", "magnitude")
 
 
-# ---------------------------------------------------------------- check_flags (issue 30)
+# ---------------------------------------------------------------- check_flags
 SOME_REFUSALS = [
     ["--outer-optimizer", "adam", "--outer-optimizer-lr", "0.001", "--outer-optimizer-momentum", "0.5"],
     ["--outer-optimizer", "adam"],
@@ -423,7 +423,7 @@ def test_the_flags_modules_import_neither_torch_nor_megatron():
 
 
 def test_validation_builds_no_optimizer(monkeypatch):
-    # Checking the outer optimizer's options must not construct one (issue 25: no torch objects
+    # Checking the outer optimizer's options must not construct one (no torch objects
     # in validation); torch's own checks are covered by check_outer_numbers.
     monkeypatch.setattr(torch.optim.SGD, "__init__", lambda *a, **k: pytest.fail("an SGD was built"))
     OuterOptimizerConfig("sgd", {"lr": 0.5, "momentum": 0.5, "nesterov": True})

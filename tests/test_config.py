@@ -304,7 +304,7 @@ def test_gta_reducer_constructs_with_its_options():
 
 def test_gta_only_options_are_refused_with_linear():
     assert "--gta-int8-mask" in _raises(GTAConfig, ConfigError, "int8_mask", int8_mask=True)
-    # issue 30: it did nothing with the linear reducer, silently; now it is refused too
+    # it did nothing with the linear reducer, silently; now it is refused too
     assert "--local-sgd-reducer gta" in _raises(GTAConfig, ConfigError, "normalize", normalize=False)
 
 
@@ -435,7 +435,7 @@ def test_gta_refuses_a_quantized_exchange():
 
 @pytest.mark.parametrize("cls", [LocalSGDConfig, OuterOptimizerConfig, GTAConfig])
 def test_every_field_is_documented_where_help_and_ides_see_it(cls):
-    """Issue 30 item 4: the strings under the fields are in the class docstring (help(), IDEs),
+    """The strings under the fields are in the class docstring (help(), IDEs),
     each with the field's default and flag."""
     import pydoc
 

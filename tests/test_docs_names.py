@@ -1,5 +1,5 @@
 """Every file path and ``megatron_edit`` name that README.md and the ``--help`` texts mention
-exists (issue 30 item 5: the README named tests at their old paths, ``launch --help`` modules
+exists (the README once named tests at their old paths, ``launch --help`` modules
 that had moved)."""
 
 import importlib
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = ("tests/", "scripts/", "megatron_edit/", "patches/", "bench-results/", ".ci/", "docs/")
-PATH = re.compile(r"(?<![\w./-])((?:tests|scripts|megatron_edit|patches|bench-results|\.ci|docs)/[\w./-]*[\w])")
+OURS = ("tests/", "scripts/", "megatron_edit/", "patches/", "scripts/bench/results/", ".ci/", "docs/")
+PATH = re.compile(r"(?<![\w./-])((?:tests|scripts|megatron_edit|patches|scripts/bench/results|\.ci|docs)/[\w./-]*[\w])")
 DOTTED = re.compile(r"\bmegatron_edit(?:\.\w+)+")
 
 
@@ -72,7 +72,7 @@ def test_the_check_catches_a_stale_name():
 
 def test_the_package_names_only_modules_that_exist():
     """Docstrings, comments and messages of the package name modules and objects that exist
-    (issue 25: comments true to the code). ``megatron_edit.local_sgd/2`` is a checkpoint
+    (comments true to the code). ``megatron_edit.local_sgd/2`` is a checkpoint
     format's name, not a module."""
     stale = {}
     for path in sorted((ROOT / "megatron_edit").rglob("*.py")):

@@ -1,7 +1,7 @@
 """The documentation site (docs/, mkdocs.yml) stays true to the code.
 
 * the generated pages (configuration reference, refusal messages) equal what
-  ``scripts/gen_docs.py`` generates now;
+  ``scripts/dev/gen_docs.py`` generates now;
 * every refusal message the AST scan finds is on the generated page, and every message quoted
   in the hand-written troubleshooting page is still in the code;
 * the docs' short commands hold: fenced ``python`` / ``bash`` blocks whose first line is
@@ -30,7 +30,7 @@ TIMEOUT = 120
 
 
 def _gen_docs():
-    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "dev" / "gen_docs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -53,7 +53,7 @@ def _blocks(lang: str):
 
 
 def test_generated_pages_are_current():
-    result = subprocess.run([sys.executable, "scripts/gen_docs.py", "--check"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "scripts/dev/gen_docs.py", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -1,4 +1,4 @@
-"""Each row of the fault matrix (scripts/fault_matrix.py, issue 24) as a test: fresh torchrun
+"""Each row of the fault matrix (scripts/fault_matrix.py) as a test: fresh torchrun
 processes (EDiT on megatron-core, 2 workers x 2 shards, CPU), one fault each, the outcome
 checked against an uninterrupted run. Slow (20-60 s a row): CI runs them in its default lane;
 ``-m 'not slow'`` leaves them out."""

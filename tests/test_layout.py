@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_edit"
 
 LAYERS = {"config": 0, "arguments": 0, "flags": 0, "algorithm": 1, "exchange": 2, "mcore": 3, "cpu": 4, "training": 5}
-ENTRY = 6  # api, launch, patches, __init__ and the old-path alias training_patches
+ENTRY = 6  # api, launch, wraps (the listing CLI) and __init__
 
 
-_SPEC = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+_SPEC = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "dev" / "import_graph.py")
 import_graph = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(import_graph)
 
@@ -64,7 +64,7 @@ GRAPH = {name: _imports(name)[0] for name in MODULES}
 
 def _layer(name):
     parts = name.split(".")
-    if len(parts) == 1 or parts[1] in ("api", "launch", "patches", "training_patches"):
+    if len(parts) == 1 or parts[1] in ("api", "launch", "wraps"):
         return ENTRY
     return LAYERS[parts[1]]
 
@@ -108,12 +108,12 @@ def test_long_modules_say_why():
 
 
 def test_the_graph_sees_lazy_imports():
-    """A sanity check of the walker: api imports training.patches inside a function."""
-    assert "megatron_edit.training.patches" in GRAPH["megatron_edit.api"]
+    """A sanity check of the walker: api imports training.training_wraps inside a function."""
+    assert "megatron_edit.training.training_wraps" in GRAPH["megatron_edit.api"]
 
 
 def test_no_private_name_is_imported_across_sub_packages():
-    """A module's underscore names are its sub-package's business (issue 25): another layer
+    """A module's underscore names are its sub-package's business: another layer
     imports only public names."""
     crossing = []
     for name, (path, is_package) in MODULES.items():
@@ -137,8 +137,8 @@ def test_no_private_name_is_imported_across_sub_packages():
 
 
 def test_the_checkpoint_sub_package_has_one_public_face():
-    """Outside ``megatron_edit.mcore.checkpoint`` only its ``__init__`` is imported (issue 25:
-    its modules are its own business)."""
+    """Outside ``megatron_edit.mcore.checkpoint`` only its ``__init__`` is imported
+    (its modules are its own business)."""
     face = "megatron_edit.mcore.checkpoint"
     inside = [m for m in MODULES if m.startswith(face + ".")]
     assert inside, "the checkpoint sub-package moved: update this test"

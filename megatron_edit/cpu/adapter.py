@@ -24,9 +24,9 @@ it 0.13's behaviour (nothing to do for an empty list, still an error otherwise).
 transformer-engine (0.16.x's router GEMM name, the alltoall dispatcher's split sizes): see
 :mod:`megatron_edit.cpu.moe`.
 
-Every replacement is a declared :class:`~megatron_edit.mcore.patching.Patch` (``replace`` patches
+Every replacement is a declared :class:`~megatron_edit.mcore.wrap_registry.Patch` (``replace`` patches
 for stand-ins, wraps for functions that still call the original) applied by the package's one
-patch engine, :class:`~megatron_edit.mcore.patching.PatchRegistry`, kept in the process's session
+patch engine, :class:`~megatron_edit.mcore.wrap_registry.PatchRegistry`, kept in the process's session
 object (:data:`megatron_edit.mcore.session.SESSION`); :func:`deactivate` reverts it, putting the
 originals back exactly, so tests can activate and deactivate in one process.
 
@@ -44,7 +44,7 @@ import warnings
 
 import torch
 
-from ..mcore.patching import Patch, PatchError, PatchRegistry, VersionRange
+from ..mcore.wrap_registry import Patch, PatchError, PatchRegistry, VersionRange
 from ..mcore.session import SESSION
 from .moe import declare_moe
 
@@ -281,7 +281,7 @@ def _quantize_no_fp8_params(original):
 
 def _declare(registry: PatchRegistry, version: str) -> PatchRegistry:
     """Every replacement, in application order, as patches of the package's one engine
-    (:mod:`megatron_edit.mcore.patching`): ``replace`` patches for stand-ins, wraps for the
+    (:mod:`megatron_edit.mcore.wrap_registry`): ``replace`` patches for stand-ins, wraps for the
     functions that still call the original."""
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..mcore.patching import Patch, PatchRegistry, VersionRange
+from ..mcore.wrap_registry import Patch, PatchRegistry, VersionRange
 
 
 def _router_gemm_undefined() -> bool:

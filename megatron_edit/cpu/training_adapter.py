@@ -19,14 +19,14 @@ model parallelism and seeds). On top of that, Megatron-LM's training code needs:
 
 Not here: skipping ``compile_helpers``' ``make`` when the compiled dataset helpers are
 importable is needed on GPUs too (the megatron-core wheel has no Makefile), so it is the
-``lm-compile-helpers`` patch of :mod:`megatron_edit.training.patches`, which the launcher applies
+``lm-compile-helpers`` patch of :mod:`megatron_edit.training.training_wraps`, which the launcher applies
 on every device.
 
 Also needed, outside this module: ``psutil`` installed (the async checkpoint writer dies
 without it and the run hangs), and Megatron-LM's own Python dependencies (see
 ``scripts/requirements-megatron-lm.txt``).
 
-Every replacement is a declared :class:`~megatron_edit.mcore.patching.Patch` of the package's one
+Every replacement is a declared :class:`~megatron_edit.mcore.wrap_registry.Patch` of the package's one
 patch engine (its registry kept in :data:`megatron_edit.mcore.session.SESSION`);
 :func:`deactivate` undoes them (and :func:`megatron_edit.cpu.adapter.deactivate` the
 megatron-core part).
@@ -43,7 +43,7 @@ import torch
 
 from . import adapter as cpu_adapter
 from ..mcore import compat
-from ..mcore.patching import Patch, PatchRegistry
+from ..mcore.wrap_registry import Patch, PatchRegistry
 from ..mcore.session import SESSION
 
 __all__ = ["activate", "deactivate", "is_active"]

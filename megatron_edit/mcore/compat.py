@@ -3,7 +3,7 @@
 EDiT (arXiv 2412.07210) needs Megatron's *partial* distributed optimizer
 (``num_distributed_optimizer_instances``: one instance per EDiT worker), which PyPI releases
 have since 0.12.0. This module is the one place that knows how those releases differ; the
-patches (:mod:`megatron_edit.mcore.patches`, :mod:`megatron_edit.training.patches`) and the
+patches (:mod:`megatron_edit.mcore.core_wraps`, :mod:`megatron_edit.training.training_wraps`) and the
 EDiT core ask it instead of testing versions themselves. CPU-only differences live in
 :mod:`megatron_edit.cpu.adapter` and :mod:`megatron_edit.cpu.training_adapter`.
 
@@ -130,7 +130,7 @@ from __future__ import annotations
 import inspect
 from typing import Optional, Tuple
 
-from .patching import VersionRange, version_tuple
+from .wrap_registry import VersionRange, version_tuple
 from .process_state import PROCESS
 
 from .releases import (  # noqa: F401  (the data this module answers from; compat.X reads it)

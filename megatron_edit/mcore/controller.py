@@ -11,7 +11,7 @@ seconds).
 :class:`LocalSGD` owns one optimizer's EDiT state and decides *when*: it counts optimizer
 steps, takes the anchor at the end of warmup, plans A-EDiT's syncs, and hands each sync to
 :class:`~megatron_edit.exchange.outer_sync.OuterSync`, which does the exchange and the outer step
-(the *how*). It is attached to Megatron by :mod:`megatron_edit.mcore.patches` and reads only the
+(the *how*). It is attached to Megatron by :mod:`megatron_edit.mcore.core_wraps` and reads only the
 objects it is given (the optimizer, its buckets and the process groups they carry), never
 ``parallel_state``.
 
@@ -222,7 +222,7 @@ class LocalSGD(ControllerState):
         """Synchronous steps of global progress per optimizer step of this worker: 1 for EDiT;
         with A-EDiT, N / (W n) in an interval where this worker takes n of the workers' N steps.
         The learning-rate schedule advances by this much per step
-        (``mcore.patches``: ``OptimizerParamScheduler.step``), so all workers' schedules agree
+        (``mcore.core_wraps``: ``OptimizerParamScheduler.step``), so all workers' schedules agree
         at every sync and end together."""
         return self.async_plan.progress_scale if self.grads_are_local else 1.0
 

@@ -6,14 +6,14 @@ questions the patches ask (:func:`~megatron_edit.mcore.compat.params`,
 :func:`~megatron_edit.mcore.compat.release_range`); this module is its data: the version ranges
 and the two signature tables, one for megatron-core (:data:`SIGNATURES`) and one for Megatron-LM's
 training code (:data:`TRAINING_SIGNATURES`). A patch whose target's signature is not the one
-listed for the installed release fails loudly (:mod:`megatron_edit.mcore.patching`).
+listed for the installed release fails loudly (:mod:`megatron_edit.mcore.wrap_registry`).
 """
 
 from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from .patching import VersionRange
+from .wrap_registry import VersionRange
 
 SUPPORTED = VersionRange("0.12.0", "0.20.0")
 """megatron-core releases megatron_edit supports (the PyPI releases with the partial
@@ -124,7 +124,7 @@ SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]] = {
     ),
 }
 """Parameter names of each megatron-core function megatron_edit wraps or calls by keyword, per
-release range (``module:Owner.attr`` as in :class:`~megatron_edit.mcore.patching.Patch`
+release range (``module:Owner.attr`` as in :class:`~megatron_edit.mcore.wrap_registry.Patch`
 targets)."""
 
 _LM_TRAINING = "megatron.training.training"

@@ -1,6 +1,6 @@
 """The live state behind the megatron-core wraps: configs and each optimizer's EDiT object.
 
-The wraps (:mod:`megatron_edit.mcore.patches`) are process-global (they replace Megatron's
+The wraps (:mod:`megatron_edit.mcore.core_wraps`) are process-global (they replace Megatron's
 functions); :class:`LocalSGDRuntime` is what they consult when Megatron calls them: the configs
 (given directly, or read from Megatron-LM's parsed arguments when the first DDP is built), and
 the :class:`LocalSGD` of every distributed optimizer built while patched.

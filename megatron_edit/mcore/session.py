@@ -5,12 +5,12 @@ attachment to Megatron (patching Megatron is process-global by nature).
 
 * ``runtime``: the :class:`~megatron_edit.mcore.runtime.LocalSGDRuntime` the megatron-core
   wraps consult (None while unpatched);
-* ``registry`` / ``fixes_registry``: the :class:`~megatron_edit.mcore.patching.PatchRegistry`
+* ``registry`` / ``fixes_registry``: the :class:`~megatron_edit.mcore.wrap_registry.PatchRegistry`
   that applied every wrap (megatron-core's, the checkpoint wraps, Megatron-LM's training wraps),
   and the one of megatron-core's load fixes alone (plain Megatron);
 * ``cpu_registry`` / ``cpu_training_registry``: the replacements of
   :mod:`megatron_edit.cpu.adapter` and :mod:`megatron_edit.cpu.training_adapter` (CPU only);
-* ``training_log``: the console-line state of :func:`megatron_edit.training.patches.native_training_log`
+* ``training_log``: the console-line state of :func:`megatron_edit.training.training_wraps.native_training_log`
   (typed loosely: this layer does not import the training layer; it sets it);
 * ``process``: the state that outlives a patch session (checkpoint captures, the instance
   groups built on 0.12.x, the count of controllers built that keys their arrival checks), kept
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .patching import PatchRegistry
+from .wrap_registry import PatchRegistry
 from .process_state import PROCESS, ProcessState
 from .runtime import LocalSGDRuntime
 
@@ -41,7 +41,7 @@ class Session:
     cpu_training_registry: Optional[PatchRegistry] = None
     """:mod:`megatron_edit.cpu.training_adapter`'s wraps (Megatron-LM's training code on CPU)."""
     training_log: Any = None
-    """:mod:`megatron_edit.training.patches`' state between a forked ``training_log`` and its
+    """:mod:`megatron_edit.training.training_wraps`' state between a forked ``training_log`` and its
     console line (created there on first use)."""
     process: ProcessState = PROCESS
     """What outlives a patch session (:mod:`megatron_edit.mcore.process_state`)."""

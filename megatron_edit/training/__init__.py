@@ -4,13 +4,13 @@
 * :mod:`.validation`: the flags checked with Megatron-LM's options at start-up;
 * :mod:`.metrics`: each sync's figures on the console line and in TensorBoard / W&B;
 * :mod:`.worker_local`: Megatron-LM's per-step collectives kept inside each worker;
-* :mod:`.patches`: the runtime patches that wire these in (or a fork calls them itself).
+* :mod:`.training_wraps`: the runtime patches that wire these in (or a fork calls them itself).
 
 A Megatron-LM fork (``patches/``) calls the three functions exported here.
 """
 
 from .flags import add_local_sgd_args
-from .patches import native_training_log
+from .training_wraps import native_training_log
 from .validation import validate_local_sgd_args
 
 __all__ = ["add_local_sgd_args", "native_training_log", "validate_local_sgd_args"]

@@ -16,7 +16,7 @@ from ..arguments import changed_flags, configs_from_args
 from ..config import ConfigError, NotSupportedYet
 from ..mcore import compat
 from ..mcore.checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
-from ..mcore.patching import VersionRange
+from ..mcore.wrap_registry import VersionRange
 
 logger = logging.getLogger(__name__)
 

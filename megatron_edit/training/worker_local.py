@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 from ..algorithm.schedule import is_sync_step
 from ..config import NotSupportedYet
 from ..mcore import compat
-from ..mcore.patching import Patch, PatchRegistry, VersionRange
+from ..mcore.wrap_registry import Patch, PatchRegistry, VersionRange
 from ..mcore.runtime import LocalSGDRuntime
 
 _TRAINING = "megatron.training.training"

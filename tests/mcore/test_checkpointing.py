@@ -169,7 +169,7 @@ def test_resume_with_a_different_shard_size(runs):
     # losses are compared, not the parameters: the key part of the QKV bias has a mathematically
     # zero gradient (softmax ignores it), so Adam turns reduction-order noise there into steps of
     # about the learning rate, and a tolerance on those parameters passes or fails by chance
-    # (issue 24). The loss does not depend on them; it depends on everything that is determined.
+    # (run to run). The loss does not depend on them; it depends on everything that is determined.
     for res in resumed:
         # one rank of 2 reads the samples of ranks 2w and 2w + 1 of the 4-rank run: its loss is
         # the mean of theirs
@@ -202,7 +202,7 @@ def test_missing_or_corrupted_edit_state_is_a_clear_error(runs, tmp_path):
     naming the problem for a checkpoint whose anchor, worker-1 part or record was removed, and
     for a record with an impossible step count; NotSupportedYet for the optimizer format
     megatron-core 0.16 corrupts; for garbled record bytes too (torch.distributed.checkpoint's own
-    unpickling error was raised before, issue 30). (A checkpoint without any EDiT state is one of synchronous training: it
+    unpickling error was raised before). (A checkpoint without any EDiT state is one of synchronous training: it
     loads, test_checkpoint_resume.)"""
     src = runs["ckpt"][7]
     cases = {}

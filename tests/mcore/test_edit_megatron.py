@@ -236,7 +236,7 @@ def test_a_layerwise_sync_due_at_the_last_step_completes_before_the_run_ends():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["layerwise", "step_end"])
 def test_a_run_ending_off_the_sync_grid_ends_with_a_sync(mode):
-    """Issue 30: the last step (7) is not on the grid (syncs after 3 and 6): the run still ends
+    """The last step (7) is not on the grid (syncs after 3 and 6): the run still ends
     with a sync there, so the workers end with one model (before, they ended 1 local step apart,
     with different models)."""
     spec = default_spec(steps=7, local_sgd=dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=0, sync_mode=mode),

@@ -1,5 +1,5 @@
 """scripts/example_checkpoint.py, the README's save / resume example for megatron-core alone,
-runs as written (torchrun, 4 CPU processes) and resumes exactly (issue 30 item 5)."""
+runs as written (torchrun, 4 CPU processes) and resumes exactly."""
 
 import os
 import signal

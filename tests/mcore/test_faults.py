@@ -1,5 +1,5 @@
 """Faults during training on real megatron-core (CPU, gloo, 2 workers x 2 shards): what the
-user sees when a worker stops arriving at a sync (issue 24: nothing hangs for torch's 30
+user sees when a worker stops arriving at a sync (nothing hangs for torch's 30
 minutes, the message names the worker and the step)."""
 
 import re

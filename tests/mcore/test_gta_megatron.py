@@ -8,7 +8,7 @@ from dist import run_ranks
 from edit_runs import default_spec, megatron_runs, simulate_gta
 from megatron_edit.algorithm.gta import traffic_ratio
 from megatron_edit.mcore.compat import megatron_core_version
-from megatron_edit.mcore.patching import version_tuple
+from megatron_edit.mcore.wrap_registry import version_tuple
 from test_edit_megatron import OUTER, _assert_params_close, _assert_params_equal
 
 EDIT = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)

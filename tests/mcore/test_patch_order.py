@@ -1,4 +1,4 @@
-"""Patching at the wrong time never leaves training silently synchronous (issue 30 item 1), on
+"""Patching at the wrong time never leaves training silently synchronous, on
 real megatron-core (CPU, gloo, 2 workers)."""
 
 import pytest

@@ -27,7 +27,7 @@ def main(checkout, spec_path):
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4")
     from megatron_edit import launch, patch_megatron_for_local_sgd, unpatch_megatron_for_local_sgd
     from megatron_edit.cpu import training_adapter as cpu_training_adapter
-    from megatron_edit.training.patches import check_import_bindings
+    from megatron_edit.training.training_wraps import check_import_bindings
 
     launch._set_up_path(os.path.join(checkout, "pretrain_gpt.py"))  # the launcher's megatron
     cpu_training_adapter.activate()

@@ -207,9 +207,9 @@ def main():
     if os.environ.get("MEGATRON_EDIT_PROBE_SLOW"):
         slow_down(os.environ["MEGATRON_EDIT_PROBE_SLOW"])
     if os.environ.get("MEGATRON_EDIT_PROBE_NO_WORKER_LOCAL") == "1":
-        from megatron_edit.training import patches as training_patches
+        from megatron_edit.training import training_wraps
 
-        training_patches.add_worker_local_patches = lambda registry, runtime_ref: []  # "before"
+        training_wraps.add_worker_local_patches = lambda registry, runtime_ref: []  # "before"
     atexit.register(recorder.dump, out_dir)
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]

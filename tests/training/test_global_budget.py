@@ -241,7 +241,7 @@ def resumed_run(straggler_run, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_e2e_a_edit_resumes_each_worker_at_its_own_step_and_keeps_the_budget(resumed_run):
-    # Issue 24: a checkpoint written through --save-interval at an A-EDiT sync, resumed end to
+    # A checkpoint written through --save-interval at an A-EDiT sync, resumed end to
     # end. Each worker goes on from its own step count at the save (they differ: the fast worker
     # had taken more steps), and the run still ends at the same global budget, T x workers.
     run = resumed_run

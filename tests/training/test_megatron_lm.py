@@ -111,7 +111,7 @@ def test_launcher_refuses_a_bad_edit_flag_before_megatron_in_one_line(tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("megatron_edit: error: --local-sgd-sync-time"), err
     assert "--local-sgd-async" in err
-    # Rank 0 prints at once; another rank waits for torchrun to stop it (issue 24: exiting at
+    # Rank 0 prints at once; another rank waits for torchrun to stop it (exiting at
     # once could have rank 0 stopped before it printed), and prints only if still running.
     assert waits == ([] if rank == "0" else [arguments.PEER_WAIT_S])
 

@@ -10,7 +10,7 @@ modules (``tests/test_layout.py`` checks it), which are its own business:
 * :mod:`.resume`: exact, elastic and synchronous → EDiT resume;
 * :mod:`.keys`: checkpoint keys, per-worker renaming and replica ids;
 * :mod:`.guard`: a damaged or incomplete checkpoint named in one line before the load;
-* :mod:`.patches`: the wrap patches of ``DistributedOptimizer`` and ``dist_checkpointing``;
+* :mod:`.checkpoint_wraps`: the wrap patches of ``DistributedOptimizer`` and ``dist_checkpointing``;
 * :mod:`.load_fixes`: workarounds for megatron-core's own checkpoint-load defects (also usable
   alone, :func:`megatron_edit.patch_megatron_load_fixes`).
 
@@ -21,7 +21,7 @@ methods, never its private fields.
 
 from .keys import CheckpointStateError
 from .load_fixes import LOAD_FIXES, TORCH_ADAM_LOAD_BUGS, add_load_fix_patches
-from .patches import add_checkpoint_patches
+from .checkpoint_wraps import add_checkpoint_patches
 from .record import FORMAT, check_run_record
 from .resume import residual_share
 from .state import NOT_YET, SUPPORTED, SUPPORTED_SHARDING_TYPES

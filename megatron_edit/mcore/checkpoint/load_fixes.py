@@ -47,7 +47,7 @@ import torch
 
 from ...config import NotSupportedYet
 from .keys import CheckpointStateError
-from ..patching import Patch, PatchRegistry, VersionRange
+from ..wrap_registry import Patch, PatchRegistry, VersionRange
 
 TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose distributed optimizer needs the torch-Adam load fixes."""

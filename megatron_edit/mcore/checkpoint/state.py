@@ -125,7 +125,7 @@ from .resume import (
     restart_from_anchor,
 )
 from .space import ModelSpace, model_tensors_by_param
-from ..patching import VersionRange
+from ..wrap_registry import VersionRange
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,174 @@
+"""Overlap benchmark: what a sync costs in step time, step-end against layer-wise.
+
+    torchrun --nproc_per_node 4 scripts/bench/bench_overlap.py [--interval 4] [--syncs 12]
+    # over bandwidth-limited links (see scripts/bench/netns_cluster.sh):
+    bash scripts/bench/netns_cluster.sh --workers 2 --rate 100mbit -- scripts/bench/bench_overlap.py
+
+The main job's GPT (2 workers x 2 shards) trains with EDiT (no warmup, sync every H steps) in
+both sync modes, and synchronously for reference. Every step and every forward pass is timed
+on every rank (mean over ranks per step). For each sync due after step s:
+  step_end   the exchange and the outer step run, blocking, inside the optimizer step of s;
+  layerwise  the first bucket group's exchange is launched at the end of s, the rest complete
+             bucket by bucket in the forward pass of s+1, each just before its parameters are
+             gathered, while the next group's exchange is in flight.
+"extra per sync" = time of steps s and s+1 above the median ordinary step (steps neither s nor
+s+1). The exchange alone (the same all-reduces, blocking, no compute) is timed afterwards.
+"hidden" = 1 - extra(layer-wise) / extra(step-end): the share of the sync's cost the forward
+pass hides. Writes scripts/bench/results/overlap{suffix}.{png,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import bench_common as bc
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interval", type=int, default=4, help="H")
+    parser.add_argument("--syncs", type=int, default=12, help="syncs measured per EDiT run")
+    parser.add_argument("--skip-syncs", type=int, default=1, help="first syncs not measured (warm-up)")
+    parser.add_argument("--suffix", default=os.environ.get("BENCH_SUFFIX", ""),
+                        help="appended to the output names (e.g. _100mbit)")
+    parser.add_argument("--label", default=os.environ.get("BENCH_LABEL", "loopback (one machine, no limit)"))
+    return bc.parse_args(parser)
+
+
+def run(args, mode, train_ds):
+    h = args.interval
+    steps = (args.syncs + args.skip_syncs) * h + 1
+    run_args = bc.edit_args(
+        args, use_local_sgd=mode != "synchronous", local_sgd_sync_interval=h, local_sgd_warmup_steps=0,
+        local_sgd_sync_mode=mode if mode != "synchronous" else "layerwise",
+    )
+    ddp, optimizer, scheduler, controllers = bc.build(run_args)
+    it = bc.batches(run_args, train_ds)
+    forward = []
+
+    def timed_forward(data_iterator, model):
+        t0 = time.perf_counter()
+        out = bc.job.forward_step(data_iterator, model)
+        forward.append(time.perf_counter() - t0)
+        return out
+
+    step_times, reports = [], []
+    dist.barrier()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        bc.train_step(run_args, ddp, optimizer, scheduler, next(it), forward_step=timed_forward)
+        step_times.append(time.perf_counter() - t0)
+        reports += [r for c in controllers for r in c.drain_reports()]
+    reports += bc.flush(ddp, controllers)
+    shard_numels = [b.grad_data.numel() // bc.layout(args)["worker_size"] for buf in ddp.buffers for b in buf.buckets]
+    per_rank = bc.gather_floats(step_times + forward)
+    mean = per_rank.mean(dim=0).tolist()
+    return dict(mode=mode, step=mean[:steps], forward=mean[steps:], shard_numels=shard_numels,
+                edit_seconds=[r.seconds for r in reports], syncs=len(reports))
+
+
+def exchange_alone(shard_numels, reps=7) -> float:
+    """Seconds for the sync's all-reduces across the workers, blocking, nothing else running."""
+    from megatron.core import parallel_state as ps
+
+    return bc.exchange_alone(shard_numels, ps.get_inter_distributed_optimizer_instance_group(), reps)
+
+
+def analyse(args, r):
+    """Ordinary step/forward time, and the extra time of the steps around each measured sync."""
+    h, n = args.interval, len(r["step"])
+    sync_after = [s for s in range(1, n + 1) if s % h == 0 and s // h > args.skip_syncs and s < n]
+    touched = {s for t in sync_after for s in (t, t + 1)}
+    ordinary = [r["step"][i - 1] for i in range(h + 1, n + 1) if i not in touched]
+    ordinary_fwd = [r["forward"][i - 1] for i in range(h + 1, n + 1) if i not in touched]
+    base, base_fwd = statistics.median(ordinary), statistics.median(ordinary_fwd)
+    extra = [r["step"][s - 1] + r["step"][s] - 2 * base for s in sync_after]
+    sync_step = [r["step"][s - 1] - base for s in sync_after]
+    next_step = [r["step"][s] - base for s in sync_after]
+    next_fwd = [r["forward"][s] - base_fwd for s in sync_after]
+    spread = statistics.quantiles(ordinary, n=4) if len(ordinary) >= 4 else [base, base, base]
+    return dict(base=base, base_iqr=(spread[0], spread[2]), base_fwd=base_fwd,
+                extra=statistics.median(extra) if extra else 0.0,
+                extra_all=extra, sync_step=statistics.median(sync_step) if sync_step else 0.0,
+                next_step=statistics.median(next_step) if next_step else 0.0,
+                next_fwd=statistics.median(next_fwd) if next_fwd else 0.0,
+                edit=statistics.median(r["edit_seconds"][args.skip_syncs:]) if r["edit_seconds"] else 0.0)
+
+
+def main():
+    args = parse_args()
+    train_ds, _ = bc.setup(args, train_samples=((args.syncs + args.skip_syncs + 1) * args.interval * 3 + 8)
+                           * 4 * args.micro_batch_size)
+    results = {mode: run(args, mode, train_ds) for mode in ("step_end", "layerwise", "synchronous")}
+    alone = exchange_alone(results["layerwise"]["shard_numels"])
+    if dist.get_rank() == 0:
+        report(args, results, alone)
+    dist.destroy_process_group()
+
+
+def report(args, results, alone):
+    stats = {mode: analyse(args, r) for mode, r in results.items()}
+    se, lw = stats["step_end"], stats["layerwise"]
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    rows = []
+    for mode in ("synchronous", "step_end", "layerwise"):
+        s = stats[mode]
+        edit = mode != "synchronous"
+        rows.append([
+            "synchronous (every step)" if not edit else f"EDiT {mode}",
+            f"{ms(s['base'])} [{ms(s['base_iqr'][0])}-{ms(s['base_iqr'][1])}]",
+            ms(s["base_fwd"]),
+            ms(s["sync_step"]) if edit else "-", ms(s["next_step"]) if edit else "-",
+            ms(s["next_fwd"]) if edit else "-", ms(s["extra"]) if edit else "-",
+            ms(s["edit"]) if edit else "-",
+            f"{s['base'] / stats['synchronous']['base']:.2f}",
+        ])
+    hidden = 1 - lw["extra"] / se["extra"] if se["extra"] > 0 else float("nan")
+    payload = sum(results["layerwise"]["shard_numels"]) * 4
+    headers = ["run", "ordinary step ms [IQR]", "forward ms", "step s +ms", "step s+1 +ms", "forward s+1 +ms",
+               "extra per sync ms", "in EDiT code ms", "ordinary step vs sync"]
+    summary = (
+        f"{args.label}; H={args.interval}, {args.syncs} syncs measured per mode, "
+        f"{args.workers} workers x {bc.layout(args)['worker_size']} shards, "
+        f"pseudo-gradient payload {payload / 1e3:.0f} kB per rank per sync.\n"
+        f"exchange alone (same all-reduces, blocking, no compute): {alone * 1e3:.1f} ms.\n"
+        f"hidden by the forward pass: 1 - extra(layerwise)/extra(step_end) = {hidden:.0%} "
+        f"({ms(lw['extra'])} ms vs {ms(se['extra'])} ms per sync); load average {bc.load_average()}.\n"
+        "'+ms' = median over syncs of the step's time above the median ordinary step; step s runs the "
+        "optimizer step the sync is due after, step s+1 the forward pass where layer-wise completes it."
+    )
+    text = bc.table(headers, rows)
+    print(f"\noverlap of the sync with compute\n{text}\n{summary}")
+    suffix = args.suffix
+    bc.write_result(f"overlap{suffix}.md", bc.table(headers, rows, markdown=True) + "\n\n"
+                    + summary.replace("\n", "  \n") + "\n")
+    bc.write_result(f"overlap{suffix}.json", json.dumps(dict(stats=stats, alone=alone, label=args.label,
+                                                             interval=args.interval, payload=payload)))
+
+    plt = bc.pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    h = args.interval
+    for mode, color in (("step_end", "tab:red"), ("layerwise", "tab:blue"), ("synchronous", "0.5")):
+        t = [x * 1e3 for x in results[mode]["step"]]
+        ax.plot(range(1, len(t) + 1), t, "-o", markersize=3, color=color, label=mode)
+    for s in range(h, len(results["layerwise"]["step"]), h):
+        ax.axvline(s + 0.5, color="k", alpha=0.15)
+    ax.set_xlabel(f"step (sync due after every {h}th; grey line between s and s+1)")
+    ax.set_ylabel("step time, ms (mean over ranks)")
+    ax.set_title(f"Sync cost per step: {args.label}\nhidden by forward: {hidden:.0%}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(bc.plot_path(f"overlap{suffix}.png"), dpi=110)
+    print(f"wrote {bc.plot_path(f'overlap{suffix}.png')}")
+
+
+if __name__ == "__main__":
+    main()
