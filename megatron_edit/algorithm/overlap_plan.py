@@ -1,0 +1,159 @@
+"""The step-time model of a sync on a link, and the choice of delay, fragments and format from it.
+
+Streaming DiLoCo (arXiv 2501.18512) hides the outer exchange behind inner steps: the delay tau
+(``--local-sgd-outer-step-delay``) launches each exchange tau steps before it is applied, and
+F fragments (``--local-sgd-fragments``) send 1/F of the model every H/F steps. Which tau and F
+hide an exchange depends on the link; this module predicts it from four numbers (the time of
+one inner step, the model's size, the number of workers and the link rate) so that a user can
+read the choice before a run (``python -m megatron_edit.plan``). It is the step-time model of
+``scripts/bench/bench_model.py`` (fitted there to the network-namespace measurements), reduced
+to what the choice needs.
+
+The model, for one worker (seconds):
+
+* the exchange of the whole model in a format:
+  ``C = buckets * latency + X / link_rate``, ``X = 2 (W - 1) / W * bytes`` (a ring all-reduce,
+  or the quantized exchange's reduce-scatter + all-gather, carries that share of the payload
+  per worker); ``bytes`` counts the scales of the quantized formats
+  (:func:`megatron_edit.algorithm.quantize.encoded_bytes`);
+* no delay (tau = 0, the layer-wise sync): the next forward pass hides up to ``forward_share *
+  t`` of it, the rest is exposed once per H steps;
+* delay tau with F fragments: each fragment's exchange (C / F) runs behind tau inner steps,
+  ``F * max(0, C / F - tau * t)`` is exposed per H steps;
+* the fraction of the no-communication bound: ``t / (t + exposed per H / H)``.
+
+The choice (:func:`choose`): the formats are tried most precise first (fp32, bf16, fp8, int8,
+int4, whatever the user allows); for a format, no delay if the forward pass hides the exchange
+with the margin, else the fewest fragments F (a divisor of H) for which the smallest covering
+delay ``tau = ceil(margin * C / (F t))`` satisfies ``tau < H / F`` and ``tau <= max_delay``.
+The cap ``max_delay`` (default H/2) is the largest delay whose cost in loss was measured
+(+0.65% at tau = H/2; see the delayed outer step's concept page); fragments exist to stay under
+it. When no format can be hidden, the setting with the fastest predicted step is taken (ties:
+fewer fragments, then the more precise format) and the result says it is not hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+from .quantize import encoded_bytes
+
+# Most precise first: the order in which formats are tried.
+FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def exchange_bytes(params: int, dtype: str, block: int = 256) -> int:
+    """Bytes of one worker's pseudo-gradient of ``params`` elements in ``dtype`` (scales included)."""
+    if params < 1:
+        raise ValueError(f"params must be >= 1, got {params}")
+    if dtype in _ELEMENT_BYTES:
+        return _ELEMENT_BYTES[dtype] * params
+    if dtype not in FORMATS:
+        raise ValueError(f"unknown exchange format {dtype!r}; one of {', '.join(FORMATS)}")
+    return encoded_bytes(params, dtype, block)
+
+
+def exchange_seconds(payload_bytes: float, workers: int, link_bytes_per_s: float,
+                     buckets: int = 1, latency_s: float = 0.0) -> float:
+    """Seconds of one exchange of ``payload_bytes`` per worker among ``workers`` workers."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if link_bytes_per_s <= 0:
+        raise ValueError(f"the link rate must be > 0, got {link_bytes_per_s}")
+    if workers == 1:
+        return 0.0
+    return buckets * latency_s + 2 * (workers - 1) / workers * payload_bytes / link_bytes_per_s
+
+
+def exposed_seconds(exchange_s: float, step_s: float, delay: int, fragments: int = 1,
+                    forward_share: float = 1 / 3) -> float:
+    """Seconds of the exchange not hidden by compute, per H steps (one full exchange)."""
+    if delay == 0:
+        return max(0.0, exchange_s - forward_share * step_s)
+    return fragments * max(0.0, exchange_s / fragments - delay * step_s)
+
+
+def bound_fraction(step_s: float, exposed_s: float, interval: int) -> float:
+    """The predicted tokens/s as a fraction of the no-communication bound."""
+    return step_s / (step_s + exposed_s / interval)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One setting and what the model predicts for it."""
+
+    exchange_dtype: str
+    outer_step_delay: int
+    fragments: int
+    exchange_s: float
+    """Seconds of one exchange of the whole model in that format."""
+    exposed_s: float
+    """Seconds not hidden, per H steps."""
+    bound_fraction: float
+    hidden: bool
+    """Whether the exchange is covered with the margin."""
+
+    def line(self) -> str:
+        return (f"exchange {self.exchange_dtype}, delay {self.outer_step_delay}, {self.fragments} fragment(s): "
+                f"exchange {self.exchange_s * 1e3:.1f} ms, exposed {self.exposed_s * 1e3:.1f} ms per sync "
+                f"interval, {self.bound_fraction:.2f} of the no-communication bound"
+                + ("" if self.hidden else " (not hidden)"))
+
+
+def _divisors(n: int):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choose(step_s: float, exchange_s: Dict[str, float], interval: int, formats: Optional[Sequence[str]] = None,
+           margin: float = 1.2, max_delay: Optional[int] = None, forward_share: float = 1 / 3) -> Choice:
+    """The delay, fragments and format for an inner step of ``step_s`` seconds and the given
+    exchange times per format (the module's docstring gives the rule). Every argument is a
+    measurement or a setting that all workers share, so every worker makes the same choice."""
+    if step_s <= 0:
+        raise ValueError(f"the step time must be > 0, got {step_s}")
+    if interval < 1:
+        raise ValueError(f"the sync interval must be >= 1, got {interval}")
+    if margin < 1:
+        raise ValueError(f"the margin must be >= 1, got {margin}")
+    formats = tuple(formats) if formats is not None else tuple(exchange_s)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ValueError(f"formats must be some of {', '.join(FORMATS)}, got {', '.join(formats) or 'none'}")
+    missing = [f for f in formats if f not in exchange_s]
+    if missing:
+        raise ValueError(f"no exchange time for {', '.join(missing)}")
+    cap = interval // 2 if max_delay is None else max_delay
+    ordered = sorted(formats, key=FORMATS.index)
+
+    def make(fmt, delay, frags, hidden):
+        exposed = exposed_seconds(exchange_s[fmt], step_s, delay, frags, forward_share)
+        return Choice(fmt, delay, frags, exchange_s[fmt], exposed, bound_fraction(step_s, exposed, interval), hidden)
+
+    for fmt in ordered:
+        c = exchange_s[fmt]
+        if margin * c <= forward_share * step_s:
+            return make(fmt, 0, 1, True)
+        for frags in _divisors(interval):
+            delay = max(1, math.ceil(margin * c / (frags * step_s)))
+            if delay < interval // frags and delay <= cap:
+                return make(fmt, delay, frags, True)
+    # Nothing hides it: the fastest predicted step among the allowed settings.
+    candidates = [make(fmt, 0, 1, False) for fmt in ordered]
+    for fmt in ordered:
+        for frags in _divisors(interval):
+            delay = min(interval // frags - 1, cap)
+            if delay >= 1:
+                candidates.append(make(fmt, delay, frags, False))
+    return min(candidates, key=lambda ch: (ch.exposed_s, ch.fragments, ordered.index(ch.exchange_dtype)))
+
+
+def plan(params: int, workers: int, link_bits_per_s: float, step_s: float, interval: int,
+         formats: Sequence[str] = ("fp32",), block: int = 256, buckets: int = 1, latency_s: float = 0.0,
+         margin: float = 1.2, max_delay: Optional[int] = None) -> Tuple[Dict[str, float], Choice]:
+    """The exchange time of each format and the choice, from the model's size and the link."""
+    times = {fmt: exchange_seconds(exchange_bytes(params, fmt, block), workers, link_bits_per_s / 8, buckets,
+                                   latency_s) for fmt in formats}
+    return times, choose(step_s, times, interval, formats, margin, max_delay)

@@ -1,0 +1,118 @@
+"""The step-time model and the choice of delay, fragments and format (algorithm/overlap_plan.py)."""
+
+import math
+
+import pytest
+
+from megatron_edit.algorithm.overlap_plan import (
+    Choice,
+    bound_fraction,
+    choose,
+    exchange_bytes,
+    exchange_seconds,
+    exposed_seconds,
+    plan,
+)
+from megatron_edit.algorithm.quantize import encoded_bytes
+
+
+def test_bytes_per_format():
+    assert exchange_bytes(1000, "fp32") == 4000
+    assert exchange_bytes(1000, "bf16") == 2000
+    # the quantized formats count their scales (one fp32 per block) and padding
+    assert exchange_bytes(1024, "int8", 256) == 1024 + 4 * 4
+    assert exchange_bytes(1024, "int4", 256) == 512 + 4 * 4
+    assert exchange_bytes(1000, "int8", 256) == encoded_bytes(1000, "int8", 256)
+    with pytest.raises(ValueError, match="unknown exchange format"):
+        exchange_bytes(10, "int3")
+
+
+def test_exchange_seconds_is_the_ring_share_over_the_link():
+    # 2 workers: each sends its whole payload once; 4 workers: 2 * 3/4 of it
+    assert exchange_seconds(1e6, 2, 1e6) == pytest.approx(1.0)
+    assert exchange_seconds(1e6, 4, 1e6) == pytest.approx(1.5)
+    assert exchange_seconds(1e6, 4, 1e6, buckets=10, latency_s=0.01) == pytest.approx(1.6)
+    assert exchange_seconds(1e6, 1, 1e6) == 0.0
+
+
+def test_exposed_and_fraction_against_the_hiding_benchmark():
+    # scripts/bench: 27 Mbit/s, exchange 172 ms, step 43 ms, H = 8 (measured 0.72 layer-wise, 0.96 delay 4)
+    t, c = 0.043, 0.172
+    assert exposed_seconds(c, t, 0) == pytest.approx(c - t / 3)
+    assert bound_fraction(t, exposed_seconds(c, t, 0), 8) == pytest.approx(0.69, abs=0.01)
+    assert exposed_seconds(c, t, 4) == 0.0
+    # 20 Mbit/s: 232 ms, 60 ms exposed with delay 4 (measured 0.88)
+    assert exposed_seconds(0.232, t, 4) == pytest.approx(0.06)
+    assert bound_fraction(t, exposed_seconds(0.232, t, 4), 8) == pytest.approx(0.85, abs=0.01)
+    # fragments: each 1/F of the exchange behind tau steps
+    assert exposed_seconds(0.232, t, 1, fragments=4) == pytest.approx(4 * (0.058 - 0.043))
+
+
+def test_an_exchange_the_forward_pass_hides_needs_no_delay():
+    ch = choose(0.3, {"fp32": 0.05}, 8)
+    assert (ch.outer_step_delay, ch.fragments, ch.exchange_dtype, ch.hidden) == (0, 1, "fp32", True)
+    assert ch.bound_fraction == 1.0
+
+
+def test_an_exchange_shorter_than_one_step_takes_delay_1():
+    ch = choose(0.1, {"fp32": 0.06}, 8)  # 1.2 * 0.06 > 0.1 / 3, < one step
+    assert (ch.outer_step_delay, ch.fragments, ch.hidden) == (1, 1, True)
+
+
+def test_the_smallest_covering_delay_then_fragments_under_the_cap():
+    # 4.0 steps * margin 1.2 = 4.8 -> delay 5 > H/2 = 4: two fragments, delay ceil(2.4) = 3 < 8/2
+    ch = choose(0.043, {"fp32": 0.172}, 8)
+    assert (ch.outer_step_delay, ch.fragments, ch.hidden) == (3, 2, True)
+    # with the cap lifted the delay alone covers it
+    ch = choose(0.043, {"fp32": 0.172}, 8, max_delay=7)
+    assert (ch.outer_step_delay, ch.fragments) == (5, 1)
+    # exactly at the boundary: delay must stay below H/F
+    ch = choose(1.0, {"fp32": 3.0}, 8, margin=1.0, max_delay=7)
+    assert (ch.outer_step_delay, ch.fragments) == (3, 1)
+
+
+def test_an_exchange_longer_than_h_is_not_hidden_and_says_so():
+    ch = choose(0.01, {"fp32": 1.0}, 8)
+    assert not ch.hidden
+    # the least exposed setting within the cap H/2 = 4: F * tau steps hide the most at
+    # 2 fragments x delay 3 (6 steps), more than delay 4 alone (4) or 4 fragments x delay 1 (4)
+    assert (ch.outer_step_delay, ch.fragments) == (3, 2)
+    assert ch.exposed_s == pytest.approx(1.0 - 0.06)
+    assert "not hidden" in ch.line()
+
+
+def test_the_most_precise_format_that_can_be_hidden():
+    times = {"fp32": 1.0, "int8": 0.26, "int4": 0.13}
+    ch = choose(0.1, times, 8, ["fp32", "int8", "int4"])
+    assert ch.exchange_dtype == "int8" and ch.hidden
+    assert ch.outer_step_delay == math.ceil(1.2 * 0.26 / 0.1) and ch.fragments == 1
+    # int8 not allowed: int4
+    ch = choose(0.1, times, 8, ["int4", "fp32"])
+    assert ch.exchange_dtype == "int4"
+    # only fp32 allowed: never a format the user did not allow
+    ch = choose(0.1, times, 8, ["fp32"])
+    assert ch.exchange_dtype == "fp32" and not ch.hidden
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="formats must be"):
+        choose(0.1, {"fp32": 1.0}, 8, ["int2"])
+    with pytest.raises(ValueError, match="no exchange time for int8"):
+        choose(0.1, {"fp32": 1.0}, 8, ["int8"])
+    with pytest.raises(ValueError, match="margin"):
+        choose(0.1, {"fp32": 1.0}, 8, margin=0.5)
+    with pytest.raises(ValueError, match="step time"):
+        choose(0.0, {"fp32": 1.0}, 8)
+
+
+def test_every_worker_chooses_the_same_from_the_same_numbers():
+    args = (0.0431, {"fp32": 0.2, "int8": 0.05}, 16, ["fp32", "int8"])
+    assert choose(*args) == choose(*args)
+    assert isinstance(choose(*args), Choice)
+
+
+def test_plan_from_the_model_size_and_the_link():
+    # 137,250 fp32 parameters = 549 kB; 2 workers at 27 Mbit/s -> 163 ms
+    times, ch = plan(137_250, 2, 27e6, 0.043, 8, ["fp32"])
+    assert times["fp32"] == pytest.approx(549_000 * 8 / 27e6)
+    assert ch.hidden and ch.fragments * ch.outer_step_delay * 0.043 >= 1.2 * times["fp32"]
