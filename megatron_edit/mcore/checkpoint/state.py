@@ -208,7 +208,10 @@ def _result_residuals(controller) -> List[torch.Tensor]:
     out = []
     for shard in controller.shards:
         full = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
-        offset, length, _ = controller.chunk_span(shard)
+        offset, length, padded = controller.chunk_span(shard)
+        if not padded:  # the sparse exchange: no chunk of the result, zeros (the same on every worker)
+            out.append(full)
+            continue
         if shard.chunk_residual is not None:
             full[offset : offset + length].copy_(shard.chunk_residual[:length])
         controller.sync_group.all_reduce_sum(full, async_op=False)  # counted as sync traffic
