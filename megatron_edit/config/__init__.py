@@ -58,9 +58,9 @@ from .values import (  # noqa: F401 (re-exported)
 SYNC_MODES = ("layerwise", "step_end")
 EXCHANGE_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4", "int2")
 TOPK_DTYPES = ("fp32", "int8", "int4", "int2")
-"""Formats of the values a top-k exchange sends (megatron_edit.algorithm.sparse)."""
+"""Formats of the values a top-k exchange sends (megatron_edit.algorithm.topk)."""
 TOPK_MAX_CHUNK = 1 << 16
-"""The largest top-k chunk: its indices take 16 bits (megatron_edit.algorithm.sparse.MAX_CHUNK)."""
+"""The largest top-k chunk: its indices take 16 bits (megatron_edit.algorithm.topk.MAX_CHUNK)."""
 
 
 @documented

@@ -1,11 +1,11 @@
 """The sparse exchange of pseudo-gradients (SparseLoCo, arXiv 2508.15706): every worker sends the
 top-k entries of each chunk of its pseudo-gradient (indices and low-bit values,
-:mod:`megatron_edit.algorithm.sparse`), with error feedback.
+:mod:`megatron_edit.algorithm.topk`), with error feedback.
 
 The workers keep different entries, so their payloads cannot be summed on the wire: per shard,
 
 1. every worker adds its residual to its (weighted) pseudo-gradient, encodes it
-   (:func:`~megatron_edit.algorithm.sparse.encode`; the same size on every worker) and keeps
+   (:func:`~megatron_edit.algorithm.topk.encode`; the same size on every worker) and keeps
    what was not sent as its next residual;
 2. one all-gather brings every worker's payload to every worker;
 3. every worker decodes the W payloads and adds them in fp32 in worker order (divided by W for
@@ -16,7 +16,7 @@ Each rank sends (W - 1) payloads (a ring all-gather), against 2 (W - 1) / W x 4 
 element for the fp32 all-reduce: at density 2% with int2 values and chunks of 4096 a payload is
 0.036 bytes per element, 0.009x fp32's bytes with 2 workers and 0.018x with 4. The all-gather's
 bytes grow with W and the dense int4 exchange's (:mod:`.quantized`) do not, so from some W on
-(29 for those settings: :func:`~megatron_edit.algorithm.sparse.dense_int4_cheaper_from`) the
+(29 for those settings: :func:`~megatron_edit.algorithm.topk.dense_int4_cheaper_from`) the
 dense int4 exchange sends fewer bytes; such a setting is refused (:class:`SparseExchange`), never
 switched silently. A shard smaller than a chunk is one chunk; a shard for which the payloads
 are still more than the fp32 all-reduce (a few elements) is exchanged in fp32 instead
@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..algorithm import sparse
+from ..algorithm import topk
 from ..config import FLAG_NAMES, ConfigError
 from .groups import all_reduce_bytes
 from .shard import BucketShard
@@ -62,7 +62,7 @@ class SparseExchange:
         """Squared norm of what was not sent in this rank's last sync (a device 0-dim tensor
         while a sync runs; see :meth:`take_error_norm`)."""
         workers = sync_group.size
-        cheaper = sparse.dense_int4_cheaper_from(density, chunk, dtype)
+        cheaper = topk.dense_int4_cheaper_from(density, chunk, dtype)
         if workers >= cheaper:
             raise ConfigError(
                 f"{FLAG_NAMES['exchange_topk_density']} {density} with {FLAG_NAMES['exchange_dtype']} {dtype} "
@@ -77,7 +77,7 @@ class SparseExchange:
         return max(2, min(self.chunk, numel))
 
     def payload_bytes(self, numel: int) -> int:
-        return sparse.encoded_bytes(numel, self.density, self.chunk_for(numel), self.dtype)
+        return topk.encoded_bytes(numel, self.density, self.chunk_for(numel), self.dtype)
 
     def chunk_span(self, numel: int) -> Tuple[int, int, int]:
         """No chunk of the result is reduced (and requantized) by one worker: an empty span (the
@@ -85,10 +85,10 @@ class SparseExchange:
         return 0, 0, 0
 
     def _encode(self, values: torch.Tensor) -> torch.Tensor:
-        return sparse.encode(values, self.density, self.chunk_for(values.numel()), self.dtype)
+        return topk.encode(values, self.density, self.chunk_for(values.numel()), self.dtype)
 
     def _decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
-        return sparse.decode(data, numel, self.density, self.chunk_for(numel), self.dtype)
+        return topk.decode(data, numel, self.density, self.chunk_for(numel), self.dtype)
 
     def _add_error(self, before: torch.Tensor, after: torch.Tensor) -> None:
         err = (before - after).pow(2).sum()

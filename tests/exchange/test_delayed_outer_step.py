@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fake_groups import FakeWorkerGroups, FakeWorld, run_workers
-from megatron_edit.algorithm import penalty, quantize, sparse
+from megatron_edit.algorithm import penalty, quantize, topk
 from megatron_edit.config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from megatron_edit.exchange.outer_state import OuterState
 from megatron_edit.exchange.outer_sync import OuterSync
@@ -125,13 +125,13 @@ def _topk_ef(deltas, residual, b):
     top-k of Delta + residual (the codec) and keeps the rest; the sum in worker order / W."""
     numel = BUCKETS[b][0]
     chunk = max(2, min(64, numel))
-    payload = sparse.encoded_bytes(numel, 0.05, chunk, "int2")
+    payload = topk.encoded_bytes(numel, 0.05, chunk, "int2")
     if (WORKERS - 1) * payload > 2 * (WORKERS - 1) * 4 * numel // WORKERS:
         return sum((d[b] for d in deltas), torch.zeros(numel)) / WORKERS  # too small to pay: fp32
     total = torch.zeros(numel)
     for w in range(WORKERS):
         x = deltas[w][b] + residual[w][b]
-        got = sparse.decode(sparse.encode(x, 0.05, chunk, "int2"), numel, 0.05, chunk, "int2")
+        got = topk.decode(topk.encode(x, 0.05, chunk, "int2"), numel, 0.05, chunk, "int2")
         residual[w][b] = x - got
         total += got
     return total / WORKERS

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fake_groups import FakeWorkerGroups, FakeWorld, run_workers
-from megatron_edit.algorithm import penalty, sparse
+from megatron_edit.algorithm import penalty, topk
 from megatron_edit.config import ConfigError, GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from megatron_edit.exchange.groups import all_reduce_bytes
 from megatron_edit.exchange.outer_state import OuterState
@@ -86,7 +86,7 @@ def _worker(worker, world, local, mode="layerwise", syncs=1, nan_workers=(), nan
 def _goes_sparse(numel, workers, density, chunk, dtype):
     """The rule of the exchange, written out: the payloads (W - 1 of them through each rank of
     a ring all-gather) against the fp32 all-reduce."""
-    payload = sparse.encoded_bytes(numel, density, max(2, min(chunk, numel)), dtype)
+    payload = topk.encoded_bytes(numel, density, max(2, min(chunk, numel)), dtype)
     return (workers - 1) * payload <= 2 * (workers - 1) * 4 * numel / workers
 
 
@@ -121,7 +121,7 @@ def _simulate(workers, density, chunk, dtype, syncs, weights_of=None, clip_tau=N
                 if error_feedback:
                     x = x + residual[w][b]
                 c = max(2, min(chunk, numel))
-                sent = sparse.decode(sparse.encode(x, density, c, dtype), numel, density, c, dtype)
+                sent = topk.decode(topk.encode(x, density, c, dtype), numel, density, c, dtype)
                 if error_feedback:
                     residual[w][b] = x - sent
                 total += sent
@@ -258,7 +258,7 @@ def test_bytes_per_sync_are_the_payloads_all_gathered(workers):
     expected = norms
     for numel, _ in BUCKETS:
         if _goes_sparse(numel, workers, D, C, "int2"):
-            expected += sparse.sparse_wire_bytes(numel, D, C, "int2", workers)
+            expected += topk.sparse_wire_bytes(numel, D, C, "int2", workers)
         else:
             expected += all_reduce_bytes(4 * numel, workers)
     assert [r["bytes"][0] for r in out] == [expected] * workers
@@ -269,7 +269,7 @@ def test_bytes_per_sync_are_the_payloads_all_gathered(workers):
 def test_a_setting_where_dense_int4_sends_fewer_bytes_is_refused_naming_the_workers():
     """2% of 4096 in int2: the all-gather of 29 workers' payloads sends more than the dense int4
     exchange; 28 is still cheaper. The refusal names the flags and the worker count."""
-    assert sparse.dense_int4_cheaper_from(0.02, 4096, "int2") == 29
+    assert topk.dense_int4_cheaper_from(0.02, 4096, "int2") == 29
     SparseExchange(FakeWorld(28).group(0), 0.02, 4096, "int2", True)
     with pytest.raises(ConfigError) as info:
         SparseExchange(FakeWorld(29).group(0), 0.02, 4096, "int2", True)

@@ -222,9 +222,9 @@ def test_quantized_exchange_keeps_replicas_identical_in_both_modes(tp):
 def _sparse_payload_pays(numel, density, chunk, dtype, workers):
     """The sparse exchange's rule, written out: the W - 1 payloads a rank passes on in a ring
     all-gather against the fp32 all-reduce; a shard for which they are more goes in fp32."""
-    from megatron_edit.algorithm import sparse
+    from megatron_edit.algorithm import topk
 
-    payload = sparse.encoded_bytes(numel, density, max(2, min(chunk, numel)), dtype)
+    payload = topk.encoded_bytes(numel, density, max(2, min(chunk, numel)), dtype)
     return (workers - 1) * payload <= 2 * (workers - 1) * 4 * numel // workers
 
 
@@ -237,7 +237,7 @@ def test_sparse_exchange_keeps_replicas_identical_and_equals_a_shard_level_simul
     (top-k + int2 of Delta + residual per worker, the mean of the two sent tensors, torch's
     Nesterov SGD) gives the residuals after the sync exactly and the new anchors. The bytes per
     sync are a few hundredths of the fp32 exchange's."""
-    from megatron_edit.algorithm import sparse
+    from megatron_edit.algorithm import topk
 
     density, dtype = 0.02, "int2"
     topk = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1, exchange_dtype=dtype,
@@ -280,7 +280,7 @@ def test_sparse_exchange_keeps_replicas_identical_and_equals_a_shard_level_simul
                     if pays:
                         x = x + residual[w]
                         chunk = max(2, min(4096, numel))
-                        got = sparse.decode(sparse.encode(x, density, chunk, dtype), numel, density, chunk, dtype)
+                        got = topk.decode(topk.encode(x, density, chunk, dtype), numel, density, chunk, dtype)
                         residual[w] = x - got
                         assert torch.equal(records[w][after]["residual"][i], residual[w]), (w, i, after)
                         x = got

@@ -1,4 +1,4 @@
-"""The top-k codec of the sparse exchange (megatron_edit.algorithm.sparse) against an independent
+"""The top-k codec of the sparse exchange (megatron_edit.algorithm.topk) against an independent
 decoder of its bytes and an independent choice of what is kept, both written here from the
 format's description: indices (ceil(log2 chunk) bits each, ascending per chunk), then the values'
 codes (q + 2^(bits-1); fp32: the floats), each stream little-endian, least significant bit
@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from megatron_edit.algorithm import sparse
+from megatron_edit.algorithm import topk
 
 BITS = {"fp32": 32, "int8": 8, "int4": 4, "int2": 2}
 MAX = {"int8": 127, "int4": 7, "int2": 1}
@@ -84,12 +84,12 @@ def test_decode_equals_an_independent_decoder_and_keeps_the_top_k_of_each_chunk(
     and the values within half a quantum of the originals (fp32: exact)."""
     g = torch.Generator().manual_seed(numel * 31 + chunk)
     x = torch.randn(numel, generator=g)
-    data = sparse.encode(x, density, chunk, dtype)
-    assert data.dtype == torch.uint8 and data.numel() == sparse.encoded_bytes(numel, density, chunk, dtype)
+    data = topk.encode(x, density, chunk, dtype)
+    assert data.dtype == torch.uint8 and data.numel() == topk.encoded_bytes(numel, density, chunk, dtype)
     expected, kept = independent_decode(_bytes(data), numel, density, chunk, dtype)
-    got = sparse.decode(data, numel, density, chunk, dtype)
+    got = topk.decode(data, numel, density, chunk, dtype)
     assert got.tolist() == expected  # bit for bit: both multiply the same code by the same fp32 scale
-    k = sparse.keep_count(chunk, density)
+    k = topk.keep_count(chunk, density)
     assert kept == independent_keep(x.tolist(), chunk, k)
     sent = torch.zeros(numel, dtype=torch.bool)
     for c, indices in enumerate(kept):
@@ -114,12 +114,12 @@ def test_decode_equals_an_independent_decoder_and_keeps_the_top_k_of_each_chunk(
 
 
 def test_index_bits_are_as_few_as_the_chunk_needs():
-    assert [sparse.index_bits(c) for c in (2, 3, 4, 5, 8, 9, 4096, 4097, 65536)] == [1, 2, 2, 3, 3, 4, 12, 13, 16]
-    lay = sparse.layout(4096 * 10, 0.02, 4096, "int2")
+    assert [topk.index_bits(c) for c in (2, 3, 4, 5, 8, 9, 4096, 4097, 65536)] == [1, 2, 2, 3, 3, 4, 12, 13, 16]
+    lay = topk.layout(4096 * 10, 0.02, 4096, "int2")
     assert (lay.k, lay.chunks, lay.index_bits) == (82, 10, 12)
     # 820 indices x 12 bits, 820 codes x 2 bits, 10 scales; each stream padded to 4 bytes
     assert (lay.index_bytes, lay.value_bytes, lay.scale_bytes) == (1232, 208, 40)
-    assert sparse.encoded_bytes(4096 * 10, 0.02, 4096, "int2") == 1480
+    assert topk.encoded_bytes(4096 * 10, 0.02, 4096, "int2") == 1480
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 7, 8, 12, 13, 16])
@@ -127,8 +127,8 @@ def test_pack_bits_round_trips_and_matches_the_bit_reader(bits):
     g = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 2 ** bits, (53,), generator=g)
     nbytes = math.ceil(53 * bits / 8)
-    data = sparse.pack_bits(codes, bits, nbytes)
-    assert torch.equal(sparse.unpack_bits(data, 53, bits), codes)
+    data = topk.pack_bits(codes, bits, nbytes)
+    assert torch.equal(topk.unpack_bits(data, 53, bits), codes)
     raw = _bytes(data)
     assert [_bits(raw, i * bits, bits) for i in range(53)] == codes.tolist()
 
@@ -141,10 +141,10 @@ def test_a_chunk_with_fewer_non_zeros_than_k_sends_them_and_zeros(dtype):
     x = torch.zeros(24)
     x[5], x[2] = 3.0, -1.5
     x[8:16] = torch.arange(1, 9, dtype=torch.float32)
-    data = sparse.encode(x, 0.5, 8, dtype)
+    data = topk.encode(x, 0.5, 8, dtype)
     got, kept = independent_decode(_bytes(data), 24, 0.5, 8, dtype)
     assert kept[0] == [0, 1, 2, 5] and kept[1] == [4, 5, 6, 7] and kept[2] == [0, 1, 2, 3]
-    decoded = sparse.decode(data, 24, 0.5, 8, dtype)
+    decoded = topk.decode(data, 24, 0.5, 8, dtype)
     assert decoded.tolist() == got
     assert (decoded[[0, 1, 3, 4, 6, 7]] == 0).all() and (decoded[16:] == 0).all()
     assert decoded[5] > 0 and decoded[2] < 0
@@ -155,13 +155,13 @@ def test_a_chunk_with_fewer_non_zeros_than_k_sends_them_and_zeros(dtype):
 
 def test_ties_keep_the_lower_index_and_encode_is_deterministic():
     x = torch.tensor([1.0, -2.0, 2.0, 1.0, -2.0, 0.5, 2.0, 1.0])
-    data = sparse.encode(x, 0.5, 8, "int2")
+    data = topk.encode(x, 0.5, 8, "int2")
     _, kept = independent_decode(_bytes(data), 8, 0.5, 8, "int2")
     assert kept == [[1, 2, 4, 6]]
-    assert torch.equal(data, sparse.encode(x.clone(), 0.5, 8, "int2"))
+    assert torch.equal(data, topk.encode(x.clone(), 0.5, 8, "int2"))
     # one more tie at the boundary: |-2| at 1, 2, 4, 6 and 7 -> 7 is dropped
     x[7] = 2.0
-    _, kept = independent_decode(_bytes(sparse.encode(x, 0.5, 8, "fp32")), 8, 0.5, 8, "fp32")
+    _, kept = independent_decode(_bytes(topk.encode(x, 0.5, 8, "fp32")), 8, 0.5, 8, "fp32")
     assert kept == [[1, 2, 4, 6]]
 
 
@@ -177,7 +177,7 @@ def test_error_feedback_residual_is_what_was_not_sent_and_the_sum_follows_the_tr
         x = torch.randn(200, generator=g)
         true_total += x
         corrected = x + residual
-        sent = sparse.decode(sparse.encode(corrected, 0.1, 50, dtype), 200, 0.1, 50, dtype)
+        sent = topk.decode(topk.encode(corrected, 0.1, 50, dtype), 200, 0.1, 50, dtype)
         unsent = sent == 0
         residual = corrected - sent
         if dtype == "fp32":
@@ -189,12 +189,12 @@ def test_error_feedback_residual_is_what_was_not_sent_and_the_sum_follows_the_tr
 
 
 def test_wire_bytes_at_two_percent_int2_are_under_two_hundredths_of_fp32_at_two_and_four_workers():
-    n = sparse.AT_SCALE
+    n = topk.AT_SCALE
     for workers in (2, 4):
-        ratio = sparse.sparse_wire_bytes(n, 0.02, 4096, "int2", workers) / sparse.fp32_wire_bytes(n, workers)
+        ratio = topk.sparse_wire_bytes(n, 0.02, 4096, "int2", workers) / topk.fp32_wire_bytes(n, workers)
         assert ratio <= 0.02, (workers, ratio)
     # the all-gather grows with W: from 29 workers dense int4 (2 (W-1)/W x 0.52 B/element) is cheaper
-    w = sparse.dense_int4_cheaper_from(0.02, 4096, "int2")
+    w = topk.dense_int4_cheaper_from(0.02, 4096, "int2")
     assert w == 29
-    assert (sparse.sparse_wire_bytes(n, 0.02, 4096, "int2", w) > sparse.dense_wire_bytes(n, "int4", 256, w)
-            and sparse.sparse_wire_bytes(n, 0.02, 4096, "int2", w - 1) <= sparse.dense_wire_bytes(n, "int4", 256, w - 1))
+    assert (topk.sparse_wire_bytes(n, 0.02, 4096, "int2", w) > topk.dense_wire_bytes(n, "int4", 256, w)
+            and topk.sparse_wire_bytes(n, 0.02, 4096, "int2", w - 1) <= topk.dense_wire_bytes(n, "int4", 256, w - 1))
