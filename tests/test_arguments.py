@@ -472,3 +472,7 @@ def test_error_feedback_flag_is_on_by_default_with_topk_and_can_be_turned_off():
     assert not local(*topk, "--no-local-sgd-exchange-error-feedback").error_feedback
     assert local("--local-sgd-exchange-dtype", "int8", "--local-sgd-exchange-error-feedback").error_feedback
     assert not local("--local-sgd-exchange-dtype", "int8").error_feedback
+    # off is the default without top-k: --no-... alone does nothing and is refused
+    with pytest.raises(ConfigError, match="--no-local-sgd-exchange-error-feedback does nothing without "
+                                          "--local-sgd-exchange-topk-density"):
+        local("--local-sgd-exchange-dtype", "int8", "--no-local-sgd-exchange-error-feedback")
