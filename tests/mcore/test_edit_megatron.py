@@ -240,11 +240,11 @@ def test_sparse_exchange_keeps_replicas_identical_and_equals_a_shard_level_simul
     from megatron_edit.algorithm import topk
 
     density, dtype = 0.02, "int2"
-    topk = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1, exchange_dtype=dtype,
-                exchange_topk_density=density)
-    specs = [default_spec(steps=6, local_sgd=dict(topk, sync_mode="layerwise"), outer=OUTER,
+    sparse = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1, exchange_dtype=dtype,
+                  exchange_topk_density=density)
+    specs = [default_spec(steps=6, local_sgd=dict(sparse, sync_mode="layerwise"), outer=OUTER,
                           record_shards_at_steps=(3, 4, 5, 6)),
-             default_spec(steps=6, local_sgd=dict(topk, sync_mode="step_end"), outer=OUTER, snapshot_every_step=True),
+             default_spec(steps=6, local_sgd=dict(sparse, sync_mode="step_end"), outer=OUTER, snapshot_every_step=True),
              default_spec(steps=6, local_sgd=dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1), outer=OUTER)]
     results = run_ranks(megatron_runs, WORLD, specs, timeout=380)
     for r in results:
