@@ -179,6 +179,9 @@ def _check_flags_take_effect(args: argparse.Namespace) -> None:
                              " (synchronous EDiT syncs every --local-sgd-sync-interval steps)")
     if not args.local_sgd_use_step_weight and args.local_sgd_step_weight_ratio != d.step_weight_ratio:
         raise _needs("--local-sgd-step-weight-ratio", "--local-sgd-use-step-weight")
+    if args.local_sgd_exchange_error_feedback is False and args.local_sgd_exchange_topk_density is None:
+        raise _needs("--no-local-sgd-exchange-error-feedback", "--local-sgd-exchange-topk-density",
+                     " (error feedback is off without it, on by default with it)")
     if not args.local_sgd_skip_anomaly:
         for dest in ("ewma_alpha", "ewma_warmup_steps", "ewma_threshold"):
             if getattr(args, f"local_sgd_{dest}") != getattr(d, dest):

@@ -13,7 +13,7 @@ config mapping (:func:`config_kwargs`, used by :func:`megatron_edit.arguments.co
 and through those the flag table of the generated configuration reference
 (``scripts/dev/gen_docs.py``). What argparse needs is derived from the field's annotation and
 default where it can be: a ``bool`` defaulting to False is a switch (``store_true``), one
-defaulting to True an on/off pair (``--[no-]...``); ``int`` / ``float`` parse as such,
+defaulting to True an on/off pair (``--[no-]...``), as is an ``Optional[bool]`` (None when neither is given); ``int`` / ``float`` parse as such,
 ``Optional[float]`` as a number or ``none``; a flag with ``choices`` takes them as strings;
 anything else needs ``type=``.
 
@@ -84,10 +84,12 @@ class Flag:
 
     def argparse_kwargs(self, annotation: Any, default: Any) -> Dict[str, Any]:
         """``add_argument`` keywords for a field of that annotation and default."""
-        if annotation is bool:
+        if annotation == Optional[bool]:  # --[no-]name, and None when neither is given
+            kwargs: Dict[str, Any] = dict(action=argparse.BooleanOptionalAction, default=default)
+        elif annotation is bool:
             if not (self.negatable or default):
                 return dict(action="store_true", help=self.help)
-            kwargs: Dict[str, Any] = dict(action=argparse.BooleanOptionalAction, default=default)
+            kwargs = dict(action=argparse.BooleanOptionalAction, default=default)
         else:
             kwargs = dict(default=default)
             if self.type is not None:

@@ -193,6 +193,13 @@ def _train(rank, spec, tp, pp):
             out["anchor"] = [s.anchor.clone() for s in controllers[0].shards]
         if controllers and step == spec.get("record_mains_at_step"):
             out["mains"] = [s.read_current(torch.empty(s.numel)) for s in controllers[0].shards]
+        if controllers and step in spec.get("record_shards_at_steps", ()):
+            # Each shard's anchor, this worker's parameters and its error-feedback residual (a
+            # layer-wise sync due here is still pending: the state before it).
+            out.setdefault("shard_records", {})[step] = dict(
+                anchor=[s.anchor.clone() for s in controllers[0].shards],
+                mains=[s.read_current(torch.empty(s.numel)) for s in controllers[0].shards],
+                residual=[None if s.residual is None else s.residual.clone() for s in controllers[0].shards])
         if spec["snapshot_every_step"]:
             ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync too
             out["snapshots"][step] = named_params(ddp)

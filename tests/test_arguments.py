@@ -269,6 +269,9 @@ LOCAL_FLAG_CASES = {
     "exchange_block_size": (["--local-sgd-exchange-block-size", "64"], ConfigError),
     # An fp32 exchange drops nothing: refused alone.
     "exchange_error_feedback": (["--local-sgd-exchange-error-feedback"], ConfigError),
+    "exchange_topk_density": (["--local-sgd-exchange-topk-density", "0.02"], 0.02),
+    # Only used by the top-k exchange: alone it is refused.
+    "exchange_topk_chunk": (["--local-sgd-exchange-topk-chunk", "1024"], ConfigError),
     "sync_timeout": (["--local-sgd-sync-timeout", "90"], 90.0),
     # tau must be < --local-sgd-sync-interval (default 1): alone it is refused.
     "outer_step_delay": (["--local-sgd-outer-step-delay", "1"], ConfigError),
@@ -454,3 +457,22 @@ def test_delayed_outer_step_refusals(argv, exc, fragments):
         _configs(*argv)
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+def test_error_feedback_flag_is_on_by_default_with_topk_and_can_be_turned_off():
+    """--[no-]local-sgd-exchange-error-feedback: unset (None) means on with the top-k exchange,
+    off otherwise; --no-... turns it off with top-k; the bare flag still turns it on."""
+    from megatron_edit.arguments import configs_from_args
+
+    def local(*argv):
+        return configs_from_args(_parser().parse_args(["--use-local-sgd", *argv]))[0]
+
+    topk = ["--local-sgd-exchange-topk-density", "0.02", "--local-sgd-exchange-dtype", "int2"]
+    assert local(*topk).exchange_error_feedback is None and local(*topk).error_feedback
+    assert not local(*topk, "--no-local-sgd-exchange-error-feedback").error_feedback
+    assert local("--local-sgd-exchange-dtype", "int8", "--local-sgd-exchange-error-feedback").error_feedback
+    assert not local("--local-sgd-exchange-dtype", "int8").error_feedback
+    # off is the default without top-k: --no-... alone does nothing and is refused
+    with pytest.raises(ConfigError, match="--no-local-sgd-exchange-error-feedback does nothing without "
+                                          "--local-sgd-exchange-topk-density"):
+        local("--local-sgd-exchange-dtype", "int8", "--no-local-sgd-exchange-error-feedback")

@@ -42,6 +42,8 @@ FLAGS = {
     "exchange_dtype": "--local-sgd-exchange-dtype",
     "exchange_block_size": "--local-sgd-exchange-block-size",
     "exchange_error_feedback": "--local-sgd-exchange-error-feedback",
+    "exchange_topk_density": "--local-sgd-exchange-topk-density",
+    "exchange_topk_chunk": "--local-sgd-exchange-topk-chunk",
     "sync_timeout": "--local-sgd-sync-timeout",
     "outer_step_delay": "--local-sgd-outer-step-delay",
     "outer_merge_alpha": "--local-sgd-outer-merge-alpha",
@@ -423,6 +425,41 @@ def test_exchange_options_are_validated_and_pointless_ones_refused():
     _raises(LocalSGDConfig, ConfigError, "exchange_block_size", exchange_dtype="int8", exchange_block_size=True)
     _raises(LocalSGDConfig, ConfigError, "exchange_block_size", exchange_dtype="bf16", exchange_block_size=64)
     _raises(LocalSGDConfig, ConfigError, "exchange_error_feedback", exchange_error_feedback=True)
+
+
+def test_topk_exchange_options_are_validated_and_pointless_ones_refused():
+    """The sparse (top-k) exchange: density in (0, 1], a chunk whose indices fit 16 bits, values
+    in fp32 / int8 / int4 / int2, int2 only with top-k, error feedback on by default with it."""
+    cfg = LocalSGDConfig(exchange_dtype="int2", exchange_topk_density=0.02)
+    assert cfg.error_feedback and cfg.exchange_topk_chunk == 4096
+    assert not LocalSGDConfig(exchange_dtype="int2", exchange_topk_density=0.02,
+                              exchange_error_feedback=False).error_feedback
+    assert LocalSGDConfig(exchange_topk_density=1.0, exchange_topk_chunk=65536).error_feedback  # fp32 values
+    assert not LocalSGDConfig(exchange_dtype="int8").error_feedback
+    assert LocalSGDConfig(exchange_dtype="int8", exchange_error_feedback=True).error_feedback
+    for bad in (0.0, -0.1, 1.5, float("nan"), "0.02", True):
+        _raises(LocalSGDConfig, ConfigError, "exchange_topk_density", exchange_topk_density=bad)
+    message = _raises(LocalSGDConfig, ConfigError, "exchange_topk_chunk", exchange_topk_density=0.02,
+                      exchange_topk_chunk=65537)
+    assert "17 index bits" in message
+    _raises(LocalSGDConfig, ConfigError, "exchange_topk_chunk", exchange_topk_density=0.02, exchange_topk_chunk=1)
+    # without top-k: its chunk does nothing, and int2 is refused
+    _raises(LocalSGDConfig, ConfigError, "exchange_topk_chunk", exchange_topk_chunk=1024)
+    assert "--local-sgd-exchange-topk-density" in _raises(LocalSGDConfig, ConfigError, "exchange_dtype",
+                                                          exchange_dtype="int2")
+    # values the top-k exchange does not send; a block size it does not use
+    for dtype in ("bf16", "fp8"):
+        _raises(LocalSGDConfig, ConfigError, "exchange_dtype", exchange_dtype=dtype, exchange_topk_density=0.02)
+    _raises(LocalSGDConfig, ConfigError, "exchange_block_size", exchange_dtype="int4", exchange_topk_density=0.02,
+            exchange_block_size=64)
+    _raises(LocalSGDConfig, ConfigError, "exchange_error_feedback", exchange_error_feedback="no")
+
+
+def test_gta_refuses_a_topk_exchange():
+    from megatron_edit.config import check_combination
+
+    with pytest.raises(ConfigError, match="--local-sgd-exchange-topk-density"):
+        check_combination(LocalSGDConfig(exchange_topk_density=0.02), GTAConfig(reducer="gta"))
 
 
 def test_gta_refuses_a_quantized_exchange():

@@ -56,7 +56,11 @@ from .values import (  # noqa: F401 (re-exported)
 
 
 SYNC_MODES = ("layerwise", "step_end")
-EXCHANGE_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4")
+EXCHANGE_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4", "int2")
+TOPK_DTYPES = ("fp32", "int8", "int4", "int2")
+"""Formats of the values a top-k exchange sends (megatron_edit.algorithm.topk)."""
+TOPK_MAX_CHUNK = 1 << 16
+"""The largest top-k chunk: its indices take 16 bits (megatron_edit.algorithm.topk.MAX_CHUNK)."""
 
 
 @documented
@@ -228,12 +232,13 @@ class LocalSGDConfig:
     exchange_dtype: str = flag(
         "--local-sgd-exchange-dtype", "fp32", choices=EXCHANGE_DTYPES,
         help="Format of the pseudo-gradients sent between workers (int8: 0.25x the bytes of "
-             "fp32, int4: 0.13x).")
+             "fp32, int4: 0.13x; int2 only with --local-sgd-exchange-topk-density).")
     """Format of the pseudo-gradients sent between workers: ``fp32`` (exact), ``bf16``, ``fp8``
     (e4m3), ``int8`` or ``int4`` with one fp32 scale per block of ``exchange_block_size``
     elements. Not fp32: a reduce-scatter of quantized chunks, a sum in fp32, and an all-gather
     of the requantized result (int8: 0.25x the bytes of fp32, int4: 0.13x); every worker applies
-    the same bytes."""
+    the same bytes. With ``exchange_topk_density``: the format of the kept values (``fp32``,
+    ``int8``, ``int4`` or ``int2``, one fp32 scale per top-k chunk); ``int2`` needs it."""
 
     exchange_block_size: int = flag(
         "--local-sgd-exchange-block-size", 256,
@@ -241,11 +246,38 @@ class LocalSGDConfig:
     """Elements per quantization scale (fp8 / int8 / int4): smaller blocks follow the values'
     range more closely and cost 4 bytes of scale each."""
 
-    exchange_error_feedback: bool = flag(
-        "--local-sgd-exchange-error-feedback", False,
-        help="Add what quantization dropped to the next sync's pseudo-gradient.")
-    """Keep what quantization dropped and add it to the next sync's pseudo-gradient (a residual
-    sharded like the anchor, 4 bytes x params / shard size, saved in checkpoints)."""
+    exchange_error_feedback: Optional[bool] = flag(
+        "--local-sgd-exchange-error-feedback", None, show_default=False,
+        help="Add what the exchange dropped (quantization, top-k) to the next sync's pseudo-gradient "
+             "(default: on with --local-sgd-exchange-topk-density, off otherwise).")
+    """Keep what the exchange dropped (quantization; with top-k, every entry not sent) and add
+    it to the next sync's pseudo-gradient (a residual sharded like the anchor, 4 bytes x params
+    / shard size, saved in checkpoints). None (default): on with ``exchange_topk_density``
+    (SparseLoCo's error feedback; :attr:`error_feedback`), off otherwise."""
+
+    exchange_topk_density: Optional[float] = flag(
+        "--local-sgd-exchange-topk-density", None, show_default=False,
+        help="Sparse exchange (SparseLoCo): send only this fraction (0 < d <= 1) of each "
+             "pseudo-gradient's entries, the largest per chunk, with their indices; the rest "
+             "stays in the error-feedback residual (none: dense).")
+    """d in (0, 1] (SparseLoCo, arXiv 2508.15706): each worker keeps the ``ceil(d x chunk)``
+    largest-magnitude entries of each chunk of ``exchange_topk_chunk`` elements of its
+    (error-feedback-corrected) pseudo-gradient shard and sends their indices (``ceil(log2
+    chunk)`` bits each) and values (``exchange_dtype``: fp32, int8, int4 or int2, one fp32 scale
+    per chunk); the workers' payloads are all-gathered, decoded and summed in fp32 in worker
+    order, so every worker applies the same bytes. What is not sent stays in the residual
+    (error feedback, on by default here). At d = 2% with int2 a sync sends 0.009x the bytes of
+    the fp32 exchange with 2 workers, 0.018x with 4; an all-gather's bytes grow with the
+    workers, and from 29 workers on (d = 2%, int2) a dense int4 exchange sends fewer: such a
+    setting is refused. None (default): the dense exchange."""
+
+    exchange_topk_chunk: int = flag(
+        "--local-sgd-exchange-topk-chunk", 4096,
+        help="Elements per top-k chunk: k = ceil(density x chunk) kept per chunk, indices in "
+             "ceil(log2 chunk) bits, one scale per chunk (needs --local-sgd-exchange-topk-density).")
+    """Elements per top-k chunk (2 to 65536): each chunk keeps ``ceil(d x chunk)`` entries, its
+    indices take ``ceil(log2 chunk)`` bits (12 for 4096) and it has one fp32 scale. A shard
+    smaller than a chunk is one chunk."""
 
     sync_timeout: Optional[float] = flag(
         # type=float: "none" is refused, as it always was (None is the default, not a setting).
@@ -299,10 +331,12 @@ class LocalSGDConfig:
             raise ConfigError(
                 f"{_name('exchange_block_size')}: only used by the scaled formats (fp8, int8, "
                 f"int4); {FLAG_NAMES['exchange_dtype']} is {self.exchange_dtype}.")
-        if self.exchange_error_feedback and self.exchange_dtype == "fp32":
+        if self.exchange_error_feedback and self.exchange_dtype == "fp32" and self.exchange_topk_density is None:
             raise ConfigError(
                 f"{_name('exchange_error_feedback')}: an fp32 exchange drops nothing; add "
-                f"{FLAG_NAMES['exchange_dtype']} bf16|fp8|int8|int4 or drop the flag.")
+                f"{FLAG_NAMES['exchange_dtype']} bf16|fp8|int8|int4 (or "
+                f"{FLAG_NAMES['exchange_topk_density']}) or drop the flag.")
+        self._check_topk()
         self._check_delay()
         # Valid, but not built in this version: refuse rather than ignore.
         if self.use_step_weight and not self.use_async:
@@ -313,6 +347,44 @@ class LocalSGDConfig:
             raise ConfigError(
                 f"{_name('weight_softmax_temperature')}: only used with norm-weighted averaging; "
                 f"add {FLAG_NAMES['pseudo_gradnorm_reduce']}.")
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether error feedback is on: ``exchange_error_feedback``, or when it is None, whether
+        the exchange is top-k (``exchange_topk_density``)."""
+        if self.exchange_error_feedback is None:
+            return self.exchange_topk_density is not None
+        return self.exchange_error_feedback
+
+    def _check_topk(self) -> None:
+        """The sparse exchange's settings (``exchange_topk_density``, ``exchange_topk_chunk``)."""
+        d, chunk, dtype = self.exchange_topk_density, self.exchange_topk_chunk, self.exchange_dtype
+        _require(d is None or 0.0 < d <= 1.0, "exchange_topk_density",
+                 f"must be in (0, 1] (got {d!r}): the fraction of each chunk's entries sent, e.g. 0.02; "
+                 "None: the dense exchange.")
+        _require(chunk >= 2, "exchange_topk_chunk", f"must be an integer >= 2 (got {chunk!r}); 4096 is the default.")
+        _require(chunk <= TOPK_MAX_CHUNK, "exchange_topk_chunk",
+                 f"{chunk} needs {(chunk - 1).bit_length()} index bits; indices take at most 16 bits "
+                 f"(chunks of at most {TOPK_MAX_CHUNK} elements): use a smaller chunk, e.g. 4096.")
+        if d is None:
+            if chunk != 4096:
+                raise ConfigError(
+                    f"{_name('exchange_topk_chunk')}: only used by the top-k exchange; add "
+                    f"{FLAG_NAMES['exchange_topk_density']} (e.g. 0.02) or drop the flag.")
+            if dtype == "int2":
+                raise ConfigError(
+                    f"{_name('exchange_dtype')}: int2 is for the top-k exchange's kept values (a dense "
+                    f"tensor in 2 bits loses most of its entries); add {FLAG_NAMES['exchange_topk_density']} "
+                    "(e.g. 0.02), or use int4 for a dense exchange.")
+            return
+        if dtype not in TOPK_DTYPES:
+            raise ConfigError(
+                f"{_name('exchange_dtype')}: the top-k exchange sends its values in one of {TOPK_DTYPES}, "
+                f"not {dtype}; choose one of them, or drop {FLAG_NAMES['exchange_topk_density']}.")
+        if self.exchange_block_size != 256:
+            raise ConfigError(
+                f"{_name('exchange_block_size')}: the top-k exchange has one scale per chunk "
+                f"({FLAG_NAMES['exchange_topk_chunk']}); drop {FLAG_NAMES['exchange_block_size']}.")
 
     @property
     def merge_alpha(self) -> float:
@@ -408,6 +480,11 @@ def replace(cfg, **changes):
 
 def check_combination(local: LocalSGDConfig, gta: GTAConfig) -> None:
     """Options of different configs that do not work together (ConfigError naming the flags)."""
+    if gta.reducer == "gta" and local.exchange_topk_density is not None:
+        raise ConfigError(
+            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['exchange_topk_density']}: GTA sparsifies and "
+            f"merges with sign consensus over a dense fp32 exchange; use one of the two."
+        )
     if gta.reducer == "gta" and local.exchange_dtype != "fp32":
         raise ConfigError(
             f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['exchange_dtype']} "

@@ -61,7 +61,8 @@ def _require(cond: bool, field_name: str, msg: str) -> None:
 
 # What _check_types checks a field's value for, by its annotation (a str field is checked
 # against its choices by its class).
-_KINDS = {"bool": "bool", "int": "int", "float": "number", "Optional[float]": "optional number"}
+_KINDS = {"bool": "bool", "int": "int", "float": "number", "Optional[float]": "optional number",
+          "Optional[bool]": "optional bool"}
 
 
 def _check_types(cfg) -> None:
@@ -78,6 +79,9 @@ def _check_types(cfg) -> None:
                 _require(_is_int(value), name, f"must be an integer ({_got(value)}).")
             elif kind == "number":
                 _require(_is_number(value), name, f"must be a finite number ({_got(value)}).")
+            elif kind == "optional bool":
+                _require(value is None or _is_bool(value), name,
+                         f"must be True, False or None ({_got(value)}); a string such as 'no' is not a boolean.")
             else:
                 _require(value is None or _is_number(value), name,
                          f"must be a finite number or None ({_got(value)}).")

@@ -2,7 +2,8 @@
 
 Per shard: Delta_i = anchor - current; reduced across the sync group to one Delta (the mean, or
 with the pseudo-gradient penalty a per-layer weighted mean over the workers not excluded, then
-clipped per layer; or the GTA reducer; or the quantized exchange: :mod:`.reducers`); the outer
+clipped per layer; or the GTA reducer; or the quantized or the sparse (top-k) exchange:
+:mod:`.reducers`); the outer
 optimizer steps the anchor with Delta as its gradient; the main params (and the model's 16-bit
 copy) restart from the anchor.
 
@@ -45,9 +46,10 @@ from ..config import GTAConfig, LocalSGDConfig
 from .in_flight import SyncInProgress
 from .outer_state import OuterState
 from .quantized import QuantizedExchange
-from .reducers import GTAReducer, MeanReducer, QuantizedReducer
+from .reducers import GTAReducer, MeanReducer, QuantizedReducer, SparseReducer
 from .report import SyncReport
 from .shard import BucketShard
+from .sparse import SparseExchange
 
 
 class NonFinitePseudoGradient(FloatingPointError):
@@ -92,9 +94,14 @@ class OuterSync:
         self._gta = gta_config.reducer == "gta"
         self.quantized: Optional[QuantizedExchange] = None
         """The quantized exchange's protocol (None: fp32 exchange)."""
-        if config.exchange_dtype != "fp32" and self.num_workers > 1:
+        self.sparse: Optional[SparseExchange] = None
+        """The sparse (top-k) exchange's protocol (None: dense)."""
+        if config.exchange_topk_density is not None and self.num_workers > 1:
+            self.sparse = SparseExchange(sync_group, config.exchange_topk_density, config.exchange_topk_chunk,
+                                         config.exchange_dtype, config.error_feedback)
+        elif config.exchange_dtype != "fp32" and self.num_workers > 1:
             self.quantized = QuantizedExchange(
-                sync_group, config.exchange_dtype, config.exchange_block_size, config.exchange_error_feedback
+                sync_group, config.exchange_dtype, config.exchange_block_size, config.error_feedback
             )
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
         self._sync: Optional[SyncInProgress] = None
@@ -237,13 +244,15 @@ class OuterSync:
                                 self.worker_groups.shard_rank)
         else:
             chosen = MeanReducer(self.sync_group, sync.own_weights, divide=sync.weights is None and not defer)
-        quantized = None
+        compressed, exchange = None, self.quantized or self.sparse
         if not self._gta and self.quantized is not None:
-            quantized = QuantizedReducer(self.quantized, sync.own_weights, mean=sync.weights is None)
+            compressed = QuantizedReducer(self.quantized, sync.own_weights, mean=sync.weights is None)
+        elif not self._gta and self.sparse is not None:
+            compressed = SparseReducer(self.sparse, sync.own_weights, mean=sync.weights is None)
         for shard in sync.members:
             # Tiny shards go in fp32: a few elements per worker weigh less than scales and padding.
-            pays = quantized is not None and self.quantized.pays_off(shard.numel)
-            sync.of(shard).reducer = quantized if pays else chosen
+            pays = compressed is not None and exchange.pays_off(shard.numel)
+            sync.of(shard).reducer = compressed if pays else chosen
 
     # ------------------------------------------------------------------ exchange
     @torch.no_grad()
@@ -263,9 +272,9 @@ class OuterSync:
         """Whether the plain mean's division is left to the fused outer step (one pass less).
         With clipping only where the step is compiled (the clip factors go into its kernel too:
         the norms are then taken of the sum and divided); eagerly, clipping scales the mean.
-        Not with a quantized exchange (its result is the mean already; a tiny shard exchanged
-        in fp32 beside it divides at once)."""
-        if not self.outer.fused or self.quantized is not None:
+        Not with a quantized or sparse exchange (its result is the mean already; a tiny shard
+        exchanged in fp32 beside it divides at once)."""
+        if not self.outer.fused or self.quantized is not None or self.sparse is not None:
             return False
         return self.config.clip_pseudo_grad is None or self._clip_in_kernel()
 
@@ -408,6 +417,11 @@ class OuterSync:
             self.complete(pending, write_model=True)
 
     # ------------------------------------------------------------------ end
+    def _exchange_error(self) -> Optional[torch.Tensor]:
+        """The norm of what the quantized or sparse exchange changed in this sync (None: exact)."""
+        exchange = self.quantized or self.sparse
+        return exchange.take_error_norm() if exchange is not None else None
+
     def _finish_if_done(self) -> None:
         if self._sync is None or self.pending:
             return
@@ -441,7 +455,7 @@ class OuterSync:
             worker_idle=sync.worker_idle,
             final=sync.final,
             exchange_dtype=self.config.exchange_dtype,
-            quantization_error=self.quantized.take_error_norm() if self.quantized is not None else None,
+            quantization_error=self._exchange_error(),
             delay=sync.delay,
             exposed_wait_seconds=sync.exposed_wait,
         )

@@ -20,7 +20,9 @@ error feedback's residuals). The reducers:
 * :class:`GTAReducer`: sparsify, the sign consensus, then the agreeing entries and who kept
   them (:mod:`megatron_edit.algorithm.gta`);
 * :class:`QuantizedReducer`: the quantized all-to-all, then the all-gather of the requantized
-  result (:mod:`.quantized`).
+  result (:mod:`.quantized`);
+* :class:`SparseReducer`: the all-gather of every worker's top-k payload, summed in worker
+  order (:mod:`.sparse`).
 
 A sync builds its reducers once, with that sync's weights, and picks one per shard; a delayed
 outer step (launch at one step, finish later) or streamed fragments drive the same interface.
@@ -37,6 +39,7 @@ from ..algorithm import gta, outer
 from ..config import GTAConfig
 from .quantized import QuantizedExchange
 from .shard import BucketShard
+from .sparse import SparseExchange
 
 
 def weigh(shard: BucketShard, delta: torch.Tensor, own_weights: Optional[torch.Tensor]) -> None:
@@ -197,4 +200,31 @@ class QuantizedReducer(Reducer):
 
     def finish(self, flight: _QuantizedFlight) -> torch.Tensor:
         self.exchange.finish(flight.shard, flight.stage, flight.delta, self.mean, flight.keep)
+        return flight.delta
+
+
+@dataclass
+class _SparseFlight:
+    delta: torch.Tensor
+    stage: object
+    """The :class:`~megatron_edit.exchange.sparse.SparseExchange` all-gather in flight."""
+
+
+class SparseReducer(Reducer):
+    """The sparse exchange (:class:`~megatron_edit.exchange.sparse.SparseExchange`) of each
+    worker's weighted Delta: one all-gather of the top-k payloads. ``mean``: divide the sum by
+    the workers (the plain mean); False for a weighted sum. Skipped layers (``keep``) carry their
+    error-feedback residuals on."""
+
+    def __init__(self, exchange: SparseExchange, own_weights: Optional[torch.Tensor], mean: bool):
+        self.exchange = exchange
+        self.own_weights = own_weights
+        self.mean = mean
+
+    def launch(self, shard, delta, keep=()) -> _SparseFlight:
+        weigh(shard, delta, self.own_weights)
+        return _SparseFlight(delta, self.exchange.launch(shard, delta, list(keep)))
+
+    def finish(self, flight: _SparseFlight) -> torch.Tensor:
+        self.exchange.finish(flight.stage, flight.delta, self.mean)
         return flight.delta

@@ -50,7 +50,8 @@ class SyncReport:
     """Format of the pseudo-gradients sent (``LocalSGDConfig.exchange_dtype``)."""
     quantization_error: Optional[torch.Tensor] = None
     """Quantized exchange: norm of what quantization changed on this rank (its shard of its
-    pseudo-gradient, and the chunk of the result it reduced), error feedback included."""
+    pseudo-gradient, and the chunk of the result it reduced), error feedback included. Sparse
+    (top-k) exchange: norm of what this rank did not send (entries not kept, rounding)."""
     """A-EDiT: [workers] seconds of the latest interval (since the previous planned sync)."""
     delay: int = 0
     """Delayed outer step (``LocalSGDConfig.outer_step_delay``): the exchange was launched after

@@ -368,8 +368,9 @@ class LocalSGD(ControllerState):
 
     def chunk_span(self, shard) -> Optional[Tuple[int, int, int]]:
         """Quantized exchange with error feedback: (offset, length, padded length) of the chunk
-        of ``shard``'s result this worker reduces (its ``chunk_residual``); None without."""
-        quant = self.sync.quantized
+        of ``shard``'s result this worker reduces (its ``chunk_residual``); the sparse exchange
+        with error feedback: an empty span (it reduces no chunk); None without."""
+        quant = self.sync.quantized or self.sync.sparse
         if quant is None or not quant.error_feedback:
             return None
         return quant.chunk_span(shard.numel)

@@ -1,6 +1,6 @@
 """What the benchmarks share: set-up, one training step, a traffic counter, tables and plots.
 
-The benchmarks (``scripts/bench_*.py``) train the main job's model (``train_gpt_edit.build``:
+The benchmarks (``scripts/bench/bench_*.py``) train the main job's model (``train_gpt_edit.build``:
 a megatron-core GPT on the shipped text, the partial distributed optimizer with one instance
 per worker) and measure one thing each against a baseline measured in the same run. Every
 benchmark prints its table on rank 0 and writes its plot under ``scripts/bench/results/``.

@@ -24,7 +24,9 @@ A run is named by a spec, ``kind[:key=value,...]``:
                              the global budget of the synchronous run (steps x workers)
 
   keys: H, W (warmup steps), lr, m, nesterov (outer SGD; default: the package's),
-        dtype (fp32 bf16 fp8 int8 int4), ef (1: error feedback), clip (EDiT's clip),
+        dtype (fp32 bf16 fp8 int8 int4 int2), ef (1: error feedback, 0: none; default: on with
+        topk only), topk (the sparse exchange's density, --local-sgd-exchange-topk-density),
+        chunk (its --local-sgd-exchange-topk-chunk), clip (EDiT's clip),
         steps (run length; the learning-rate schedule spans it), slow (A-EDiT),
         experts (a MoE model: that many routed experts per layer, top-2, sequential experts,
         the alltoall dispatcher; expert parallelism 1: each worker holds every expert),
@@ -69,7 +71,7 @@ VALID_SEED = 1234  # the held-out samples' order: one validation set for every s
 KINDS = ("sync", "edit", "diloco", "aedit")
 KEYS = {"H": int, "W": int, "lr": float, "m": float, "nesterov": int, "dtype": str, "ef": int,
         "clip": float, "steps": int, "slow": float, "mbs": int, "tau": int, "alpha": float, "rule": str, "F": int,
-        "experts": int}
+        "experts": int, "topk": float, "chunk": int}
 
 
 def parse_args(argv=None):
@@ -125,7 +127,9 @@ def label(spec: str) -> str:
     else:
         text = {"edit": "EDiT", "diloco": "DiLoCo-style", "aedit": "A-EDiT"}[s["kind"]] + f" H={s['H']}"
     extra = []
-    if "dtype" in s:
+    if "topk" in s:
+        extra.append(f"top-k {s['topk']:.0%} {s.get('dtype', 'fp32')}" + (" + EF" if s.get("ef", 1) else ""))
+    elif "dtype" in s:
         extra.append(s["dtype"] + (" + EF" if s.get("ef") else ""))
     if "lr" in s or "m" in s:
         extra.append(f"outer lr {s.get('lr', '-'):g} m {s.get('m', '-'):g}" if "lr" in s and "m" in s else
@@ -166,7 +170,8 @@ def run_args_for(args, spec: str, seed: int):
         args, use_local_sgd=True, local_sgd_sync_interval=s["H"], local_sgd_warmup_steps=s.get("W", args.edit_warmup),
         local_sgd_skip_anomaly=penalty, local_sgd_pseudo_gradnorm_reduce=penalty,
         local_sgd_clip_pseudo_grad=s.get("clip"), local_sgd_exchange_dtype=s.get("dtype", "fp32"),
-        local_sgd_exchange_error_feedback=bool(s.get("ef", 0)),
+        local_sgd_exchange_error_feedback=bool(s["ef"]) if "ef" in s else None,
+        local_sgd_exchange_topk_density=s.get("topk"), local_sgd_exchange_topk_chunk=s.get("chunk", 4096),
         outer_optimizer_lr=s.get("lr"), outer_optimizer_momentum=s.get("m"),
         outer_optimizer_nesterov=(False if s.get("m") == 0 else None) if "nesterov" not in s else bool(s["nesterov"]),
         local_sgd_outer_step_delay=s.get("tau", 0), local_sgd_outer_merge_alpha=s.get("alpha"),

@@ -5,15 +5,15 @@ Each worker moves its parameters (its local steps up to the launch), the sync is
 every group's exchange launched, the worker moves again (the tau inner steps while the exchange
 is in flight), then the exchange is completed with the merge. Two rounds, so the second
 pseudo-gradient starts from the merged parameters and the outer momentum is used. Checked
-against an independent computation: the mean, the penalty's weighted mean, or the int8
-exchange with error feedback of ``Delta_m = anchor - theta_{m,launch}``, a torch Nesterov SGD
+against an independent computation: the mean, the penalty's weighted mean, the int8
+exchange with error feedback, or the top-k exchange (error feedback on by default) of ``Delta_m = anchor - theta_{m,launch}``, a torch Nesterov SGD
 step of the anchor, then ``theta_m <- alpha theta_{m,apply} + (1 - alpha) anchor'``."""
 
 import pytest
 import torch
 
 from fake_groups import FakeWorkerGroups, FakeWorld, run_workers
-from megatron_edit.algorithm import penalty, quantize
+from megatron_edit.algorithm import penalty, quantize, topk
 from megatron_edit.config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from megatron_edit.exchange.outer_state import OuterState
 from megatron_edit.exchange.outer_sync import OuterSync
@@ -29,6 +29,8 @@ CASES = {
     "mean": dict(),
     "penalty": dict(pseudo_gradnorm_reduce=True),
     "int8-ef": dict(exchange_dtype="int8", exchange_error_feedback=True, exchange_block_size=4),
+    # the sparse exchange: 5% of chunks of 64 (k = 1 or 2 here), int2 values, error feedback by default
+    "topk-ef": dict(exchange_dtype="int2", exchange_topk_density=0.05, exchange_topk_chunk=64),
 }
 
 
@@ -118,6 +120,23 @@ def _int8_ef(deltas, residual, chunk_residual, b):
     return out
 
 
+def _topk_ef(deltas, residual, b):
+    """Independent top-k exchange with error feedback of bucket b: every worker sends the
+    top-k of Delta + residual (the codec) and keeps the rest; the sum in worker order / W."""
+    numel = BUCKETS[b][0]
+    chunk = max(2, min(64, numel))
+    payload = topk.encoded_bytes(numel, 0.05, chunk, "int2")
+    if (WORKERS - 1) * payload > 2 * (WORKERS - 1) * 4 * numel // WORKERS:
+        return sum((d[b] for d in deltas), torch.zeros(numel)) / WORKERS  # too small to pay: fp32
+    total = torch.zeros(numel)
+    for w in range(WORKERS):
+        x = deltas[w][b] + residual[w][b]
+        got = topk.decode(topk.encode(x, 0.05, chunk, "int2"), numel, 0.05, chunk, "int2")
+        residual[w][b] = x - got
+        total += got
+    return total / WORKERS
+
+
 def _reference(case, alpha):
     """Per round: anchors after the outer step and every worker's merged parameters."""
     anchors = _padded(_randn(0))
@@ -136,6 +155,9 @@ def _reference(case, alpha):
         for b, (numel, segs) in enumerate(BUCKETS):
             if case == "int8-ef":
                 grads.append(_int8_ef(deltas, residual, chunk_residual, b))
+                continue
+            if case == "topk-ef":
+                grads.append(_topk_ef(deltas, residual, b))
                 continue
             total = torch.zeros(numel)
             for w in range(WORKERS):

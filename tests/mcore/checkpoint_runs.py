@@ -218,7 +218,8 @@ def canonical(ddp, opt, ctl) -> dict:
         for shard in ctl.shards:  # every worker's chunk at its place (a sum over the workers)
             full = torch.zeros(shard.numel)
             offset, length, _ = ctl.chunk_span(shard)
-            full[offset : offset + length] = shard.chunk_residual[:length]
+            if shard.chunk_residual is not None:  # none with the sparse exchange (zeros)
+                full[offset : offset + length] = shard.chunk_residual[:length]
             torch.distributed.all_reduce(full, group=ctl.sync_group.group)
             result.append(full)
 

@@ -107,6 +107,28 @@ def test_fake_clock_schedule_skip_and_step_weights_are_exact_and_identical_every
     _assert_params_equal(results[0]["params"], results[2]["params"], "replicas after the last sync")
 
 
+@pytest.mark.timeout(300)
+def test_a_edit_with_the_sparse_exchange_keeps_the_schedule_and_replicas():
+    """The fake-clock schedule above with the top-k exchange (2%, int2, error feedback by
+    default): the same syncs, the same skip and step weights (decided on the dense
+    pseudo-gradients), each weighted pseudo-gradient sparsified, replicas identical after the
+    last sync, and a real sync sends a few hundredths of the fp32 one's bytes."""
+    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1,
+                 min_total_global_steps=10, use_step_weight=True, step_weight_ratio=0.5, sync_mode="step_end")
+    runs = {}
+    for name, extra in (("fp32", {}), ("topk", dict(exchange_dtype="int2", exchange_topk_density=0.02))):
+        spec = default_spec(local_sgd=dict(local, **extra), outer=OUTER, seconds_per_step=[1.0, 0.25], syncs=3,
+                            max_steps=64)
+        runs[name] = run_ranks(async_runs, 4, spec, timeout=250)
+    for ref, r in zip(runs["fp32"], runs["topk"]):
+        assert [rep.step for rep in r["reports"]] == [rep.step for rep in ref["reports"]]
+        assert [rep.skipped_sync for rep in r["reports"]] == [True, False, False]
+        assert torch.equal(r["reports"][1].weights, ref["reports"][1].weights)
+        assert r["reports"][1].quantization_error is not None
+        assert r["reports"][1].payload_bytes < 0.1 * ref["reports"][1].payload_bytes
+    _assert_params_equal(runs["topk"][0]["params"], runs["topk"][2]["params"], "replicas after the last sync")
+
+
 @pytest.mark.timeout(240)
 def test_run_ends_at_its_global_budget_with_a_final_sync_planned_from_the_speeds():
     """The synchronous run would take 20 iterations (40 worker-steps for 2 workers). Worker 0

@@ -197,6 +197,35 @@ def test_error_feedback_residuals_follow_a_worker_count_change(tmp_path, weights
 
 
 @pytest.mark.timeout(600)
+def test_sparse_exchange_residuals_follow_a_worker_count_change(tmp_path):
+    """The top-k exchange (2%, int2, error feedback by default), 2 workers x 2 shards saved
+    between syncs, resumed by 4 workers x 1: every new worker's residual is the mean of the
+    saved workers' (the plain mean divides the result by the workers), there is no result
+    residual (zeros), the model is the outer step over the saved workers, and the next (sparse)
+    sync leaves the workers identical."""
+    sparse = dict(EDIT, exchange_dtype="int2", exchange_topk_density=0.02)
+    path = str(tmp_path / "topk")
+    saver = run_ranks(train_job, WORLD, local_sgd=sparse, steps=7, saves={7: [(path, DP_RESHARDABLE)]},
+                      snapshots=(7,), with_canonical=True, timeout=300)
+    resumed = run_ranks(train_job, WORLD, local_sgd=sparse, instances=4, load=(path, DP_RESHARDABLE, 7),
+                        snapshots=(8,), with_canonical=True, timeout=300)
+    saved_residual = _worker_tensors(saver, "residual", 7)
+    mean = {k: (saved_residual[0][k] + saved_residual[1][k]) / 2 for k in saved_residual[0]}
+    assert all(v.abs().sum() > 0 for v in mean.values())  # most of each pseudo-gradient was kept back
+    residual = _worker_tensors(resumed, "residual", loaded=True)
+    result = _worker_tensors(resumed, "result_residual", loaded=True)
+    expected, _ = _expected_outer_step(saver, 7)
+    loaded = _worker_tensors(resumed, "params", loaded=True)
+    for w in range(4):
+        _close(residual[w], mean, f"worker {w} residual")
+        assert all(not v.any() for v in result[w].values()), f"worker {w}: a result residual"
+        _close(loaded[w], expected, f"worker {w} model")
+    after_sync = _worker_tensors(resumed, "params", 8)
+    for w in range(4):
+        _close(after_sync[w], after_sync[0], "workers identical after the next sync", exact=True)
+
+
+@pytest.mark.timeout(600)
 def test_synchronous_checkpoint_resumes_edit_with_its_adam_state(tmp_path):
     """Plain Megatron (2 distributed-optimizer instances) saves after 5 steps; EDiT (warmup 2,
     H 3) loads it with the optimizer: every worker gets the model and Adam state, EDiT counts

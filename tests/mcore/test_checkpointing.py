@@ -115,6 +115,23 @@ def test_exact_resume_with_quantized_exchange_and_error_feedback(tmp_path):
     assert any(r.abs().sum() > 0 for r, _ in residuals)  # something was dropped and kept
 
 
+@pytest.mark.timeout(420)
+def test_exact_resume_with_sparse_exchange_and_error_feedback(tmp_path):
+    """Top-k 2% int2 exchange, error feedback on by default, saved between syncs: each worker's
+    residual (what it did not send) is restored, and the run continues bit-identical to the
+    uninterrupted one."""
+    sparse = dict(EDIT, exchange_dtype="int2", exchange_topk_density=0.02)
+    path = str(tmp_path / "topk")
+    reference = run_ranks(train_job, WORLD, local_sgd=sparse, timeout=200)
+    saver = run_ranks(train_job, WORLD, local_sgd=sparse, steps=7, saves={7: [(path, DP_RESHARDABLE)]},
+                      snapshots=(7,), timeout=200)
+    resumed = run_ranks(train_job, WORLD, local_sgd=sparse, load=(path, DP_RESHARDABLE, 7), timeout=200)
+    _assert_exact(reference, saver, resumed, 7)
+    residuals = reference[0]["final"]["residuals"]
+    assert all(r is not None and c is None for r, c in residuals)
+    assert all(r.abs().sum() > 0 for r, _ in residuals)  # most of each pseudo-gradient was kept back
+
+
 @pytest.mark.timeout(300)
 def test_penalty_detector_statistics_are_restored(tmp_path):
     """Penalty on (weights, clipping, anomaly detector): resumed between syncs, the syncs after

@@ -101,6 +101,27 @@ def test_fragments_with_the_int8_exchange_and_a_delay_keep_replicas_identical():
         assert all(torch.equal(a[k], b[k]) for k in a), shard
 
 
+@pytest.mark.timeout(400)
+def test_fragments_with_the_sparse_exchange_and_a_delay_keep_replicas_identical():
+    """F = 2, tau = 1, the top-k exchange (2%, int2, error feedback by default) and clipping: the
+    syncs are where they are without it, a fragment's sync sends only its own shards' payloads
+    (its residuals move, the other fragment's do not), and after the last (blocking) sync the
+    replicas are identical."""
+    spec = _spec(sync_mode="layerwise", outer_step_delay=1, exchange_dtype="int2", exchange_topk_density=0.02,
+                 clip_pseudo_grad=0.05)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=360)
+    for r in results:
+        reports = r["runs"][0]["reports"]
+        assert [(rep.step, rep.fragment) for rep in reports] == STEPS
+        assert all(rep.quantization_error is not None for rep in reports)
+        for rep in reports[:3]:
+            untouched = rep.norms[rep.worker] == 0
+            assert bool(untouched.any()) and torch.all(rep.clip_coef[untouched] == 1)
+    for shard in (0, 1):
+        a, b = results[shard]["runs"][0]["params"], results[2 + shard]["runs"][0]["params"]
+        assert all(torch.equal(a[k], b[k]) for k in a), shard
+
+
 FRAG_CKPT = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, fragments=2, outer_step_delay=1,
                  sync_mode="layerwise", pseudo_gradnorm_reduce=True, skip_anomaly=True, ewma_warmup_steps=1,
                  outer_merge_rule="keep_local")

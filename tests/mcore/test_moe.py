@@ -203,6 +203,30 @@ def test_moe_expert_parallel_quantized_exchange_and_cpu_offload():
             assert all(torch.equal(a[k], b[k]) for k in a), f"replicas differ after sync step {step}"
 
 
+@pytest.mark.timeout(300)
+def test_moe_expert_parallel_sparse_exchange():
+    """EP=2: the top-k exchange (2%, int2, error feedback by default) takes the expert shards
+    like the dense ones, over the expert sync group: layer-wise == step-end bit for bit,
+    replicas identical after each sync, the expert controller reports what it did not send."""
+    sparse = dict(EDIT, exchange_dtype="int2", exchange_topk_density=0.02)
+    specs = [default_spec(steps=6, model=MOE, local_sgd=dict(sparse, sync_mode=mode), outer=OUTER,
+                          snapshot_every_step=True) for mode in ("layerwise", "step_end")]
+    results = run_ranks(megatron_runs, WORLD, specs, ep=2, timeout=280)
+    slots = {}
+    for r in results:
+        layerwise, step_end = r["runs"]
+        for a, b in zip(layerwise["params"].values(), step_end["params"].values()):
+            assert torch.equal(a, b), "layer-wise vs step-end"
+        dense, experts = layerwise["per_controller"]
+        assert [rep.step for rep in experts["reports"]] == SYNCS
+        assert experts["reports"][0].quantization_error is not None
+        slots.setdefault(layerwise["ep_rank"], {})[layerwise["worker"]] = layerwise
+    for by_worker in slots.values():
+        for step in SYNCS:
+            a, b = by_worker[0]["snapshots"][step], by_worker[1]["snapshots"][step]
+            assert all(torch.equal(a[k], b[k]) for k in a), f"replicas differ after sync step {step}"
+
+
 def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters):
     """A-EDiT on the MoE GPT with EP=2 (2 workers, a dense and an expert controller), each
     worker's fake clock advancing ``seconds_per_step[worker]`` per step, until the budget of

@@ -376,6 +376,8 @@ def merge_residuals(controller, plan: ResumePlan, part: dict) -> None:
                                     controller.sync.exchanges_weighted_sum)
         shard.residual = total
         offset, length, padded = controller.chunk_span(shard)
+        if not padded:  # the sparse exchange requantizes no chunk of the result: nothing to restore
+            continue
         full = space.assemble(result, slot, torch.empty(shard.numel, dtype=torch.float32, device=shard.device))
         shard.chunk_residual = torch.zeros(padded, dtype=torch.float32, device=shard.device)
         shard.chunk_residual[:length].copy_(full[offset : offset + length])

@@ -38,7 +38,8 @@ model keys, ``optimizer.*`` (Megatron's)    worker 0's model and inner optimizer
 * EDiT's own tensors are stored **per parameter, in model space** (:mod:`.space`):
   each is the parameter's model tensor with another key, so ``dist_checkpointing`` reshards
   them like the model: another number of ranks per worker, another bucket size, TP or PP.
-  The residuals exist only with a quantized exchange with error feedback.
+  The residuals exist only with a quantized or sparse exchange with error feedback (the
+  sparse exchange reduces no chunk of the result: its result residual is all zeros).
 * Worker k >= 1 renames the keys of Megatron's optimizer part to ``local_sgd.worker_<k>.`` and
   sets the instance coordinate of their replica ids to 0, so inside each worker exactly one rank
   writes each shard (Megatron's save validates this on every save). Worker k's model needs no
@@ -147,7 +148,7 @@ def local_sgd_sharded_state_dict(optimizer, controller, state: dict, model_shard
     layout = controller.layout
     space = ModelSpace(optimizer, controller.shards, model_tensors_by_param(model_sharded_state_dict))
     tensor_keys, _ = outer_state_keys(controller)
-    residuals = controller.config.exchange_error_feedback and any(
+    residuals = controller.config.error_feedback and any(
         controller.chunk_span(s) is not None for s in controller.shards)
     delayed = getattr(controller, "delayed", None)
     flight = delayed.checkpoint_state() if delayed is not None and not is_loading else None
@@ -207,7 +208,10 @@ def _result_residuals(controller) -> List[torch.Tensor]:
     out = []
     for shard in controller.shards:
         full = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
-        offset, length, _ = controller.chunk_span(shard)
+        offset, length, padded = controller.chunk_span(shard)
+        if not padded:  # the sparse exchange: no chunk of the result, zeros (the same on every worker)
+            out.append(full)
+            continue
         if shard.chunk_residual is not None:
             full[offset : offset + length].copy_(shard.chunk_residual[:length])
         controller.sync_group.all_reduce_sum(full, async_op=False)  # counted as sync traffic
