@@ -42,6 +42,7 @@ import torch
 
 from ..algorithm import asynchronous, penalty
 from ..config import GTAConfig, LocalSGDConfig
+from .groups import mean_divisor
 from .in_flight import SyncInProgress
 from .outer_state import OuterState
 from .quantized import QuantizedExchange
@@ -83,7 +84,6 @@ class OuterSync:
         self.gta_config = gta_config
         self.outer = outer_state
         self.on_done = on_done
-        self.num_workers = sync_group.size
         self.layer_shards: List[List[BucketShard]] = [[] for _ in self.layer_names]
         for shard in self.shards:
             for layer in shard.bucket_layers:
@@ -92,12 +92,17 @@ class OuterSync:
         self._gta = gta_config.reducer == "gta"
         self.quantized: Optional[QuantizedExchange] = None
         """The quantized exchange's protocol (None: fp32 exchange)."""
-        if config.exchange_dtype != "fp32" and self.num_workers > 1:
+        if config.exchange_dtype != "fp32" and (self.num_workers > 1 or getattr(sync_group, "dynamic", False)):
             self.quantized = QuantizedExchange(
                 sync_group, config.exchange_dtype, config.exchange_block_size, config.exchange_error_feedback
             )
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
         self._sync: Optional[SyncInProgress] = None
+
+    @property
+    def num_workers(self) -> int:
+        """Workers in the sync group (over torchft: in the current sync)."""
+        return self.sync_group.size
 
     @property
     def exchanges_weighted_sum(self) -> bool:
@@ -231,7 +236,7 @@ class OuterSync:
         place where GTA, the exchange's dtype and a shard's size choose."""
         sync = self._sync
         defer = sync.weights is None and self._defers_mean()  # the plain mean, divided by the step
-        sync.divisor = self.num_workers if defer else 1
+        sync.divisor = mean_divisor(self.sync_group) if defer else 1
         if self._gta:
             chosen = GTAReducer(self.sync_group, self.gta_config, sync.weights, sync.step,
                                 self.worker_groups.shard_rank)
