@@ -98,6 +98,10 @@ class OuterSync:
             )
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
         self._sync: Optional[SyncInProgress] = None
+        self.commit_gate: Optional[Callable[[], bool]] = None
+        """Asked once per sync, after every exchange of it is in and before any outer step:
+        whether to apply it (the torchft backend's commit); None: always. A sync not applied
+        leaves the main params with the worker's local progress."""
 
     @property
     def num_workers(self) -> int:
@@ -243,7 +247,7 @@ class OuterSync:
         else:
             chosen = MeanReducer(self.sync_group, sync.own_weights, divide=sync.weights is None and not defer)
         quantized = None
-        if not self._gta and self.quantized is not None:
+        if not self._gta and self.quantized is not None and self.num_workers > 1:
             quantized = QuantizedReducer(self.quantized, sync.own_weights, mean=sync.weights is None)
         for shard in sync.members:
             # Tiny shards go in fp32: a few elements per worker weigh less than scales and padding.
@@ -340,11 +344,27 @@ class OuterSync:
         model's 16-bit copy when ``write_model``), or merge them (``merge_alpha``: delayed)."""
         self._finish_exchange(shards)
         t0 = time.perf_counter()
+        if not self._committed():
+            for shard in shards:  # not applied: the mains keep the local progress
+                self._sync.done(shard)
+            self._sync.seconds += time.perf_counter() - t0
+            return self._finish_if_done()
         self._ensure_clip_coefficients(shards)
         for shard in shards:
             self._apply(shard, write_model, merge_alpha)
         self._sync.seconds += time.perf_counter() - t0
         self._finish_if_done()
+
+    def _committed(self) -> bool:
+        """Whether the sync in progress is applied (:attr:`commit_gate`, asked once, when every
+        exchange of the sync is in)."""
+        sync = self._sync
+        if self.commit_gate is None:
+            return True
+        if sync.committed is None:
+            self._finish_exchange(sync.members)
+            sync.committed = bool(self.commit_gate())
+        return sync.committed
 
     # ------------------------------------------------------------------ layer-wise
     def mark_pending(self) -> None:
@@ -449,6 +469,7 @@ class OuterSync:
             quantization_error=self.quantized.take_error_norm() if self.quantized is not None else None,
             delay=sync.delay,
             exposed_wait_seconds=sync.exposed_wait,
+            committed=sync.committed is not False,
         )
         if self.on_done is not None:
             self.on_done(report)
