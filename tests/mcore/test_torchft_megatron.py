@@ -71,3 +71,140 @@ def test_torchft_equals_torch_backend_int8_error_feedback_step_end():
                                         exchange_error_feedback=True, sync_mode="step_end"), steps=6)
     _check_equal(reference, ft, [2, 4, 6])
     assert all(r.quantization_error is not None for run in ft for r in run["reports"])
+
+
+# ---------------------------------------------------------------------- a worker dies and comes back
+HEAL_TOTAL, HEAL_H = 12, 2
+
+
+def _anchor_digest(controller) -> str:
+    """Exact: the float64 sum of this rank's anchors, as a hex float."""
+    return float(sum(s.anchor.double().sum() for s in controller.shards)).hex()
+
+
+def _wait_file(path, timeout=300.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"no {path} after {timeout}s")
+        time.sleep(0.05)
+
+
+def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner):
+    """One worker's job: EDiT H=2 over torchft for HEAL_TOTAL steps, every sync logged (one JSON
+    line per sync in ``ctl``). The first jobs stop before step 5 until the test has killed worker
+    1 (it is killed there, between its syncs 4 and 6); worker 0 then stops before step 7 until the
+    relaunched worker 1 (``joiner``) waits in its join round's quorum."""
+    import json
+
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    from edit_runs import MICRO_BATCH, _build
+    from gpt_utils import make_batches, named_params, rank_micro_batches, train_step
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    me.patch_megatron_for_local_sgd(
+        me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H, sync_mode="step_end", sync_backend="torchft",
+                          replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0),
+        me.OuterOptimizerConfig())
+    if joiner:  # tell the test when this job's join round asks for its quorum
+        begin = FaultTolerantSyncGroup.begin
+
+        def announced(self, contributed):
+            open(os.path.join(ctl, f"joiner-in-quorum-{rank}"), "w").close()
+            return begin(self, contributed)
+
+        FaultTolerantSyncGroup.begin = announced
+    ddp, optimizer = _build(default_spec(instances=1), 1, 1)  # the join round runs in here
+    (c,) = me.get_local_sgd(optimizer)
+    log = open(os.path.join(ctl, f"w{worker}-r{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
+    log.write(json.dumps(dict(ev="joined", step=c.steps_done, healed=c.sync_group.healed,
+                              anchor=_anchor_digest(c), manager_step=c.sync_group.step)) + "\n")
+    batches = make_batches(HEAL_TOTAL, WORKERS * RANKS * MICRO_BATCH, seed=0)
+    while c.steps_done < HEAL_TOTAL:
+        step = c.steps_done + 1
+        if step == 5 and not joiner:
+            _wait_file(os.path.join(ctl, "killed"))
+        if step == 7 and worker == 0:
+            _wait_file(os.path.join(ctl, f"joiner-in-quorum-{rank}"))
+        train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], worker * world_size + rank,
+                                                      WORKERS * world_size))
+        for r in c.drain_reports():
+            log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, committed=r.committed,
+                                      anchor=_anchor_digest(c))) + "\n")
+    ddp.start_param_sync(force_sync=True)
+    momentum = [c.outer_optimizer.state[a]["momentum_buffer"].clone() for a in c.outer_optimizer.param_groups[0]["params"]]
+    out = dict(params=named_params(ddp), anchors=[s.anchor.clone() for s in c.shards], momentum=momentum,
+               steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid())
+    c.ft.close()
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+def _events(ctl, worker, rank):
+    import glob
+    import json
+
+    lines = []
+    for path in sorted(glob.glob(os.path.join(ctl, f"w{worker}-r{rank}-*.jsonl"))):
+        pid = int(path.rsplit("-", 1)[1].split(".")[0])
+        with open(path) as f:
+            lines += [dict(json.loads(line), pid=pid) for line in f if line.endswith("}\n")]
+    return lines
+
+
+def _until(predicate, what, timeout=300.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError(f"waited {timeout}s for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_path):
+    """2 workers x 2 ranks. Worker 1's job is SIGKILLed between its syncs 4 and 6; worker 0
+    commits sync 6 alone (nothing restarts); a fresh job for worker 1 joins at sync 8, heals
+    from worker 0's same rank and is bit-identical to it from then on (anchors, outer momentum,
+    parameters at the end)."""
+    ctl = str(tmp_path)
+    synced = lambda w, step, **kw: all(  # noqa: E731
+        any(e["ev"] == "sync" and e["step"] == step and all(e[k] == v for k, v in kw.items())
+            for e in _events(ctl, w, r)) for r in range(RANKS))
+    # heartbeat 1 s: a dead worker leaves the quorum 1 s after its death; join timeout 60 s: a
+    # quorum waits for a worker whose Manager is up (a joint start, a deterministic rejoin).
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=1000, join_timeout_ms=60000) as (server, start):
+        addr = server.address()
+        survivor = start(_healing_worker, RANKS, 0, addr, ctl, False, timeout=3 * TIMEOUT - 60)
+        victim = start(_healing_worker, RANKS, 1, addr, ctl, False, timeout=3 * TIMEOUT - 60)
+        _until(lambda: synced(0, 4, workers=2) and synced(1, 4, workers=2), "the joint sync 4")
+        victim.kill()  # every rank of the job: what torchrun's agent does when one dies
+        open(os.path.join(ctl, "killed"), "w").close()
+        _until(lambda: synced(0, 6, workers=1, committed=True), "worker 0's sync 6 alone")
+        joiner = start(_healing_worker, RANKS, 1, addr, ctl, True, timeout=2 * TIMEOUT)
+        final0, final1 = survivor.results(), joiner.results()
+    for r in range(RANKS):
+        ev0 = [e for e in _events(ctl, 0, r) if e["ev"] == "sync"]
+        assert [(e["step"], e["workers"], e["committed"]) for e in ev0] == [
+            (2, 2, True), (4, 2, True), (6, 1, True), (8, 2, True), (10, 2, True), (12, 2, True)]
+        assert len({e["pid"] for e in _events(ctl, 0, r)}) == 1  # the survivor never restarted
+        new = [e for e in _events(ctl, 1, r) if e["pid"] == final1[r]["pid"]]
+        joined, *syncs = new
+        # the join round was worker 0's sync 8: healed there, to the same anchor bits
+        assert joined["ev"] == "joined" and joined["healed"] and joined["step"] == 8
+        assert joined["anchor"] == next(e["anchor"] for e in ev0 if e["step"] == 8)
+        assert [(e["step"], e["workers"]) for e in syncs] == [(10, 2), (12, 2)]
+        assert [e["anchor"] for e in syncs] == [e["anchor"] for e in ev0[-2:]]
+        a, b = final0[r], final1[r]
+        assert (a["steps"], b["steps"]) == (HEAL_TOTAL, HEAL_TOTAL) and a["manager_step"] == b["manager_step"]
+        assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["momentum"], b["momentum"]))
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
