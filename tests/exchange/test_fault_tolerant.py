@@ -127,3 +127,23 @@ def test_a_worker_dying_inside_a_sync_fails_the_round_and_the_survivor_goes_on(t
     assert (alone["size"], alone["contributors"], alone["errored"], alone["commit"], alone["step"]) == (
         1, 1, False, True, 2)
     assert alone["y"] == [1.0] * 4
+
+
+@pytest.mark.timeout(120)
+def test_no_lighthouse_at_the_address_is_one_line_after_a_bounded_wait():
+    """A bound socket that does not listen: connecting is refused, nothing else can take the port."""
+    import socket
+
+    import torch.distributed as tdist
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    with socket.socket() as nothing:
+        nothing.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{nothing.getsockname()[1]}"
+        store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        with pytest.raises(RuntimeError) as info:
+            FaultTolerantSyncGroup.connect(replica_id=3, lighthouse=address, rank=0, world_size=1,
+                                           store_addr="127.0.0.1", store_port=store.port, connect_timeout=2.0)
+    message = str(info.value)
+    assert "\n" not in message and address in message and "--local-sgd-lighthouse" in message
+    assert "worker 3" in message and "within 2 s" in message
