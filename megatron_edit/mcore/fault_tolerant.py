@@ -22,6 +22,7 @@ optimizer's state is not sent (it restarts), nor are error-feedback residuals (z
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
@@ -32,6 +33,7 @@ from ..exchange.fault_tolerant import FaultTolerantSyncGroup
 from .process_state import PROCESS
 
 STATE_KEY = "megatron_edit"
+logger = logging.getLogger(__name__)
 
 
 class TorchftBackend:
@@ -85,6 +87,14 @@ class TorchftBackend:
             for shard in self.controller.shards:
                 shard.residual = None
                 shard.chunk_residual = None
+            if dist.get_rank() == 0:  # one line per worker
+                error = self.group.manager.errored()
+                logger.warning(
+                    "megatron_edit: worker %s did not commit the sync after step %d (%d worker(s) in it, "
+                    "--local-sgd-min-replicas %d%s): it keeps its local progress for the next sync.",
+                    self.controller.config.replica_id, self._sync_step, self.group.size,
+                    self.controller.config.min_replicas,
+                    f"; {str(error).splitlines()[0][:200]}" if error is not None and str(error) else "")
         return committed and self.group.contributors > 0
 
     def join(self) -> None:

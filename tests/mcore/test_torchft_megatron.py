@@ -23,13 +23,7 @@ TIMEOUT = 400
 def _ft_worker(rank, world_size, worker, lighthouse, spec):
     """One worker's job: the spec's run with the torchft backend, on the micro-batches its ranks
     have in the one-world run."""
-    host, port = ft_jobs.job_store_address()
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    local = dict(spec["local_sgd"], sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
-                 sync_timeout=120.0)
-    spec = dict(spec, instances=1, data_dp=WORKERS * world_size, data_rank_offset=worker * world_size,
-                local_sgd=local)
-    return megatron_runs(rank, world_size, [spec])["runs"][0]
+    return _ft_worker_n(rank, world_size, worker, lighthouse, spec, WORKERS)
 
 
 def _both_backends(local_sgd, steps=8):
@@ -142,6 +136,11 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner):
     momentum = [c.outer_optimizer.state[a]["momentum_buffer"].clone() for a in c.outer_optimizer.param_groups[0]["params"]]
     out = dict(params=named_params(ddp), anchors=[s.anchor.clone() for s in c.shards], momentum=momentum,
                steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid())
+    try:  # a checkpoint's state cannot be loaded into a torchft run yet: one line
+        c.load_state_dict(c.state_dict())
+        out["resume"] = None
+    except me.NotSupportedYet as error:
+        out["resume"] = str(error)
     c.ft.close()
     me.unpatch_megatron_for_local_sgd()
     return out
@@ -208,3 +207,69 @@ def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_pat
         assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
         assert all(torch.equal(x, y) for x, y in zip(a["momentum"], b["momentum"]))
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        assert "resuming from a checkpoint with --local-sgd-sync-backend torchft is not supported" in a["resume"]
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_three_one_rank_workers_equal_the_torch_backend():
+    """3 workers (one rank each): the sum over a quorum of 3, in the workers' order."""
+    spec = default_spec(steps=4, local_sgd=dict(local_sgd_sync_interval=2), instances=3)
+    reference = [r["runs"][0] for r in run_ranks(megatron_runs, 3, [spec], timeout=TIMEOUT)]
+    with ft_jobs.jobs_and_lighthouse(min_replicas=3) as (server, start):
+        jobs = [start(_ft_worker_n, 1, w, server.address(), spec, 3, timeout=TIMEOUT) for w in range(3)]
+        ft = [job.results()[0] for job in jobs]
+    for g, (ref, run) in enumerate(zip(reference, ft)):
+        assert _max_diff(ref["params"], run["params"]) <= 1e-6, f"worker {g}"
+        assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6
+        assert [(r.step, r.workers, r.committed) for r in run["reports"]] == [(2, 3, True), (4, 3, True)]
+    assert all(_max_diff(ft[0]["params"], run["params"]) == 0.0 for run in ft[1:])
+
+
+def _ft_worker_n(rank, world_size, worker, lighthouse, spec, workers):
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    local = dict(spec["local_sgd"], sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
+                 sync_timeout=120.0)
+    spec = dict(spec, instances=1, data_dp=workers * world_size, data_rank_offset=worker * world_size,
+                local_sgd=local)
+    return megatron_runs(rank, world_size, [spec])["runs"][0]
+
+
+def _torchft_in_one_world(rank, world_size):
+    spec = default_spec(steps=1, instances=2, local_sgd=dict(
+        sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:1"))  # never contacted
+    try:
+        megatron_runs(rank, world_size, [spec])
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_torchft_with_two_workers_in_one_world_is_refused():
+    messages = run_ranks(_torchft_in_one_world, 2, timeout=TIMEOUT - 30)
+    for message in messages:
+        assert message is not None and "\n" not in message
+        assert "num_distributed_optimizer_instances 1 (got 2)" in message and "own job" in message
+
+
+def _alone_below_min_replicas(rank, world_size, lighthouse):
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    local = dict(local_sgd_sync_interval=2, sync_backend="torchft", replica_id=0, lighthouse=lighthouse,
+                 min_replicas=2, sync_timeout=60.0)
+    edit, plain = (default_spec(steps=6, instances=1, local_sgd=sgd) for sgd in (local, None))
+    return megatron_runs(rank, world_size, [edit, plain])["runs"]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_sync_that_is_not_committed_keeps_the_local_progress():
+    """One worker alone with --local-sgd-min-replicas 2: no sync commits, so no outer step is
+    applied and the worker keeps training from its own parameters: bit for bit the plain
+    (non-EDiT) run on the same data."""
+    with ft_jobs.jobs_and_lighthouse() as (server, start):
+        ((edit, plain),) = start(_alone_below_min_replicas, 1, server.address(), timeout=TIMEOUT - 30).results()
+    assert [(r.step, r.workers, r.committed) for r in edit["reports"]] == [(2, 1, False), (4, 1, False),
+                                                                             (6, 1, False)]
+    assert _max_diff(edit["params"], plain["params"]) == 0.0
+    assert edit["losses"] == plain["losses"]
