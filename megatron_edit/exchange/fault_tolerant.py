@@ -131,6 +131,7 @@ class FaultTolerantSyncGroup:
         self.healed = False
         before = (self.size, self.rank)
         self.manager.start_quorum()
+        self._refuse_shared_replica_id()
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
         self.size, self.rank = max(int(participants), 1), int(rank or 0)
@@ -138,6 +139,18 @@ class FaultTolerantSyncGroup:
         flag = torch.tensor([1.0 if contributed and not self.healed else 0.0])
         self.all_reduce_sum(flag, async_op=False)
         self.contributors = int(round(float(flag[0]))) if self.size > 1 else int(flag[0])
+
+    def _refuse_shared_replica_id(self) -> None:
+        """Two workers of the quorum with one replica id (torchft tells them apart by a random
+        suffix, and both would train the same data shard): stop, naming it."""
+        pg = self.manager._pg
+        ranks = list(getattr(pg, "_global_ranks", None) or ())  # replica id x ranks per worker + rank
+        shared = sorted({r for r in ranks if ranks.count(r) > 1})
+        if shared:
+            per_worker = max(1, int(getattr(pg, "_group_world_size", None) or 1))
+            raise RuntimeError(
+                f"megatron_edit: two workers of the sync have --local-sgd-replica-id {shared[0] // per_worker}: "
+                "give every worker its own id (a relaunched worker keeps its dead predecessor's).")
 
     def commit(self) -> bool:
         """Whether the sync may be applied (every rank of this worker agrees; a failed

@@ -147,3 +147,26 @@ def test_no_lighthouse_at_the_address_is_one_line_after_a_bounded_wait():
     message = str(info.value)
     assert "\n" not in message and address in message and "--local-sgd-lighthouse" in message
     assert "worker 3" in message and "within 2 s" in message
+
+
+def _same_id(rank, world_size, lighthouse, gate_dir, name):
+    group = _connect(7, lighthouse)
+    ft_jobs.gate(gate_dir, name, 2)
+    try:
+        group.begin(contributed=True)
+        return None
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_two_workers_with_one_replica_id_are_refused(tmp_path):
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_same_id, 1, server.address(), str(tmp_path / "gate"), f"job{j}", timeout=TIMEOUT)
+                for j in range(2)]
+        messages = [job.results()[0] for job in jobs]
+    for message in messages:
+        assert message is not None and "\n" not in message
+        assert "two workers of the sync have --local-sgd-replica-id 7" in message
