@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, required=True, help="worker jobs to run (replica ids 0 .. N-1)")
     p.add_argument("--bind", default="127.0.0.1:0",
                    help="the Lighthouse's address (default: 127.0.0.1 and a port the OS picks)")
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
                    help="a worker silent this long leaves the quorum (default: %(default)s)")
     p.add_argument("--join-timeout-ms", type=int, default=60000,
                    help="how long a quorum waits for workers whose Managers are up (default: %(default)s)")

@@ -27,7 +27,7 @@ import dist
 _OPEN_STORES = []  # the TCP stores rank 0 of a job hosts (alive as long as the rank)
 
 
-def lighthouse(min_replicas: int = 1, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 200):
+def lighthouse(min_replicas: int = 1, heartbeat_timeout_ms: int = 3000, join_timeout_ms: int = 200):
     """A torchft Lighthouse in this process, on a port the OS picks; ``.address()``, ``.shutdown()``."""
     from torchft._torchft import LighthouseServer
 

@@ -65,3 +65,4 @@ def test_a_command_without_replica_id_is_one_line(tmp_path):
                              sys.executable, "train.py"], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "{replica_id}" in result.stderr
+

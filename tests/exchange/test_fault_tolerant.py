@@ -113,7 +113,7 @@ def _survivor(rank, world_size, worker, lighthouse, gate_dir):
 
 @pytest.mark.timeout(TIMEOUT + 60)
 def test_a_worker_dying_inside_a_sync_fails_the_round_and_the_survivor_goes_on(tmp_path):
-    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=1000) as (server, start):
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000) as (server, start):
         survivor = start(_survivor, 1, 0, server.address(), str(tmp_path / "gate"), timeout=TIMEOUT)
         start(_survivor, 1, 1, server.address(), str(tmp_path / "gate"), timeout=TIMEOUT)
         first, failed, alone = survivor.results()[0]

@@ -178,9 +178,9 @@ def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_pat
     synced = lambda w, step, **kw: all(  # noqa: E731
         any(e["ev"] == "sync" and e["step"] == step and all(e[k] == v for k, v in kw.items())
             for e in _events(ctl, w, r)) for r in range(RANKS))
-    # heartbeat 1 s: a dead worker leaves the quorum 1 s after its death; join timeout 60 s: a
-    # quorum waits for a worker whose Manager is up (a joint start, a deterministic rejoin).
-    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=1000, join_timeout_ms=60000) as (server, start):
+    # heartbeat 3 s: a dead worker leaves the quorum 3 s after its death (a live one is not taken
+    # for dead under load); join timeout 60 s: a quorum waits for a worker whose Manager is up.
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
         addr = server.address()
         survivor = start(_healing_worker, RANKS, 0, addr, ctl, False, timeout=3 * TIMEOUT - 60)
         victim = start(_healing_worker, RANKS, 1, addr, ctl, False, timeout=3 * TIMEOUT - 60)
