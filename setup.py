@@ -11,5 +11,7 @@ setup(
     # needs: torch>=2.8, see scripts/setup_env.sh). megatron-core's partial distributed optimizer
     # is needed (0.12+); 0.20+ is refused until checked.
     install_requires=["megatron-core>=0.12.0,<0.20", "einops", "numpy", "psutil"],
-    extras_require={"test": ["pytest", "pytest-timeout", "psutil"], "bench": ["matplotlib"]},
+    # ft: the fault-tolerant exchange across workers (--local-sgd-sync-backend torchft).
+    extras_require={"test": ["pytest", "pytest-timeout", "psutil"], "bench": ["matplotlib"],
+                    "ft": ["torchft==0.2.0"]},
 )

@@ -16,6 +16,8 @@
 # checked against it. PyPI's `apex` is an unrelated package and is never installed.
 #
 # Overrides: VENV, MEGATRON_CORE, PYTHON (the interpreter that creates the venv), TORCH.
+# EXTRAS=ft: also megatron_edit's optional extras (comma-separated; ft = torchft, for
+# --local-sgd-sync-backend torchft), installed with megatron_edit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -40,7 +42,8 @@ esac
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==$TORCH"
-"$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE" -e ".[test]"
+EXTRAS=${EXTRAS:+,$EXTRAS}
+"$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE" -e ".[test$EXTRAS]"
 if [ "$minor" -ge 17 ]; then
     "$VENV/bin/python" -m pip install -q -r scripts/requirements-megatron-lm.txt
 fi

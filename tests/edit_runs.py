@@ -176,7 +176,10 @@ def _train(rank, spec, tp, pp):
     for step in range(1, spec["steps"] + 1):
         if traffic:
             traffic.phase = f"step {step}"
-        micro = rank_micro_batches(batches[step - 1], dp_rank, data_dp, num_microbatches=num_mb)
+        # data_rank_offset: a worker's own job (the torchft backend) replays the micro-batches of
+        # its ranks in the one-world run.
+        micro = rank_micro_batches(batches[step - 1], dp_rank + spec.get("data_rank_offset", 0), data_dp,
+                                   num_microbatches=num_mb)
         out["losses"].append(train_step(ddp, optimizer, micro))
         if spec.get("faults") and controllers:
             # The same corruption as the simulation, applied to this rank's fp32 main shards.
@@ -240,6 +243,9 @@ def _train(rank, spec, tp, pp):
         out["per_controller"] = [dict(reports=o.drain_reports() if o is not c else out["reports"],
                                       state_bytes=o.state_bytes(), shard_numels=[s.numel for s in o.shards],
                                       layer_names=list(o.layer_names)) for o in controllers]
+    for c in controllers or ():
+        if getattr(c, "ft", None) is not None:  # the torchft backend: this rank's Manager
+            c.ft.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 

@@ -281,6 +281,12 @@ LOCAL_FLAG_CASES = {
     "fragments": (["--local-sgd-fragments", "2"], ConfigError),
     # The merge rule follows a delayed outer step only: alone it is refused.
     "outer_merge_rule": (["--local-sgd-outer-merge-rule", "keep_local"], ConfigError),
+    # The torchft backend needs a replica id and a Lighthouse; its settings alone (the torch
+    # backend) are refused (test_torchft_flags_reach_their_fields sets them together).
+    "sync_backend": (["--local-sgd-sync-backend", "torchft"], ConfigError),
+    "lighthouse": (["--local-sgd-lighthouse", "http://127.0.0.1:29510"], ConfigError),
+    "replica_id": (["--local-sgd-replica-id", "3"], ConfigError),
+    "min_replicas": (["--local-sgd-min-replicas", "2"], ConfigError),
 }
 
 
@@ -476,3 +482,16 @@ def test_error_feedback_flag_is_on_by_default_with_topk_and_can_be_turned_off():
     with pytest.raises(ConfigError, match="--no-local-sgd-exchange-error-feedback does nothing without "
                                           "--local-sgd-exchange-topk-density"):
         local("--local-sgd-exchange-dtype", "int8", "--no-local-sgd-exchange-error-feedback")
+
+
+def test_torchft_flags_reach_their_fields(monkeypatch):
+    """The torchft backend's four flags together (torchft looked up, not imported)."""
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    local, _, _ = _configs("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "3",
+                           "--local-sgd-lighthouse", "http://127.0.0.1:29510", "--local-sgd-min-replicas", "2")
+    assert (local.sync_backend, local.replica_id, local.lighthouse, local.min_replicas) == (
+        "torchft", 3, "http://127.0.0.1:29510", 2)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lh:1")
+    local, _, _ = _configs("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "0")
+    assert local.lighthouse is None and local.lighthouse_address == "http://lh:1"

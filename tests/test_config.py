@@ -49,6 +49,10 @@ FLAGS = {
     "outer_merge_alpha": "--local-sgd-outer-merge-alpha",
     "fragments": "--local-sgd-fragments",
     "outer_merge_rule": "--local-sgd-outer-merge-rule",
+    "sync_backend": "--local-sgd-sync-backend",
+    "lighthouse": "--local-sgd-lighthouse",
+    "replica_id": "--local-sgd-replica-id",
+    "min_replicas": "--local-sgd-min-replicas",
     "outer_optim_class": "--outer-optimizer",
     "outer_optim_kwargs": "--outer-optimizer-lr",
     "reducer": "--local-sgd-reducer",
@@ -531,3 +535,44 @@ def test_outer_merge_rule_checks():
     message = _raises(LocalSGDConfig, ConfigError, "outer_merge_alpha", outer_merge_rule="keep_local",
                       outer_merge_alpha=0.5, outer_step_delay=1, local_sgd_sync_interval=4)
     assert "--local-sgd-outer-merge-rule keep_local" in message
+
+
+FT = dict(sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510")
+
+
+def test_torchft_backend_checks(monkeypatch):
+    """The torchft backend: its settings, one line for each refusal, the torch backend untouched."""
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # torchft "installed"
+    assert LocalSGDConfig().sync_backend == "torch"
+    cfg = LocalSGDConfig(**FT, min_replicas=2, exchange_dtype="int8", exchange_error_feedback=True)
+    assert (cfg.replica_id, cfg.min_replicas, cfg.lighthouse_address) == (0, 2, "http://127.0.0.1:29510")
+    _raises(LocalSGDConfig, ConfigError, "sync_backend", sync_backend="gloo")
+    for field, value in (("lighthouse", "http://h:1"), ("replica_id", 1), ("min_replicas", 2)):
+        message = _raises(LocalSGDConfig, ConfigError, field, **{field: value})
+        assert "--local-sgd-sync-backend torchft" in message
+    _raises(LocalSGDConfig, ConfigError, "replica_id", **{**FT, "replica_id": None})
+    _raises(LocalSGDConfig, ConfigError, "replica_id", **{**FT, "replica_id": -1})
+    _raises(LocalSGDConfig, ConfigError, "min_replicas", **{**FT, "min_replicas": 0})
+    message = _raises(LocalSGDConfig, ConfigError, "lighthouse", **{**FT, "lighthouse": None})
+    assert "TORCHFT_LIGHTHOUSE" in message
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://env:2")
+    assert LocalSGDConfig(**{**FT, "lighthouse": None}).lighthouse_address == "http://env:2"
+    for field, kwargs in (("use_async", dict(use_async=True)),
+                          ("outer_step_delay", dict(outer_step_delay=1, local_sgd_sync_interval=4)),
+                          ("fragments", dict(fragments=2, local_sgd_sync_interval=4)),
+                          ("skip_anomaly", dict(skip_anomaly=True)),
+                          ("pseudo_gradnorm_reduce", dict(pseudo_gradnorm_reduce=True)),
+                          ("local_sgd_warmup_steps", dict(local_sgd_warmup_steps=2))):
+        message = _raises(LocalSGDConfig, NotSupportedYet, field, **FT, **kwargs)
+        assert "torchft is not supported yet" in message and "\n" not in message
+    from megatron_edit.config import check_combination
+
+    with pytest.raises(NotSupportedYet, match="gta with --local-sgd-sync-backend torchft"):
+        check_combination(LocalSGDConfig(**FT), GTAConfig(reducer="gta"))
+
+
+def test_torchft_backend_without_torchft_is_one_line(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "torchft" else object())
+    message = _raises(LocalSGDConfig, ConfigError, "sync_backend", **FT)
+    assert "pip install megatron_edit[ft]" in message and "\n" not in message

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_edit"
 
 LAYERS = {"config": 0, "arguments": 0, "flags": 0, "algorithm": 1, "exchange": 2, "mcore": 3, "cpu": 4, "training": 5}
-ENTRY = 6  # api, launch, plan and wraps (the CLIs) and __init__
+ENTRY = 6  # api, launch, plan, supervise and wraps (the CLIs) and __init__
 
 
 _SPEC = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "dev" / "import_graph.py")
@@ -64,7 +64,7 @@ GRAPH = {name: _imports(name)[0] for name in MODULES}
 
 def _layer(name):
     parts = name.split(".")
-    if len(parts) == 1 or parts[1] in ("api", "launch", "plan", "wraps"):
+    if len(parts) == 1 or parts[1] in ("api", "launch", "plan", "supervise", "wraps"):
         return ENTRY
     return LAYERS[parts[1]]
 

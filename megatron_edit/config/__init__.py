@@ -28,6 +28,8 @@ This module is long because each field's declaration, documentation and checks s
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Union
 
@@ -61,6 +63,7 @@ TOPK_DTYPES = ("fp32", "int8", "int4", "int2")
 """Formats of the values a top-k exchange sends (megatron_edit.algorithm.topk)."""
 TOPK_MAX_CHUNK = 1 << 16
 """The largest top-k chunk: its indices take 16 bits (megatron_edit.algorithm.topk.MAX_CHUNK)."""
+SYNC_BACKENDS = ("torch", "torchft")
 
 
 @documented
@@ -289,6 +292,37 @@ class LocalSGDConfig:
     minute of waiting is logged. None: the process group's timeout (Megatron-LM:
     ``--distributed-timeout-minutes``; torch's default otherwise)."""
 
+    sync_backend: str = flag(
+        "--local-sgd-sync-backend", "torch", choices=SYNC_BACKENDS,
+        help="torch: all workers in one torch.distributed world; torchft: each worker its own job, "
+             "the exchange across workers over torchft (a worker may die and come back; needs "
+             "pip install megatron_edit[ft]).")
+    """How the workers meet at a sync. ``torch``: one ``torch.distributed`` world holds every
+    worker (``num_distributed_optimizer_instances`` of them), one dead rank stops the run.
+    ``torchft``: each worker is its own job (its own world, ``num_distributed_optimizer_instances``
+    1); rank r of every worker meets over a torchft Manager (:mod:`megatron_edit.exchange.fault_tolerant`),
+    so a worker may die, and a fresh job for it heals from a live peer."""
+
+    lighthouse: Optional[str] = flag(
+        "--local-sgd-lighthouse", None, type=str, show_default=False,
+        help="torchft: the Lighthouse's address, e.g. http://host:29510 (default: $TORCHFT_LIGHTHOUSE).")
+    """torchft backend: the address of the run's torchft Lighthouse (None: the environment
+    variable ``TORCHFT_LIGHTHOUSE``)."""
+
+    replica_id: Optional[int] = flag(
+        "--local-sgd-replica-id", None, type=int, show_default=False,
+        help="torchft: this worker's id (an integer >= 0, the same on all of its ranks; a relaunched "
+             "worker keeps its id).")
+    """torchft backend: this worker's id, an integer >= 0, the same on every rank of the worker
+    and different from every other worker's; a fresh job for a dead worker keeps it."""
+
+    min_replicas: int = flag(
+        "--local-sgd-min-replicas", 1,
+        help="torchft: a sync is committed only with at least this many workers in it.")
+    """torchft backend: the fewest workers a sync may be committed with (torchft's
+    ``min_replica_size``); with fewer, the sync is not committed and the workers keep their
+    local progress for the next one."""
+
     def __post_init__(self) -> None:
         _check_types(self)
         _require(self.local_sgd_sync_interval >= 1, "local_sgd_sync_interval",
@@ -338,6 +372,7 @@ class LocalSGDConfig:
                 f"{FLAG_NAMES['exchange_topk_density']}) or drop the flag.")
         self._check_topk()
         self._check_delay()
+        self._check_sync_backend()
         # Valid, but not built in this version: refuse rather than ignore.
         if self.use_step_weight and not self.use_async:
             raise ConfigError(
@@ -385,6 +420,53 @@ class LocalSGDConfig:
             raise ConfigError(
                 f"{_name('exchange_block_size')}: the top-k exchange has one scale per chunk "
                 f"({FLAG_NAMES['exchange_topk_chunk']}); drop {FLAG_NAMES['exchange_block_size']}.")
+
+    @property
+    def lighthouse_address(self) -> Optional[str]:
+        """The torchft Lighthouse's address: ``lighthouse``, else ``$TORCHFT_LIGHTHOUSE``."""
+        return self.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
+
+    def _check_sync_backend(self) -> None:
+        """``sync_backend`` and the torchft backend's settings (``lighthouse``, ``replica_id``,
+        ``min_replicas``); what the torchft backend does not run yet is refused."""
+        backend = self.sync_backend
+        _require(isinstance(backend, str) and backend in SYNC_BACKENDS, "sync_backend",
+                 f"must be one of {SYNC_BACKENDS} (got {backend!r}).")
+        _require(_is_int(self.min_replicas) and self.min_replicas >= 1, "min_replicas",
+                 f"must be an integer >= 1 (got {self.min_replicas!r}).")
+        _require(self.replica_id is None or (_is_int(self.replica_id) and self.replica_id >= 0), "replica_id",
+                 f"must be an integer >= 0 or None (got {self.replica_id!r}).")
+        _require(self.lighthouse is None or (isinstance(self.lighthouse, str) and self.lighthouse), "lighthouse",
+                 f"must be an address such as http://host:29510, or None (got {self.lighthouse!r}).")
+        ft_only = [f for f, default in (("lighthouse", None), ("replica_id", None), ("min_replicas", 1))
+                   if getattr(self, f) != default]
+        if backend == "torch":
+            if ft_only:
+                raise ConfigError(
+                    f"{_name(ft_only[0])}: only used by the torchft backend; add "
+                    f"{FLAG_NAMES['sync_backend']} torchft or drop the flag.")
+            return
+        if importlib.util.find_spec("torchft") is None:
+            raise ConfigError(
+                f"{_name('sync_backend')} torchft: torchft is not installed; pip install megatron_edit[ft] "
+                "(torchft==0.2.0).")
+        if self.replica_id is None:
+            raise ConfigError(
+                f"{_name('replica_id')}: {FLAG_NAMES['sync_backend']} torchft needs this worker's id (an integer >= 0, "
+                "the same on all its ranks, different for every worker).")
+        if self.lighthouse_address is None:
+            raise ConfigError(
+                f"{_name('lighthouse')}: {FLAG_NAMES['sync_backend']} torchft needs the Lighthouse's address "
+                "(http://host:port); give the flag or set TORCHFT_LIGHTHOUSE.")
+        for field, on in (("use_async", self.use_async), ("outer_step_delay", self.outer_step_delay > 0),
+                          ("fragments", self.fragments > 1), ("skip_anomaly", self.skip_anomaly),
+                          ("exchange_topk_density", self.exchange_topk_density is not None),
+                          ("pseudo_gradnorm_reduce", self.pseudo_gradnorm_reduce),
+                          ("local_sgd_warmup_steps", self.local_sgd_warmup_steps > 0)):
+            if on:
+                raise NotSupportedYet(
+                    f"{_name(field)} with {FLAG_NAMES['sync_backend']} torchft is not supported yet; "
+                    "drop one of the two (the torch backend runs it).")
 
     @property
     def merge_alpha(self) -> float:
@@ -491,3 +573,7 @@ def check_combination(local: LocalSGDConfig, gta: GTAConfig) -> None:
             f"{local.exchange_dtype}: GTA's sign consensus and masks need the fp32 exchange; use "
             f"the linear reducer with a quantized exchange, or GTA with fp32."
         )
+    if gta.reducer == "gta" and local.sync_backend == "torchft":
+        raise NotSupportedYet(
+            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['sync_backend']} torchft is not supported "
+            "yet; use the linear reducer, or the torch backend.")

@@ -108,6 +108,13 @@ class SyncGroup:
         return torch.stack(parts)
 
 
+def mean_divisor(sync_group) -> int:
+    """What the plain mean divides the sum by: the workers in the sync, or, over a group whose
+    workers change (:mod:`.fault_tolerant`), those that trained since the last sync (a worker
+    that has just joined sends zeros and is not counted)."""
+    return max(1, getattr(sync_group, "contributors", sync_group.size))
+
+
 def default_store():
     """The job's key-value store (the one ``torch.distributed`` rendezvoused through): EDiT's
     arrival checks (:mod:`.arrival`) write their keys there."""

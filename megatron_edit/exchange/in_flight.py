@@ -59,6 +59,8 @@ class SyncInProgress:
     apply (after step ``step``); the flights own every buffer their collectives use until then."""
     exposed_wait: float = 0.0
     """Delayed outer step: host seconds spent waiting for the exchange at its completion."""
+    committed: Optional[bool] = None
+    """Whether the sync is applied (``OuterSync.commit_gate``; None: not asked yet)."""
     members: List[BucketShard] = field(default_factory=list)
     """The shards this sync exchanges, in group order: all, or one streaming fragment's."""
     fragment: Optional[int] = None

@@ -43,6 +43,7 @@ import torch
 
 from ..algorithm import asynchronous, penalty
 from ..config import GTAConfig, LocalSGDConfig
+from .groups import mean_divisor
 from .in_flight import SyncInProgress
 from .outer_state import OuterState
 from .quantized import QuantizedExchange
@@ -85,7 +86,6 @@ class OuterSync:
         self.gta_config = gta_config
         self.outer = outer_state
         self.on_done = on_done
-        self.num_workers = sync_group.size
         self.layer_shards: List[List[BucketShard]] = [[] for _ in self.layer_names]
         for shard in self.shards:
             for layer in shard.bucket_layers:
@@ -96,15 +96,25 @@ class OuterSync:
         """The quantized exchange's protocol (None: fp32 exchange)."""
         self.sparse: Optional[SparseExchange] = None
         """The sparse (top-k) exchange's protocol (None: dense)."""
-        if config.exchange_topk_density is not None and self.num_workers > 1:
+        exchanged = self.num_workers > 1 or getattr(sync_group, "dynamic", False)  # torchft: W may change
+        if config.exchange_topk_density is not None and exchanged:
             self.sparse = SparseExchange(sync_group, config.exchange_topk_density, config.exchange_topk_chunk,
                                          config.exchange_dtype, config.error_feedback)
-        elif config.exchange_dtype != "fp32" and self.num_workers > 1:
+        elif config.exchange_dtype != "fp32" and exchanged:
             self.quantized = QuantizedExchange(
                 sync_group, config.exchange_dtype, config.exchange_block_size, config.error_feedback
             )
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
         self._sync: Optional[SyncInProgress] = None
+        self.commit_gate: Optional[Callable[[], bool]] = None
+        """Asked once per sync, after every exchange of it is in and before any outer step:
+        whether to apply it (the torchft backend's commit); None: always. A sync not applied
+        leaves the main params with the worker's local progress."""
+
+    @property
+    def num_workers(self) -> int:
+        """Workers in the sync group (over torchft: in the current sync)."""
+        return self.sync_group.size
 
     @property
     def exchanges_weighted_sum(self) -> bool:
@@ -238,14 +248,14 @@ class OuterSync:
         place where GTA, the exchange's dtype and a shard's size choose."""
         sync = self._sync
         defer = sync.weights is None and self._defers_mean()  # the plain mean, divided by the step
-        sync.divisor = self.num_workers if defer else 1
+        sync.divisor = mean_divisor(self.sync_group) if defer else 1
         if self._gta:
             chosen = GTAReducer(self.sync_group, self.gta_config, sync.weights, sync.step,
                                 self.worker_groups.shard_rank)
         else:
             chosen = MeanReducer(self.sync_group, sync.own_weights, divide=sync.weights is None and not defer)
         compressed, exchange = None, self.quantized or self.sparse
-        if not self._gta and self.quantized is not None:
+        if not self._gta and self.quantized is not None and self.num_workers > 1:
             compressed = QuantizedReducer(self.quantized, sync.own_weights, mean=sync.weights is None)
         elif not self._gta and self.sparse is not None:
             compressed = SparseReducer(self.sparse, sync.own_weights, mean=sync.weights is None)
@@ -344,11 +354,27 @@ class OuterSync:
         model's 16-bit copy when ``write_model``), or merge them (``merge_alpha``: delayed)."""
         self._finish_exchange(shards)
         t0 = time.perf_counter()
+        if not self._committed():
+            for shard in shards:  # not applied: the mains keep the local progress
+                self._sync.done(shard)
+            self._sync.seconds += time.perf_counter() - t0
+            return self._finish_if_done()
         self._ensure_clip_coefficients(shards)
         for shard in shards:
             self._apply(shard, write_model, merge_alpha)
         self._sync.seconds += time.perf_counter() - t0
         self._finish_if_done()
+
+    def _committed(self) -> bool:
+        """Whether the sync in progress is applied (:attr:`commit_gate`, asked once, when every
+        exchange of the sync is in)."""
+        sync = self._sync
+        if self.commit_gate is None:
+            return True
+        if sync.committed is None:
+            self._finish_exchange(sync.members)
+            sync.committed = bool(self.commit_gate())
+        return sync.committed
 
     # ------------------------------------------------------------------ layer-wise
     def mark_pending(self) -> None:
@@ -458,6 +484,7 @@ class OuterSync:
             quantization_error=self._exchange_error(),
             delay=sync.delay,
             exposed_wait_seconds=sync.exposed_wait,
+            committed=sync.committed is not False,
         )
         if self.on_done is not None:
             self.on_done(report)

@@ -41,7 +41,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..algorithm import quantize
-from .groups import all_reduce_bytes
+from .groups import all_reduce_bytes, mean_divisor
 from .shard import BucketShard
 
 
@@ -158,7 +158,7 @@ class QuantizedExchange:
         for w in range(workers):  # worker order: the same sum wherever it is computed
             own += self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], sizes[me], per, block)
         if mean:
-            own /= workers
+            own /= mean_divisor(self.sync_group)
         saved = []
         if self.error_feedback:
             if shard.chunk_residual is None:

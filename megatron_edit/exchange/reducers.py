@@ -37,6 +37,7 @@ import torch
 
 from ..algorithm import gta, outer
 from ..config import GTAConfig
+from .groups import mean_divisor
 from .quantized import QuantizedExchange
 from .shard import BucketShard
 from .sparse import SparseExchange
@@ -88,7 +89,7 @@ class MeanReducer(Reducer):
     def finish(self, flight: _MeanFlight) -> torch.Tensor:
         flight.handle.wait()
         if self.divide:
-            outer.mean_from_sum(flight.delta, self.sync_group.size)
+            outer.mean_from_sum(flight.delta, mean_divisor(self.sync_group))
         return flight.delta
 
 

@@ -63,6 +63,9 @@ class SyncReport:
     """Delayed outer step: host seconds this rank spent in the exchange's waits when it was
     applied (about 0 when it had finished behind the ``delay`` inner steps). Gloo blocks the
     host there; with NCCL ``Work.wait`` only orders the streams, so this is a lower bound."""
+    committed: bool = True
+    """False: the sync was exchanged but not applied (the torchft backend: a worker of it
+    failed, or none had trained); the workers keep their local progress."""
 
     def scalars(self) -> Dict[str, float]:
         """Flat name -> value, for Megatron's console line and TensorBoard / W&B writers."""

@@ -100,8 +100,16 @@ class LocalSGD(ControllerState):
         """Where this optimizer sits among the workers (derived once, passed down)."""
         self.num_workers = self.layout.num_workers
         inter = self.layout.sync_group
-        self.sync_group = SyncGroup(inter)
-        if self.sync_group.size != self.num_workers:
+        self.ft = None
+        """The torchft backend (:mod:`.fault_tolerant`; None: the torch backend)."""
+        if self.config.sync_backend == "torchft":
+            from .fault_tolerant import TorchftBackend
+
+            self.ft = TorchftBackend(self)
+            self.sync_group = self.ft.group
+        else:
+            self.sync_group = SyncGroup(inter)
+        if self.ft is None and self.sync_group.size != self.num_workers:
             raise RuntimeError(
                 f"megatron_edit: the DDP config says {self.num_workers} EDiT worker(s) "
                 "(num_distributed_optimizer_instances) but the buckets' group across instances "
@@ -137,6 +145,9 @@ class LocalSGD(ControllerState):
         self.sync_shards = SyncShards(self.sync.groups, self.config, parts)
         """Which shards each sync exchanges: all, or a streaming fragment's."""
         self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
+        if self.ft is not None:  # a sync is applied only where torchft commits it; join the others
+            self.sync.commit_gate = self.ft.commit
+            self.ft.join()
 
     def _arrivals(self, inter) -> Arrivals:
         """The sync group's arrival checks, in the job's store (see :mod:`..exchange.arrival`)."""
@@ -279,6 +290,8 @@ class LocalSGD(ControllerState):
             assert self._synced_in_step, "step-end sync did not run inside the optimizer step"
         elif self._start_sync(self.steps_done):
             self.sync.mark_pending()
+            if self.ft is not None:  # the commit gates every group's outer step: no overlap yet
+                self.flush()
             if self.finished or (not self.config.use_async and self.steps_done == self.last_step):
                 self.complete_now()
         self._snap_progress()
@@ -321,6 +334,8 @@ class LocalSGD(ControllerState):
         arrived = self.async_plan.clock() if self.config.use_async else None
         if self.arrivals is not None:  # before the sync's first collective: name a missing worker
             self.arrivals.wait(step - delay)  # where this worker is (a delayed sync: its launch)
+        if self.ft is not None:  # torchft: this sync's quorum (a worker behind heals here)
+            self.ft.begin(step)
         bytes_at_start = self.sync_group.counters.payload_bytes
         schedule, skip, final, fragment, members = None, False, False, None, None
         steps_since = step - self._last_sync_step
@@ -340,7 +355,7 @@ class LocalSGD(ControllerState):
         )
 
     def _on_sync_done(self, report: SyncReport) -> None:
-        if not report.skipped_sync:  # a skipped sync exchanged nothing: keep counting from the last one
+        if not report.skipped_sync and report.committed:  # keep counting from the last applied one
             self._last_sync_step = report.step
         self.reports.append(report)
         if self.config.is_debug:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..algorithm import asynchronous
 from ..algorithm.penalty import EWMAStats
+from ..config import NotSupportedYet
 
 
 class ControllerState:
@@ -41,6 +42,7 @@ class ControllerState:
         rest when present (a checkpoint's run record holds worker 0's counters, its per-slice
         record the rest). A checkpoint taken right after an A-EDiT sync gives every worker its
         own counters and plan."""
+        self._refuse_torchft_resume()
         if "steps_done" in state:
             self.steps_done = int(state["steps_done"])
         if "last_sync_step" in state:
@@ -81,6 +83,13 @@ class ControllerState:
             self._last_sync_step = point.last_exchange[self.sync_group.rank]
             self.global_progress = point.global_progress
 
+    def _refuse_torchft_resume(self) -> None:
+        if getattr(self, "ft", None) is not None:
+            raise NotSupportedYet(
+                "megatron_edit: resuming from a checkpoint with --local-sgd-sync-backend torchft is not "
+                "supported yet (a worker that comes back heals from a live peer instead); start without "
+                "loading the checkpoint, or resume with the torch backend.")
+
     def resume_elastic(self) -> None:
         """After :meth:`load_state_dict` of another layout's counters (worker 0's), with an
         anchor: A-EDiT's new workers share the worker-steps done (global progress x workers,
@@ -95,6 +104,7 @@ class ControllerState:
         """Continue a synchronous run after ``steps`` optimizer steps: past warmup the anchor
         is taken from the loaded parameters now (the exchange restarts here), else warmup goes
         on; no error-feedback residual carries over."""
+        self._refuse_torchft_resume()
         self.steps_done = steps
         self.global_progress = float(steps)  # synchronous steps: one iteration each
         for shard in self.shards:

@@ -26,6 +26,10 @@ class ProcessState:
     count on every rank (they build them in the same order), so it never resets, not even
     when a session is unpatched."""
 
+    torchft_backend: object = None
+    """The torchft backend of this process's controller (one per process: a torchft Manager per
+    rank; :mod:`megatron_edit.mcore.fault_tolerant`), None without."""
+
     def next_controller_key(self) -> int:
         """Count one more controller built; its number keys its arrival checks."""
         self.controllers_built += 1

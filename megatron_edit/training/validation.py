@@ -41,6 +41,10 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         return
     local = configs[0]
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    if local.sync_backend == "torchft":
+        raise NotSupportedYet(
+            "--local-sgd-sync-backend torchft is not supported yet on the Megatron-LM route (pretrain_gpt.py, "
+            "scripts/train_gpt_edit.py); the megatron-core API (megatron_edit.patch_megatron_for_local_sgd) runs it.")
     # First: Megatron's validate_args turns --use-distributed-optimizer off for these (0.18+).
     if get("optimizer", "adam") not in ("adam", "sgd") or get("use_layer_wise_distributed_optimizer"):
         raise NotSupportedYet(

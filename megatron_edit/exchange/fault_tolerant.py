@@ -1,0 +1,238 @@
+"""EDiT's sync group over torchft: workers that die, leave and come back without stopping the
+others (EDiT, arXiv 2412.07210; torchft's Manager and Lighthouse, as in its DiLoCo).
+
+Each worker is its own job (its own ``torch.distributed`` world); rank r of every worker holds
+the same shard and owns one torchft ``Manager`` (all the ranks of a worker share its replica
+id). The Managers of rank r form, per sync, a quorum from the workers alive then, over a gloo
+group that torchft rebuilds when the quorum changes. :class:`FaultTolerantSyncGroup` has the
+methods and counters of :class:`~megatron_edit.exchange.groups.SyncGroup`, so the reducers run
+unchanged over it, plus the round a sync is (torchft's contract: the same collectives in the
+same order on every member, one commit per round):
+
+* :meth:`FaultTolerantSyncGroup.begin` (``start_quorum``): the workers of this sync; ``size``
+  and ``rank`` come from the quorum. A worker behind the others (a fresh job for a dead one)
+  heals here from a live peer's same rank (the state registered with :meth:`register_state`).
+  Then one 1-element sum counts the workers that trained since the last sync
+  (:attr:`contributors`: the mean's divisor, so a just-healed worker's zero pseudo-gradient
+  does not dilute it);
+* the collectives: ``all_reduce_sum`` is ``Manager.allreduce`` (an error becomes a failed round);
+  the others run on the Manager's group and route their errors to ``Manager.report_error`` the
+  same way (their output is zeroed: nothing undefined reaches the decisions);
+* :meth:`FaultTolerantSyncGroup.commit` (``should_commit``): whether the sync may be applied.
+  A worker whose commit fails keeps its local progress; if others committed, its step is behind
+  theirs and it heals at the next :meth:`begin`.
+
+torchft is an optional dependency (``pip install megatron_edit[ft]``): imported only by
+:meth:`FaultTolerantSyncGroup.connect`. Its quantized all-reduce (``should_quantize``) is CUDA
+only; megatron_edit's own quantized exchange (all-to-all + all-gather) runs over this group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+
+from .groups import CommCounters, _Done, all_reduce_bytes
+
+
+class _Guarded:
+    """A collective's handle whose error is reported to the Manager (the round then fails)
+    instead of raised; ``on_error`` zeroes what the collective would have written."""
+
+    def __init__(self, work, manager, on_error: Callable[[], None]):
+        self.work = work
+        self.manager = manager
+        self.on_error = on_error
+
+    def wait(self) -> bool:
+        try:
+            self.work.wait()
+            return True
+        except Exception as error:  # noqa: BLE001 (any failure of a peer: the round is lost)
+            self.manager.report_error(error)
+            self.on_error()
+            return False
+
+
+def replica_name(replica_id: int) -> str:
+    """The Manager's replica id for worker ``replica_id``: zero-padded, so that torchft's order
+    of the quorum (sorted strings) is the workers' numeric order."""
+    return f"{replica_id:06d}"
+
+
+class FaultTolerantSyncGroup:
+    """Collectives across the workers holding the same shard, over one torchft ``Manager``.
+
+    ``manager``: this rank's Manager (see :meth:`connect`). ``size`` / ``rank``: the workers in
+    the current sync and this worker's place among them (set by :meth:`begin`; 1 / 0 before).
+    """
+
+    dynamic = True
+    """The workers may change from one sync to the next (:meth:`begin` says which)."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self.group = None  # not a torch.distributed group
+        self.size = 1
+        self.rank = 0
+        self.contributors = 1
+        """Workers that trained since the last sync, in the current one (the mean's divisor)."""
+        self.counters = CommCounters()
+        self.healed = False
+        """This worker loaded a peer's state at the last :meth:`begin`."""
+        self.layout_changed = False
+        """The last :meth:`begin` changed ``size`` or ``rank`` (chunked state must be re-planned)."""
+
+    @classmethod
+    def connect(cls, *, replica_id: int, lighthouse: str, rank: int, world_size: int, store_addr: str,
+                store_port: int, min_replicas: int = 1, timeout: float = 60.0,
+                quorum_timeout: float = 1800.0, connect_timeout: float = 60.0) -> "FaultTolerantSyncGroup":
+        """One Manager for this rank: ``rank`` / ``world_size`` inside the worker's own job, whose
+        TCP store is at ``store_addr:store_port`` (rank 0 hosts the worker's Manager server there);
+        ``timeout``: collectives, commit and healing; ``quorum_timeout``: the wait for a sync's
+        quorum (a worker waits there for the others' next sync)."""
+        from torchft import Manager, ProcessGroupGloo
+
+        try:
+            manager = Manager(
+                pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout)), min_replica_size=min_replicas,
+                load_state_dict=None, state_dict=None, use_async_quorum=False,
+                replica_id=replica_name(replica_id), store_addr=store_addr, store_port=store_port, rank=rank,
+                world_size=world_size, lighthouse_addr=lighthouse, timeout=timedelta(seconds=timeout),
+                quorum_timeout=timedelta(seconds=quorum_timeout),
+                connect_timeout=timedelta(seconds=connect_timeout),
+            )
+        except Exception as error:  # noqa: BLE001 (torchft raises plain RuntimeErrors)
+            raise RuntimeError(
+                f"megatron_edit: torchft's Manager for worker {replica_id} (rank {rank}) could not start "
+                f"with the Lighthouse at {lighthouse} (--local-sgd-lighthouse / TORCHFT_LIGHTHOUSE) within "
+                f"{connect_timeout:g} s: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+            ) from error
+        return cls(manager)
+
+    def register_state(self, key: str, load: Callable[[object], None], save: Callable[[], object]) -> None:
+        """What a peer sends a healing worker under ``key``: ``save()`` runs in this rank's quorum
+        thread and its CPU tensors are served by reference until :meth:`commit` (so nothing it
+        returns may change before); ``load(state)`` runs in :meth:`begin` on the main thread."""
+
+        def loading(state) -> None:
+            self.healed = True
+            load(state)
+
+        self.manager.register_state_dict_fn(key, loading, save)
+
+    # ------------------------------------------------------------------ the round
+    def begin(self, contributed: bool) -> None:
+        """Start a sync: the quorum (healing this worker from a peer if it is behind), then the
+        count of workers that trained since the last sync (``contributed``: this worker did; a
+        worker that has just healed did not)."""
+        self.healed = False
+        before = (self.size, self.rank)
+        self.manager.start_quorum()
+        self._refuse_shared_replica_id()
+        participants = self.manager.num_participants()
+        rank = self.manager.participating_rank()
+        self.size, self.rank = max(int(participants), 1), int(rank or 0)
+        self.layout_changed = (self.size, self.rank) != before
+        flag = torch.tensor([1.0 if contributed and not self.healed else 0.0])
+        self.all_reduce_sum(flag, async_op=False)
+        self.contributors = int(round(float(flag[0]))) if self.size > 1 else int(flag[0])
+
+    def _refuse_shared_replica_id(self) -> None:
+        """Two workers of the quorum with one replica id (torchft tells them apart by a random
+        suffix, and both would train the same data shard): stop, naming it."""
+        pg = self.manager._pg
+        ranks = list(getattr(pg, "_global_ranks", None) or ())  # replica id x ranks per worker + rank
+        shared = sorted({r for r in ranks if ranks.count(r) > 1})
+        if shared:
+            per_worker = max(1, int(getattr(pg, "_group_world_size", None) or 1))
+            raise RuntimeError(
+                f"megatron_edit: two workers of the sync have --local-sgd-replica-id {shared[0] // per_worker}: "
+                "give every worker its own id (a relaunched worker keeps its dead predecessor's).")
+
+    def commit(self) -> bool:
+        """Whether the sync may be applied (every rank of this worker agrees; a failed
+        collective anywhere in the worker says no)."""
+        return bool(self.manager.should_commit())
+
+    @property
+    def step(self) -> int:
+        """Committed syncs (torchft's step: a healing worker takes its peer's)."""
+        return int(self.manager.current_step())
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ collectives
+    def _guard(self, start: Callable[[], object], on_error: Callable[[], None]):
+        if self.manager.errored() is not None:  # the round is lost already: send nothing more
+            on_error()
+            return _Done()
+        try:
+            return _Guarded(start(), self.manager, on_error)
+        except Exception as error:  # noqa: BLE001
+            self.manager.report_error(error)
+            on_error()
+            return _Done()
+
+    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = True):
+        """Sum ``tensor`` in place over the workers of this sync; a handle with ``wait()``."""
+        if self.size == 1:
+            return _Done()
+        from torch.distributed import ReduceOp
+
+        self.counters.collectives += 1
+        self.counters.payload_bytes += all_reduce_bytes(tensor.numel() * tensor.element_size(), self.size)
+        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
+        if not async_op:
+            work.wait()
+            return _Done()
+        return work
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = True):
+        """Chunk w of ``tensor`` (equal chunks) to worker w; chunk w of ``output`` from it."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return _Done()
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        self.counters.collectives += 1
+        self.counters.payload_bytes += (self.size - 1) * tensor.numel() * tensor.element_size() // self.size
+        handle = self._guard(lambda: self.manager._pg.alltoall_base(output, tensor, [], [], AllToAllOptions()),
+                             output.zero_)
+        if not async_op:
+            handle.wait()
+            return _Done()
+        return handle
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = True):
+        """``output`` := every worker's ``tensor``, concatenated in worker order."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return _Done()
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        self.counters.collectives += 1
+        self.counters.payload_bytes += (self.size - 1) * tensor.numel() * tensor.element_size()
+        parts = list(output.view(self.size, -1).unbind(0))
+        handle = self._guard(lambda: self.manager._pg.allgather([parts], [tensor.contiguous()], AllgatherOptions()),
+                             output.zero_)
+        if not async_op:
+            handle.wait()
+            return _Done()
+        return handle
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[workers, *tensor.shape]``: every worker's ``tensor`` (blocking; small tensors); zeros
+        when the round has failed."""
+        if self.size == 1:
+            return tensor.unsqueeze(0).clone()
+        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        self.all_gather_into(out.view(-1), tensor.reshape(-1), async_op=False)
+        return out
+
+    def all_reduce_max_everywhere(self, tensor: torch.Tensor, group: Optional[object]) -> torch.Tensor:
+        """A-EDiT's schedule message: not over torchft yet (refused by the config)."""
+        raise NotImplementedError("megatron_edit: A-EDiT with --local-sgd-sync-backend torchft is not supported yet")

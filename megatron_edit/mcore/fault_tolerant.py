@@ -1,0 +1,153 @@
+"""The torchft backend of one EDiT controller (``LocalSGDConfig.sync_backend == "torchft"``).
+
+Each worker is its own job: its ``torch.distributed`` world holds one worker
+(``num_distributed_optimizer_instances`` 1), and rank r meets rank r of every other worker over
+:class:`~megatron_edit.exchange.fault_tolerant.FaultTolerantSyncGroup` (one torchft Manager per
+rank; the job's TCP store, ``MASTER_ADDR:MASTER_PORT``, hosts the worker's Manager server).
+
+A sync is one torchft round: :meth:`TorchftBackend.begin` before its first collective (the
+quorum; a worker behind the others heals there), then the exchange as over the torch backend,
+then :meth:`TorchftBackend.commit` before the outer step is applied (``OuterSync.commit_gate``):
+applied only where the round is committed and some worker trained since the last sync. A
+worker whose commit fails keeps its local progress (and its error-feedback residuals start
+again from zero); if the others committed, it heals from them at the next sync.
+
+Joining: when the controller is built, its worker takes part in one round (:meth:`join`) with a
+zero pseudo-gradient. In a fresh run every worker does so together; a fresh job for a worker
+that died waits there for the others' next sync, heals from its same rank in a live peer (the
+anchor, the outer optimizer's state, the step counters; :meth:`save` / :meth:`load`), and
+applies that sync's outer step with them: it is then bit-identical to them. The inner
+optimizer's state is not sent (it restarts), nor are error-feedback residuals (zero).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..exchange.fault_tolerant import FaultTolerantSyncGroup
+from .process_state import PROCESS
+
+STATE_KEY = "megatron_edit"
+logger = logging.getLogger(__name__)
+
+
+class TorchftBackend:
+    """The torchft sync group of ``controller`` (a :class:`~megatron_edit.mcore.controller.LocalSGD`),
+    its rounds, and the state a healing worker receives."""
+
+    def __init__(self, controller):
+        config = controller.config
+        if controller.layout.num_workers != 1:
+            raise RuntimeError(
+                f"megatron_edit: --local-sgd-sync-backend torchft runs each worker as its own job: "
+                f"give it num_distributed_optimizer_instances 1 (got {controller.layout.num_workers}) and start "
+                "one job per worker, each with its own --local-sgd-replica-id.")
+        if PROCESS.torchft_backend is not None:
+            raise RuntimeError(
+                "megatron_edit: --local-sgd-sync-backend torchft with several EDiT optimizers in one process (a "
+                "MoE model's expert optimizer) is not supported yet.")
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise RuntimeError(
+                "megatron_edit: --local-sgd-sync-backend torchft needs the job's store in MASTER_ADDR / "
+                "MASTER_PORT (torchrun sets them) for the worker's torchft Manager.")
+        self.controller = controller
+        timeout = config.sync_timeout if config.sync_timeout is not None else dist.default_pg_timeout.total_seconds()
+        self.group = FaultTolerantSyncGroup.connect(
+            replica_id=config.replica_id, lighthouse=config.lighthouse_address, rank=dist.get_rank(),
+            world_size=dist.get_world_size(), store_addr=addr, store_port=int(port),
+            min_replicas=config.min_replicas, timeout=timeout, quorum_timeout=max(timeout, 1800.0),
+            connect_timeout=min(timeout, 60.0))
+        self.group.register_state(STATE_KEY, self.load, self.save)
+        self._sync_step = 0
+        """The step of the sync in progress (what a healing peer's step counters become)."""
+        PROCESS.torchft_backend = self
+
+    # ------------------------------------------------------------------ rounds
+    def begin(self, step: int, contributed: bool = True) -> None:
+        """Before a sync's first collective: the quorum (this worker may heal here) and the
+        count of the workers that trained since the last sync."""
+        self._sync_step = step
+        self.group.begin(contributed)
+        if self.group.layout_changed:  # who reduces which chunk changed: restart those residuals
+            for shard in self.controller.shards:
+                shard.chunk_residual = None
+
+    def commit(self) -> bool:
+        """Whether this sync's outer step is applied: the round is committed and some worker
+        trained since the last sync. A failed round drops the error-feedback residuals (this
+        sync's were computed against an exchange that is not applied)."""
+        committed = self.group.commit()
+        if not committed:
+            for shard in self.controller.shards:
+                shard.residual = None
+                shard.chunk_residual = None
+            if dist.get_rank() == 0:  # one line per worker
+                error = self.group.manager.errored()
+                logger.warning(
+                    "megatron_edit: worker %s did not commit the sync after step %d (%d worker(s) in it, "
+                    "--local-sgd-min-replicas %d%s): it keeps its local progress for the next sync.",
+                    self.controller.config.replica_id, self._sync_step, self.group.size,
+                    self.controller.config.min_replicas,
+                    f"; {str(error).splitlines()[0][:200]}" if error is not None and str(error) else "")
+        return committed and self.group.contributors > 0
+
+    def join(self) -> None:
+        """The round a worker joins the others with (see the module): anchor at the current
+        parameters, then a sync with a zero pseudo-gradient (healing from a peer if behind)."""
+        c = self.controller
+        c.capture_anchor()
+        self.begin(c.steps_done, contributed=False)
+        if c.sync.start(c.steps_done, 0):
+            c.sync.complete(c.sync.members, write_model=True)
+        c.reports.clear()  # the join is not one of the run's syncs
+
+    def close(self) -> None:
+        """Shut this rank's Manager down (the end of the run)."""
+        self.group.shutdown()
+        if PROCESS.torchft_backend is self:
+            PROCESS.torchft_backend = None
+
+    # ------------------------------------------------------------------ healing
+    def save(self) -> dict:
+        """What a healing peer's same rank receives (torchft's quorum thread; served by
+        reference: nothing here changes before this sync's commit)."""
+        c = self.controller
+        c.outer_state.synchronize()
+        return dict(
+            anchors=[shard.anchor for shard in c.shards],
+            outer=c.outer_state.optimizer.state_dict(),
+            step=self._sync_step,
+            last_sync_step=c._last_sync_step,
+        )
+
+    @torch.no_grad()
+    def load(self, state: dict) -> None:
+        """Become the peer's replica (in :meth:`begin`, on the main thread): its anchors, which
+        the parameters restart from, its outer optimizer's state and its step counters."""
+        c = self.controller
+        anchors = state["anchors"]
+        if len(anchors) != len(c.shards) or any(a.numel() != s.numel for a, s in zip(anchors, c.shards)):
+            raise RuntimeError(
+                "megatron_edit: the peer this worker heals from holds other shards (its model or its "
+                "parallel layout differs): every worker of a torchft run needs the same model and layout.")
+        for shard, anchor in zip(c.shards, anchors):
+            shard.anchor.copy_(anchor)
+            shard.write_mains(shard.anchor)
+            shard.write_model(shard.anchor)
+            shard.residual = None
+            shard.chunk_residual = None
+        c.outer_state.optimizer.load_state_dict(state["outer"])
+        c.steps_done = int(state["step"])
+        c.global_progress = float(state["step"])  # synchronous EDiT without warmup: 1 per step
+        c._last_sync_step = int(state["last_sync_step"])
+
+
+def backend_of(controller) -> Optional[TorchftBackend]:
+    """The controller's torchft backend (None: the torch backend)."""
+    return getattr(controller, "ft", None)

@@ -1,0 +1,160 @@
+"""Supervise a run of the torchft sync backend on one node: a Lighthouse, N worker jobs, and a
+fresh job for any worker that dies (torchrun's in-place restart does not work with gloo here).
+
+    python -m megatron_edit.supervise --workers 3 -- \\
+        torchrun --standalone --nproc-per-node 2 my_train.py --local-sgd-replica-id {replica_id}
+
+The command after ``--`` is one worker's job; ``{replica_id}`` becomes the worker's id (0 ..
+N-1, kept by its relaunches). Every job gets ``TORCHFT_LIGHTHOUSE`` (the Lighthouse this process
+runs, torchft's ``LighthouseServer``; ``--local-sgd-lighthouse`` defaults to it) and runs in a
+session of its own, so a job is stopped as a whole. A job that exits with 0 is done; another exit
+is logged in one line and the job is started again, up to ``--max-relaunches`` times in all
+(then every job is stopped and this exits 1). It exits 0 once every worker's job has.
+
+The Lighthouse's first quorum waits up to ``--join-timeout-ms`` for the workers whose torchft
+Managers are up; a worker that comes up later heals from the others at their next sync.
+Needs torchft (``pip install megatron_edit[ft]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import List, NoReturn, Optional
+
+PLACEHOLDER = "{replica_id}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_edit.supervise", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, required=True, help="worker jobs to run (replica ids 0 .. N-1)")
+    p.add_argument("--bind", default="127.0.0.1:0",
+                   help="the Lighthouse's address (default: 127.0.0.1 and a port the OS picks)")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
+                   help="a worker silent this long leaves the quorum (default: %(default)s)")
+    p.add_argument("--join-timeout-ms", type=int, default=60000,
+                   help="how long a quorum waits for workers whose Managers are up (default: %(default)s)")
+    p.add_argument("--max-relaunches", type=int, default=10,
+                   help="relaunches of dead worker jobs in all before the run stops (default: %(default)s)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then one worker's job, with {replica_id}")
+    return p
+
+
+def _fail(line: str) -> NoReturn:
+    print(f"megatron_edit.supervise: {line}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+class Worker:
+    """One worker's job: its command, its process (a session of its own), its starts."""
+
+    def __init__(self, replica_id: int, command: List[str], env: dict):
+        self.replica_id = replica_id
+        self.command = [part.replace(PLACEHOLDER, str(replica_id)) for part in command]
+        self.env = env
+        self.proc: Optional[subprocess.Popen] = None
+        self.started = 0.0
+        self.done = False
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.command, env=self.env, start_new_session=True)
+        self.started = time.monotonic()
+
+    def stop(self) -> None:
+        """SIGTERM the job's session, SIGKILL what is left after 10 s (at once when the job's
+        leader has ended: what is left of its session)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def supervise(args: argparse.Namespace) -> int:
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind=args.bind, min_replicas=1, join_timeout_ms=args.join_timeout_ms,
+                                  heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    address = lighthouse.address()
+    print(f"megatron_edit.supervise: Lighthouse at {address}; starting {args.workers} worker job(s)", flush=True)
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=address)
+    workers = [Worker(w, args.command, env) for w in range(args.workers)]
+    relaunches = 0
+
+    def stop_all(signum=None, frame=None):
+        for worker in workers:
+            worker.stop()
+        lighthouse.shutdown()
+        if signum is not None:
+            sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    try:
+        for worker in workers:
+            worker.start()
+        while not all(w.done for w in workers):
+            time.sleep(0.2)
+            for worker in workers:
+                if worker.done or worker.proc.poll() is None:
+                    continue
+                code, alive = worker.proc.returncode, time.monotonic() - worker.started
+                if code == 0:
+                    worker.done = True
+                    continue
+                worker.stop()  # what is left of its session
+                if relaunches >= args.max_relaunches:
+                    print(f"megatron_edit.supervise: worker {worker.replica_id} exited with code {code} after "
+                          f"{alive:.1f} s and the {args.max_relaunches} relaunch(es) of --max-relaunches are "
+                          "used: stopping the run.", file=sys.stderr, flush=True)
+                    return 1
+                relaunches += 1
+                print(f"megatron_edit.supervise: worker {worker.replica_id} exited with code {code} after "
+                      f"{alive:.1f} s; relaunching it as a fresh job (relaunch {relaunches} of "
+                      f"{args.max_relaunches}): it heals from a live worker at their next sync.", flush=True)
+                worker.start()
+        print("megatron_edit.supervise: every worker's job ended with code 0", flush=True)
+        return 0
+    finally:
+        stop_all()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        _fail("give one worker's job after --, e.g. -- torchrun --standalone --nproc-per-node 2 train.py "
+              "--local-sgd-replica-id {replica_id}")
+    if not any(PLACEHOLDER in part for part in command):
+        _fail("the worker's command needs {replica_id} (e.g. --local-sgd-replica-id {replica_id}): every worker "
+              "needs its own id.")
+    if args.workers < 1 or args.max_relaunches < 0:
+        _fail("--workers must be >= 1 and --max-relaunches >= 0.")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        _fail("torchft is not installed; pip install megatron_edit[ft] (torchft==0.2.0).")
+    args.command = command
+    return supervise(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""megatron_edit.exchange.fault_tolerant over real torchft (CPU, gloo): a Lighthouse in the test
+process, each worker its own job. The quorum gives size and rank, the contributor count leaves
+out a worker that did not train, every collective of the exchange is correct over it, and a
+worker that dies makes the round fail (not raise) and the survivors go on without it.
+
+torchft is the optional ``ft`` extra: installed in CI's default lane, skipped where it is not."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+import ft_jobs  # noqa: E402
+
+TIMEOUT = 240
+
+
+def _connect(worker, lighthouse, min_replicas=1):
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    host, port = ft_jobs.job_store_address()
+    group = FaultTolerantSyncGroup.connect(
+        replica_id=worker, lighthouse=lighthouse, rank=torch.distributed.get_rank(),
+        world_size=torch.distributed.get_world_size(), store_addr=host, store_port=port,
+        min_replicas=min_replicas, timeout=30.0, quorum_timeout=90.0, connect_timeout=30.0)
+    state = torch.tensor([float(worker)])
+    group.register_state("test", lambda sd: state.copy_(sd["value"]), lambda: {"value": state.clone()})
+    group.test_state = state
+    return group
+
+
+def state_of(group):
+    return group.test_state[0]
+
+
+def _collectives(rank, world_size, worker, workers, lighthouse, gate_dir):
+    """One round over the quorum of ``workers`` one-rank jobs; what each collective gave."""
+    group = _connect(worker, lighthouse)
+    ft_jobs.gate(gate_dir, f"w{worker}", workers)  # every Manager is up: one quorum of all
+    # The join round: at step 0 torchft sends the first worker's state to the others.
+    group.begin(contributed=True)
+    out = dict(join=(group.contributors, group.healed, float(state_of(group)), group.commit()))
+    group.begin(contributed=worker != workers - 1)  # the last one "did not train"
+    out.update(size=group.size, rank=group.rank, contributors=group.contributors)
+    W, me = group.size, group.rank
+    t = torch.full((5,), float(me + 1))
+    group.all_reduce_sum(t).wait()
+    out["sum"] = t.tolist()
+    x = torch.arange(W * 2, dtype=torch.float32) + 100 * me
+    y = torch.empty_like(x)
+    group.all_to_all(y, x).wait()
+    out["all_to_all"] = y.tolist()
+    xb = (torch.arange(W * 3) + 10 * me).to(torch.uint8)
+    yb = torch.empty_like(xb)
+    group.all_to_all(yb, xb, async_op=False)
+    out["all_to_all_uint8"] = yb.tolist()
+    g = torch.empty(W * 2, dtype=torch.uint8)
+    group.all_gather_into(g, torch.tensor([me, 7], dtype=torch.uint8)).wait()
+    out["all_gather_into"] = g.tolist()
+    out["all_gather"] = group.all_gather(torch.tensor([me, -1.5], dtype=torch.float64)).tolist()
+    out["collectives"] = group.counters.collectives
+    out["commit"] = group.commit()
+    out["step"] = group.step
+    out["errored"] = group.manager.errored() is not None
+    group.shutdown()
+    return out
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_a_round_over_three_workers(tmp_path):
+    """3 workers x 1 rank: size and rank from the quorum (the workers' numeric order), every
+    collective of the exchange correct, the contributor count leaves out the one that did not
+    train, the round commits."""
+    with ft_jobs.jobs_and_lighthouse() as (server, start):
+        jobs = [start(_collectives, 1, w, 3, server.address(), str(tmp_path / "gate"), timeout=TIMEOUT)
+                for w in range(3)]
+        outs = [job.results()[0] for job in jobs]
+    for w, out in enumerate(outs):
+        # Join round: workers 1 and 2 healed from worker 0 (its state), so only it counts.
+        assert out["join"] == (1, w > 0, 0.0, True)
+        assert (out["size"], out["rank"], out["contributors"]) == (3, w, 2)
+        assert out["sum"] == [6.0] * 5
+        assert out["all_to_all"] == [float(2 * w + k + 100 * r) for r in range(3) for k in range(2)]
+        assert out["all_to_all_uint8"] == [3 * w + k + 10 * r for r in range(3) for k in range(3)]
+        assert out["all_gather_into"] == [v for r in range(3) for v in (r, 7)]
+        assert out["all_gather"] == [[float(r), -1.5] for r in range(3)]
+        # the contributor count (twice), the sum, two all-to-alls, two all-gathers
+        assert out["collectives"] == 7
+        assert (out["commit"], out["step"], out["errored"]) == (True, 2, False)
+
+
+def _survivor(rank, world_size, worker, lighthouse, gate_dir):
+    """Worker 0: round 1 with worker 1; worker 1 dies inside round 2, after its quorum and
+    before the exchange; round 2 fails here without raising; round 3 is worker 0 alone."""
+    group = _connect(worker, lighthouse)
+    ft_jobs.gate(gate_dir, f"w{worker}", 2)
+    rounds = []
+    for round_ in range(3):
+        group.begin(contributed=True)
+        if worker == 1 and round_ == 1:
+            os._exit(3)  # dies inside a sync
+        x = torch.ones(4) * (worker + 1)
+        y = torch.full((4,), -7.0)
+        group.all_to_all(y, x).wait()
+        g = group.all_gather(torch.ones(2))
+        rounds.append(dict(size=group.size, contributors=group.contributors, y=y.tolist(), gathered=g.tolist(),
+                           errored=group.manager.errored() is not None, commit=group.commit(), step=group.step))
+    group.shutdown()
+    return rounds
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_a_worker_dying_inside_a_sync_fails_the_round_and_the_survivor_goes_on(tmp_path):
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000) as (server, start):
+        survivor = start(_survivor, 1, 0, server.address(), str(tmp_path / "gate"), timeout=TIMEOUT)
+        start(_survivor, 1, 1, server.address(), str(tmp_path / "gate"), timeout=TIMEOUT)
+        first, failed, alone = survivor.results()[0]
+    # (at step 0 worker 1 heals from worker 0, torchft's init_sync: it does not count)
+    assert (first["size"], first["contributors"], first["commit"], first["step"]) == (2, 1, True, 1)
+    assert first["y"] == [1.0, 1.0, 2.0, 2.0] and first["gathered"] == [[1.0, 1.0]] * 2
+    # The round worker 1 died in: its collectives failed (outputs zeroed, not raised), no commit.
+    assert (failed["size"], failed["errored"], failed["commit"], failed["step"]) == (2, True, False, 1)
+    assert failed["y"] == [0.0] * 4 and failed["gathered"] == [[0.0, 0.0]] * 2
+    # The next one is worker 0 alone, and commits.
+    assert (alone["size"], alone["contributors"], alone["errored"], alone["commit"], alone["step"]) == (
+        1, 1, False, True, 2)
+    assert alone["y"] == [1.0] * 4
+
+
+@pytest.mark.timeout(120)
+def test_no_lighthouse_at_the_address_is_one_line_after_a_bounded_wait():
+    """A bound socket that does not listen: connecting is refused, nothing else can take the port."""
+    import socket
+
+    import torch.distributed as tdist
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    with socket.socket() as nothing:
+        nothing.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{nothing.getsockname()[1]}"
+        store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        with pytest.raises(RuntimeError) as info:
+            FaultTolerantSyncGroup.connect(replica_id=3, lighthouse=address, rank=0, world_size=1,
+                                           store_addr="127.0.0.1", store_port=store.port, connect_timeout=2.0)
+    message = str(info.value)
+    assert "\n" not in message and address in message and "--local-sgd-lighthouse" in message
+    assert "worker 3" in message and "within 2 s" in message
+
+
+def _same_id(rank, world_size, lighthouse, gate_dir, name):
+    group = _connect(7, lighthouse)
+    ft_jobs.gate(gate_dir, name, 2)
+    try:
+        group.begin(contributed=True)
+        return None
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_two_workers_with_one_replica_id_are_refused(tmp_path):
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_same_id, 1, server.address(), str(tmp_path / "gate"), f"job{j}", timeout=TIMEOUT)
+                for j in range(2)]
+        messages = [job.results()[0] for job in jobs]
+    for message in messages:
+        assert message is not None and "\n" not in message
+        assert "two workers of the sync have --local-sgd-replica-id 7" in message

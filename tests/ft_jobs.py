@@ -1,0 +1,131 @@
+"""Fault-tolerant runs for the tests: a torchft Lighthouse in the test process and several
+*jobs*, each its own ``torch.distributed`` world (the harness of :mod:`dist`, one file store per
+job), started side by side so that one can be SIGKILLed and another started in its place.
+
+``Job(fn, world_size, *args, **kwargs)`` starts ``fn(rank, world_size, *args, **kwargs)`` on
+``world_size`` gloo ranks (fresh processes from :mod:`dist`'s forkserver); :meth:`Job.results`
+waits for their return values (raising with the failing rank's traceback, or after a timeout),
+:meth:`Job.kill` SIGKILLs every rank. Every test ends what it starts (``with jobs(...)``).
+
+Inside a rank, :func:`job_store_address` gives the job's TCP store for torchft's Manager (rank 0
+opens it on a port the OS picks and publishes it in the job's file store: no port is guessed)
+and :func:`gate` waits until every worker has reached the same point (files in a directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+
+import dist
+
+_OPEN_STORES = []  # the TCP stores rank 0 of a job hosts (alive as long as the rank)
+
+
+def lighthouse(min_replicas: int = 1, heartbeat_timeout_ms: int = 3000, join_timeout_ms: int = 200):
+    """A torchft Lighthouse in this process, on a port the OS picks; ``.address()``, ``.shutdown()``."""
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                            heartbeat_timeout_ms=heartbeat_timeout_ms)
+
+
+class Job:
+    """One worker's job: ``world_size`` ranks of ``fn`` in their own world (see the module)."""
+
+    def __init__(self, fn, world_size: int, *args, timeout: float = 300, **kwargs):
+        self.world_size = world_size
+        self.timeout = timeout
+        ctx = dist._context()
+        self.queue = ctx.Queue()
+        self.store_dir = tempfile.mkdtemp(prefix="megatron_edit_ftjob_")
+        store = os.path.join(self.store_dir, "store")
+        self.procs = [
+            ctx.Process(target=dist._worker, args=(rank, world_size, store, timeout, "cpu", fn, args, kwargs,
+                                                   self.queue), name=f"job-rank{rank}", daemon=True)
+            for rank in range(world_size)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self.deadline = time.monotonic() + timeout
+        self._values = {}
+
+    def results(self) -> list:
+        """The ranks' return values in rank order (raises :class:`dist.RankError`)."""
+        while len(self._values) < self.world_size:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise dist.RankError(f"timeout after {self.timeout}s; ranks "
+                                     f"{sorted(set(range(self.world_size)) - set(self._values))} did not finish")
+            try:
+                rank, ok, payload = self.queue.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                for rank, proc in enumerate(self.procs):
+                    if rank not in self._values and proc.exitcode not in (None, 0):
+                        raise dist.RankError(f"rank {rank} exited with code {proc.exitcode} without reporting")
+                continue
+            if not ok:
+                raise dist.RankError(dist._failures(rank, payload, self.queue))
+            self._values[rank] = pickle.loads(payload)
+        return [self._values[r] for r in range(self.world_size)]
+
+    @property
+    def pids(self):
+        return [p.pid for p in self.procs]
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running and reap them."""
+        dist._kill(self.procs)
+
+    def close(self) -> None:
+        self.kill()
+        self.queue.close()
+        shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def jobs_and_lighthouse(**lighthouse_kwargs):
+    """``(lighthouse, start)``: ``start(fn, world_size, *args, **kwargs)`` starts a :class:`Job`;
+    every job is killed and the Lighthouse shut down on exit."""
+    server = lighthouse(**lighthouse_kwargs)
+    started = []
+
+    def start(fn, world_size, *args, **kwargs):
+        job = Job(fn, world_size, *args, **kwargs)
+        started.append(job)
+        return job
+
+    try:
+        yield server, start
+    finally:
+        for job in started:
+            job.close()
+        server.shutdown()
+
+
+def job_store_address():
+    """(host, port) of a TCP store of this job for torchft's Manager (call on every rank)."""
+    import torch.distributed as tdist
+
+    files = tdist.distributed_c10d._get_default_store()
+    if tdist.get_rank() == 0:
+        store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        _OPEN_STORES.append(store)
+        files.set("ft_job_store_port", str(store.port))
+    return "127.0.0.1", int(files.get("ft_job_store_port").decode())
+
+
+def gate(directory: str, name: str, expected: int, timeout: float = 120.0) -> None:
+    """Mark ``name`` arrived in ``directory`` and wait until ``expected`` names have."""
+    os.makedirs(directory, exist_ok=True)
+    open(os.path.join(directory, name), "w").close()
+    end = time.monotonic() + timeout
+    while len(os.listdir(directory)) < expected:
+        if time.monotonic() > end:
+            raise TimeoutError(f"gate {directory}: {sorted(os.listdir(directory))} after {timeout}s")
+        time.sleep(0.05)

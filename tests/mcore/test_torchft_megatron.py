@@ -1,0 +1,275 @@
+"""The torchft sync backend on real megatron-core (CPU, gloo): each worker its own job (a 2-rank
+world, ``num_distributed_optimizer_instances`` 1) and a torchft Lighthouse in the test process.
+With no fault it computes what the torch backend (one 4-rank world of 2 workers) computes on the
+same data and config, to 1e-6.
+
+torchft is the optional ``ft`` extra: installed in CI's default lane, skipped where it is not."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+import ft_jobs  # noqa: E402
+from dist import run_ranks  # noqa: E402
+from edit_runs import default_spec, megatron_runs  # noqa: E402
+
+WORKERS, RANKS = 2, 2
+TIMEOUT = 400
+
+
+def _ft_worker(rank, world_size, worker, lighthouse, spec):
+    """One worker's job: the spec's run with the torchft backend, on the micro-batches its ranks
+    have in the one-world run."""
+    return _ft_worker_n(rank, world_size, worker, lighthouse, spec, WORKERS)
+
+
+def _both_backends(local_sgd, steps=8):
+    spec = default_spec(steps=steps, local_sgd=local_sgd)
+    reference = [r["runs"][0] for r in run_ranks(megatron_runs, WORKERS * RANKS, [spec], timeout=TIMEOUT)]
+    # min_replicas: the Lighthouse's first quorum waits for both workers (a run that starts together)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=WORKERS) as (server, start):
+        jobs = [start(_ft_worker, RANKS, w, server.address(), spec, timeout=TIMEOUT) for w in range(WORKERS)]
+        ft = [out for job in jobs for out in job.results()]  # worker-major: rank w * RANKS + r
+    return reference, ft
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _check_equal(reference, ft, syncs):
+    for g, (ref, run) in enumerate(zip(reference, ft)):
+        assert run["worker"] == 0 and ref["worker"] == g // RANKS  # its own job / one world
+        assert _max_diff(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
+        assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6, f"rank {g}"
+        assert [r.step for r in run["reports"]] == [r.step for r in ref["reports"]] == syncs
+        assert all(r.committed and r.workers == WORKERS for r in run["reports"])
+    # after the last sync every rank holds the same model (the torch backend's too)
+    for run in ft[1:]:
+        assert _max_diff(ft[0]["params"], run["params"]) == 0.0
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_torchft_equals_torch_backend_fp32_layerwise():
+    reference, ft = _both_backends(dict(local_sgd_sync_interval=4))
+    _check_equal(reference, ft, [4, 8])
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_torchft_equals_torch_backend_int8_error_feedback_step_end():
+    reference, ft = _both_backends(dict(local_sgd_sync_interval=2, exchange_dtype="int8",
+                                        exchange_error_feedback=True, sync_mode="step_end"), steps=6)
+    _check_equal(reference, ft, [2, 4, 6])
+    assert all(r.quantization_error is not None for run in ft for r in run["reports"])
+
+
+# ---------------------------------------------------------------------- a worker dies and comes back
+HEAL_TOTAL, HEAL_H = 12, 2
+
+
+def _anchor_digest(controller) -> str:
+    """Exact: the float64 sum of this rank's anchors, as a hex float."""
+    return float(sum(s.anchor.double().sum() for s in controller.shards)).hex()
+
+
+def _wait_file(path, timeout=300.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"no {path} after {timeout}s")
+        time.sleep(0.05)
+
+
+def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner):
+    """One worker's job: EDiT H=2 over torchft for HEAL_TOTAL steps, every sync logged (one JSON
+    line per sync in ``ctl``). The first jobs stop before step 5 until the test has killed worker
+    1 (it is killed there, between its syncs 4 and 6); worker 0 then stops before step 7 until the
+    relaunched worker 1 (``joiner``) waits in its join round's quorum."""
+    import json
+
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    from edit_runs import MICRO_BATCH, _build
+    from gpt_utils import make_batches, named_params, rank_micro_batches, train_step
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    me.patch_megatron_for_local_sgd(
+        me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H, sync_mode="step_end", sync_backend="torchft",
+                          replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0),
+        me.OuterOptimizerConfig())
+    if joiner:  # tell the test when this job's join round asks for its quorum
+        begin = FaultTolerantSyncGroup.begin
+
+        def announced(self, contributed):
+            open(os.path.join(ctl, f"joiner-in-quorum-{rank}"), "w").close()
+            return begin(self, contributed)
+
+        FaultTolerantSyncGroup.begin = announced
+    ddp, optimizer = _build(default_spec(instances=1), 1, 1)  # the join round runs in here
+    (c,) = me.get_local_sgd(optimizer)
+    log = open(os.path.join(ctl, f"w{worker}-r{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
+    log.write(json.dumps(dict(ev="joined", step=c.steps_done, healed=c.sync_group.healed,
+                              anchor=_anchor_digest(c), manager_step=c.sync_group.step)) + "\n")
+    batches = make_batches(HEAL_TOTAL, WORKERS * RANKS * MICRO_BATCH, seed=0)
+    while c.steps_done < HEAL_TOTAL:
+        step = c.steps_done + 1
+        if step == 5 and not joiner:
+            _wait_file(os.path.join(ctl, "killed"))
+        if step == 7 and worker == 0:
+            _wait_file(os.path.join(ctl, f"joiner-in-quorum-{rank}"))
+        train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], worker * world_size + rank,
+                                                      WORKERS * world_size))
+        for r in c.drain_reports():
+            log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, committed=r.committed,
+                                      anchor=_anchor_digest(c))) + "\n")
+    ddp.start_param_sync(force_sync=True)
+    momentum = [c.outer_optimizer.state[a]["momentum_buffer"].clone() for a in c.outer_optimizer.param_groups[0]["params"]]
+    out = dict(params=named_params(ddp), anchors=[s.anchor.clone() for s in c.shards], momentum=momentum,
+               steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid())
+    try:  # a checkpoint's state cannot be loaded into a torchft run yet: one line
+        c.load_state_dict(c.state_dict())
+        out["resume"] = None
+    except me.NotSupportedYet as error:
+        out["resume"] = str(error)
+    c.ft.close()
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+def _events(ctl, worker, rank):
+    import glob
+    import json
+
+    lines = []
+    for path in sorted(glob.glob(os.path.join(ctl, f"w{worker}-r{rank}-*.jsonl"))):
+        pid = int(path.rsplit("-", 1)[1].split(".")[0])
+        with open(path) as f:
+            lines += [dict(json.loads(line), pid=pid) for line in f if line.endswith("}\n")]
+    return lines
+
+
+def _until(predicate, what, timeout=300.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError(f"waited {timeout}s for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_path):
+    """2 workers x 2 ranks. Worker 1's job is SIGKILLed between its syncs 4 and 6; worker 0
+    commits sync 6 alone (nothing restarts); a fresh job for worker 1 joins at sync 8, heals
+    from worker 0's same rank and is bit-identical to it from then on (anchors, outer momentum,
+    parameters at the end)."""
+    ctl = str(tmp_path)
+    synced = lambda w, step, **kw: all(  # noqa: E731
+        any(e["ev"] == "sync" and e["step"] == step and all(e[k] == v for k, v in kw.items())
+            for e in _events(ctl, w, r)) for r in range(RANKS))
+    # heartbeat 3 s: a dead worker leaves the quorum 3 s after its death (a live one is not taken
+    # for dead under load); join timeout 60 s: a quorum waits for a worker whose Manager is up.
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
+        addr = server.address()
+        survivor = start(_healing_worker, RANKS, 0, addr, ctl, False, timeout=3 * TIMEOUT - 60)
+        victim = start(_healing_worker, RANKS, 1, addr, ctl, False, timeout=3 * TIMEOUT - 60)
+        _until(lambda: synced(0, 4, workers=2) and synced(1, 4, workers=2), "the joint sync 4")
+        victim.kill()  # every rank of the job: what torchrun's agent does when one dies
+        open(os.path.join(ctl, "killed"), "w").close()
+        _until(lambda: synced(0, 6, workers=1, committed=True), "worker 0's sync 6 alone")
+        joiner = start(_healing_worker, RANKS, 1, addr, ctl, True, timeout=2 * TIMEOUT)
+        final0, final1 = survivor.results(), joiner.results()
+    for r in range(RANKS):
+        ev0 = [e for e in _events(ctl, 0, r) if e["ev"] == "sync"]
+        assert [(e["step"], e["workers"], e["committed"]) for e in ev0] == [
+            (2, 2, True), (4, 2, True), (6, 1, True), (8, 2, True), (10, 2, True), (12, 2, True)]
+        assert len({e["pid"] for e in _events(ctl, 0, r)}) == 1  # the survivor never restarted
+        new = [e for e in _events(ctl, 1, r) if e["pid"] == final1[r]["pid"]]
+        joined, *syncs = new
+        # the join round was worker 0's sync 8: healed there, to the same anchor bits
+        assert joined["ev"] == "joined" and joined["healed"] and joined["step"] == 8
+        assert joined["anchor"] == next(e["anchor"] for e in ev0 if e["step"] == 8)
+        assert [(e["step"], e["workers"]) for e in syncs] == [(10, 2), (12, 2)]
+        assert [e["anchor"] for e in syncs] == [e["anchor"] for e in ev0[-2:]]
+        a, b = final0[r], final1[r]
+        assert (a["steps"], b["steps"]) == (HEAL_TOTAL, HEAL_TOTAL) and a["manager_step"] == b["manager_step"]
+        assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["momentum"], b["momentum"]))
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        assert "resuming from a checkpoint with --local-sgd-sync-backend torchft is not supported" in a["resume"]
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_three_one_rank_workers_equal_the_torch_backend():
+    """3 workers (one rank each): the sum over a quorum of 3, in the workers' order."""
+    spec = default_spec(steps=4, local_sgd=dict(local_sgd_sync_interval=2), instances=3)
+    reference = [r["runs"][0] for r in run_ranks(megatron_runs, 3, [spec], timeout=TIMEOUT)]
+    with ft_jobs.jobs_and_lighthouse(min_replicas=3) as (server, start):
+        jobs = [start(_ft_worker_n, 1, w, server.address(), spec, 3, timeout=TIMEOUT) for w in range(3)]
+        ft = [job.results()[0] for job in jobs]
+    for g, (ref, run) in enumerate(zip(reference, ft)):
+        assert _max_diff(ref["params"], run["params"]) <= 1e-6, f"worker {g}"
+        assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6
+        assert [(r.step, r.workers, r.committed) for r in run["reports"]] == [(2, 3, True), (4, 3, True)]
+    assert all(_max_diff(ft[0]["params"], run["params"]) == 0.0 for run in ft[1:])
+
+
+def _ft_worker_n(rank, world_size, worker, lighthouse, spec, workers):
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    local = dict(spec["local_sgd"], sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
+                 sync_timeout=120.0)
+    spec = dict(spec, instances=1, data_dp=workers * world_size, data_rank_offset=worker * world_size,
+                local_sgd=local)
+    return megatron_runs(rank, world_size, [spec])["runs"][0]
+
+
+def _torchft_in_one_world(rank, world_size):
+    spec = default_spec(steps=1, instances=2, local_sgd=dict(
+        sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:1"))  # never contacted
+    try:
+        megatron_runs(rank, world_size, [spec])
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_torchft_with_two_workers_in_one_world_is_refused():
+    messages = run_ranks(_torchft_in_one_world, 2, timeout=TIMEOUT - 30)
+    for message in messages:
+        assert message is not None and "\n" not in message
+        assert "num_distributed_optimizer_instances 1 (got 2)" in message and "own job" in message
+
+
+def _alone_below_min_replicas(rank, world_size, lighthouse):
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    local = dict(local_sgd_sync_interval=2, sync_backend="torchft", replica_id=0, lighthouse=lighthouse,
+                 min_replicas=2, sync_timeout=60.0)
+    edit, plain = (default_spec(steps=6, instances=1, local_sgd=sgd) for sgd in (local, None))
+    return megatron_runs(rank, world_size, [edit, plain])["runs"]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_sync_that_is_not_committed_keeps_the_local_progress():
+    """One worker alone with --local-sgd-min-replicas 2: no sync commits, so no outer step is
+    applied and the worker keeps training from its own parameters: bit for bit the plain
+    (non-EDiT) run on the same data."""
+    with ft_jobs.jobs_and_lighthouse() as (server, start):
+        ((edit, plain),) = start(_alone_below_min_replicas, 1, server.address(), timeout=TIMEOUT - 30).results()
+    assert [(r.step, r.workers, r.committed) for r in edit["reports"]] == [(2, 1, False), (4, 1, False),
+                                                                             (6, 1, False)]
+    assert _max_diff(edit["params"], plain["params"]) == 0.0
+    assert edit["losses"] == plain["losses"]

@@ -1,0 +1,68 @@
+"""megatron_edit.supervise: a Lighthouse and N worker jobs on one node; a job that dies is
+relaunched fresh with the same replica id; the run stops when the relaunches are used up; bad
+input is one line. The worker jobs here are tiny scripts (the torchft training itself is tested
+in tests/mcore/test_torchft_megatron.py)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = """
+import os, sys, time
+rid, folder, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+n = len([f for f in os.listdir(folder) if f.startswith(f"r{rid}-")])
+with open(os.path.join(folder, f"r{rid}-{n}"), "w") as f:
+    f.write(os.environ.get("TORCHFT_LIGHTHOUSE", ""))
+if mode == "die-once" and rid == "1" and n == 0:
+    os._exit(9)
+if mode == "die-always" and rid == "1":
+    sys.exit(3)
+if mode == "die-always":
+    time.sleep(60)
+    open(os.path.join(folder, "r0-finished"), "w").close()
+"""
+
+
+def _supervise(tmp_path, *args, mode="die-once", timeout=120):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_edit.supervise", *args, "--", sys.executable, str(script), "{replica_id}",
+         str(folder), mode], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return result, folder
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_worker_job_is_relaunched_with_its_id(tmp_path):
+    result, folder = _supervise(tmp_path, "--workers", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(os.listdir(folder)) == ["r0-0", "r1-0", "r1-1"]
+    assert {(folder / f).read_text() for f in os.listdir(folder)} == {
+        result.stdout.split("Lighthouse at ")[1].split(";")[0]}
+    assert "worker 1 exited with code 9" in result.stdout and "relaunch 1 of 10" in result.stdout
+
+
+@pytest.mark.timeout(180)
+def test_the_run_stops_when_the_relaunches_are_used(tmp_path):
+    result, folder = _supervise(tmp_path, "--workers", "2", "--max-relaunches", "1", mode="die-always")
+    assert result.returncode == 1
+    assert "worker 1 exited with code 3" in result.stderr and "stopping the run" in result.stderr
+    assert sorted(os.listdir(folder)) == ["r0-0", "r1-0", "r1-1"]  # worker 0 stopped before it finished
+
+
+def test_a_command_without_replica_id_is_one_line(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--",
+                             sys.executable, "train.py"], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "{replica_id}" in result.stderr
+
