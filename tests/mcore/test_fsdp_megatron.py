@@ -158,3 +158,28 @@ def test_fsdp_refuses_gta():
     with pytest.raises(NotSupportedYet, match="--local-sgd-reducer"):
         check_fsdp_gta(GTAConfig(reducer="gta"))
     check_fsdp_gta(GTAConfig())
+
+
+def test_checkpoints_of_edit_on_megatron_fsdp_are_refused():
+    """Saving or loading the optimizer of EDiT on Megatron-FSDP stops with one line (its
+    checkpoints are not built yet), through each checkpoint wrap of the distributed optimizer."""
+    from megatron_edit.mcore.checkpoint import add_checkpoint_patches
+    from megatron_edit.mcore.wrap_registry import PatchRegistry
+
+    class Optimizer:  # stands for a DistributedOptimizer (hashable, as the runtime keys them)
+        pass
+
+    fsdp_optimizer = Optimizer()
+    runtime = types.SimpleNamespace(controllers={fsdp_optimizer: types.SimpleNamespace(fsdp=object())})
+    registry = PatchRegistry()
+    add_checkpoint_patches(registry, lambda: runtime)
+
+    def original(self, *args, **kwargs):
+        return "original"
+
+    for pid, args in (("ckpt-distopt-state-dict", ()), ("ckpt-distopt-sharded-state-dict", ({},)),
+                      ("ckpt-distopt-load-state-dict", ({},))):
+        wrapper = next(p for p in registry.patches if p.id == pid).wrap(original)
+        with pytest.raises(NotSupportedYet, match="Megatron-FSDP") as info:
+            wrapper(fsdp_optimizer, *args)
+        assert "\n" not in str(info.value)
