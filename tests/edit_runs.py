@@ -218,6 +218,13 @@ def _train(rank, spec, tp, pp):
         if spec.get("faults") and controllers:
             # The same corruption as the simulation, applied to this rank's fp32 main shards.
             _inject_fault(spec, step, out["worker"], [m for sh in controllers[0].shards for m in sh.mains])
+            hit = any(step in f["steps"] and out["worker"] in f["workers"] for f in spec["faults"])
+            if spec.get("fsdp") and hit:
+                # Megatron-FSDP's model weights are a copy of the mains (DDP's fp32 mains are the
+                # model): install the corrupted mains, as the next step's forward would see them.
+                ddp.module.install_optimized_model_weights()
+                ddp.module.synchronize_param_gather()
+                ddp.module.start_param_sync()
         if traffic:
             traffic.phase = f"after step {step}"
         if step == spec.get("anchor_params_at_step"):

@@ -99,15 +99,18 @@ def _check_local_sgd_options(local_cfg: LocalSGDConfig) -> None:
         ("outer_step_delay", c.outer_step_delay),
         ("fragments", c.fragments > 1),
         ("exchange_dtype", c.exchange_dtype != "fp32"),
-        ("skip_anomaly", c.skip_anomaly),
-        ("pseudo_gradnorm_reduce", c.pseudo_gradnorm_reduce),
-        ("clip_pseudo_grad", c.clip_pseudo_grad is not None),
     ]
     for field, on in not_yet:
         if on:
             raise NotSupportedYet(
-                f"{FLAG_NAMES[field]} with {_NAME} is not supported yet (checked: the plain mean of "
-                "the pseudo-gradients, step-end and layer-wise).")
+                f"{FLAG_NAMES[field]} with {_NAME} is not supported yet (checked: the mean and the "
+                "pseudo-gradient penalty, step-end and layer-wise).")
+    if c.clip_pseudo_grad is not None and c.sync_mode == "layerwise":
+        # A layer's clip factor sums its norm over the worker's shards; in layer-wise mode that
+        # collective would run inside Megatron-FSDP's coalesced all-gather of the same group.
+        raise NotSupportedYet(
+            f"{FLAG_NAMES['clip_pseudo_grad']} with {FLAG_NAMES['sync_mode']} layerwise and {_NAME} is not "
+            f"supported yet: use {FLAG_NAMES['sync_mode']} step_end.")
 
 
 class FSDPBucket:

@@ -109,9 +109,13 @@ def _refused(error, flag, local=None, model=None, ddp=None, version="0.16.1"):
     return message
 
 
-def test_fsdp_accepts_the_checked_combination():
+def test_fsdp_accepts_the_checked_combinations():
+    penalty = dict(pseudo_gradnorm_reduce=True, skip_anomaly=True, weight_softmax_temperature=0.5)
     for mode in ("step_end", "layerwise"):
         check_fsdp_options(LocalSGDConfig(sync_mode=mode), _model(), _fsdp_config(), version="0.16.1")
+        check_fsdp_options(LocalSGDConfig(sync_mode=mode, **penalty), _model(), _fsdp_config(), version="0.16.1")
+    clip = LocalSGDConfig(sync_mode="step_end", clip_pseudo_grad=0.5, **penalty)
+    check_fsdp_options(clip, _model(), _fsdp_config(), version="0.16.1")
 
 
 @pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.17.1", "0.19.2"])
@@ -146,9 +150,7 @@ def test_fsdp_refuses_model_parallelism_not_built_yet(model, flag):
     (dict(outer_step_delay=1, local_sgd_sync_interval=4), "--local-sgd-outer-step-delay"),
     (dict(fragments=2, local_sgd_sync_interval=4), "--local-sgd-fragments"),
     (dict(exchange_dtype="bf16"), "--local-sgd-exchange-dtype"),
-    (dict(skip_anomaly=True), "--local-sgd-skip-anomaly"),
-    (dict(pseudo_gradnorm_reduce=True), "--local-sgd-pseudo-gradnorm-reduce"),
-    (dict(clip_pseudo_grad=1.0), "--local-sgd-clip-pseudo-grad"),
+    (dict(clip_pseudo_grad=1.0), "--local-sgd-clip-pseudo-grad"),  # layer-wise (the default mode)
 ])
 def test_fsdp_refuses_edit_features_not_built_yet(local, flag):
     _refused(NotSupportedYet, flag, local=LocalSGDConfig(**local))
@@ -183,3 +185,48 @@ def test_checkpoints_of_edit_on_megatron_fsdp_are_refused():
         with pytest.raises(NotSupportedYet, match="Megatron-FSDP") as info:
             wrapper(fsdp_optimizer, *args)
         assert "\n" not in str(info.value)
+
+
+# Sharp weights, an anomaly detector that warms up after one sync with a low threshold, and a
+# clip that binds (step-end only): the pseudo-gradient penalty's test configuration.
+PENALTY = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1, pseudo_gradnorm_reduce=True,
+               weight_softmax_temperature=0.02, skip_anomaly=True, ewma_warmup_steps=1,
+               ewma_threshold=0.5, ewma_alpha=0.5)
+# The per-layer norms are sums over each worker's shards, and Megatron-FSDP cuts the model into
+# other shards than the distributed optimizer: the norms differ in the last bits (~1e-7
+# relative), the sharp softmax (T = 0.02) makes weights ~1e-6 apart, so the first sync's result
+# differs by ~1e-7, and Adam amplifies that to ~1e-5 two steps later (measured: 1.2e-7 after
+# step 3, 1.3e-5 after step 5). One decision taken otherwise moves a layer by ~1e-2.
+PENALTY_ATOL = 1e-4
+
+
+@ON_FSDP_RELEASE
+@pytest.mark.timeout(600)
+def test_penalty_on_megatron_fsdp_equals_the_distributed_optimizer():
+    """Norm-weighted averaging and anomaly exclusion (worker 1 poisoned with NaN after step 4,
+    excluded at the sync after step 5) in both modes, per-layer clipping in step-end mode: the
+    same decisions as on DDP + distributed optimizer, the same model after the first sync (to
+    1e-6) and at the end (to the float noise above)."""
+    faults = [dict(workers=[1], steps=[4], kind="nan")]
+    configs = [dict(PENALTY, sync_mode="step_end", clip_pseudo_grad=0.25), dict(PENALTY, sync_mode="layerwise")]
+    specs = [default_spec(steps=5, local_sgd=local, outer=OUTER, faults=faults, fsdp=fsdp, snapshot_every_step=True)
+             for local in configs for fsdp in (False, True)]
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
+    exclusions = clipped = 0
+    for r in results:
+        for ddp, fsdp in (r["runs"][:2], r["runs"][2:]):
+            assert [rep.step for rep in fsdp["reports"]] == [3, 5]
+            for a, b in zip(fsdp["reports"], ddp["reports"]):
+                assert a.layer_names == b.layer_names
+                assert torch.allclose(a.norms, b.norms, rtol=1e-5, equal_nan=True)
+                assert torch.equal(a.excluded, b.excluded) and torch.equal(a.skipped, b.skipped)
+                assert torch.allclose(a.weights, b.weights, atol=1e-5)
+                if a.clip_coef is not None:
+                    assert torch.allclose(a.clip_coef, b.clip_coef, rtol=1e-5)
+                    clipped += int((a.clip_coef < 1).sum())
+                exclusions += int(a.excluded.sum())
+            assert _max_difference(fsdp["snapshots"][3], ddp["snapshots"][3]) <= 1e-6
+            assert _max_difference(fsdp["params"], ddp["params"]) <= PENALTY_ATOL
+    weights = results[0]["runs"][1]["reports"][0].weights
+    assert (weights - 0.5).abs().max() > 0.05, "weights are not sharp enough to test weighting"
+    assert exclusions > 0 and clipped > 0, (exclusions, clipped)
