@@ -37,7 +37,6 @@ from .releases import FSDP_SUPPORTED, FSDP_TESTED
 from .shards import ShardLayout, layer_key
 from .worker_layout import WorkerLayout
 
-_NAME = "EDiT on Megatron-FSDP (--use-megatron-fsdp)"
 
 
 def check_fsdp_release(version: Optional[str] = None) -> None:
@@ -45,9 +44,9 @@ def check_fsdp_release(version: Optional[str] = None) -> None:
     version = version or compat.megatron_core_version()
     if not FSDP_SUPPORTED.contains(version):
         raise ConfigError(
-            f"{_NAME} is checked with megatron-core {', '.join(FSDP_TESTED)} only; megatron-core "
-            f"{version} is installed: install megatron-core=={FSDP_TESTED[-1]}, or train with DDP "
-            "and --use-distributed-optimizer."
+            f"EDiT on Megatron-FSDP (--use-megatron-fsdp) is checked with megatron-core "
+            f"{', '.join(FSDP_TESTED)} only; megatron-core {version} is installed: install "
+            f"megatron-core=={FSDP_TESTED[-1]}, or train with DDP and --use-distributed-optimizer."
         )
 
 
@@ -59,36 +58,45 @@ def check_fsdp_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config
     strategy = getattr(ddp_config, "data_parallel_sharding_strategy", "no_shard")
     if strategy != "optim_grads_params":
         raise NotSupportedYet(
-            f"--data-parallel-sharding-strategy {strategy} with {_NAME} and --use-local-sgd is not "
-            "supported yet: use optim_grads_params (each worker's ranks shard the parameters, "
-            "gradients and optimizer state).")
+            f"--data-parallel-sharding-strategy {strategy} with EDiT on Megatron-FSDP "
+            "(--use-megatron-fsdp) and --use-local-sgd is not supported yet: use optim_grads_params "
+            "(each worker's ranks shard the parameters, gradients and optimizer state).")
     outer = getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard")
     if ddp_config.num_distributed_optimizer_instances > 1 and outer != "no_shard":
         raise ConfigError(
-            f"--outer-dp-sharding-strategy {outer} with {_NAME} and --use-local-sgd: it shards each "
-            "worker's optimizer over the other workers, and an EDiT worker keeps its own; use "
-            "--outer-dp-sharding-strategy no_shard.")
+            f"--outer-dp-sharding-strategy {outer} with EDiT on Megatron-FSDP (--use-megatron-fsdp) "
+            "and --use-local-sgd: it shards each worker's optimizer over the other workers, and an "
+            "EDiT worker keeps its own; use --outer-dp-sharding-strategy no_shard.")
     if not getattr(ddp_config, "preserve_fp32_weights", True):
         raise NotSupportedYet(
-            f"DistributedDataParallelConfig.preserve_fp32_weights=False with {_NAME} and "
-            "--use-local-sgd is not supported yet: EDiT exchanges the fp32 main weights' shards.")
+            "DistributedDataParallelConfig.preserve_fp32_weights=False with EDiT on Megatron-FSDP "
+            "(--use-megatron-fsdp) and --use-local-sgd is not supported yet: EDiT exchanges the "
+            "fp32 main weights' shards.")
     if getattr(ddp_config, "fsdp_double_buffer", False) or getattr(ddp_config, "nccl_ub", False):
-        raise NotSupportedYet(f"--fsdp-double-buffer / --nccl-ub with {_NAME} and --use-local-sgd is not supported yet.")
+        raise NotSupportedYet(
+            "--fsdp-double-buffer / --nccl-ub with EDiT on Megatron-FSDP (--use-megatron-fsdp) and "
+            "--use-local-sgd is not supported yet.")
     c = transformer_config
     for field, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                         ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
                         ("context_parallel_size", "--context-parallel-size")):
         if (getattr(c, field, 1) or 1) > 1:
-            raise NotSupportedYet(f"{flag} > 1 with {_NAME} and --use-local-sgd is not supported yet.")
+            raise NotSupportedYet(
+                f"{flag} > 1 with EDiT on Megatron-FSDP (--use-megatron-fsdp) and --use-local-sgd "
+                "is not supported yet.")
     if getattr(c, "num_moe_experts", None):
-        raise NotSupportedYet(f"MoE (--num-experts) with {_NAME} and --use-local-sgd is not supported yet.")
+        raise NotSupportedYet(
+            "MoE (--num-experts) with EDiT on Megatron-FSDP (--use-megatron-fsdp) and "
+            "--use-local-sgd is not supported yet.")
     _check_local_sgd_options(local_cfg)
 
 
 def check_fsdp_gta(gta_config: GTAConfig) -> None:
     """GTA's reducer is not built on Megatron-FSDP yet."""
     if gta_config.reducer == "gta":
-        raise NotSupportedYet(f"{FLAG_NAMES['reducer']} {gta_config.reducer} with {_NAME} is not supported yet.")
+        raise NotSupportedYet(
+            f"{FLAG_NAMES['reducer']} gta with EDiT on Megatron-FSDP (--use-megatron-fsdp) is not "
+            "supported yet.")
 
 
 def _check_local_sgd_options(local_cfg: LocalSGDConfig) -> None:
@@ -103,14 +111,16 @@ def _check_local_sgd_options(local_cfg: LocalSGDConfig) -> None:
     for field, on in not_yet:
         if on:
             raise NotSupportedYet(
-                f"{FLAG_NAMES[field]} with {_NAME} is not supported yet (checked: the mean and the "
-                "pseudo-gradient penalty, step-end and layer-wise).")
+                f"{FLAG_NAMES[field]} with EDiT on Megatron-FSDP (--use-megatron-fsdp) is not "
+                "supported yet (checked: the mean and the pseudo-gradient penalty, step-end and "
+                "layer-wise).")
     if c.clip_pseudo_grad is not None and c.sync_mode == "layerwise":
         # A layer's clip factor sums its norm over the worker's shards; in layer-wise mode that
         # collective would run inside Megatron-FSDP's coalesced all-gather of the same group.
         raise NotSupportedYet(
-            f"{FLAG_NAMES['clip_pseudo_grad']} with {FLAG_NAMES['sync_mode']} layerwise and {_NAME} is not "
-            f"supported yet: use {FLAG_NAMES['sync_mode']} step_end.")
+            f"{FLAG_NAMES['clip_pseudo_grad']} with {FLAG_NAMES['sync_mode']} layerwise and EDiT "
+            f"on Megatron-FSDP (--use-megatron-fsdp) is not supported yet: use "
+            f"{FLAG_NAMES['sync_mode']} step_end.")
 
 
 class FSDPBucket:
@@ -137,9 +147,8 @@ class FSDPModel:
         chunks = list(optimizer.model_chunks)
         if len(chunks) != 1:
             raise NotSupportedYet(
-                f"{_NAME} with {len(chunks)} model chunks (virtual pipeline stages) and "
-                "--use-local-sgd is not supported yet.")
-        self.wrapper = chunks[0]
+                f"EDiT on Megatron-FSDP (--use-megatron-fsdp) with {len(chunks)} model chunks "
+                "(virtual pipeline stages) and --use-local-sgd is not supported yet.")
         self.fsdp = chunks[0].module
         """megatron-core's ``MegatronFSDP`` (the wrapper is ``FullyShardedDataParallel``)."""
         self.buffer = self.fsdp.param_and_grad_buffer
@@ -202,7 +211,8 @@ def _bucket_shard(group, layer_of, index_of, index: int) -> BucketShard:
     """This rank's shard of one parameter group: a view of its fp32 main-weight shard (the
     optimizer's parameters are views of it), its model-weight shard, and each parameter's range."""
     mbuf, wbuf = group.main_weight_buffer, group.model_weight_buffer
-    if mbuf.dtype != torch.float32 or wbuf is None or wbuf.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    model_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    if mbuf.dtype != torch.float32 or wbuf is None or wbuf.dtype not in model_dtypes:
         raise RuntimeError(
             f"megatron_edit: a Megatron-FSDP bucket holds {mbuf.dtype} main weights and "
             f"{None if wbuf is None else wbuf.dtype} model weights: EDiT needs fp32 main weights and "
