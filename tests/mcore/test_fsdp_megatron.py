@@ -128,6 +128,7 @@ def test_fsdp_refused_on_unchecked_releases(version):
     (dict(data_parallel_sharding_strategy="optim"), "--data-parallel-sharding-strategy", NotSupportedYet),
     (dict(data_parallel_sharding_strategy="no_shard"), "--data-parallel-sharding-strategy", NotSupportedYet),
     (dict(outer_dp_sharding_strategy="optim"), "--outer-dp-sharding-strategy", ConfigError),
+    (dict(num_distributed_optimizer_instances=1), "--num-distributed-optimizer-instances", NotSupportedYet),
     (dict(preserve_fp32_weights=False), "preserve_fp32_weights", NotSupportedYet),
     (dict(fsdp_double_buffer=True), "--fsdp-double-buffer", NotSupportedYet),
 ])
