@@ -57,12 +57,16 @@ def test_edit_on_megatron_fsdp_equals_edit_on_the_distributed_optimizer():
     """2 workers x 2 shards, warmup 2, H=3, 8 steps (syncs after 5 and 8), Nesterov outer SGD.
     EDiT on Megatron-FSDP (HSDP), step-end and layer-wise, equals EDiT on DDP + distributed
     optimizer to 1e-6 and the plain-PyTorch simulation to its tolerance; the workers' models are
-    identical after every sync and differ between; nothing crosses workers between syncs."""
+    identical after every sync and differ between; nothing crosses workers between syncs; a
+    layer-wise sync at the run's known last step is complete when the step returns."""
     specs = [
         default_spec(local_sgd=dict(EDIT, sync_mode="step_end"), outer=OUTER),
         default_spec(local_sgd=dict(EDIT, sync_mode="step_end"), outer=OUTER, fsdp=True,
                      snapshot_every_step=True, traffic=True),
-        default_spec(local_sgd=dict(EDIT, sync_mode="layerwise"), outer=OUTER, fsdp=True, traffic=True),
+        # The run's last step known (Megatron-LM's --train-iters): its layer-wise sync completes
+        # at once, and what the step gathered before it is dropped.
+        default_spec(local_sgd=dict(EDIT, sync_mode="layerwise"), outer=OUTER, fsdp=True, traffic=True,
+                     last_step=8),
     ]
     results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
     (sim,) = run_ranks(simulate_edit, 1, specs[0], WORLD, timeout=200)
@@ -74,6 +78,7 @@ def test_edit_on_megatron_fsdp_equals_edit_on_the_distributed_optimizer():
             assert _max_difference(run["params"], ddp["params"]) <= 1e-6
             assert _max_difference(run["params"], sim["params"][run["worker"]]) <= SIM_ATOL
             _check_traffic(run, sync_steps=(5, 8), warmup=2)
+        assert not layerwise["pending_at_end"]
     # Replicas: worker 0 is ranks 0-1, worker 1 ranks 2-3.
     first, other = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
     for step in range(1, 9):
