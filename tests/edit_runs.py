@@ -81,6 +81,9 @@ def _build(spec, tp, pp):
             post_process=ps.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=spec.get("tied", False),
         )
+    if spec.get("fsdp"):
+        ddp = wrap_megatron_fsdp(model, spec)
+        return ddp, _optimizer(ddp)
     ddp = wrap_ddp(
         model,
         use_distributed_optimizer=True,
@@ -90,6 +93,40 @@ def _build(spec, tp, pp):
         bucket_size=spec["bucket_size"],
     )
     return ddp, _optimizer(ddp)
+
+
+def wrap_megatron_fsdp(model, spec):
+    """Megatron-FSDP in HSDP (``spec["instances"]`` instances, outer ``no_shard``), fully sharded
+    inside an instance, wired into the model config as Megatron-LM does; on CPU: gloo has no
+    PREMUL_SUM (``gradient_reduce_div_fusion=False``) and the device is given."""
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=spec.get("sharding", "optim_grads_params"),
+        num_distributed_optimizer_instances=spec["instances"],
+        outer_dp_sharding_strategy=spec.get("outer_sharding", "no_shard"),
+        overlap_grad_reduce=True,
+        overlap_param_gather=spec["overlap_param_gather"],
+        grad_reduce_in_fp32=True,
+        gradient_reduce_div_fusion=False,
+        bucket_size=spec["bucket_size"],
+    )
+    fsdp = FullyShardedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
+                                    device=torch.device("cpu"))
+    model.config.no_sync_func = fsdp.no_sync
+    model.config.finalize_model_grads_func = finalize_model_grads
+    return fsdp
+
+
+def full_params(ddp) -> dict:
+    """``{name: detached copy}`` of the whole model's parameters; Megatron-FSDP's are gathered
+    inside the worker first (completing a pending layer-wise sync, as the next forward would)."""
+    if hasattr(ddp.module, "param_and_grad_buffer"):  # Megatron-FSDP: ddp.module is MegatronFSDP
+        ddp.start_param_sync(force_sync=True)  # the raw parameters now view gathered buckets
+        return {name: p.detach().clone() for name, p in ddp.module.raw_param.items()}
+    return named_params(ddp)
 
 
 class TrafficLog:
@@ -184,10 +221,17 @@ def _train(rank, spec, tp, pp):
         if spec.get("faults") and controllers:
             # The same corruption as the simulation, applied to this rank's fp32 main shards.
             _inject_fault(spec, step, out["worker"], [m for sh in controllers[0].shards for m in sh.mains])
+            hit = any(step in f["steps"] and out["worker"] in f["workers"] for f in spec["faults"])
+            if spec.get("fsdp") and hit:
+                # Megatron-FSDP's model weights are a copy of the mains (DDP's fp32 mains are the
+                # model): install the corrupted mains, as the next step's forward would see them.
+                ddp.module.install_optimized_model_weights()
+                ddp.module.synchronize_param_gather()
+                ddp.module.start_param_sync()
         if traffic:
             traffic.phase = f"after step {step}"
         if step == spec.get("anchor_params_at_step"):
-            out["anchor_params"] = named_params(ddp)
+            out["anchor_params"] = full_params(ddp)
         if step == spec.get("presync_params_at_step"):
             # With shard size 1 a pending layer-wise sync has not touched the model yet: these
             # are the worker's own parameters after its inner step, before the sync.
@@ -205,12 +249,12 @@ def _train(rank, spec, tp, pp):
                 residual=[None if s.residual is None else s.residual.clone() for s in controllers[0].shards])
         if spec["snapshot_every_step"]:
             ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync too
-            out["snapshots"][step] = named_params(ddp)
+            out["snapshots"][step] = full_params(ddp)
     if controllers:
         out["pending_at_end"] = controllers[0].sync_in_progress
     if not spec.get("no_final_gather"):
         ddp.start_param_sync(force_sync=True)
-    if pp == 1:  # loss of this rank's model on a fixed held-out batch
+    if pp == 1 and not spec.get("fsdp"):  # loss of this rank's model on a fixed held-out batch
         ddp.eval()
         with torch.no_grad():
             held_out = make_batches(1, 8, seed=99)[0]
@@ -219,9 +263,10 @@ def _train(rank, spec, tp, pp):
     if traffic:
         traffic.close()
         out["traffic"] = traffic.events
-    out["params"] = named_params(ddp)
-    out["partition_dims"] = {n: p.partition_dim for n, p in ddp.module.named_parameters()
-                             if getattr(p, "tensor_model_parallel", False)}
+    out["params"] = full_params(ddp)
+    if not spec.get("fsdp"):
+        out["partition_dims"] = {n: p.partition_dim for n, p in ddp.module.named_parameters()
+                                 if getattr(p, "tensor_model_parallel", False)}
     if controllers:
         c = controllers[0]
         out["reports"] = c.drain_reports()
@@ -230,7 +275,7 @@ def _train(rank, spec, tp, pp):
         out["groups_per_sync"] = len(c.group_order)
         # Streaming fragments: the parameter names of each fragment (the simulation syncs them).
         names = {p: n for n, p in getattr(ddp, "module", ddp).named_parameters()}
-        out["fragment_params"] = [
+        out["fragment_params"] = [] if spec.get("fsdp") else [
             sorted(names[p] for g in c.group_order if any(s is c.group_shards[g][0] for s in frag)
                    for b in g.buckets for p in b.params)
             for frag in c.sync_shards.fragments]

@@ -22,7 +22,7 @@ Release-specific: megatron-core 0.12.x calls its FP8 shard-quantization helper f
 transformer-engine that helper raises even when there is no FP8 parameter; the adapter gives
 it 0.13's behaviour (nothing to do for an empty list, still an error otherwise). MoE without
 transformer-engine (0.16.x's router GEMM name, the alltoall dispatcher's split sizes): see
-:mod:`megatron_edit.cpu.moe`.
+:mod:`megatron_edit.cpu.moe`. Megatron-FSDP (0.16.1): see :mod:`megatron_edit.cpu.fsdp`.
 
 Every replacement is a declared :class:`~megatron_edit.mcore.wrap_registry.Patch` (``replace`` patches
 for stand-ins, wraps for functions that still call the original) applied by the package's one
@@ -46,6 +46,7 @@ import torch
 
 from ..mcore.wrap_registry import Patch, PatchError, PatchRegistry, VersionRange
 from ..mcore.session import SESSION
+from .fsdp import declare_fsdp
 from .moe import declare_moe
 
 __all__ = ["activate", "deactivate", "is_active"]
@@ -344,6 +345,8 @@ def _declare(registry: PatchRegistry, version: str) -> PatchRegistry:
                  "0.12.x without transformer-engine: nothing to quantize without FP8 params")
     # (7) MoE without transformer-engine: the router's GEMM name, the alltoall dispatcher's splits.
     declare_moe(registry, _ANY_RELEASE)
+    # (8) Megatron-FSDP: two CUDA literals (megatron-core 0.16.1 only; see megatron_edit.cpu.fsdp).
+    declare_fsdp(registry)
     return registry
 
 

@@ -15,7 +15,12 @@ from . import compat
 
 def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config) -> None:
     """Reject model / DDP options that cannot work with EDiT (clear message, at start-up)."""
-    if not ddp_config.use_distributed_optimizer:
+    fsdp = compat.uses_megatron_fsdp(ddp_config)
+    if fsdp:  # Megatron-FSDP's own optimizer sharding takes the distributed optimizer's place
+        from .fsdp import check_fsdp_options
+
+        check_fsdp_options(local_cfg, transformer_config, ddp_config)
+    elif not ddp_config.use_distributed_optimizer:
         raise ConfigError(
             "--use-local-sgd needs Megatron's distributed optimizer: pass "
             "--use-distributed-optimizer (DistributedDataParallelConfig.use_distributed_optimizer"
@@ -23,8 +28,6 @@ def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_co
             "--num-distributed-optimizer-instances to the number of workers (the data-parallel "
             "size gives one rank per worker, shard size 1)."
         )
-    if compat.uses_megatron_fsdp(ddp_config):
-        raise ConfigError("--use-local-sgd does not work with Megatron-FSDP (--use-megatron-fsdp).")
     if compat.uses_cuda_graphs(transformer_config):
         raise ConfigError(
             "--use-local-sgd does not work with CUDA graphs (--cuda-graph-impl / "
@@ -42,7 +45,8 @@ def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_co
             "into the model's parameter buffer. Drop --fp8-param-gather (FP8 compute with bf16 "
             "parameters still works)."
         )
-    if local_cfg.sync_mode == "layerwise" and not ddp_config.overlap_param_gather:
+    # (Megatron-FSDP gathers each bucket in the forward pass whatever the flag says.)
+    if local_cfg.sync_mode == "layerwise" and not ddp_config.overlap_param_gather and not fsdp:
         raise ConfigError(
             "--local-sgd-sync-mode layerwise syncs each bucket just before its parameters are "
             "gathered in the forward pass, which needs --overlap-param-gather (and "

@@ -134,6 +134,7 @@ from .wrap_registry import VersionRange, version_tuple
 from .process_state import PROCESS
 
 from .releases import (  # noqa: F401  (the data this module answers from; compat.X reads it)
+    FSDP_SUPPORTED,
     MEGATRON_LM_TAGS,
     SIGNATURES,
     SUPPORTED,

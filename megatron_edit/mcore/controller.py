@@ -56,6 +56,7 @@ from .async_plan import AsyncPlan, SyncPoint
 from .controller_state import ControllerState
 from .delayed import DelayedOuterStep
 from .fragments import SyncShards, partition_groups, split_layers
+from .fsdp import fsdp_model_of
 from .process_state import PROCESS
 from .shards import build_layout
 from .worker_layout import WorkerLayout
@@ -95,8 +96,13 @@ class LocalSGD(ControllerState):
         self._in_step = False
         self._synced_in_step = False
 
-        buckets = build_layout(optimizer)
-        self.layout = WorkerLayout.of(optimizer, buckets.group_order[0] if buckets.group_order else None)
+        self.fsdp = fsdp_model_of(optimizer)
+        """The Megatron-FSDP model this optimizer steps (:mod:`.fsdp`), or None (DDP)."""
+        if self.fsdp is None:
+            buckets = build_layout(optimizer)
+            self.layout = WorkerLayout.of(optimizer, buckets.group_order[0] if buckets.group_order else None)
+        else:  # its main-weight shards, in the same shard abstraction
+            buckets, self.layout = self.fsdp.layouts(optimizer)
         """Where this optimizer sits among the workers (derived once, passed down)."""
         self.num_workers = self.layout.num_workers
         inter = self.layout.sync_group
@@ -294,6 +300,8 @@ class LocalSGD(ControllerState):
                 self.flush()
             if self.finished or (not self.config.use_async and self.steps_done == self.last_step):
                 self.complete_now()
+            elif self.fsdp is not None:  # the step prefetched its first bucket before the sync
+                self.fsdp.drop_stale_gathers()
         self._snap_progress()
 
     def _snap_progress(self) -> None:
@@ -318,7 +326,10 @@ class LocalSGD(ControllerState):
 
     def gather_params_in_worker(self) -> None:
         """All-gather every bucket group's parameters inside the worker now (a collective over
-        the worker's ranks, at the same point on each)."""
+        the worker's ranks, at the same point on each). Megatron-FSDP keeps only shards: what
+        was gathered before the sync is dropped, and the next forward pass gathers the rest."""
+        if self.fsdp is not None:
+            return self.fsdp.drop_stale_gathers()
         for group in self.group_order:
             if group.param_gather_handle is not None:
                 group.param_gather_handle.wait()

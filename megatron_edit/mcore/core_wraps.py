@@ -25,6 +25,9 @@ sched-step-global-progress             A-EDiT: the learning-rate schedule follow
                                        global progress, not this worker's step count
 =====================================  =====================================================
 
+Megatron-FSDP's own attachment points (its gradient reduce and parameter gather) are declared
+in :mod:`megatron_edit.mcore.fsdp_wraps` and added here.
+
 The wrappers consult :class:`~megatron_edit.mcore.runtime.LocalSGDRuntime`. Checkpoint patches
 (EDiT state in torch_dist checkpoints, megatron-core's load fixes) are declared in
 :mod:`megatron_edit.mcore.checkpoint`; Megatron-LM training patches in
@@ -36,6 +39,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from . import compat
+from .fsdp_wraps import add_fsdp_patches
 from .wrap_registry import Patch, PatchRegistry
 from .runtime import LocalSGDRuntime, get_local_sgd
 
@@ -166,4 +170,5 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
         "A-EDiT: each step advances the LR schedule by its share of the workers' global progress")
     add("distopt-grad-stats-group", f"{_DISTOPT}.get_grad_stats_parallel_group", wrap_grad_stats_group,
         "gradient norm / zero count inside the worker, never across workers (0.12.x: all ranks)")
+    add_fsdp_patches(registry, runtime_ref)
     return registry

@@ -34,6 +34,14 @@ core_v0.19.0's ``package_info`` says 0.19.1)."""
 TESTED = ("0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2")
 """Releases the multi-rank tests ran against (the newest patch release of each minor)."""
 
+FSDP_SUPPORTED = VersionRange("0.16.1", "0.16.2")
+"""megatron-core releases whose Megatron-FSDP internals (the HSDP gradient reduce, the main-weight
+buffers, the all-gather pipeline) EDiT's Megatron-FSDP path and the CPU adapter's Megatron-FSDP
+shims were checked against; Megatron-FSDP with EDiT is refused on any other release."""
+
+FSDP_TESTED = ("0.16.1",)
+"""The releases of :data:`FSDP_SUPPORTED` the multi-rank tests ran against."""
+
 _V12 = VersionRange("0.12.0", "0.13.0")
 _V13_14 = VersionRange("0.13.0", "0.15.0")
 _V12_15 = VersionRange("0.12.0", "0.16.0")
@@ -49,6 +57,7 @@ _DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParal
 _BUCKET_GROUP = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup"
 _DISTOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
 _PS = "megatron.core.parallel_state"
+_FSDP_BUFFERS = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
 
 _DISTOPT_INIT = ("self", "optimizer", "config", "grad_scaler", "init_state_fn", "model_chunks",
                  "per_model_buffers", "data_parallel_group", "data_parallel_group_gloo",
@@ -111,6 +120,15 @@ SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]] = {
         (_V19, ("sharded_state_dict", "checkpoint_dir", "sharded_strategy",
                 "validate_access_integrity", "strict", "verify_integrity", "process_group")),
     ),
+    # Megatron-FSDP (megatron_edit.mcore.fsdp_wraps): checked on FSDP_SUPPORTED only.
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter:FullyShardedDataParallel.__init__": (
+        (FSDP_SUPPORTED, ("self", "config", "ddp_config", "module", "fsdp_unit_modules",
+                          "disable_bucketing", "device", "pg_collection")),
+    ),
+    f"{_FSDP_BUFFERS}:GradReducePipeline._bucket_group_gradient_reduce": (
+        (FSDP_SUPPORTED, ("self", "bucket_group", "async_op", "outer_fsdp_group_grad_reduce")),
+    ),
+    f"{_FSDP_BUFFERS}:AllGatherPipeline.async_bucket_gather": ((FSDP_SUPPORTED, ("self", "bucket_id", "bwd")),),
     f"{_PS}:get_data_parallel_group": (
         (_V12_15, ("with_context_parallel", "partial_data_parallel")),
         (_V16_17, ("with_context_parallel", "partial_data_parallel", "independent_all_gather")),

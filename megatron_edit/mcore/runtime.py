@@ -21,6 +21,7 @@ from . import compat
 from .async_plan import AsyncPlan, FollowerPlan
 from .checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
 from .controller import LocalSGD
+from .fsdp import check_fsdp_gta, check_fsdp_release
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ class LocalSGDRuntime:
         self._reducing_locally: "weakref.WeakSet" = weakref.WeakSet()
         # optimizer -> all ranks of its worker, where gradient statistics are reduced
         self.grad_stats_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # Megatron-FSDP (megatron_edit.mcore.fsdp): the models built while patched, their
+        # pipelines, and each pipeline's controller once an optimizer is built over it
+        self.registered_fsdp: "weakref.WeakSet" = weakref.WeakSet()
+        self._registered_fsdp_pipelines: "weakref.WeakSet" = weakref.WeakSet()
+        self.fsdp_pipelines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     @property
     def configs(self) -> Optional[Configs]:
@@ -92,13 +98,44 @@ class LocalSGDRuntime:
         for group in list(ddp.bucket_groups) + expert_groups:
             self.registered_groups.add(group)
 
+    def check_fsdp(self, transformer_config, ddp_config) -> None:
+        """Before Megatron-FSDP is built: the options EDiT on it refuses."""
+        check_megatron_options(self.configs.local, transformer_config, ddp_config)
+        check_fsdp_gta(self.configs.gta)
+
+    def on_fsdp_init(self, wrapper) -> None:
+        """A Megatron-FSDP model (``FullyShardedDataParallel``) was built while patched."""
+        if self.configs is None:
+            return
+        fsdp = wrapper.module
+        check_workers(fsdp.dist_index.get_dp_group().size(), wrapper.ddp_config.num_distributed_optimizer_instances)
+        self.registered_fsdp.add(fsdp)
+        self._registered_fsdp_pipelines.add(fsdp.grad_reduce_pipeline)
+
+    def fsdp_controller(self, pipeline) -> Optional[LocalSGD]:
+        """The controller of a Megatron-FSDP gradient-reduce pipeline (None when EDiT is not
+        attached); refuses one registered for EDiT without a distributed optimizer over it."""
+        controller = self.fsdp_pipelines.get(pipeline)
+        if controller is None and pipeline in self._registered_fsdp_pipelines:
+            raise RuntimeError(
+                "megatron_edit: this Megatron-FSDP model was built with --use-local-sgd, but no "
+                "Megatron DistributedOptimizer was built over it (get_megatron_optimizer with "
+                "use_distributed_optimizer=True); EDiT cannot run and will not silently fall "
+                "back to synchronous training."
+            )
+        return controller
+
     def on_optimizer_init(self, optimizer) -> None:
         if self.configs is None:
             return
         check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None)
+        if compat.uses_megatron_fsdp(optimizer.ddp_config):
+            check_fsdp_release()  # the fsdp-init patch exists (and checked the model) on these only
         unchecked = [g for chunk in optimizer.model_chunks
                      for g in (*getattr(chunk, "bucket_groups", ()), *getattr(chunk, "expert_parallel_bucket_groups", ()))
                      if g not in self.registered_groups]
+        unchecked += [chunk for chunk in optimizer.model_chunks
+                      if compat.uses_megatron_fsdp(optimizer.ddp_config) and chunk.module not in self.registered_fsdp]
         if unchecked:
             raise RuntimeError(
                 "megatron_edit: the DDP model of this optimizer was built before "
@@ -127,6 +164,9 @@ class LocalSGDRuntime:
             self.grad_stats_groups[optimizer] = worker
         for group in controller.group_shards:
             self.group_owner[group] = controller
+        if controller.fsdp is not None:
+            for pipeline in controller.fsdp.pipelines:
+                self.fsdp_pipelines[pipeline] = controller
         if torch.distributed.get_rank() == 0:
             logger.info(
                 "megatron_edit: EDiT on a distributed optimizer with %d buckets, %d workers, "

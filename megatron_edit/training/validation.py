@@ -52,6 +52,11 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
             "trains it with its layer-wise optimizer, not the distributed optimizer EDiT attaches "
             "to. Use --optimizer adam or sgd with --use-distributed-optimizer."
         )
+    if get("use_megatron_fsdp") or get("use_custom_fsdp"):
+        raise NotSupportedYet(
+            "--use-megatron-fsdp with --use-local-sgd through Megatron-LM's training loop is not "
+            "supported yet: EDiT on Megatron-FSDP runs with megatron-core alone "
+            "(docs/concepts/megatron-fsdp.md).")
     # The same checks the DDP / optimizer patches run, on Megatron's flags.
     model_options = SimpleNamespace(
         cuda_graph_impl=get("cuda_graph_impl", "none") or "none",

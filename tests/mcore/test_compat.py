@@ -81,8 +81,9 @@ def test_signature_ranges_cover_the_supported_releases_without_overlap():
                 compat.params(target, "0.11.0")
             with pytest.raises(LookupError, match="0.20.0"):
                 compat.params(target, "0.20.0")
-    for target in compat.SIGNATURES:
-        assert compat.release_range(target) == compat.SUPPORTED, target
+    for target in compat.SIGNATURES:  # Megatron-FSDP's internals: checked on fewer releases
+        expected = compat.FSDP_SUPPORTED if ".distributed.fsdp." in target else compat.SUPPORTED
+        assert compat.release_range(target) == expected, target
 
 
 def test_known_differences_are_in_the_table():

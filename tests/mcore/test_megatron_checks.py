@@ -59,16 +59,28 @@ def test_needs_the_distributed_optimizer():
 
 @pytest.mark.skipif(not _has(DistributedDataParallelConfig, "use_megatron_fsdp"),
                     reason="use_megatron_fsdp is new in megatron-core 0.14 (use_custom_fsdp before)")
-def test_refuses_megatron_fsdp():
-    ddp = _ddp(use_megatron_fsdp=True)
+def test_megatron_fsdp_goes_through_its_own_checks():
+    """Megatron-FSDP does not need DDP's use_distributed_optimizer (it shards the optimizer
+    itself); its checks (megatron_edit.mcore.fsdp) refuse what EDiT on it does not do: here the
+    default sharding strategy, or, on a release other than 0.16.1, Megatron-FSDP at all."""
+    from megatron_edit.mcore import compat
+    from megatron_edit.mcore.releases import FSDP_SUPPORTED
+
+    ddp = _ddp(use_megatron_fsdp=True, use_distributed_optimizer=False)
     assert ddp.use_megatron_fsdp  # the real config accepts it (no other field needed on 0.16)
-    message = _fails(ConfigError, LAYERWISE, _model(), ddp)
+    checked = FSDP_SUPPORTED.contains(compat.megatron_core_version())
+    message = _fails(NotSupportedYet if checked else ConfigError, LAYERWISE, _model(), ddp)
     assert "FSDP" in message and "--use-megatron-fsdp" in message
+    if checked:
+        assert "--data-parallel-sharding-strategy" in message
+        good = _ddp(use_megatron_fsdp=True, use_distributed_optimizer=False, overlap_param_gather=False,
+                    data_parallel_sharding_strategy="optim_grads_params")
+        assert check_megatron_options(LAYERWISE, _model(), good) is None
 
 
-def test_refuses_legacy_custom_fsdp():
-    message = _fails(ConfigError, LAYERWISE, _model(), _ddp(use_custom_fsdp=True))
-    assert "FSDP" in message
+def test_refuses_legacy_custom_fsdp_with_the_default_strategy():
+    with pytest.raises(ConfigError, match="FSDP"):  # NotSupportedYet on 0.16.1, the release elsewhere
+        check_megatron_options(LAYERWISE, _model(), _ddp(use_custom_fsdp=True))
 
 
 _NO_IMPL = pytest.mark.skipif(not _has(TransformerConfig, "cuda_graph_impl"),

@@ -59,7 +59,13 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
 
     def controller_of(optimizer):
         runtime = runtime_ref()
-        return runtime.controllers.get(optimizer) if runtime is not None else None
+        controller = runtime.controllers.get(optimizer) if runtime is not None else None
+        if controller is not None and getattr(controller, "fsdp", None) is not None:
+            raise NotSupportedYet(
+                "megatron_edit: checkpoints of EDiT on Megatron-FSDP (--use-megatron-fsdp) are not "
+                "supported yet (neither fsdp_dtensor nor torch_dist): train without saving or "
+                "loading the optimizer, or use DDP with --use-distributed-optimizer.")
+        return controller
 
     def wrap_state_dict(original):
         fixed = fix_state_dict(original)  # megatron-core's own load defects, for every optimizer

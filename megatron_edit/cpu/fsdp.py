@@ -1,0 +1,78 @@
+"""The CPU adapter's Megatron-FSDP patches (megatron-core's ``megatron/core/distributed/fsdp``).
+
+Megatron-FSDP hard-codes CUDA in two places the rest of the adapter does not cover; both are
+declared here for the releases of :data:`~megatron_edit.mcore.releases.FSDP_SUPPORTED` only
+(0.16.1), where they were checked (on another release they are not applied, and EDiT on
+Megatron-FSDP is refused there with a message naming the supported releases):
+
+* S1, ``MegatronFSDP.__init__`` builds ``torch.device(f"cuda:{torch.cuda.current_device()}")``
+  even when a device is given. The adapter makes ``current_device()`` the CPU device, which gives
+  the invalid string ``"cuda:cpu"``. Inside that constructor only, ``current_device()`` returns
+  the ordinal 0: the string parses (Megatron-FSDP then logs that it uses the CPU device it was
+  given), and ``device=0`` allocations still land on the CPU through the adapter's factory wraps.
+* S2, ``mcore_fsdp_adapter`` builds its device meshes with ``DeviceMesh.from_group(...,
+  device_type="cuda")``; ``DTensor.from_local`` then moves every main-weight shard to CUDA. The
+  name ``DeviceMesh`` in that module is replaced by a stand-in whose ``from_group`` builds a CPU
+  mesh.
+
+Not a patch: gloo has no ``PREMUL_SUM`` and no ``AVG``, so a CPU run sets
+``DistributedDataParallelConfig(gradient_reduce_div_fusion=False, average_in_collective=False)``
+(the buffer is multiplied by the scale, then SUM-reduced: the same numbers), and passes
+``device=torch.device("cpu")`` to ``FullyShardedDataParallel``.
+
+Applied and reverted with the rest of :mod:`megatron_edit.cpu.adapter`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..mcore.releases import FSDP_SUPPORTED
+from ..mcore.wrap_registry import Patch, PatchRegistry
+
+_MEGATRON_FSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp:MegatronFSDP"
+_ADAPTER = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
+
+
+def _ordinal_device_while_building(original):
+    """S1: inside ``MegatronFSDP.__init__``, ``torch.cuda.current_device()`` is the ordinal 0 (a
+    ``"cuda:0"`` string parses; allocations on device 0 are CPU ones under the adapter)."""
+
+    def __init__(self, *args, **kwargs):
+        current = torch.cuda.current_device
+        torch.cuda.current_device = _ordinal_zero
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current
+
+    return __init__
+
+
+def _ordinal_zero():
+    return 0
+
+
+class CpuDeviceMesh:
+    """S2: stands for ``torch.distributed.DeviceMesh`` inside ``mcore_fsdp_adapter``; a mesh asked
+    for on ``"cuda"`` is built on the CPU (DTensors of a CUDA mesh move their shards to CUDA)."""
+
+    @staticmethod
+    def from_group(*args, **kwargs):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if kwargs.get("device_type") == "cuda":
+            kwargs["device_type"] = "cpu"
+        return DeviceMesh.from_group(*args, **kwargs)
+
+
+def declare_fsdp(registry: PatchRegistry) -> None:
+    """Add the Megatron-FSDP patches to ``registry`` (the adapter's); they apply on the releases
+    of :data:`FSDP_SUPPORTED` only."""
+    registry.add(Patch(
+        "cpu-fsdp-device-string", f"{_MEGATRON_FSDP}.__init__", _ordinal_device_while_building,
+        FSDP_SUPPORTED, ("self", "module", "dist_index", "ddp_config"),
+        "Megatron-FSDP on CPU: current_device() is the ordinal 0 while MegatronFSDP is built"))
+    registry.add(Patch.replacing(
+        "cpu-fsdp-device-mesh", f"{_ADAPTER}:DeviceMesh", CpuDeviceMesh, FSDP_SUPPORTED,
+        "Megatron-FSDP on CPU: its device meshes are CPU meshes"))
