@@ -364,8 +364,8 @@ def test_elastic_resume_right_after_a_delayed_merge_keeps_local_progress(tmp_pat
     assert stepped > 100 * kept  # (nearly) every element kept some local progress
 
 
-# A delayed outer step in flight at the save: H = 8, tau = 1, F = 2 (fragment 0 is launched after
-# step 3 and applied after step 4); saved after step 3.
+# A delayed outer step in flight at the save: H = 8, tau = 1, F = 2 (fragment 1, due after step 4,
+# is launched after step 3); saved after step 3.
 IN_FLIGHT = dict(local_sgd_sync_interval=8, local_sgd_warmup_steps=0, outer_step_delay=1, fragments=2,
                  sync_mode="layerwise")
 
@@ -398,7 +398,7 @@ def test_a_resume_mid_flight_with_another_merge_delay_or_fragments_is_refused(tm
                    "--local-sgd-outer-merge-alpha 0.5",
         "alpha": "--local-sgd-outer-merge-alpha 0.5; this run has lerp, --local-sgd-outer-merge-alpha 0.0",
         "delay": "launched with --local-sgd-outer-step-delay 1; this run has 2",
-        "fragments": "for fragment 0 of --local-sgd-fragments 2; this run has 4",
+        "fragments": "for fragment 1 of --local-sgd-fragments 2; this run has 4",
     }
     for r in results:
         assert r["same"] is None, r["same"]
