@@ -95,6 +95,7 @@ class LocalSGD(ControllerState):
         per local step; with A-EDiT equal on every worker at each sync (worker-steps / workers)."""
         self._in_step = False
         self._synced_in_step = False
+        self._length_said = False  # warned (once) when the run's length is unknown
         self._identical_after: dict = {}
         """Fragment (0 without fragments) -> the step count after which a sync last made its
         shards identical on every worker (:attr:`identical_fragments`)."""
@@ -272,6 +273,12 @@ class LocalSGD(ControllerState):
         warm = self.steps_done >= self.config.local_sgd_warmup_steps
         if not self.outer_state.captured and warm:
             self.capture_anchor()
+        if warm and not self._length_said:
+            self._length_said = True
+            if self.last_step is None and not self.config.use_async and dist.get_rank() == 0:
+                logger.warning("megatron_edit: the run's length is unknown (call megatron_edit.set_train_iters("
+                               "optimizer, n) before training): it may end between syncs, each worker with "
+                               "its own model.")
         if self.config.use_async and not self.async_plan.clock_started and warm:
             # Without warmup the first interval's clock starts inside step 1 (its forward and
             # backward are not timed): only the first plan is slightly optimistic.

@@ -39,8 +39,11 @@ class ControllerState:
             return []
         return sorted(f for f, step in self._identical_after.items() if step == self.steps_done)
 
-    def mark_identical(self, fragments) -> None:
-        """Fragments made identical on every worker at the present step (a load, the anchor)."""
+    def mark_identical(self, fragments, only: bool = False) -> None:
+        """Fragments made identical on every worker at the present step (the anchor, a load);
+        ``only``: and no other (a load says which are)."""
+        if only:
+            self._identical_after.clear()
         for f in fragments:
             self._identical_after[int(f)] = self.steps_done
 

@@ -1,11 +1,15 @@
 """Synchronous EDiT's last sync where Megatron-LM's run ends (megatron_edit.training.run_length):
 ``--train-samples`` (Megatron computes the iterations while it builds the scheduler, after the
 optimizer) and ``--iterations-to-skip`` (a skipped iteration takes no optimizer step). The
-decisions, without the checkout."""
+decisions without the checkout; end to end through Megatron-LM's pretrain_gpt.py with it
+(MEGATRON_LM_DIR, see tests/training/test_megatron_lm.py; skipped with that message otherwise)."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from megatron_edit.training import run_length as rl
+from test_megatron_lm import CHECKOUT, EDIT, HAVE_CHECKOUT, HOW_TO_RUN, TINY, _synced_steps, _torchrun
 
 
 class _Controller:
@@ -64,3 +68,21 @@ def test_a_edit_is_left_to_its_global_budget(monkeypatch):
     _wrapped([controller], monkeypatch, args, lambda: None)()
     assert controller.last_step is None and controller.budget_steps is None
 
+
+
+# ================================================================ end to end (needs the checkout)
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not HAVE_CHECKOUT, reason=HOW_TO_RUN)
+def test_e2e_train_samples_and_skipped_iterations_end_with_a_sync(tmp_path):
+    """pretrain_gpt.py through the launcher, 2 workers x 2 ranks, W = 4, H = 4: --train-samples
+    112 at 8 a batch (Megatron computes 14 iterations while it builds the scheduler, after the
+    optimizer) with --iterations-to-skip 9 (one iteration without an optimizer step): 13 optimizer
+    steps, so syncs after steps 8 and 12 and the run's last sync after step 13, off the grid
+    (before: none there, the workers ended with different models)."""
+    tiny = list(TINY)
+    at = tiny.index("--lr-warmup-iters")
+    tiny[at:at + 2] = ["--lr-warmup-samples", "16"]
+    log = _torchrun(CHECKOUT / "pretrain_gpt.py",
+                    tiny + EDIT + ["--train-samples", "112", "--iterations-to-skip", "9"], tmp_path)
+    assert _synced_steps(log) == [8, 12, 13], log[-4000:]

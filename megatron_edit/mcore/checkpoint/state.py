@@ -262,11 +262,14 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
         controller.restart_async_schedule()
     if record.get("in_flight") is not None:
         _restore_in_flight(controller, plan, part, record["in_flight"])
-    saved_identical = identical_fragments(record)
-    if elastic:  # every worker now holds one model
-        controller.mark_identical(range(controller.config.fragments))
-    elif saved_identical and int(record["config"].get("fragments", 1)) == controller.config.fragments:
-        controller.mark_identical(saved_identical)  # a save right after the load says so again
+    # What a save right after this load records as identical: everything after an elastic load
+    # (one model on every worker), else what the checkpoint said.
+    saved_identical = identical_fragments(record) or []
+    if elastic:
+        controller.mark_identical(range(controller.config.fragments), only=True)
+    else:
+        same_fragments = int(record["config"].get("fragments", 1)) == controller.config.fragments
+        controller.mark_identical(saved_identical if same_fragments else [], only=True)
     if not elastic:
         note = "each worker its own state"
     elif not record["anchor_taken"]:
