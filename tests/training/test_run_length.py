@@ -76,13 +76,13 @@ def test_a_edit_is_left_to_its_global_budget(monkeypatch):
 @pytest.mark.skipif(not HAVE_CHECKOUT, reason=HOW_TO_RUN)
 def test_e2e_train_samples_and_skipped_iterations_end_with_a_sync(tmp_path):
     """pretrain_gpt.py through the launcher, 2 workers x 2 ranks, W = 4, H = 4: --train-samples
-    112 at 8 a batch (Megatron computes 14 iterations while it builds the scheduler, after the
-    optimizer) with --iterations-to-skip 9 (one iteration without an optimizer step): 13 optimizer
-    steps, so syncs after steps 8 and 12 and the run's last sync after step 13, off the grid
+    120 at 8 a batch (Megatron computes 15 iterations while it builds the scheduler, after the
+    optimizer) with --iterations-to-skip 9 (one iteration without an optimizer step): 14 optimizer
+    steps, so syncs after steps 8 and 12 and the run's last sync after step 14, off the grid
     (before: none there, the workers ended with different models)."""
     tiny = list(TINY)
     at = tiny.index("--lr-warmup-iters")
     tiny[at:at + 2] = ["--lr-warmup-samples", "16"]
     log = _torchrun(CHECKOUT / "pretrain_gpt.py",
-                    tiny + EDIT + ["--train-samples", "112", "--iterations-to-skip", "9"], tmp_path)
-    assert _synced_steps(log) == [8, 12, 13], log[-4000:]
+                    tiny + EDIT + ["--train-samples", "120", "--iterations-to-skip", "9"], tmp_path)
+    assert _synced_steps(log) == [8, 12, 14], log[-4000:]
