@@ -331,7 +331,8 @@ def test_elastic_resume_right_after_a_fragments_sync_keeps_the_other_fragments_p
     1's sync (fragment 0 has trained locally since the anchor), resumed by 4 workers x 1. Fragment
     1's parameters restart from the saved anchor (what both saved workers held); fragment 0's take
     the load-time outer step over the saved workers. (Before: "saved at a sync" restarted every
-    parameter from the anchor, fragment 0 back at the initial model.)"""
+    parameter from the anchor, fragment 0 back at the initial model.) Resumed with another F,
+    which would put other buckets in fragment 1, it is refused."""
     local = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, fragments=2, sync_mode="layerwise")
     path = str(tmp_path / "ckpt")
     saver = run_ranks(train_job, WORLD, local_sgd=local, steps=2, saves={2: [(path, DP_RESHARDABLE)]},
@@ -341,6 +342,12 @@ def test_elastic_resume_right_after_a_fragments_sync_keeps_the_other_fragments_p
                         bucket_size=1000, with_canonical=True, timeout=360)
     kept, stepped = _check_partial_restart(saver, resumed, 2, 4)
     assert kept > 1000 and stepped > 1000  # both fragments hold parameters
+    # With another F the saved fragment 1 names other buckets: refused, naming the flag.
+    other = dict(instances=4, bucket_size=1000, local_sgd=dict(local, fragments=4))
+    (refused,) = set(r["F4"] for r in run_ranks(load_errors_job, WORLD, [("F4", path, DP_RESHARDABLE, other)],
+                                                timeout=360))
+    assert refused.startswith("CheckpointStateError") and "right after fragment 1's sync with " \
+        "--local-sgd-fragments 2, this run has 4" in refused, refused
 
 
 @pytest.mark.timeout(600)
