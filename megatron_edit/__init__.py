@@ -29,6 +29,7 @@ _PUBLIC = {
     "megatron_core_version": "api",
     "patch_megatron_for_local_sgd": "api",
     "patch_megatron_load_fixes": "api",
+    "set_train_iters": "api",
     "unpatch_megatron_for_local_sgd": "api",
     "unpatch_megatron_load_fixes": "api",
     "configs_from_args": "arguments",
@@ -81,6 +82,7 @@ __all__ = [
     "megatron_core_version",
     "patch_megatron_for_local_sgd",
     "patch_megatron_load_fixes",
+    "set_train_iters",
     "unpatch_megatron_for_local_sgd",
     "unpatch_megatron_load_fixes",
 ]

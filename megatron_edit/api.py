@@ -234,6 +234,25 @@ def get_local_sgd(optimizer) -> List[LocalSGD]:
     return _get(optimizer, SESSION.runtime)
 
 
+def set_train_iters(optimizer, train_iters: int) -> None:
+    """Say how long the run of ``optimizer`` is (megatron-core alone; Megatron-LM does it from
+    ``--train-iters`` / ``--train-samples``): ``train_iters`` optimizer steps in all, counted from
+    the start of training, also after a resume. Synchronous EDiT then ends with a sync of every
+    shard after that step, so every worker ends with the same model and no delayed exchange is
+    left in flight; A-EDiT's budget is ``train_iters`` x workers worker-steps. Call it after
+    building the optimizer, before training (again after loading a checkpoint is fine). Applies
+    to every distributed optimizer inside (MoE: the dense and the expert one) through
+    :meth:`LocalSGD.set_train_iters`; ValueError for a value that is not a step count >= 1 or
+    is below the steps already taken; RuntimeError for an optimizer without EDiT."""
+    controllers = get_local_sgd(optimizer)
+    if not controllers:
+        raise RuntimeError(
+            "megatron_edit.set_train_iters: this optimizer has no EDiT state; call "
+            "patch_megatron_for_local_sgd(...) before building the DDP model and the optimizer.")
+    for controller in controllers:
+        controller.set_train_iters(train_iters)
+
+
 def _log_rank0(message: str) -> None:
     import torch.distributed as dist
 

@@ -86,7 +86,7 @@ def main():
     me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local), me.OuterOptimizerConfig("sgd", {"lr": 0.8, "momentum": 0.0}))
     ddp, optimizer = build(args.workers)
     (edit,) = me.get_local_sgd(optimizer)
-    edit.last_step = args.steps
+    me.set_train_iters(optimizer, args.steps)
     first = 1
     if args.load:
         with open(os.path.join(args.dir, "latest")) as f:

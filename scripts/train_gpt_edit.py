@@ -575,16 +575,12 @@ def train(args, use_local_sgd, datasets):
     ddp, optimizer, scheduler = build(args, use_local_sgd)
     controllers = megatron_edit.get_local_sgd(optimizer)
     use_async = bool(controllers) and controllers[0].config.use_async
-    for c in controllers:
-        if use_async:
-            # A-EDiT's budget: what the synchronous run of --steps takes (steps x workers
-            # worker-steps). The run ends at a final sync planned from the workers' speeds; each
-            # worker stops there at its own step count (identical models, nobody left waiting).
-            c.budget_steps = args.steps * args.workers
-        else:
-            # The run's last step: a sync there even off the warmup + k H grid, so the workers
-            # end with one model (as Megatron-LM's --train-iters sets it).
-            c.last_step = args.steps
+    if controllers:
+        # The run's length (as Megatron-LM's --train-iters says it). EDiT: a sync at its last
+        # step even off the warmup + k H grid, so the workers end with one model. A-EDiT: the
+        # budget of the synchronous run of --steps (steps x workers worker-steps), ended at a
+        # final sync planned from the workers' speeds, each worker at its own step count.
+        megatron_edit.set_train_iters(optimizer, args.steps)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     intra = worker_group()
     worker, lead = dp_rank // intra.size(), intra.rank() == 0

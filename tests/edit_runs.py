@@ -209,7 +209,7 @@ def _train(rank, spec, tp, pp):
                ep_rank=ps.get_expert_model_parallel_rank())
     controllers = me.get_local_sgd(optimizer)
     if controllers and spec.get("last_step"):
-        controllers[0].last_step = spec["last_step"]  # as Megatron-LM's --train-iters sets it
+        me.set_train_iters(optimizer, spec["last_step"])  # as Megatron-LM's --train-iters says it
     for step in range(1, spec["steps"] + 1):
         if traffic:
             traffic.phase = f"step {step}"
@@ -252,6 +252,7 @@ def _train(rank, spec, tp, pp):
             out["snapshots"][step] = full_params(ddp)
     if controllers:
         out["pending_at_end"] = controllers[0].sync_in_progress
+        out["in_flight_at_end"] = any(c.delayed is not None and c.delayed.in_flight for c in controllers)
     if not spec.get("no_final_gather"):
         ddp.start_param_sync(force_sync=True)
     if pp == 1 and not spec.get("fsdp"):  # loss of this rank's model on a fixed held-out batch

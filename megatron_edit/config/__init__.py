@@ -189,8 +189,9 @@ class LocalSGDConfig:
     merged with the new anchor (``outer_merge_alpha``). The sync steps stay on the grid of
     ``tau = 0`` (torchft's schedule: the launch moves, not the apply), so the run's last step is
     still a sync (which completes at once); a checkpoint while an exchange is in flight saves
-    its result, and the resumed run applies it at the same step (the same number of workers
-    only). 0: today's blocking sync, bit for bit. Needs
+    its result, and the resumed run applies it at the same step (the same number of workers,
+    delay, merge rule and alpha and fragments only; another is refused). 0: today's blocking
+    sync, bit for bit. Needs
     ``tau < local_sgd_sync_interval`` (one exchange in flight at a time); not with A-EDiT yet."""
 
     outer_merge_alpha: Optional[float] = flag(

@@ -81,10 +81,11 @@ class LocalSGD(ControllerState):
         self.outer_config = outer_optim_config
         self.gta_config = gta_config or GTAConfig()
         self.schedule_group = schedule_group
-        # The run's last optimizer step when known (Megatron-LM: --train-iters; EDiT only): the
-        # run ends with a sync there even off the warmup + k H grid (the workers end with one
-        # model); a layer-wise sync due there has no next forward pass to complete in, so it
-        # completes at once and the parameters are gathered inside the worker.
+        # The run's last optimizer step when known (set_train_iters; Megatron-LM: --train-iters
+        # or --train-samples, less --iterations-to-skip; EDiT only): the run ends with a sync
+        # there even off the warmup + k H grid (the workers end with one model); a layer-wise
+        # sync due there has no next forward pass to complete in, so it completes at once and
+        # the parameters are gathered inside the worker.
         self.last_step: Optional[int] = None
         self.steps_done = 0
         self.reports: List[SyncReport] = []
@@ -95,6 +96,10 @@ class LocalSGD(ControllerState):
         per local step; with A-EDiT equal on every worker at each sync (worker-steps / workers)."""
         self._in_step = False
         self._synced_in_step = False
+        self._length_said = False  # warned (once) when the run's length is unknown
+        self._identical_after: dict = {}
+        """Fragment (0 without fragments) -> the step count after which a sync last made its
+        shards identical on every worker (:attr:`identical_fragments`)."""
 
         self.fsdp = fsdp_model_of(optimizer)
         """The Megatron-FSDP model this optimizer steps (:mod:`.fsdp`), or None (DDP)."""
@@ -186,6 +191,28 @@ class LocalSGD(ControllerState):
     def budget_steps(self, steps: Optional[int]) -> None:
         self.async_plan.budget_steps = steps
 
+    def set_train_iters(self, train_iters: int) -> None:
+        """Say how long the run is: ``train_iters`` optimizer steps in all, counted from the
+        start of training (a resumed run: the same total, not the steps left). EDiT ends the run
+        with a sync of every shard after that step, on or off the warmup + k H grid, so every
+        worker ends with the same model and no delayed exchange is left in flight; A-EDiT's
+        budget becomes ``train_iters`` x workers worker-steps (:attr:`budget_steps`).
+        Megatron-LM sets it from ``--train-iters`` / ``--train-samples``; with megatron-core
+        alone call it (or :func:`megatron_edit.set_train_iters`) before training. Without it the
+        run may end between syncs, each worker with its own model."""
+        if isinstance(train_iters, bool) or not isinstance(train_iters, int) or train_iters < 1:
+            raise ValueError(f"megatron_edit: set_train_iters needs a number of optimizer steps >= 1 "
+                             f"(got {train_iters!r}).")
+        if self.config.use_async:
+            self.budget_steps = train_iters * self.num_workers
+            return
+        if train_iters < self.steps_done:
+            raise ValueError(
+                f"megatron_edit: set_train_iters({train_iters}): this run has taken {self.steps_done} "
+                "optimizer steps already; give the whole run's length (a resumed run counts the steps "
+                "before the checkpoint too).")
+        self.last_step = train_iters
+
     @property
     def finished(self) -> bool:
         """A-EDiT: the run has used its budget and ended with its final sync."""
@@ -210,6 +237,7 @@ class LocalSGD(ControllerState):
         """Anchor := the current main params (at the end of warmup); outer state starts empty."""
         self.outer_state.capture(self.shards)
         self.restart_async_schedule()
+        self.mark_identical(range(self.config.fragments))  # warmup kept every worker equal
 
     def restart_async_schedule(self) -> None:
         """A-EDiT: plan the next sync as after warmup (first interval from ``steps_done``)."""
@@ -262,6 +290,12 @@ class LocalSGD(ControllerState):
         warm = self.steps_done >= self.config.local_sgd_warmup_steps
         if not self.outer_state.captured and warm:
             self.capture_anchor()
+        if warm and not self._length_said:
+            self._length_said = True
+            if self.last_step is None and not self.config.use_async and dist.get_rank() == 0:
+                logger.warning("megatron_edit: the run's length is unknown (call megatron_edit.set_train_iters("
+                               "optimizer, n) before training): it may end between syncs, each worker with "
+                               "its own model.")
         if self.config.use_async and not self.async_plan.clock_started and warm:
             # Without warmup the first interval's clock starts inside step 1 (its forward and
             # backward are not timed): only the first plan is slightly optimistic.
@@ -368,6 +402,13 @@ class LocalSGD(ControllerState):
     def _on_sync_done(self, report: SyncReport) -> None:
         if not report.skipped_sync and report.committed:  # keep counting from the last applied one
             self._last_sync_step = report.step
+            c = self.config
+            # A delayed merge that keeps local progress (lerp alpha > 0, keep_local) leaves the
+            # workers different by design; a blocking sync or an alpha-0 merge makes them equal.
+            if not report.delay or (c.outer_merge_rule == "lerp" and c.merge_alpha == 0.0):
+                synced = range(c.fragments) if report.fragment is None else (report.fragment,)
+                for f in synced:
+                    self._identical_after[f] = report.step
         self.reports.append(report)
         if self.config.is_debug:
             logger.info("rank %d: %s", dist.get_rank(), report)

@@ -30,6 +30,37 @@ class ControllerState:
         """This worker's step count at its latest exchange (the warmup's end before the first)."""
         return self._last_sync_step
 
+    @property
+    def identical_fragments(self) -> list:
+        """The fragments (``LocalSGDConfig.fragments``; 0 alone without) whose shards are
+        identical on every worker now: a sync just made them so (after this step, not a delayed
+        merge that keeps local progress), or the anchor was just taken. An elastic resume
+        restarts those from the anchor and takes the load-time outer step for the others."""
+        if self._in_step:
+            return []
+        return sorted(f for f, step in self._identical_after.items() if step == self.steps_done)
+
+    def mark_identical(self, fragments, only: bool = False) -> None:
+        """Fragments made identical on every worker at the present step (the anchor, a load);
+        ``only``: and no other (a load says which are)."""
+        if only:
+            self._identical_after.clear()
+        for f in fragments:
+            self._identical_after[int(f)] = self.steps_done
+
+    def fragment_slots(self, fragments) -> list:
+        """Indices into :attr:`shards` of the shards of ``fragments``."""
+        held = {id(s) for f in fragments for s in self.sync_shards.fragments[f]}
+        return [i for i, s in enumerate(self.shards) if id(s) in held]
+
+    @property
+    def fragment_sizes(self) -> list:
+        """Per fragment, the unpadded sizes of its buckets in order (this rank's pipeline stage and
+        tensor-parallel slice): which parameters each fragment holds, whatever the number of ranks
+        per worker (a checkpoint compares it before restarting fragments from their anchor)."""
+        return [[int(getattr(s.bucket, "numel_unpadded", s.numel)) for s in fragment]
+                for fragment in self.sync_shards.fragments]
+
     def state_dict(self) -> dict:
         """Everything of this controller a checkpoint carries, picklable: the counters
         (:data:`COUNTERS`) and :meth:`extra_state`. The anchor and the outer optimizer's state

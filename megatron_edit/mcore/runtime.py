@@ -153,10 +153,7 @@ class LocalSGDRuntime:
                     controller.async_plan = FollowerPlan(other.async_plan)
                     break
         if self.train_iters is not None:
-            if controller.config.use_async:
-                controller.budget_steps = self.train_iters * controller.num_workers
-            else:
-                controller.last_step = self.train_iters
+            controller.set_train_iters(self.train_iters)
         self.controllers[optimizer] = controller
         # A collective on megatron-core 0.12.x (builds the group): every rank builds optimizers.
         worker = compat.instance_group(controller.sync_group.group)

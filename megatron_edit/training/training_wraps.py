@@ -59,6 +59,7 @@ from ..mcore.session import SESSION, current_runtime
 from .flags import with_local_sgd_args
 from .global_budget import GlobalBudget
 from .metrics import SyncMetrics, training_log_fields
+from .run_length import RunLength
 from .validation import validate_local_sgd_args
 from .worker_local import add_worker_local_patches
 
@@ -249,7 +250,21 @@ def add_training_patches(
                 "EDiT sync metrics on training_log's console line")
     added += add_worker_local_patches(registry, runtime_ref)
     added += add_global_budget_patches(registry, runtime_ref)
+    added += add_run_length_patches(registry, runtime_ref)
     return added
+
+
+def add_run_length_patches(
+    registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
+) -> List[str]:
+    """Declare the :class:`RunLength` patch (synchronous EDiT's last sync where Megatron-LM's run
+    ends: --train-samples, --iterations-to-skip); returns its id. Applied on both routes."""
+    patch = compat_patch("edit-last-step", f"{_TRAINING}:setup_model_and_optimizer",
+                         RunLength(runtime_ref).wrap_setup_model_and_optimizer,
+                         "EDiT: the run's last sync at Megatron's last optimizer step (--train-iters "
+                         "or --train-samples, less --iterations-to-skip)")
+    registry.add(patch)
+    return [patch.id]
 
 
 def add_global_budget_patches(

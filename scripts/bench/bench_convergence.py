@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 import bench_common as bc
+import megatron_edit as me
 
 # The benchmark's model and run, where the main job's flags (bench_common) default otherwise.
 BENCH_DEFAULTS = dict(layers=4, hidden=192, heads=4, seq_length=128, micro_batch_size=4, lr=3e-3,
@@ -228,10 +229,8 @@ def train(args, spec: str, seed: int, datasets) -> dict:
     tokens_per_worker_step = lay["worker_size"] * run_args.micro_batch_size * run_args.seq_length
     shard_numel = sum(b.grad_data.numel() // lay["worker_size"] for buf in ddp.buffers for b in buf.buckets)
     warmup = run_args.local_sgd_warmup_steps if c else 0
-    if c is not None and s["kind"] != "aedit":
-        c.last_step = steps  # the run ends with a (blocking) sync: one model on every worker
-    if c is not None and s["kind"] == "aedit":
-        c.budget_steps = steps * workers
+    if c is not None:  # EDiT ends with a (blocking) sync, one model on every worker; A-EDiT's
+        me.set_train_iters(optimizer, steps)  # budget: steps x workers worker-steps
         now = [0.0]
         cost = 1.0 if lay["worker"] == 0 else s.get("slow", 2.0)
         c.clock = lambda: now[0]

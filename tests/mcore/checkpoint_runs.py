@@ -210,8 +210,8 @@ def canonical(ddp, opt, ctl) -> dict:
     kinds = ["main", "exp_avg", "exp_avg_sq"]
     if outer is not None:
         kinds.append("anchor")
-        if "momentum_buffer" in outer.state.get(ctl.shards[0].anchor, {}):
-            kinds.append("momentum_buffer")
+        if any("momentum_buffer" in outer.state.get(s.anchor, {}) for s in ctl.shards):
+            kinds.append("momentum_buffer")  # zero for a fragment not synchronised yet
     result = []
     if ctl is not None and ctl.shards[0].residual is not None:
         kinds += ["residual", "result_residual"]
@@ -228,7 +228,8 @@ def canonical(ddp, opt, ctl) -> dict:
         if kind == "anchor":
             return ctl.shards[slot].anchor[lo:hi]
         if kind == "momentum_buffer":
-            return outer.state[ctl.shards[slot].anchor]["momentum_buffer"][lo:hi]
+            buffer = outer.state.get(ctl.shards[slot].anchor, {}).get("momentum_buffer")
+            return torch.zeros(hi - lo) if buffer is None else buffer[lo:hi]
         if kind == "residual":
             return ctl.shards[slot].residual[lo:hi]
         if kind == "result_residual":
@@ -293,7 +294,8 @@ def _garble_object(path, prefix):
 
 def load_errors_job(rank, world, cases, instances=2, plain_save=None):
     """Try each load in ``cases`` ([(name, path[, metadata[, options]])], options: ``tp``,
-    ``instances``, ``bucket_size`` of the loading run) in turn; returns {name: error message}.
+    ``instances``, ``bucket_size``, ``local_sgd`` of the loading run) in turn; returns {name:
+    error message}.
     The errors must be raised on every rank (or the other ranks would hang in the collectives)."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps
@@ -306,11 +308,13 @@ def load_errors_job(rank, world, cases, instances=2, plain_save=None):
     out = {}
     for name, path, *rest in cases:
         metadata = rest[0] if rest else DP_RESHARDABLE
-        options = dict(dict(tp=1, instances=instances, bucket_size=3000), **(rest[1] if len(rest) > 1 else {}))
+        options = dict(dict(tp=1, instances=instances, bucket_size=3000, local_sgd=EDIT),
+                       **(rest[1] if len(rest) > 1 else {}))
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=options["tp"],
                                      num_distributed_optimizer_instances=options["instances"])
-        ddp, opt, _ = _setup(EDIT, options["instances"], bucket_size=options["bucket_size"], tp=options["tp"])
+        ddp, opt, _ = _setup(options["local_sgd"], options["instances"], bucket_size=options["bucket_size"],
+                             tp=options["tp"])
         try:
             _load(ddp, opt, path, metadata)
             out[name] = None

@@ -327,3 +327,146 @@ def test_elastic_a_edit_resume_keeps_global_progress_and_reaches_the_budget_exac
         assert sum(r["worker_steps"]) == 30 * resumed_workers  # the budget, exactly
     ends = {r["worker"]: r["steps_done"] for r in resumed}
     assert sum(ends.values()) == 30 * resumed_workers and len(ends) == resumed_workers
+
+
+def _check_partial_restart(saver, resumed, step, workers):
+    """After an elastic load of a checkpoint saved after ``step``: the parameter elements where
+    every saved worker held the anchor (a sync just restarted them there) are the anchor, the
+    others the one outer step over the saved workers (Nesterov, the saved momentum; zero before
+    a fragment's first sync); every new worker holds the same model. Returns the numbers of
+    elements (kept, stepped). Elementwise: a stacked key holds layers of both fragments."""
+    params = _worker_tensors(saver, "params", step)
+    anchor = _worker_tensors(saver, "anchor", step)[0]
+    expected, _ = _expected_outer_step(saver, step)
+    loaded = _worker_tensors(resumed, "params", loaded=True)
+    assert sorted(loaded) == list(range(workers))
+    kept = stepped = 0
+    for key in anchor:
+        same = (params[0][key] == anchor[key]) & (params[1][key] == anchor[key])
+        for w in range(workers):
+            got = loaded[w][key]
+            assert torch.equal(got[same], anchor[key][same]), (w, key, "synced: the anchor")
+            torch.testing.assert_close(got[~same], expected[key][~same], atol=ATOL, rtol=0,
+                                       msg=f"worker {w} {key}: one outer step over the saved workers")
+            assert not torch.equal(got[~same], anchor[key][~same]) or not (~same).any(), (w, key, "progress lost")
+            assert torch.equal(got, loaded[0][key]), (w, key, "workers identical")
+        kept, stepped = kept + int(same.sum()), stepped + int((~same).sum())
+    return kept, stepped
+
+
+@pytest.mark.timeout(600)
+def test_elastic_resume_right_after_a_fragments_sync_keeps_the_other_fragments_progress(tmp_path):
+    """H = 4, F = 2, no warmup: saved by 2 workers x 2 shards after step 2, right after fragment
+    1's sync (fragment 0 has trained locally since the anchor), resumed by 4 workers x 1. Fragment
+    1's parameters restart from the saved anchor (what both saved workers held); fragment 0's take
+    the load-time outer step over the saved workers. (Before: "saved at a sync" restarted every
+    parameter from the anchor, fragment 0 back at the initial model.) Resumed with another F,
+    which would put other buckets in fragment 1, it is refused."""
+    local = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, fragments=2, sync_mode="layerwise")
+    path = str(tmp_path / "ckpt")
+    saver = run_ranks(train_job, WORLD, local_sgd=local, steps=2, saves={2: [(path, DP_RESHARDABLE)]},
+                      snapshots=(2,), bucket_size=1000, with_canonical=True, timeout=360)
+    assert [(r.step, r.fragment) for r in saver[0]["reports"]] == [(2, 1)]
+    resumed = run_ranks(train_job, WORLD, local_sgd=local, instances=4, steps=3, load=(path, DP_RESHARDABLE, 2),
+                        bucket_size=1000, with_canonical=True, timeout=360)
+    kept, stepped = _check_partial_restart(saver, resumed, 2, 4)
+    assert kept > 1000 and stepped > 1000  # both fragments hold parameters
+    # With another F the saved fragment 1 names other buckets: refused, naming the flag.
+    other = dict(instances=4, bucket_size=1000, local_sgd=dict(local, fragments=4))
+    (refused,) = set(r["F4"] for r in run_ranks(load_errors_job, WORLD, [("F4", path, DP_RESHARDABLE, other)],
+                                                timeout=360))
+    assert refused.startswith("CheckpointStateError") and "right after fragment 1's sync with " \
+        "--local-sgd-fragments 2, this run has 4" in refused, refused
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("merge", ["lerp", "keep_local"])
+def test_elastic_resume_right_after_a_delayed_merge_keeps_local_progress(tmp_path, merge):
+    """tau = 2, H = 4: the exchange launched after step 2 is applied after step 4 by a merge that
+    keeps local progress (lerp with the default alpha 0.5, or keep_local), so the workers differ
+    right after it by design. Saved there by 2 workers x 2 shards and resumed by 4 workers x 1:
+    the load takes the outer step over the saved workers (before: every worker reset to the
+    anchor, their local progress lost)."""
+    local = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, outer_step_delay=2, sync_mode="layerwise")
+    if merge == "keep_local":
+        local.update(outer_merge_rule="keep_local")
+    path = str(tmp_path / "ckpt")
+    saver = run_ranks(train_job, WORLD, local_sgd=local, steps=4, saves={4: [(path, DP_RESHARDABLE)]},
+                      snapshots=(4,), with_canonical=True, timeout=360)
+    assert [(r.step, r.delay) for r in saver[0]["reports"]] == [(4, 2)]
+    resumed = run_ranks(train_job, WORLD, local_sgd=local, instances=4, steps=5, load=(path, DP_RESHARDABLE, 4),
+                        with_canonical=True, timeout=360)
+    kept, stepped = _check_partial_restart(saver, resumed, 4, 4)
+    assert stepped > 100 * kept  # (nearly) every element kept some local progress
+
+
+# A delayed outer step in flight at the save: H = 8, tau = 1, F = 2 (fragment 1, due after step 4,
+# is launched after step 3); saved after step 3.
+IN_FLIGHT = dict(local_sgd_sync_interval=8, local_sgd_warmup_steps=0, outer_step_delay=1, fragments=2,
+                 sync_mode="layerwise")
+
+
+@pytest.mark.timeout(600)
+def test_a_resume_mid_flight_with_another_merge_delay_or_fragments_is_refused(tmp_path):
+    """A delayed exchange in flight at the save is applied by the rule it was launched with: a
+    resume that switches lerp <-> keep_local (before: lerp saved and keep_local resumed applied
+    alpha 0, the reverse applied keep_local), changes alpha, the delay, or the fragment count
+    (the saved fragment index names other buckets) is refused in one line naming the flag."""
+    paths = {merge: str(tmp_path / merge) for merge in ("lerp", "keep_local")}
+    for merge, path in paths.items():
+        local = dict(IN_FLIGHT, outer_merge_rule=merge)
+        run_ranks(train_job, WORLD, local_sgd=local, steps=3, saves={3: [(path, DP_RESHARDABLE)]},
+                  bucket_size=1000, timeout=360)
+    options = lambda **local: dict(bucket_size=1000, local_sgd=dict(IN_FLIGHT, **local))  # noqa: E731
+    cases = [
+        ("to keep_local", paths["lerp"], DP_RESHARDABLE, options(outer_merge_rule="keep_local")),
+        ("to lerp", paths["keep_local"], DP_RESHARDABLE, options()),
+        ("alpha", paths["lerp"], DP_RESHARDABLE, options(outer_merge_alpha=0.0)),
+        ("delay", paths["lerp"], DP_RESHARDABLE, options(outer_step_delay=2)),
+        ("fragments", paths["lerp"], DP_RESHARDABLE, options(fragments=4)),
+        ("same", paths["keep_local"], DP_RESHARDABLE, options(outer_merge_rule="keep_local")),
+    ]
+    results = run_ranks(load_errors_job, WORLD, cases, timeout=360)
+    expected = {
+        "to keep_local": "to be merged by --local-sgd-outer-merge-rule lerp, --local-sgd-outer-merge-alpha 0.5; "
+                         "this run has keep_local",
+        "to lerp": "to be merged by --local-sgd-outer-merge-rule keep_local; this run has lerp, "
+                   "--local-sgd-outer-merge-alpha 0.5",
+        "alpha": "--local-sgd-outer-merge-alpha 0.5; this run has lerp, --local-sgd-outer-merge-alpha 0.0",
+        "delay": "launched with --local-sgd-outer-step-delay 1; this run has 2",
+        "fragments": "for fragment 1 of --local-sgd-fragments 2; this run has 4",
+    }
+    for r in results:
+        assert r["same"] is None, r["same"]
+        for name, text in expected.items():
+            assert r[name] and r[name].startswith("CheckpointStateError") and text in r[name], (name, r[name])
+            assert "\n" not in r[name]
+
+
+@pytest.mark.timeout(600)
+def test_error_feedback_residuals_keep_their_units_when_the_averaging_changes(tmp_path):
+    """int4 exchange with error feedback, 2 workers saved between syncs with the plain mean and
+    resumed by the same 2 workers with the penalty's weighted sum: each worker's residual added
+    r / 2 to the next (mean) result, and a weighted sum adds what is carried, so it carries r / 2
+    (before: r, twice what the saved run would have added)."""
+    quantized = dict(EDIT, exchange_dtype="int4", exchange_block_size=64, exchange_error_feedback=True)
+    path = str(tmp_path / "int4")
+    saver = run_ranks(train_job, WORLD, local_sgd=quantized, steps=7, saves={7: [(path, DP_RESHARDABLE)]},
+                      snapshots=(7,), timeout=300)
+    resumed = run_ranks(train_job, WORLD, local_sgd=dict(quantized, pseudo_gradnorm_reduce=True), steps=7,
+                        load=(path, DP_RESHARDABLE, 7), timeout=300)
+    for a, b in zip(saver, resumed):
+        saved, loaded = a["snapshots"][7]["residuals"], b["loaded"]["residuals"]
+        assert any(r.abs().sum() > 0 for r, _ in saved)
+        for (r, chunk), (r2, chunk2) in zip(saved, loaded):
+            assert torch.equal(r2, r / 2)
+            assert torch.equal(chunk2, chunk)  # the reduced result's: the sum's units either way
+
+
+def test_residual_units_keep_what_a_residual_adds_to_the_next_result():
+    from megatron_edit.mcore.checkpoint.resume import residual_units
+
+    workers, r = 4, 1.0
+    # the mean divides the sum by the workers, a weighted sum does not
+    assert r * residual_units(workers, saved_summed=False) == r / workers  # mean -> weighted
+    assert r * residual_units(workers, saved_summed=True) / workers == r  # weighted -> mean

@@ -61,6 +61,30 @@ def test_delayed_outer_step_matches_the_simulation_in_both_modes():
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.timeout(400)
+def test_a_delayed_run_whose_last_step_is_a_sync_step_ends_with_one_model():
+    """W = 1, H = 3, tau = 2, --train-iters 10: the run's last step is on the grid (10 = W + 3H).
+    The exchange of that sync would be launched after step 8 and applied after step 10; it is
+    not launched, and the sync after step 10 is the blocking one. With merges that keep local
+    progress (lerp alpha 0.5 layer-wise, keep_local step-end; replicas differ after 4 and 7):
+    every worker ends with the same model, nothing in flight or pending, and each run equals
+    the simulation."""
+    specs = [dict(_spec(outer_step_delay=2, sync_mode="layerwise"), steps=10, last_step=10),
+             dict(_spec(outer_step_delay=2, outer_merge_rule="keep_local", sync_mode="step_end"), steps=10,
+                  last_step=10)]
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=360)
+    sims = [run_ranks(simulate_edit, 1, spec, WORLD, timeout=120)[0]["params"] for spec in specs]
+    for r in results:
+        for run, sim in zip(r["runs"], sims):
+            assert [(rep.step, rep.delay) for rep in run["reports"]] == [(4, 2), (7, 2), (10, 0)]
+            assert not run["pending_at_end"] and not run["in_flight_at_end"]
+            assert _worst(run["params"], sim[run["worker"]]) <= SIM_ATOL
+    for run in range(len(specs)):
+        for shard in (0, 1):  # worker 0 is ranks 0-1, worker 1 ranks 2-3
+            a, b = results[shard]["runs"][run]["params"], results[2 + shard]["runs"][run]["params"]
+            assert all(torch.equal(a[k], b[k]) for k in a), (run, shard)
+
+
 DELAYED = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, outer_step_delay=2, sync_mode="layerwise")
 
 

@@ -17,7 +17,7 @@ Two picklable objects per distributed optimizer:
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -109,7 +109,15 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
         anchor_taken=outer is not None,
         config=dict(sync_interval=c.local_sgd_sync_interval, warmup_steps=c.local_sgd_warmup_steps,
                     sync_mode=c.sync_mode, use_async=c.use_async, exchange_dtype=c.exchange_dtype,
-                    fragments=c.fragments),
+                    fragments=c.fragments, outer_step_delay=c.outer_step_delay,
+                    outer_merge_rule=c.outer_merge_rule if c.outer_step_delay else None,
+                    merge_alpha=c.merge_alpha if c.outer_step_delay and c.outer_merge_rule == "lerp" else None),
+        # The fragments whose shards every worker held identical at the save (all in warmup);
+        # an elastic resume restarts those from the anchor, the others take an outer step.
+        identical_fragments=controller.identical_fragments if outer is not None else list(range(c.fragments)),
+        # Which buckets each fragment held (rank 0's slice): an elastic resume checks that its
+        # fragments are the saved ones before it trusts identical_fragments.
+        fragment_sizes=controller.fragment_sizes,
         outer_class=_class_name(controller.outer_config.optimizer_class),
         outer_hyperparameters=(
             [{k: v for k, v in g.items() if k != "params"} for g in outer.param_groups] if outer else None
@@ -167,9 +175,20 @@ def check_run_record(record, where: str) -> dict:
     return record
 
 
-def at_sync_boundary(record: dict) -> bool:
-    """Saved right after a sync (or in warmup): every worker held the same parameters."""
-    return not record["anchor_taken"] or record["steps_done"] == record["last_sync_step"]
+def identical_fragments(record: dict) -> Optional[List[int]]:
+    """The saved fragments (0 alone without fragments) that every saved worker held identical
+    (right after their sync, not a delayed merge that keeps local progress; all in warmup);
+    None when a record written before this was recorded cannot tell."""
+    fragments = int(record.get("config", {}).get("fragments", 1))
+    if not record["anchor_taken"]:
+        return list(range(fragments))
+    if "identical_fragments" in record:
+        return sorted(int(f) for f in record["identical_fragments"])
+    if record["steps_done"] != record["last_sync_step"]:
+        return []
+    # An older record at a sync step: blocking syncs of the whole model only (written before
+    # delayed outer steps) were sure to leave every worker equal.
+    return list(range(fragments)) if fragments == 1 and "in_flight" not in record else None
 
 
 def layout_difference(record: dict, now: dict) -> Optional[str]:

@@ -48,6 +48,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ...config import FLAG_NAMES
 from ..process_state import PROCESS
 from .keys import PREFIX, WORKER_KEY, CheckpointStateError, is_local_sgd_key, retarget
 from .record import (
@@ -56,6 +57,7 @@ from .record import (
     check_run_record,
     format_message,
     expert_sizes,
+    identical_fragments,
     layout_difference,
     outer_state_keys,
     parallel_sizes,
@@ -129,6 +131,9 @@ class ResumePlan:
         self.residual_workers: List[int] = []
         self.slice_loaded = False
         self.difference: Optional[str] = None
+        self.identical: List[int] = []
+        """Elastic resume: this run's fragments every saved worker held identical (restarted
+        from the saved anchor; the others take the load-time outer step)."""
 
     @property
     def part(self) -> dict:
@@ -211,6 +216,10 @@ class ResumePlan:
                         f"optimizer changed ({record.get('outer_class')} saved).")
             part["outer"] = {k: v for k, v in part["outer"].items() if k in record["outer_tensor_state"]}
         self._fit_residuals(record, m, n, workers)
+        if self.mode == "elastic" and record["anchor_taken"]:
+            refused = self._fit_identical(record, (tp, pp))
+            if refused:
+                return refused
         flight = record.get("in_flight")
         if flight is not None:
             if self.mode != "same-workers":
@@ -228,6 +237,9 @@ class ResumePlan:
                 return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
                         f"step was in flight (due after step {flight['apply_at']}); resume with "
                         f"--local-sgd-outer-step-delay {flight['delay']} (this run has no delay).")
+            changed = self._in_flight_settings_changed(record, flight)
+            if changed:
+                return changed
             part["in_flight"] = self.space.load_requests(IN_FLIGHT, m == 0)
             if flight["keep"]:
                 part["in_flight_launch"] = self.space.load_requests(launch_prefix(m), True)
@@ -235,6 +247,64 @@ class ResumePlan:
         if not self.slice_loaded:
             del part["slice"]
         return self._bucket_mismatch(saved)
+
+    def _fit_identical(self, record, parallel) -> Optional[str]:
+        """Elastic resume: which of this run's fragments restart from the saved anchor (every
+        saved worker held them identical) rather than take the load-time outer step; a message
+        when the checkpoint cannot say which parameters those are."""
+        c = self.controller
+        saved_f = int(record["config"].get("fragments", 1))
+        identical = identical_fragments(record)
+        if identical is None:
+            return ("megatron_edit: this checkpoint was written by an earlier megatron_edit at a sync step "
+                    "without recording which fragments its workers held identical (a delayed merge keeps "
+                    f"local progress); resume it with {record['num_workers']} workers, or from a checkpoint "
+                    "written by this version.")
+        if not identical or len(identical) == saved_f:  # none or all: the fragments do not matter
+            self.identical = list(range(c.config.fragments)) if identical else []
+            return None
+        synced = f"saved right after fragment {'/'.join(map(str, identical))}'s sync"
+        if saved_f != c.config.fragments:
+            return (f"megatron_edit: the checkpoint was {synced} with {FLAG_NAMES['fragments']} {saved_f}, "
+                    f"this run has {c.config.fragments}: an elastic resume there needs the saved fragments; "
+                    f"resume with {FLAG_NAMES['fragments']} {saved_f}, or from a checkpoint saved at another step.")
+        same_slice = (record["tensor_parallel"], record["pipeline_parallel"]) == parallel
+        if not same_slice or (self.layout.dp_group_idx == 0 and record.get("fragment_sizes") is not None
+                              and record["fragment_sizes"] != c.fragment_sizes):
+            return (f"megatron_edit: the checkpoint was {synced} with {FLAG_NAMES['fragments']} {saved_f}, "
+                    "and this run's fragments hold other buckets (another TP / PP or --ddp-bucket-size): "
+                    "an elastic resume there needs the saved fragments; keep TP, PP and the bucket size, "
+                    "or resume from a checkpoint saved at another step.")
+        self.identical = identical
+        return None
+
+    def _in_flight_settings_changed(self, record, flight) -> Optional[str]:
+        """A delayed exchange in flight is applied by the rule it was launched with: a resume
+        that changes the delay, the merge or the fragments is refused (naming the flag)."""
+        c = self.controller.config
+        saved = record.get("config", {})
+        saved_rule = saved.get("outer_merge_rule") or ("keep_local" if flight.get("keep") else "lerp")
+        due = f"(due after step {flight['apply_at']})"
+        what = ("megatron_edit: the checkpoint was saved while the exchange of a delayed outer step was in "
+                f"flight {due}")
+        if flight["delay"] != c.outer_step_delay:
+            return (f"{what}, launched with {FLAG_NAMES['outer_step_delay']} {flight['delay']}; this run has "
+                    f"{c.outer_step_delay}. Resume with {FLAG_NAMES['outer_step_delay']} {flight['delay']}, or "
+                    "from a checkpoint saved outside the exchange's window.")
+        if saved_rule != c.outer_merge_rule or (
+                saved_rule == "lerp" and saved.get("merge_alpha") not in (None, c.merge_alpha)):
+            was = saved_rule if saved_rule != "lerp" or saved.get("merge_alpha") is None else \
+                f"lerp, {FLAG_NAMES['outer_merge_alpha']} {saved['merge_alpha']}"
+            now = c.outer_merge_rule if c.outer_merge_rule != "lerp" else \
+                f"lerp, {FLAG_NAMES['outer_merge_alpha']} {c.merge_alpha}"
+            return (f"{what}, to be merged by {FLAG_NAMES['outer_merge_rule']} {was}; this run has {now}. "
+                    f"Resume with the saved merge, or from a checkpoint saved outside the exchange's window.")
+        saved_f = int(saved.get("fragments", 1))
+        if saved_f != c.fragments:
+            return (f"{what}, for fragment {flight['fragment']} of {FLAG_NAMES['fragments']} {saved_f}; this "
+                    f"run has {c.fragments}. Resume with {FLAG_NAMES['fragments']} {saved_f}, or from a "
+                    "checkpoint saved outside the exchange's window.")
+        return None
 
     def _fit_residuals(self, record, m: int, n: int, workers: int) -> None:
         part = self.part
@@ -331,12 +401,16 @@ def decode_mains(optimizer, plan: ResumePlan, loaded: dict) -> List[Dict[int, to
 
 
 @torch.no_grad()
-def load_time_sync(controller, extra_mains: List[Dict[int, torch.Tensor]], saved_workers: int) -> None:
+def load_time_sync(controller, extra_mains: List[Dict[int, torch.Tensor]], saved_workers: int,
+                   skip=()) -> None:
     """The outer step a sync at the save step would have made, over the saved workers: this
     worker contributes its own (loaded) main params when it was a saved worker, plus the
-    ``extra_mains`` it read; the sum over workers divided by ``saved_workers``."""
+    ``extra_mains`` it read; the sum over workers divided by ``saved_workers``. ``skip``: slots
+    of shards every saved worker held identical (restarted from their anchor instead)."""
     own = controller.sync_group.rank < saved_workers
     for slot, shard in enumerate(controller.shards):
+        if slot in skip:
+            continue
         anchor = controller.outer_state.anchor_on_device(shard)
         delta = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
         if own:
@@ -348,8 +422,10 @@ def load_time_sync(controller, extra_mains: List[Dict[int, torch.Tensor]], saved
 
 
 @torch.no_grad()
-def restart_from_anchor(controller) -> None:
-    for shard in controller.shards:
+def restart_from_anchor(controller, slots) -> None:
+    """The shards at ``slots`` restart from their (loaded) anchor."""
+    for slot in slots:
+        shard = controller.shards[slot]
         anchor = controller.outer_state.anchor_on_device(shard)
         shard.write_mains(anchor)
         shard.write_model(anchor)
@@ -374,6 +450,8 @@ def merge_residuals(controller, plan: ResumePlan, part: dict) -> None:
             controller.sync_group.all_reduce_sum(total, async_op=False)  # counted as sync traffic
             total *= residual_share(saved_workers, controller.num_workers, saved_summed,
                                     controller.sync.exchanges_weighted_sum)
+        elif saved_summed != controller.sync.exchanges_weighted_sum:  # plain mean <-> weighted sum
+            total *= residual_units(saved_workers, saved_summed)
         shard.residual = total
         offset, length, padded = controller.chunk_span(shard)
         if not padded:  # the sparse exchange requantizes no chunk of the result: nothing to restore
@@ -395,6 +473,14 @@ def residual_share(saved_workers: int, workers: int, saved_summed: bool, summed:
     and each new worker carries sum / M (with the mean, the M workers would add M / N x sum)."""
     carried = 1.0 / saved_workers if not saved_summed else 1.0
     return carried / workers if summed else carried
+
+
+def residual_units(workers: int, saved_summed: bool) -> float:
+    """Same workers, the averaging switched between the plain mean and a weighted sum (penalty,
+    step weights): the factor that keeps what each worker's residual adds to the next result.
+    The plain mean divides the sum by the workers, a weighted sum does not: a mean's residual r
+    added r / N, so it becomes r / N; a weighted sum's added r, so it becomes N r."""
+    return float(workers) if saved_summed else 1.0 / workers
 
 
 def adam_step_of(state_dict: dict) -> int:

@@ -104,7 +104,7 @@ from .. import compat
 from .keys import CheckpointStateError
 from .record import (
     RECORD_KEY,
-    at_sync_boundary,
+    identical_fragments,
     outer_state_keys,
     run_record,
     slice_key,
@@ -252,10 +252,13 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
     else:
         _restore_anchor_and_outer_state(controller, plan, part)
     if elastic and record["anchor_taken"]:
-        if at_sync_boundary(record):
-            restart_from_anchor(controller)  # every saved worker was there already
-        else:
-            load_time_sync(controller, decode_mains(optimizer, plan, part.get("workers")), record["num_workers"])
+        # Fragments every saved worker held identical restart from their anchor; the others
+        # (local progress since their sync, or kept by a delayed merge) take one outer step.
+        identical = controller.fragment_slots(plan.identical)
+        restart_from_anchor(controller, identical)
+        if len(identical) < len(controller.shards):
+            load_time_sync(controller, decode_mains(optimizer, plan, part.get("workers")), record["num_workers"],
+                           skip=identical)
     merge_residuals(controller, plan, part)
     if plan.slice_loaded:
         _load_extra_state(controller, (part.get("slice") or {}).get("extra_state"))
@@ -263,12 +266,23 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
         controller.restart_async_schedule()
     if record.get("in_flight") is not None:
         _restore_in_flight(controller, plan, part, record["in_flight"])
+    # What a save right after this load records as identical: everything after an elastic load
+    # (one model on every worker), else what the checkpoint said.
+    saved_identical = identical_fragments(record) or []
+    if elastic:
+        controller.mark_identical(range(controller.config.fragments), only=True)
+    else:
+        same_fragments = int(record["config"].get("fragments", 1)) == controller.config.fragments
+        controller.mark_identical(saved_identical if same_fragments else [], only=True)
     if not elastic:
         note = "each worker its own state"
     elif not record["anchor_taken"]:
         note = "in warmup, every worker from a saved one (all equal)"
-    elif at_sync_boundary(record):
-        note = "saved at a sync, every worker from the saved anchor"
+    elif len(plan.identical) == controller.config.fragments:
+        note = "saved right after a sync, every worker from the saved anchor"
+    elif plan.identical:
+        note = (f"fragment(s) {plan.identical} from the saved anchor (synced right before the save), "
+                "one outer step over the saved workers for the others")
     else:
         note = "one outer step over the saved workers at load"
     _log_resume(controller, f"a checkpoint of {record['num_workers']} worker(s)"
