@@ -95,7 +95,8 @@ def _int8_ef(deltas, residual, chunk_residual, b):
     """Independent int8 exchange with error feedback of bucket b (quantize per chunk, sum,
     divide, requantize), as in test_outer_sync's reference."""
     numel = BUCKETS[b][0]
-    block = min(4, -(-numel // WORKERS))
+    per_worker = -(-numel // WORKERS)
+    block = -(-per_worker // -(-per_worker // 4))  # equal blocks of at most 4 per chunk, even
     block += block % 2
     sizes = quantize.split_sizes(numel, WORKERS, "int8", block)
     per, out, offset = max(sizes), torch.zeros(numel), 0
