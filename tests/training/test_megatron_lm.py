@@ -431,6 +431,31 @@ def test_replica_hash_check_is_refused_with_fragments():
             check_weight_hash_across_dp_replicas_interval=4))
 
 
+@pytest.mark.parametrize("merge, refused", [
+    ((), "--local-sgd-outer-merge-alpha 0.5"),  # the default alpha
+    (("--local-sgd-outer-merge-alpha", "0.25"), "--local-sgd-outer-merge-alpha 0.25"),
+    (("--local-sgd-outer-merge-rule", "keep_local"), "--local-sgd-outer-merge-rule keep_local"),
+    (("--local-sgd-outer-merge-alpha", "0"), None),
+], ids=["default-alpha", "alpha-0.25", "keep-local", "alpha-0"])
+def test_replica_hash_check_with_a_delay_needs_alpha_0(merge, refused):
+    """A delayed outer step that keeps local progress (alpha > 0, or keep_local) leaves the
+    replicas different right after every sync: Megatron's hash check would fail at the first
+    one, so it is refused at start-up, in one line naming the flags. With alpha 0 every worker
+    takes the new anchor and the check passes at the grid steps (accepted)."""
+    args = _megatron_like_args(
+        "--use-local-sgd", "--local-sgd-sync-interval", "4", "--local-sgd-outer-step-delay", "2", *merge,
+        check_weight_hash_across_dp_replicas_interval=4, train_iters=100)
+    if refused is None:
+        validate_local_sgd_args(args)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate_local_sgd_args(args)
+    message = str(e.value)
+    assert "\n" not in message and "--check-weight-hash-across-dp-replicas-interval=4" in message
+    assert "--local-sgd-outer-step-delay 2" in message and refused in message
+    assert "--local-sgd-outer-merge-alpha 0 " in message
+
+
 def test_delay_and_exposed_wait_reach_the_log_line_and_tensorboard():
     from megatron_edit.exchange.report import SyncReport
 
