@@ -258,6 +258,9 @@ def test_flags_through_the_package_provider_compose_and_are_added_once():
         # Before: refused only at the first save, after training, leaving an empty folder.
         ((), dict(ckpt_format="torch", save="ckpt"), ConfigError, "--ckpt-format torch_dist"),
         ((), dict(ckpt_format="torch_dist", save="ckpt"), None, None),
+        # Before: the cached save plan left later entries (anchor, in-flight exchange) out.
+        ((), dict(ckpt_assume_constant_structure=True, save="ckpt"), ConfigError,
+         "--ckpt-assume-constant-structure with --use-local-sgd: .*Drop the flag"),
         ((), dict(optimizer="muon", use_distributed_optimizer=False), NotSupportedYet, "--optimizer muon"),
         ((), dict(optimizer="sgd"), None, None),
         ((), dict(optimizer_cuda_graph=True), ConfigError, "--optimizer-cuda-graph"),
@@ -268,7 +271,7 @@ def test_flags_through_the_package_provider_compose_and_are_added_once():
          "fsdp2", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
          "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-async",
-         "ckpt-format-torch", "ckpt-format-torch-dist", "emerging-optimizer", "sgd",
+         "ckpt-format-torch", "ckpt-format-torch-dist", "ckpt-constant-structure", "emerging-optimizer", "sgd",
          "optimizer-cuda-graph", "gtp-remat"],
 )
 def test_validation_through_the_package_provider(argv, options, error, match):
@@ -517,6 +520,12 @@ def probe(tmp_path_factory):
             "hash-check-misaligned": base + ["--check-weight-hash-across-dp-replicas-interval", "6"],
             "hash-check-aligned": base + ["--check-weight-hash-across-dp-replicas-interval", "4"],
             "bad-sync-interval": base + ["--local-sgd-sync-interval", "0"],
+            "ckpt-constant-structure": base + ["--ckpt-assume-constant-structure"],
+            "hash-check-delay": base + ["--check-weight-hash-across-dp-replicas-interval", "4",
+                                        "--local-sgd-outer-step-delay", "1"],
+            "hash-check-delay-alpha-0": base + ["--check-weight-hash-across-dp-replicas-interval", "4",
+                                                "--local-sgd-outer-step-delay", "1",
+                                                "--local-sgd-outer-merge-alpha", "0"],
         },
         # 4 nodes x 8 GPUs, one worker per node.
         "sizes": {size: [_script_flags(size, 4), 32] for size in ("350m", "1b", "3b", "7b")},
@@ -566,6 +575,13 @@ def test_validation_through_megatrons_validate_args(probe):
     assert "--use-distributed-optimizer" in cases["no-distributed-optimizer"][1]
     assert cases["bad-sync-interval"][0] == "ConfigError"
     assert "--local-sgd-sync-interval" in cases["bad-sync-interval"][1]
+    # Megatron's cached save plan would leave EDiT's later entries out: refused before any work.
+    assert cases["ckpt-constant-structure"][0] == "ConfigError"
+    assert "--ckpt-assume-constant-structure with --use-local-sgd" in cases["ckpt-constant-structure"][1]
+    # A delayed merge that keeps local progress (default alpha 0.5): replicas differ after a sync.
+    assert cases["hash-check-delay"][0] == "ConfigError"
+    assert "--local-sgd-outer-merge-alpha 0.5" in cases["hash-check-delay"][1]
+    assert cases["hash-check-delay-alpha-0"] is None
 
 
 @needs_checkout
