@@ -136,6 +136,35 @@ def test_launcher_reports_a_config_error_from_the_script_in_one_line(tmp_path, m
     assert err == "megatron_edit: error: --ckpt-format torch with --use-local-sgd: use torch_dist\n"
 
 
+def test_launcher_ends_a_rank_whose_script_fails_without_the_interpreters_teardown(tmp_path):
+    """A script that fails (an exception, or an exit with a code) ends its rank as the main
+    job's do: its traceback, its exit code, and ``os._exit`` instead of the interpreter's
+    teardown of the live gloo groups (once seen ending a rank with SIGABRT): an atexit handler
+    never runs. A clean exit (Megatron's --exit-interval: sys.exit(0)) keeps the ordinary end."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("import sys\n"
+                      "if '--clean' in sys.argv: sys.exit(0)\n"
+                      "if '--code' in sys.argv: sys.exit(3)\n"
+                      "raise RuntimeError('the script failed')\n")
+
+    def run(*extra):
+        code = ("import atexit; atexit.register(lambda: print('INTERPRETER-TEARDOWN', flush=True)); "
+                "from megatron_edit import launch; "
+                "launch._use_cpu = lambda opts: False; launch._set_up_path = lambda script: None; "
+                f"launch.main(['--no-runtime-patches', {str(script)!r}, *{list(extra)!r}])")
+        return subprocess.run([sys.executable, "-c", code], env=dict(_env(), RANK="0"), capture_output=True,
+                              text=True, timeout=300)
+
+    failed = run()
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "RuntimeError: the script failed" in failed.stderr
+    assert "INTERPRETER-TEARDOWN" not in failed.stdout
+    coded = run("--code")
+    assert coded.returncode == 3 and "INTERPRETER-TEARDOWN" not in coded.stdout, coded.stderr[-3000:]
+    clean = run("--clean")
+    assert clean.returncode == 0 and "INTERPRETER-TEARDOWN" in clean.stdout, clean.stderr[-3000:]
+
+
 def test_launcher_on_cpu_requires_gloo():
     with pytest.raises(SystemExit, match="--distributed-backend gloo"):
         launch._check_backend(["--num-layers", "2"])
