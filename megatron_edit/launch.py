@@ -235,6 +235,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         runpy.run_path(opts.script, run_name="__main__")
     except ConfigError as e:  # EDiT's checks in Megatron's validate_args, or at model build
         _refuse(str(e))
+    except BaseException as error:  # noqa: B036  (an error, SystemExit with a code, Ctrl-C)
+        if isinstance(error, SystemExit) and not error.code:
+            raise  # a clean exit (Megatron's --exit-interval): the interpreter's own ending
+        from .arguments import end_rank
+
+        end_rank(error)  # without the teardown of the live gloo groups, as the main job
 
 
 if __name__ == "__main__":

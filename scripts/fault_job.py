@@ -135,4 +135,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_edit.arguments import end_rank
+
+    try:
+        main()
+    except BaseException as error:  # noqa: B036  (an erroring rank: no teardown of live gloo groups)
+        end_rank(error)

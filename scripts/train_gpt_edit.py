@@ -47,7 +47,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 import megatron_edit  # noqa: E402  (light: the flags' modules import neither torch nor Megatron)
 from megatron_edit.arguments import (  # noqa: E402
-    PEER_WAIT_S, Rank0ArgumentParser, changed_flags, check_flags, end_with_error,
+    PEER_WAIT_S, Rank0ArgumentParser, changed_flags, check_flags, end_rank, end_with_error,
 )
 from megatron_edit.config import ConfigError  # noqa: E402
 from megatron_edit.launch import quiet_upstream_warnings  # noqa: E402
@@ -681,32 +681,6 @@ def main(argv=None):
         run_rank(args, world)
     except BaseException as error:  # noqa: B036  (SystemExit and KeyboardInterrupt too)
         end_rank(error)
-
-
-def end_rank(error: BaseException) -> None:
-    """Ends a rank that stops on an error, with its exit code, without the interpreter's
-    teardown: ``os._exit`` after its message and a flush.
-
-    Why: such a rank still holds its gloo process groups (and an exchange may be in flight)
-    while the other ranks stop at the same moment. Through ``sys.exit`` the interpreter then
-    tears those down, and once in the suite's repeated runs (torch 2.13.0, load 30-40)
-    that teardown ended rank 1 with SIGABRT ("terminate called without an active exception"),
-    no Python frame, so the launcher reported "killed by signal 6" instead of the rank's exit
-    code 1. Nothing is left to save at this point: the stop itself is the result."""
-    import traceback
-
-    if isinstance(error, SystemExit):
-        code = error.code
-        if code is not None and not isinstance(code, int):
-            print(code, file=sys.stderr)  # what sys.exit("message") prints
-            code = 1
-        code = code or 0
-    else:
-        traceback.print_exception(error)
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def run_rank(args: argparse.Namespace, world: int) -> None:

@@ -130,9 +130,10 @@ def full_params(ddp) -> dict:
 
 
 class TrafficLog:
-    """Records every collective whose group spans more than one EDiT worker."""
+    """Records every collective whose group spans more than one EDiT worker (those of
+    ``NAMES`` this torch has: ``all_gather_single`` is the quantized exchange's all-gather)."""
 
-    NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "broadcast",
              "all_gather", "reduce_scatter", "send", "recv", "isend", "irecv", "barrier", "all_to_all_single")
 
     def __init__(self, worker_of_rank: Dict[int, int]):
@@ -144,7 +145,8 @@ class TrafficLog:
         self.phase = "setup"
         self._saved = []
         for name in self.NAMES:
-            self._wrap(dist, name)
+            if hasattr(dist, name):
+                self._wrap(dist, name)
         for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
             self._wrap(pgb, name)
 

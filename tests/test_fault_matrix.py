@@ -19,6 +19,27 @@ CHECKPOINTS = {"kill-between", "kill-exchange", "kill-save", "garbled-record", "
                "elastic-2-to-4-int8-penalty", "elastic-2-to-1-int8-penalty"}
 
 
+@pytest.mark.timeout(300)
+def test_a_fault_job_rank_that_stops_on_an_error_ends_without_the_interpreters_teardown(tmp_path):
+    """scripts/fault_job.py ends a rank that stops on an error as the main job's do
+    (megatron_edit.arguments.end_rank): its traceback, exit code 1, and ``os._exit``, not the
+    interpreter's teardown of its live gloo groups (once seen ending a rank with SIGABRT), so an
+    atexit handler never runs. The error: --load without a checkpoint, after the process group,
+    Megatron's groups and the model exist (one rank, one worker, under torchrun)."""
+    wrapper = tmp_path / "job.py"
+    wrapper.write_text(
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: print('INTERPRETER-TEARDOWN', flush=True))\n"
+        f"sys.argv[0] = {str(ROOT / 'scripts' / 'fault_job.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--rdzv-backend",
+                          "c10d", "--rdzv-endpoint", "localhost:0", str(wrapper), "--dir", str(tmp_path),
+                          "--workers", "1", "--load"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "FileNotFoundError" in text and "latest" in text, text[-4000:]
+    assert "INTERPRETER-TEARDOWN" not in text, text[-4000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("row", ROWS)

@@ -126,7 +126,9 @@ class LocalSGDConfig:
     clip_pseudo_grad: Optional[float] = flag(
         "--local-sgd-clip-pseudo-grad", None,
         help="tau: clip each layer's averaged pseudo-gradient to this L2 norm (None: no clipping).")
-    """tau: clip each layer's averaged pseudo-gradient to this L2 norm (None: no clipping)."""
+    """tau: clip each layer's averaged pseudo-gradient to this L2 norm (None: no clipping). With
+    ``fragments`` a layer cut by a fragment boundary is clipped per piece (each piece to tau, up
+    to sqrt(k) tau for k pieces; see ``fragments``)."""
 
     pseudo_gradnorm_reduce: bool = flag(
         "--local-sgd-pseudo-gradnorm-reduce", False,
@@ -225,11 +227,15 @@ class LocalSGDConfig:
              "H/F steps (each every H steps), so the link carries 1/F of the model at a time "
              "(1: the whole model at every sync).")
     """F (Streaming DiLoCo's fragments, torchft's ``_StreamingDiLoCoFragment``): the bucket
-    groups, in forward order, are split into F contiguous fragments of about equal size (closed
-    over layers when the penalty, clipping or GTA takes per-layer decisions, so no layer's norm
-    spans two fragments); fragment f is synchronised after the steps s > W with
-    s - W = f H/F (mod H). Each sync exchanges one fragment, with its own anchor; the run's last
-    step syncs every fragment. With ``outer_step_delay`` each fragment's exchange is launched
+    groups, in forward order, are split into F contiguous fragments of about equal size;
+    fragment f is synchronised after the steps s > W with s - W = f H/F (mod H). Each sync
+    exchanges one fragment, with its own anchor; the run's last step syncs every fragment.
+    Megatron's buckets do not follow layers, so a fragment boundary can cut a layer: each piece
+    is then a layer of its own (``<layer>@fragment<f>``) for every per-layer decision, taken at
+    its fragment's sync (the penalty's norms, weights, exclusions and anomaly statistics,
+    clipping): a layer cut into k pieces is clipped per piece, so the pseudo-gradient its outer
+    step takes over one interval can reach sqrt(k) times ``clip_pseudo_grad``, and a worker can
+    be excluded from one piece and not another. With ``outer_step_delay`` each fragment's exchange is launched
     tau steps before its sync (tau < H/F: one fragment in flight at a time). Needs H divisible
     by F; not with A-EDiT yet. 1: today's sync of the whole model, bit for bit."""
 

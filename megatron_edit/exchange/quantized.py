@@ -14,15 +14,19 @@ chunks (whole blocks, :func:`~megatron_edit.algorithm.quantize.split_sizes`):
 Each worker sends 2 (W - 1) / W times the quantized shard, against 2 (W - 1) / W times the fp32
 shard for a ring all-reduce: int8 moves 0.254x the bytes of fp32, int4 0.129x (block 256).
 
-Small shards: every chunk is padded to whole blocks and carries one fp32 scale per block, so a
-shard of S elements over W workers uses blocks of ``min(block, ceil(S / W))`` elements (even,
-for int4's two per byte; :meth:`QuantizedExchange.block_for`): each chunk is then one block with
-at most one element of padding, and the bytes sent are at most
-``W x (ceil(ceil(S/W) x bits / 32) x 4 + 4)`` per stage against ``4 S`` for fp32 (int8: 0.25x
-plus 4 W / S of scales and padding; :meth:`QuantizedExchange.payload_ratio`). A block of the
-configured size that spanned the whole shard would send up to W blocks for a few elements. A
-shard for which that is still more than the fp32 bytes (a few elements per worker) is
-exchanged in fp32 instead (:meth:`QuantizedExchange.pays_off`).
+Chunk sizes: every chunk is padded to whole blocks and carries one fp32 scale per block. A
+shard of S elements over W workers gives chunks of m = ceil(S / W) elements, each cut into
+n = ceil(m / block) blocks of ceil(m / n) elements rounded up to even (int4 packs two per
+byte; :meth:`QuantizedExchange.block_for`): the configured size, or a little less, so that a
+chunk is padded by under 2 n elements. A stage then sends ``W x (ceil(p x bits / 32) x 4 + 4 n)``
+bytes (p: the padded chunk, under m + 2 n elements) against ``4 S`` for fp32, and both stages
+together at most ``(bits / 32 + 3 / (2 block)) x (1 + W / S) + 2 W / S`` times the
+fp32 ring all-reduce, for every S and W (:meth:`QuantizedExchange.payload_ratio`; int8 with
+block 256: 0.254x once S / W is a multiple of 256). Blocks of the configured size would pad a
+chunk to whole blocks of it: a chunk just over one block (int8, W = 4, S = 1026) sent two, 0.507x
+fp32, and a block that spanned the whole shard sent up to W blocks for a few elements. A shard
+for which the quantized exchange still sends more than the fp32 bytes (a few elements per
+worker) is exchanged in fp32 instead (:meth:`QuantizedExchange.pays_off`).
 
 Layers every worker is excluded from (the penalty skips their outer step) keep their error-
 feedback residuals: nothing is sent for them and what was carried is carried on.
@@ -67,12 +71,16 @@ class QuantizedExchange:
         tensor while a sync runs; see :meth:`take_error_norm`)."""
 
     def block_for(self, numel: int) -> int:
-        """The block size used for a shard of ``numel`` elements: the configured one, or less
-        when a chunk (``numel / workers``) is smaller (see the module docstring)."""
+        """The block size used for a shard of ``numel`` elements: a worker's chunk of
+        m = ceil(numel / workers) elements cut into n = ceil(m / block) equal blocks of
+        ceil(m / n) elements, rounded up to even (int4: two per byte), so a chunk is padded by
+        under 2 n elements, never by most of a block (see the module docstring). The configured
+        (even) size when it divides m, else a little less."""
         if not quantize.has_scales(self.dtype):
             return self.block
         per_worker = -(-numel // self.sync_group.size)
-        block = max(1, min(self.block, per_worker))
+        blocks = max(1, -(-per_worker // self.block))
+        block = max(1, -(-per_worker // blocks))
         return block + (block % 2)  # int4: two elements per byte
 
     def _chunks(self, numel: int):

@@ -12,7 +12,10 @@ the next), so fragments cannot in general keep layers whole. Instead, a layer wh
 fall in two fragments becomes one "layer" per fragment for every per-layer decision (the
 penalty's norms, weights, exclusions and statistics, clipping): ``decoder.layers.3`` becomes
 ``decoder.layers.3@fragment1`` and ``decoder.layers.3@fragment2``. So no layer's norm spans two
-fragments, and each sync decides on what it exchanges (:func:`split_layers`).
+fragments, and each sync decides on what it exchanges (:func:`split_layers`). The pieces are
+synchronised at different steps, so they are clipped (and judged for anomalies) one by one: a
+layer cut into k pieces can be stepped, over one interval, with a pseudo-gradient of norm up to
+sqrt(k) times the clip threshold (each piece up to it).
 """
 
 from __future__ import annotations

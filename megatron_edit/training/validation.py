@@ -156,6 +156,13 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             "first save would fail after training. Use --ckpt-format torch_dist (Megatron's "
             "default)."
         )
+    if getattr(args, "ckpt_assume_constant_structure", False):
+        raise ConfigError(
+            "--ckpt-assume-constant-structure with --use-local-sgd: EDiT's checkpoint entries "
+            "change between saves (the anchor and outer state appear after the warmup, "
+            "local_sgd.in_flight.* only while a delayed exchange is in flight), and Megatron "
+            "would reuse the first save's plan, silently leaving the new entries out of later "
+            "checkpoints (their load is then refused). Drop the flag.")
     _check_cross_worker_options(local, args)
     interval = getattr(args, "check_weight_hash_across_dp_replicas_interval", None)
     if interval is not None and local.use_async:
@@ -172,6 +179,16 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             f"{local.fragments}: each sync makes one fragment identical on every worker, never the "
             "whole model (until the run's last step), so Megatron's check could never pass. Drop "
             "the flag, or --local-sgd-fragments.")
+    if interval is not None and local.outer_step_delay and (
+            local.outer_merge_rule == "keep_local" or local.merge_alpha > 0):
+        merge = ("--local-sgd-outer-merge-rule keep_local" if local.outer_merge_rule == "keep_local"
+                 else f"--local-sgd-outer-merge-alpha {local.merge_alpha:g}")
+        raise ConfigError(
+            f"--check-weight-hash-across-dp-replicas-interval={interval} with "
+            f"--local-sgd-outer-step-delay {local.outer_step_delay} and {merge}: after a delayed "
+            "outer step each worker keeps part of its own progress, so replicas differ by design "
+            "even right after a sync and Megatron's check would fail at the first one. Add "
+            "--local-sgd-outer-merge-alpha 0 (every worker takes the new anchor), or drop the flag.")
     if interval is not None:
         # Replicas are identical only during warmup and right after a sync: every iteration
         # Megatron checks must be one of those. It checks every `interval` iterations and once

@@ -315,4 +315,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, HERE)
+    import bench_common as bc
+
+    bc.run_main(main)

@@ -131,15 +131,15 @@ def report(args, results):
         f"fp32 gradient/pseudo-gradient shard per rank {shard:,} B over all buckets.\n"
         "Counted: every collective whose group spans two workers (torch.distributed wrapped in-process); "
         "bytes as ring algorithms send them per rank (headers not included).\n"
-        "EDiT sends one fp32 pseudo-gradient shard per H steps: x fewer = H exactly without the penalty; "
-        "the penalty adds one all-gather of per-layer float64 norms per sync (the 'scalars' column), "
-        "so (x fewer)/H is slightly below 1.\n"
+        "EDiT sends one fp32 pseudo-gradient shard per H steps and one all-gather of per-layer float64 "
+        "norms per sync (every sync checks them for non-finite values before anything else is sent; the "
+        "penalty decides on them): the 'scalars' column, so (x fewer)/H is slightly below 1.\n"
         "Here gradients are fp32. With bf16 gradients reduced in bf16 (Megatron's default for bf16 "
         "models) the synchronous all-reduce moves 2 B/param and the fp32 pseudo-gradient 4 B/param: "
         "x fewer = H/2.\n"
         "Quantized exchange (+EF: with error feedback): int8 and fp8 send 1 byte per element plus one fp32 "
-        "scale per 256, int4 half a byte: 0.254x and 0.129x of the fp32 exchange asymptotically; small "
-        "buckets pay a little more for block padding."
+        "scale per block of at most 256 (each worker's chunk cut into equal blocks), int4 half a byte: 0.254x "
+        "and 0.129x of the fp32 exchange asymptotically; small buckets pay a little more for scales and padding."
     )
     text = bc.table(headers, rows)
     print(f"\ncommunication per training step (bytes sent per rank across the sync group)\n{text}\n{notes}")
@@ -169,4 +169,4 @@ def report(args, results):
 
 
 if __name__ == "__main__":
-    main()
+    bc.run_main(main)

@@ -20,9 +20,20 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/: the main job
 import train_gpt_edit as job  # noqa: E402  (the main job's model, data and step)
+from megatron_edit.arguments import end_rank  # noqa: E402
 from megatron_edit.cpu import adapter as cpu_adapter  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """A benchmark's ``main`` on this rank; a rank that stops on an error ends as the main job's
+    do (:func:`megatron_edit.arguments.end_rank`: ``os._exit`` after its message, not the
+    interpreter's teardown of live gloo groups)."""
+    try:
+        main()
+    except BaseException as error:  # noqa: B036  (SystemExit and KeyboardInterrupt too)
+        end_rank(error)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -567,4 +567,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    bc.run_main(main)

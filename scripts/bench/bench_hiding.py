@@ -466,4 +466,4 @@ def report(args, results, alone):
 
 
 if __name__ == "__main__":
-    main()
+    bc.run_main(main)

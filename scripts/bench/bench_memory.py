@@ -198,4 +198,4 @@ def report(results):
 
 
 if __name__ == "__main__":
-    main()
+    bc.run_main(main)

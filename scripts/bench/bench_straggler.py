@@ -117,4 +117,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    bc.run_main(main)

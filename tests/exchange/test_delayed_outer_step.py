@@ -97,7 +97,8 @@ def _int8_ef(deltas, residual, chunk_residual, b):
     """Independent int8 exchange with error feedback of bucket b (quantize per chunk, sum,
     divide, requantize), as in test_outer_sync's reference."""
     numel = BUCKETS[b][0]
-    block = min(4, -(-numel // WORKERS))
+    per_worker = -(-numel // WORKERS)
+    block = -(-per_worker // -(-per_worker // 4))  # equal blocks of at most 4 per chunk, even
     block += block % 2
     sizes = quantize.split_sizes(numel, WORKERS, "int8", block)
     per, out, offset = max(sizes), torch.zeros(numel), 0
@@ -181,10 +182,11 @@ def _reference(case, alpha):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("alpha", [0.0, 0.5, "keep"])
+@pytest.mark.parametrize("alpha", [0.0, 0.25, 0.5, "keep"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_delayed_outer_step_and_merge_equal_the_formula(case, alpha):
-    """alpha 0 and 0.5: the lerp rule; "keep": keep_local, theta <- theta + anchor' - theta_launch."""
+    """alpha 0, 0.25 and 0.5: the lerp rule (0.25: alpha and 1 - alpha swapped would give 0.75,
+    where 0.5 cannot tell them apart); "keep": keep_local, theta <- theta + anchor' - theta_launch."""
     world = FakeWorld(WORKERS)
     out = run_workers(world, _worker, world, CASES[case], alpha)
     expected = _reference(case, alpha)
@@ -230,6 +232,28 @@ def test_alpha_one_keeps_the_worker_and_zero_takes_the_anchor_on_separate_mains(
             assert torch.allclose(m, v, rtol=0, atol=1e-6)
             if alpha in (0.0, 1.0):
                 assert torch.equal(m, v)
+
+
+@pytest.mark.timeout(60)
+def test_alpha_one_keeps_the_worker_and_a_quarter_keeps_a_quarter_on_flat_mains():
+    """The merge on a shard whose mains are views of one flat fp32 tensor (Megatron's fp32
+    params), with a gap and padding: alpha 1 leaves the worker's parameters as they are, 0.25
+    keeps a quarter of them and takes three quarters of the anchor, 0 takes the anchor; the gap
+    and the padding stay 0."""
+    ranges = [(0, 3), (4, 6)]  # a gap at 3, padding at 6..8
+    for alpha in (0.0, 0.25, 1.0):
+        flat = torch.zeros(8)
+        flat[0:3], flat[4:6] = torch.randn(3), torch.randn(2)
+        before = flat.clone()
+        shard = BucketShard(numel=8, mains=[flat[s:e] for s, e in ranges], local_ranges=ranges,
+                            segments=[(s, e, 0, True) for s, e in ranges], flat_mains=flat)
+        shard.anchor = torch.tensor([1.0, 2.0, 3.0, 0.0, 5.0, 6.0, 0.0, 0.0])
+        OuterState._merge(shard, alpha, write_model=False)
+        want = alpha * before + (1 - alpha) * shard.anchor
+        assert torch.allclose(flat, want, rtol=0, atol=1e-6), (alpha, flat, want)
+        assert torch.equal(flat[3:4], torch.zeros(1)) and torch.equal(flat[6:], torch.zeros(2))
+        if alpha == 1.0:
+            assert torch.equal(flat, before)
 
 
 @pytest.mark.timeout(120)

@@ -266,8 +266,10 @@ def _quantized_reference(workers, dtype, block=4, syncs=1, error_feedback=False)
                 current[w][b][: d.numel()] += d
         grads = []
         for b, (numel, _) in enumerate(BUCKETS):
-            # a block no longer than a worker's chunk, even (int4: two per byte)
-            block_b = min(block, -(-numel // workers))
+            # a worker's chunk cut into as many equal blocks as blocks of ``block`` it needs,
+            # each even (int4: two per byte)
+            per_worker = -(-numel // workers)
+            block_b = -(-per_worker // -(-per_worker // block))
             block_b += block_b % 2
             sizes = quantize.split_sizes(numel, workers, dtype, block_b)
             offsets = [sum(sizes[:c]) for c in range(workers)]

@@ -11,6 +11,7 @@ from megatron_edit.exchange.groups import all_reduce_bytes
 from megatron_edit.exchange.outer_state import OuterState
 from megatron_edit.exchange.outer_sync import NonFinitePseudoGradient, OuterSync
 from megatron_edit.exchange.quantized import QuantizedExchange
+from megatron_edit.exchange.shard import BucketShard
 from test_outer_sync import BUCKETS, GROUPS, LAYERS, OUTER, _bytes_worker, _deltas, _initial, _shards, _worker
 
 PENALTY = dict(local_sgd_sync_interval=1, skip_anomaly=True, ewma_warmup_steps=100, pseudo_gradnorm_reduce=True,
@@ -153,12 +154,15 @@ def test_error_feedback_is_kept_on_layers_every_worker_is_excluded_from():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("numel,workers,block", [(300, 8, 256), (64 * 1024, 4, 1_000_000), (5, 4, 256)])
+@pytest.mark.parametrize("numel,workers,block", [(300, 8, 256), (64 * 1024, 4, 1_000_000), (5, 4, 256),
+                                                 (1026, 4, 256)])
 def test_small_shards_and_huge_blocks_still_send_a_fraction_of_the_fp32_bytes(numel, workers, block):
     """Review item 6: blocks are no longer than a worker's chunk, so neither a small shard nor a
     block size larger than the shard sends more than a fraction of the fp32 all-reduce (before:
-    300 elements over 8 workers sent 1.73x, int4 with block 10^6 18x). The ratio is
-    QuantizedExchange.payload_ratio, and the bytes counted in a real sync match it."""
+    300 elements over 8 workers sent 1.73x, int4 with block 10^6 18x). A chunk just over one
+    block is cut into two smaller blocks, not padded to two whole ones (1026 elements over 4
+    workers, block 256, sent 0.507x before). The ratio is QuantizedExchange.payload_ratio, and
+    the bytes counted in a real sync match it."""
     world = FakeWorld(workers)
     fp32 = all_reduce_bytes(4 * numel, workers)
     norms = (workers - 1) * 8  # the per-layer norms' all-gather, one layer
@@ -173,3 +177,62 @@ def test_small_shards_and_huge_blocks_still_send_a_fraction_of_the_fp32_bytes(nu
         else:  # 5 elements over 4 workers: scales and padding outweigh the elements: fp32
             assert ratio > 1 and not quant.pays_off(numel)
             assert sent == fp32 + norms
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype,block", [("int8", 256), ("int4", 256), ("fp8", 6), ("int8", 4)])
+def test_the_documented_byte_bound_holds_for_every_shard_size(workers, dtype, block):
+    """The bound the module docstring states, for every S up to 3000: both stages send at most
+    (bits/32 + 3/(2 block)) (1 + W/S) + 2 W/S times the fp32 all-reduce, with blocks no longer
+    than configured. Blocks of the configured size broke it just above W x block (int8, W = 4,
+    S = 1026: chunks of 512, 512, 2 and 0 elements, 0.507x)."""
+    quant = QuantizedExchange(FakeWorld(workers).group(0), dtype, block, error_feedback=False)
+    bits = {"int8": 8, "fp8": 8, "int4": 4}[dtype]
+    for numel in range(1, 3001):
+        bound = (bits / 32 + 3 / (2 * block)) * (1 + workers / numel) + 2 * workers / numel
+        assert quant.payload_ratio(numel) <= bound, (numel, quant.payload_ratio(numel), bound)
+        assert quant.block_for(numel) <= block
+        per_worker = -(-numel // workers)
+        assert quant.chunk_span(numel)[2] - per_worker < 2 * -(-per_worker // block)  # padding
+
+
+def _one_shard_worker(worker, world, dtype, numel, block):
+    """One sync of a single-layer shard; the anchor after it, the initial anchor, the delta."""
+    g = torch.Generator().manual_seed(worker)
+    init = torch.randn(numel, generator=torch.Generator().manual_seed(99))
+    main = init.clone()
+    shard = BucketShard(numel=numel, mains=[main], local_ranges=[(0, numel)], segments=[(0, numel, 0, True)],
+                        bucket_layers={0})
+    state = OuterState(OuterOptimizerConfig(**OUTER))
+    state.capture([shard])
+    sync = OuterSync([[shard]], ["l0"], world.group(worker), FakeWorkerGroups(),
+                     LocalSGDConfig(local_sgd_sync_interval=1, exchange_dtype=dtype, exchange_block_size=block),
+                     GTAConfig(), state)
+    step = torch.randn(numel, generator=g)
+    main.add_(step)
+    sync.start(step=1, steps_since_last=1)
+    sync.complete([shard], write_model=False)
+    return shard.anchor[:numel].clone(), init, -step
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_shard_just_over_workers_times_block_is_exchanged_correctly_and_identically(dtype):
+    """1026 elements over 4 workers, block 256 (chunks of 260 elements in blocks of 130): every
+    worker ends with the same bytes, and the result is the mean of the workers' Deltas within
+    the two roundings (half a quantum of each stage)."""
+    workers, numel = 4, 1026
+    world = FakeWorld(workers)
+    out = run_workers(world, _one_shard_worker, world, dtype, numel, 256)
+    for anchor, _, _ in out:
+        assert torch.equal(anchor, out[0][0])
+    anchor, init, _ = out[0]
+    lr, mu = OUTER["outer_optim_kwargs"]["lr"], OUTER["outer_optim_kwargs"]["momentum"]
+    result = (init - anchor) / (lr * (1 + mu))
+    mean = sum(d for _, _, d in out) / workers
+    levels = {"int8": 127, "int4": 7}[dtype]
+    amax = max(d.abs().max().item() for _, _, d in out)
+    # stage 1: each worker's Delta within half a quantum (amax / levels / 2), so their mean too;
+    # stage 2: the requantized mean (amax at most a half quantum larger) within as much again
+    bound = amax / levels * (1 + 1 / levels) + 1e-5
+    assert (result - mean).abs().max().item() <= bound

@@ -29,20 +29,24 @@ def _worst(a, b):
 @pytest.mark.timeout(400)
 def test_delayed_outer_step_matches_the_simulation_in_both_modes():
     """tau = 2, alpha = 0 in layer-wise and step-end mode (the same numbers, bit for bit: both
-    apply at the step-end point), and tau = 1, alpha = 0.5 with the penalty's weights, each
-    against the simulation; replicas identical right after an alpha = 0 merge (steps 4, 7) and
-    at the end, different between."""
+    apply at the step-end point), tau = 1, alpha = 0.5 with the penalty's weights, and tau = 2,
+    alpha = 0.25 (where alpha and 1 - alpha swapped would differ), each against the simulation;
+    replicas identical right after an alpha = 0 merge (steps 4, 7) and at the end, different
+    between."""
     specs = [
         _spec(outer_step_delay=2, outer_merge_alpha=0.0, sync_mode="layerwise"),
         _spec(outer_step_delay=2, outer_merge_alpha=0.0, sync_mode="step_end"),
         _spec(outer_step_delay=1, outer_merge_alpha=0.5, sync_mode="step_end", pseudo_gradnorm_reduce=True),
+        _spec(outer_step_delay=2, outer_merge_alpha=0.25, sync_mode="layerwise"),
     ]
     specs[0]["snapshot_every_step"] = True
     results = run_ranks(megatron_runs, WORLD, specs, timeout=360)
-    sims = [run_ranks(simulate_edit, 1, spec, WORLD, timeout=120)[0]["params"] for spec in (specs[0], specs[2])]
+    sims = [run_ranks(simulate_edit, 1, spec, WORLD, timeout=120)[0]["params"]
+            for spec in (specs[0], specs[2], specs[3])]
     for r in results:
-        layerwise, step_end, merged = r["runs"]
-        for run, delay in ((layerwise, 2), (step_end, 2), (merged, 1)):
+        layerwise, step_end, merged, quarter = r["runs"]
+        assert _worst(quarter["params"], sims[2][quarter["worker"]]) <= SIM_ATOL
+        for run, delay in ((layerwise, 2), (step_end, 2), (merged, 1), (quarter, 2)):
             assert [(rep.step, rep.delay) for rep in run["reports"]] == [(4, delay), (7, delay), (9, 0)]
             assert all(rep.exposed_wait_seconds >= 0 for rep in run["reports"])
             assert not run["pending_at_end"]
@@ -56,7 +60,7 @@ def test_delayed_outer_step_matches_the_simulation_in_both_modes():
         same = all(torch.equal(a[k], b[k]) for k in a)
         assert same == (step in (4, 7, 9)), f"after step {step}: replicas {'equal' if same else 'differ'}"
     # the run ends with one model on every worker (its last sync is blocking), alpha = 0.5 too
-    for run in range(3):
+    for run in range(len(specs)):
         a, b = results[0]["runs"][run]["params"], results[2]["runs"][run]["params"]
         assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -134,14 +138,37 @@ def test_a_checkpoint_mid_flight_resumes_with_the_same_workers_only(tmp_path):
 def test_two_phase_exchanges_with_a_delay_keep_replicas_identical():
     """The int8 exchange with error feedback and GTA (second phase started one step after the
     launch, tau = 2): both workers apply the same bytes, so after the last (blocking) sync the
-    replicas are identical; the syncs are where they are without the quantization."""
+    replicas are identical; the syncs are where they are without the quantization. The
+    collectives across workers, in order: at the launch (step s - 2) the norms' all-gather and
+    the first phase (int8: one all-to-all per shard; GTA: the consensus all-reduces), one step
+    later the second phase (int8: one all-gather per shard; GTA: the merge all-reduces), and
+    nothing at the apply (step s): a second phase started late (the numbers are the same, the
+    overlap is lost) fails here."""
     specs = [
         _spec(outer_step_delay=2, sync_mode="step_end", exchange_dtype="int8", exchange_error_feedback=True,
               exchange_block_size=64),
         dict(_spec(outer_step_delay=2, sync_mode="layerwise"),
              gta=dict(reducer="gta", consensus_method="sum", sparsification_method="magnitude", density=0.5)),
     ]
+    for spec in specs:
+        spec["traffic"] = True
     results = run_ranks(megatron_runs, WORLD, specs, timeout=360)
+    for r in results:
+        for run, name in enumerate(("int8", "gta")):
+            phases = {}
+            for phase, op, _, _ in r["runs"][run]["traffic"]:
+                phases.setdefault(phase, []).append(op)
+            shards = len(r["runs"][run]["shard_numels"])
+            for s in (4, 7):
+                launch, second = phases.get(f"step {s - 2}", []), phases.get(f"step {s - 1}", [])
+                assert launch[0] == "all_gather", (name, s, launch)  # the norms first
+                if name == "int8":
+                    assert launch[1:] == ["all_to_all_single"] * shards, (s, launch)
+                    assert second == ["all_gather_single"] * shards, (s, second)
+                else:
+                    assert launch[1:] == ["all_reduce"] * shards, (s, launch)  # the consensus
+                    assert len(second) >= shards and set(second) == {"all_reduce"}, (s, second)
+                assert f"step {s}" not in phases, (name, s, phases.get(f"step {s}"))
     for run in range(len(specs)):
         for r in results:
             assert [(rep.step, rep.delay) for rep in r["runs"][run]["reports"]] == [(4, 2), (7, 2), (9, 0)]

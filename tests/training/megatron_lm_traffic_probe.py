@@ -37,7 +37,7 @@ import torch.distributed.distributed_c10d as c10d
 
 COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
-    "all_gather_into_tensor", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
+    "all_gather_into_tensor", "all_gather_single", "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor",
     "_reduce_scatter_base", "all_to_all", "all_to_all_single", "gather", "scatter",
     "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
     "barrier", "monitored_barrier",
@@ -156,7 +156,8 @@ class Recorder:
 
     def install(self):
         for name in COLLECTIVES:
-            self._wrap(name)
+            if hasattr(c10d, name):  # all_gather_single: newer torch (the quantized exchange's)
+                self._wrap(name)
         for name in P2P:
             self._wrap(name, p2p=True)
         self._wrap_batch_p2p()

@@ -136,6 +136,35 @@ def test_launcher_reports_a_config_error_from_the_script_in_one_line(tmp_path, m
     assert err == "megatron_edit: error: --ckpt-format torch with --use-local-sgd: use torch_dist\n"
 
 
+def test_launcher_ends_a_rank_whose_script_fails_without_the_interpreters_teardown(tmp_path):
+    """A script that fails (an exception, or an exit with a code) ends its rank as the main
+    job's do: its traceback, its exit code, and ``os._exit`` instead of the interpreter's
+    teardown of the live gloo groups (once seen ending a rank with SIGABRT): an atexit handler
+    never runs. A clean exit (Megatron's --exit-interval: sys.exit(0)) keeps the ordinary end."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("import sys\n"
+                      "if '--clean' in sys.argv: sys.exit(0)\n"
+                      "if '--code' in sys.argv: sys.exit(3)\n"
+                      "raise RuntimeError('the script failed')\n")
+
+    def run(*extra):
+        code = ("import atexit; atexit.register(lambda: print('INTERPRETER-TEARDOWN', flush=True)); "
+                "from megatron_edit import launch; "
+                "launch._use_cpu = lambda opts: False; launch._set_up_path = lambda script: None; "
+                f"launch.main(['--no-runtime-patches', {str(script)!r}, *{list(extra)!r}])")
+        return subprocess.run([sys.executable, "-c", code], env=dict(_env(), RANK="0"), capture_output=True,
+                              text=True, timeout=300)
+
+    failed = run()
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "RuntimeError: the script failed" in failed.stderr
+    assert "INTERPRETER-TEARDOWN" not in failed.stdout
+    coded = run("--code")
+    assert coded.returncode == 3 and "INTERPRETER-TEARDOWN" not in coded.stdout, coded.stderr[-3000:]
+    clean = run("--clean")
+    assert clean.returncode == 0 and "INTERPRETER-TEARDOWN" in clean.stdout, clean.stderr[-3000:]
+
+
 def test_launcher_on_cpu_requires_gloo():
     with pytest.raises(SystemExit, match="--distributed-backend gloo"):
         launch._check_backend(["--num-layers", "2"])
@@ -260,6 +289,9 @@ def test_flags_through_the_package_provider_compose_and_are_added_once():
         # Before: refused only at the first save, after training, leaving an empty folder.
         ((), dict(ckpt_format="torch", save="ckpt"), ConfigError, "--ckpt-format torch_dist"),
         ((), dict(ckpt_format="torch_dist", save="ckpt"), None, None),
+        # Before: the cached save plan left later entries (anchor, in-flight exchange) out.
+        ((), dict(ckpt_assume_constant_structure=True, save="ckpt"), ConfigError,
+         "--ckpt-assume-constant-structure with --use-local-sgd: .*Drop the flag"),
         ((), dict(optimizer="muon", use_distributed_optimizer=False), NotSupportedYet, "--optimizer muon"),
         ((), dict(optimizer="sgd"), None, None),
         ((), dict(optimizer_cuda_graph=True), ConfigError, "--optimizer-cuda-graph"),
@@ -270,7 +302,7 @@ def test_flags_through_the_package_provider_compose_and_are_added_once():
          "fsdp2", "megatron-fsdp-route", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
          "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-async",
-         "ckpt-format-torch", "ckpt-format-torch-dist", "emerging-optimizer", "sgd",
+         "ckpt-format-torch", "ckpt-format-torch-dist", "ckpt-constant-structure", "emerging-optimizer", "sgd",
          "optimizer-cuda-graph", "gtp-remat"],
 )
 def test_validation_through_the_package_provider(argv, options, error, match):
@@ -433,6 +465,31 @@ def test_replica_hash_check_is_refused_with_fragments():
             check_weight_hash_across_dp_replicas_interval=4))
 
 
+@pytest.mark.parametrize("merge, refused", [
+    ((), "--local-sgd-outer-merge-alpha 0.5"),  # the default alpha
+    (("--local-sgd-outer-merge-alpha", "0.25"), "--local-sgd-outer-merge-alpha 0.25"),
+    (("--local-sgd-outer-merge-rule", "keep_local"), "--local-sgd-outer-merge-rule keep_local"),
+    (("--local-sgd-outer-merge-alpha", "0"), None),
+], ids=["default-alpha", "alpha-0.25", "keep-local", "alpha-0"])
+def test_replica_hash_check_with_a_delay_needs_alpha_0(merge, refused):
+    """A delayed outer step that keeps local progress (alpha > 0, or keep_local) leaves the
+    replicas different right after every sync: Megatron's hash check would fail at the first
+    one, so it is refused at start-up, in one line naming the flags. With alpha 0 every worker
+    takes the new anchor and the check passes at the grid steps (accepted)."""
+    args = _megatron_like_args(
+        "--use-local-sgd", "--local-sgd-sync-interval", "4", "--local-sgd-outer-step-delay", "2", *merge,
+        check_weight_hash_across_dp_replicas_interval=4, train_iters=100)
+    if refused is None:
+        validate_local_sgd_args(args)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate_local_sgd_args(args)
+    message = str(e.value)
+    assert "\n" not in message and "--check-weight-hash-across-dp-replicas-interval=4" in message
+    assert "--local-sgd-outer-step-delay 2" in message and refused in message
+    assert "--local-sgd-outer-merge-alpha 0 " in message
+
+
 def test_delay_and_exposed_wait_reach_the_log_line_and_tensorboard():
     from megatron_edit.exchange.report import SyncReport
 
@@ -494,6 +551,12 @@ def probe(tmp_path_factory):
             "hash-check-misaligned": base + ["--check-weight-hash-across-dp-replicas-interval", "6"],
             "hash-check-aligned": base + ["--check-weight-hash-across-dp-replicas-interval", "4"],
             "bad-sync-interval": base + ["--local-sgd-sync-interval", "0"],
+            "ckpt-constant-structure": base + ["--ckpt-assume-constant-structure"],
+            "hash-check-delay": base + ["--check-weight-hash-across-dp-replicas-interval", "4",
+                                        "--local-sgd-outer-step-delay", "1"],
+            "hash-check-delay-alpha-0": base + ["--check-weight-hash-across-dp-replicas-interval", "4",
+                                                "--local-sgd-outer-step-delay", "1",
+                                                "--local-sgd-outer-merge-alpha", "0"],
         },
         # 4 nodes x 8 GPUs, one worker per node.
         "sizes": {size: [_script_flags(size, 4), 32] for size in ("350m", "1b", "3b", "7b")},
@@ -543,6 +606,13 @@ def test_validation_through_megatrons_validate_args(probe):
     assert "--use-distributed-optimizer" in cases["no-distributed-optimizer"][1]
     assert cases["bad-sync-interval"][0] == "ConfigError"
     assert "--local-sgd-sync-interval" in cases["bad-sync-interval"][1]
+    # Megatron's cached save plan would leave EDiT's later entries out: refused before any work.
+    assert cases["ckpt-constant-structure"][0] == "ConfigError"
+    assert "--ckpt-assume-constant-structure with --use-local-sgd" in cases["ckpt-constant-structure"][1]
+    # A delayed merge that keeps local progress (default alpha 0.5): replicas differ after a sync.
+    assert cases["hash-check-delay"][0] == "ConfigError"
+    assert "--local-sgd-outer-merge-alpha 0.5" in cases["hash-check-delay"][1]
+    assert cases["hash-check-delay-alpha-0"] is None
 
 
 @needs_checkout
