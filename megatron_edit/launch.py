@@ -40,6 +40,7 @@ import logging
 import os
 import re
 import runpy
+import signal
 import sys
 import warnings
 from typing import List, NoReturn, Optional
@@ -152,13 +153,18 @@ def _set_up_path(script: str) -> None:
               f"the installed megatron-core {installed}: same release line", flush=True)
 
 
-def quiet_upstream_warnings() -> None:
+def quiet_upstream_warnings(cpu: bool = False) -> None:
     """Hide torch's FutureWarnings about the deprecated ``torch.distributed`` functions
     megatron-core calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``): two lines per
-    call site per rank, nothing for the user to act on. Other warnings stay."""
+    call site per rank, nothing for the user to act on. ``cpu``: also megatron-core's notes at
+    import that Transformer Engine / Apex are absent (never there on CPU; 12 lines per rank).
+    Other warnings stay."""
     warnings.filterwarnings(
         "ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated"
     )
+    if cpu:
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message=r".*(Transformer Engine and Apex|Apex) (are|is) not installed")
 
 
 def _refuse(message: str) -> NoReturn:
@@ -167,6 +173,29 @@ def _refuse(message: str) -> NoReturn:
     from .arguments import end_with_error
 
     end_with_error(f"megatron_edit: error: {message}")
+
+
+def _stopped_by_the_user(signum=None, frame=None) -> NoReturn:
+    """Ctrl-C: rank 0 prints one line, every rank ends at once with exit code 130 (no
+    KeyboardInterrupt unwinding through Megatron and gloo: a traceback per rank, and the peers'
+    closed connections)."""
+    if _rank0():
+        args = getattr(sys.modules.get("megatron.training.global_vars"), "_GLOBAL_ARGS", None)
+        iteration = getattr(args, "curr_iteration", None)
+        where = f" at iteration {iteration}" if iteration else ""
+        print(f"megatron_edit: stopped by the user{where}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+#: megatron-core's names in the package's messages, and Megatron-LM's flags for them.
+MEGATRON_LM_TERMS = (("DistributedDataParallelConfig.bucket_size", "--ddp-bucket-size"),)
+
+
+def _in_megatron_lm_terms(message: str) -> str:
+    for core, flag in MEGATRON_LM_TERMS:
+        message = message.replace(core, flag)
+    return message
 
 
 class _FlagError(Exception):
@@ -184,12 +213,15 @@ def check_edit_flags(script_args: List[str]) -> None:
     from .arguments import configs_from_args, local_sgd_args_provider
     from .config import ConfigError
 
+    from .arguments import check_flags_need_local_sgd
+
     parser = local_sgd_args_provider(_QuietParser(add_help=False, allow_abbrev=False))
     try:
         known, _ = parser.parse_known_args(script_args)
     except _FlagError as e:
         raise ConfigError(str(e)) from None
-    configs_from_args(known)
+    if configs_from_args(known) is None:
+        check_flags_need_local_sgd(known)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -205,6 +237,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit(f"megatron_edit.launch: no such script: {opts.script}")
     cpu = _use_cpu(opts)
     if cpu:
+        quiet_upstream_warnings(cpu=True)
         _check_backend(opts.script_args)
         from .cpu import training_adapter as cpu_training_adapter
 
@@ -231,10 +264,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             flush=True,
         )
     sys.argv = [opts.script, *opts.script_args]
+    previous = signal.signal(signal.SIGINT, _stopped_by_the_user)
     try:
         runpy.run_path(opts.script, run_name="__main__")
     except ConfigError as e:  # EDiT's checks in Megatron's validate_args, or at model build
-        _refuse(str(e))
+        _refuse(_in_megatron_lm_terms(str(e)))
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ class ProcessState:
     count on every rank (they build them in the same order), so it never resets, not even
     when a session is unpatched."""
 
+    warned: set = field(default_factory=set)
+    """Start-up warnings already given in this process (each once, not once per controller)."""
+
     def next_controller_key(self) -> int:
         """Count one more controller built; its number keys its arrival checks."""
         self.controllers_built += 1
