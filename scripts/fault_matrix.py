@@ -37,8 +37,8 @@ whatever the run leaves behind can be found and ended (:func:`end_the_run`)."""
 
 def end_the_run(mark: str) -> None:
     """SIGKILL every process whose environment carries ``RUN_MARK=mark``. torchrun starts each
-    rank in a session of its own, and a rank SIGKILLed mid-save leaves its multiprocessing
-    children (dist_checkpointing's spawned writer, about 330 MB, and the resource tracker)
+    rank in a session of its own, and a SIGKILLed rank leaves its multiprocessing children (the
+    manager dist_checkpointing's save starts with spawn, about 330 MB, and the resource tracker)
     reparented away from torchrun: neither torchrun's exit nor a kill of its process group
     reaches them (before: two processes left per kill row). Linux (/proc)."""
     needle = f"{RUN_MARK}={mark}".encode()

@@ -553,7 +553,9 @@ def describe_edit(controller, args) -> str:
     if c.use_async:
         when = (f"A-EDiT: sync every {c.local_sgd_sync_time:g} s of training (the first "
                 f"{c.local_sgd_sync_interval} local steps after warmup), skipped below "
-                f"{c.min_total_global_steps} steps in total, the last at step {args.steps}")
+                f"{c.min_total_global_steps} steps in total, a budget of {args.steps * args.workers} "
+                f"worker-steps (--steps x --workers: each worker stops at its own step count, the "
+                f"faster later, at a last sync)")
     else:
         when = f"sync every {c.local_sgd_sync_interval} steps"
         if c.fragments > 1:
@@ -564,6 +566,18 @@ def describe_edit(controller, args) -> str:
             when += f", each exchange launched {c.outer_step_delay} steps early (merge: {merge})"
     text = (f"{when}, after {c.local_sgd_warmup_steps} synchronous warmup steps, {c.sync_mode} mode; "
             f"outer {outer.optimizer_class.__name__} ({kwargs})")
+    exchange = c.exchange_dtype
+    if exchange != "fp32":
+        exchange += (f" (a scale per {c.exchange_block_size} values"
+                     f"{', error feedback' if c.exchange_error_feedback else ''})")
+    arrivals = controller.arrivals
+    timeout = ("" if arrivals is None else
+               f"; sync timeout {arrivals.timeout:g} s"
+               + (" (torch's default; --local-sgd-sync-timeout)" if c.sync_timeout is None else ""))
+    model = ("dense model" if not args.num_experts else
+             f"MoE: {args.num_experts} experts per layer, top-2, expert parallelism "
+             f"{args.expert_model_parallel_size}")
+    text += f"\nexchange {exchange}{timeout}; {model}"
     penalty = []
     if c.skip_anomaly:
         penalty.append(f"anomaly elimination (EWMA alpha {c.ewma_alpha}, after {c.ewma_warmup_steps} "

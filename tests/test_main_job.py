@@ -160,6 +160,33 @@ def test_a_mistake_costs_one_line_before_torch_is_imported(argv, fragment):
     assert heavy == [], heavy
 
 
+def _header(job, argv):
+    from types import SimpleNamespace
+
+    from megatron_edit.arguments import configs_from_args
+
+    args = job.build_parser().parse_args(argv)
+    job.apply_outer_defaults(args)
+    local, outer, _ = configs_from_args(argparse.Namespace(**{**vars(args), "use_local_sgd": True}))
+    timeout = local.sync_timeout or 1800.0
+    controller = SimpleNamespace(config=local, outer_config=outer, arrivals=SimpleNamespace(timeout=timeout),
+                                 sync_shards=None)
+    return job.describe_edit(controller, args)
+
+
+def test_the_header_names_the_exchange_the_timeout_the_model_and_a_edits_budget(job):
+    # Before: no exchange format, sync timeout or MoE, and A-EDiT's "the last at step 120"
+    # (workers end at their own step counts).
+    text = _header(job, [])
+    assert text.splitlines()[1] == "exchange fp32; sync timeout 1800 s (torch's default; --local-sgd-sync-timeout); dense model"
+    text = _header(job, ["--local-sgd-exchange-dtype", "int8", "--local-sgd-exchange-error-feedback",
+                         "--local-sgd-sync-timeout", "90", "--num-experts", "4", "--expert-model-parallel-size", "2"])
+    assert text.splitlines()[1] == ("exchange int8 (a scale per 256 values, error feedback); sync timeout 90 s; "
+                                    "MoE: 4 experts per layer, top-2, expert parallelism 2")
+    text = _header(job, ["--local-sgd-async", "--local-sgd-sync-time", "2"])
+    assert "a budget of 240 worker-steps" in text and "the last at step" not in text
+
+
 def test_the_parameter_count_known_before_torch_is_the_models(job):
     """The fragments' bucket bound counts the model without building it: its vocabulary must be
     the data's, and its count the one the README's header prints for the default model."""
