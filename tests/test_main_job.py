@@ -504,6 +504,44 @@ def test_a_non_finite_loss_stops_the_job(data_dir):
     assert "[rank0]: Traceback" not in out
 
 
+@pytest.mark.timeout(400)
+def test_ctrl_c_stops_the_job_with_one_line_and_exit_code_130(data_dir):
+    """SIGINT to the job's process group, as a terminal's Ctrl-C sends it, once training runs.
+    Before: about 180 lines, 8 tracebacks (a KeyboardInterrupt per rank, the peers' closed
+    connections, the launcher's own) and exit code 1."""
+    import threading
+
+    command = [sys.executable, str(SCRIPT), "--data-dir", data_dir, "--steps", "2000", "--log-interval", "1",
+               "--eval-interval", "1000", "--lr-warmup-steps", "2"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines, training = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step    3 |"):
+                training.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert training.wait(300), "".join(lines)[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(30)
+    out = "".join(lines)
+    after = out.split("step    3 |", 1)[1].splitlines()[1:]
+    said = [line for line in after if not line.startswith("step ")]
+    assert code == 130, out[-3000:]
+    assert len(said) == 1 and re.fullmatch(rf"{SCRIPT.name}: stopped by the user at step \d+", said[0]), said
+
+
 @pytest.mark.timeout(360)
 def test_a_flag_error_under_torchrun_is_one_line(data_dir):
     code, out = torchrun(data_dir, "--workers", "0", timeout=300)
