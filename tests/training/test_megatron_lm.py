@@ -136,6 +136,26 @@ def test_launcher_reports_a_config_error_from_the_script_in_one_line(tmp_path, m
     assert err == "megatron_edit: error: --ckpt-format torch with --use-local-sgd: use torch_dist\n"
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_ctrl_c_through_the_launcher_is_one_line_and_exit_code_130(monkeypatch, capsys, rank):
+    """The launcher's SIGINT handler (installed around the script): rank 0 names Megatron's
+    iteration, every rank ends at once with 130 (before: a KeyboardInterrupt traceback per rank)."""
+    class Ended(Exception):
+        pass
+
+    def exit_now(code):
+        raise Ended(code)
+
+    global_vars = SimpleNamespace(_GLOBAL_ARGS=SimpleNamespace(curr_iteration=7))
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(launch.os, "_exit", exit_now)
+    with pytest.raises(Ended) as ended:
+        launch._stopped_by_the_user()
+    assert ended.value.args == (130,)
+    assert capsys.readouterr().err == ("megatron_edit: stopped by the user at iteration 7\n" if rank == "0" else "")
+
+
 def test_launcher_on_cpu_requires_gloo():
     with pytest.raises(SystemExit, match="--distributed-backend gloo"):
         launch._check_backend(["--num-layers", "2"])
