@@ -102,10 +102,21 @@ class Arrivals:
         key = self._worker_key(rank)
         return int(self.store.get(key)) if self.store.check([key]) else None
 
+    def _missing(self, index: int, ranks: Sequence[int]) -> List[int]:
+        """Those of ``ranks`` without their key of sync ``index``: halves checked whole (one
+        ``check`` of many keys), so a few missing ranks among thousands cost a few checks."""
+        if not ranks or self.store.check([self._key(index, r) for r in ranks]):
+            return []
+        if len(ranks) == 1:
+            return list(ranks)
+        half = len(ranks) // 2
+        return self._missing(index, ranks[:half]) + self._missing(index, ranks[half:])
+
     def _timeout(self, index: int, step: int, waited: float) -> SyncTimeout:
         """The error when the time is up: the job's ranks that did not arrive, by worker."""
-        missing = [r for r in self.job_ranks if not self.store.check([self._key(index, r)])]
-        arrived = [r for r in self.job_ranks if r not in missing]
+        missing = self._missing(index, self.job_ranks)
+        gone = set(missing)
+        arrived = [r for r in self.job_ranks if r not in gone]
         by_worker: dict = {}
         for rank in missing:
             by_worker.setdefault(self._worker_of(rank), []).append(rank)
