@@ -156,6 +156,27 @@ def test_ctrl_c_through_the_launcher_is_one_line_and_exit_code_130(monkeypatch, 
     assert capsys.readouterr().err == ("megatron_edit: stopped by the user at iteration 7\n" if rank == "0" else "")
 
 
+def test_launcher_names_megatron_lms_bucket_flag(tmp_path, monkeypatch, capsys):
+    """A refusal at model build names megatron-core's DDP config field; through the launcher it
+    names Megatron-LM's --ddp-bucket-size (the main job: its --bucket-size)."""
+    from megatron_edit.mcore.fragments import BUCKET_SIZE
+
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("from megatron_edit.config import ConfigError\n"
+                      f"raise ConfigError('use smaller buckets ({BUCKET_SIZE})')\n")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(launch, "_use_cpu", lambda opts: False)
+    monkeypatch.setattr(launch, "_set_up_path", lambda script: None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    import megatron.core.datasets.utils as dataset_utils
+
+    monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)
+    with pytest.raises(SystemExit) as info:
+        launch.main(["--no-runtime-patches", str(script)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "megatron_edit: error: use smaller buckets (--ddp-bucket-size)\n"
+
+
 def test_launcher_on_cpu_requires_gloo():
     with pytest.raises(SystemExit, match="--distributed-backend gloo"):
         launch._check_backend(["--num-layers", "2"])
