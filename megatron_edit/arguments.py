@@ -72,12 +72,12 @@ def end_with_error(line: str, wait_s: Optional[float] = None, first: Optional[bo
     if first is None:
         first = os.environ.get("RANK", "0") == "0"
     if not first:
-        _wait_for_the_launcher(PEER_WAIT_S if wait_s is None else wait_s, code)
+        wait_for_the_launcher(PEER_WAIT_S if wait_s is None else wait_s, code)
     print(line, file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
-def _wait_for_the_launcher(seconds: float, code: int) -> None:
+def wait_for_the_launcher(seconds: float, code: int) -> None:
     """Sleep ``seconds``; stopped meanwhile by the launcher (SIGTERM, after the first rank
     ended), end quietly with ``code``, so that every rank ends with the same exit code (not
     -15) and the line is printed once."""

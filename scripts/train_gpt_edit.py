@@ -48,7 +48,7 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 import megatron_edit  # noqa: E402  (light: the flags' modules import neither torch nor Megatron)
 from megatron_edit.arguments import (  # noqa: E402
-    PEER_WAIT_S, Rank0ArgumentParser, changed_flags, check_flags, end_with_error,
+    PEER_WAIT_S, Rank0ArgumentParser, changed_flags, check_flags, end_with_error, wait_for_the_launcher,
 )
 from megatron_edit.config import ConfigError  # noqa: E402
 from megatron_edit.launch import quiet_upstream_warnings  # noqa: E402
@@ -792,7 +792,7 @@ def end_rank(error: BaseException) -> None:
     if isinstance(error, ConfigError):  # found when EDiT is attached (the model is built), on every rank
         line = f"{os.path.basename(__file__)}: error: {_in_main_job_terms(str(error))}"
         if os.environ.get("RANK", "0") != "0":
-            time.sleep(PEER_WAIT_S)  # rank 0 prints; the launcher stops this rank (end_with_error)
+            wait_for_the_launcher(PEER_WAIT_S, 2)  # rank 0 prints; the launcher stops this rank
         print(line, file=sys.stderr)
         code = 2
     elif isinstance(error, SyncTimeout):
@@ -800,7 +800,7 @@ def end_rank(error: BaseException) -> None:
         # others wait for the launcher to stop them (end_with_error's order) and print it only
         # if still running then.
         if not error.reporter:
-            time.sleep(PEER_WAIT_S)
+            wait_for_the_launcher(PEER_WAIT_S, 1)
         print(error, file=sys.stderr)
         code = 1
     elif isinstance(error, SystemExit):
