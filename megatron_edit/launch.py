@@ -16,9 +16,11 @@ script (that one applies ``lm-compile-helpers`` too)::
     from megatron_edit import patch_megatron_for_local_sgd
     patch_megatron_for_local_sgd()
 
-The EDiT flags among the script's arguments are checked before Megatron is imported, and a bad
-flag (then, or in Megatron's ``validate_args``) ends every rank with exit code 2 and one line on
-rank 0 naming the flag, not a traceback per rank.
+The EDiT flags among the script's arguments are checked before Megatron is imported (EDiT flags
+without ``--use-local-sgd`` are refused), and a bad flag (then, or in Megatron's
+``validate_args``, whose own output is held back until EDiT's checks pass) ends every rank with
+exit code 2 and one line on rank 0 naming the flag, not a traceback per rank. Ctrl-C ends every
+rank at once with exit code 130 and one line on rank 0 (``stopped by the user at iteration N``).
 
 Which ``megatron``: ``megatron.core`` is always the installed megatron-core (the release
 megatron_edit checks its patches against): it is imported before the script's directory goes on
@@ -210,10 +212,8 @@ class _QuietParser(argparse.ArgumentParser):
 def check_edit_flags(script_args: List[str]) -> None:
     """The EDiT flags among ``script_args`` on their own (Megatron's are left to Megatron), before
     Megatron is imported. Raises :class:`~megatron_edit.config.ConfigError` naming the flag."""
-    from .arguments import configs_from_args, local_sgd_args_provider
+    from .arguments import check_flags_need_local_sgd, configs_from_args, local_sgd_args_provider
     from .config import ConfigError
-
-    from .arguments import check_flags_need_local_sgd
 
     parser = local_sgd_args_provider(_QuietParser(add_help=False, allow_abbrev=False))
     try:
