@@ -13,7 +13,8 @@ fallback on ``--distributed-timeout-minutes``, and the refusals below.
 A flag that would do nothing is refused here, naming it and the flag it needs: A-EDiT's
 (``--local-sgd-sync-time``, ``--local-sgd-min-total-global-steps``) without
 ``--local-sgd-async``, ``--local-sgd-step-weight-ratio`` without ``--local-sgd-use-step-weight``,
-the EWMA flags without ``--local-sgd-skip-anomaly``, SGD's ``--outer-optimizer-momentum`` /
+the EWMA flags without ``--local-sgd-skip-anomaly``, any EDiT flag without ``--use-local-sgd``
+(:func:`check_flags_need_local_sgd`), SGD's ``--outer-optimizer-momentum`` /
 ``--[no-]outer-optimizer-nesterov`` with another outer optimizer, and a flag that
 ``--outer-optimizer-kwargs`` sets again. (The configs accept such settings, so programs can
 switch a feature off and keep its settings; a user who typed the flag expects it to act.)
@@ -66,11 +67,12 @@ def end_with_error(line: str, wait_s: Optional[float] = None, first: Optional[bo
     printed: exit code 2 and no message at all (seen in 3 of 21 runs of the main job's
     torchrun test under load). Now rank 0 exits first and the launcher ends the waiting ranks;
     a rank still running after the wait (rank 0 found no error) prints the line itself.
-    ``first``: whether this rank prints at once (default: rank 0); ``code``: the exit code."""
+    ``first``: whether this rank prints at once (default: rank 0); ``code``: the exit code,
+    also of a waiting rank that the launcher stops (SIGTERM): it ends quietly with it."""
     if first is None:
         first = os.environ.get("RANK", "0") == "0"
     if not first:
-        time.sleep(PEER_WAIT_S if wait_s is None else wait_s)
+        wait_for_the_launcher(PEER_WAIT_S if wait_s is None else wait_s, code)
     print(line, file=sys.stderr, flush=True)
     raise SystemExit(code)
 
@@ -101,6 +103,28 @@ def end_rank(error: BaseException) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def wait_for_the_launcher(seconds: float, code: int) -> None:
+    """Sleep ``seconds``; stopped meanwhile by the launcher (SIGTERM, after the first rank
+    ended), end quietly with ``code``, so that every rank ends with the same exit code (not
+    -15) and the line is printed once."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(seconds)
+        return
+
+    def stopped(signum, frame):
+        sys.stdout.flush()
+        os._exit(code)
+
+    previous = signal.signal(signal.SIGTERM, stopped)
+    try:
+        time.sleep(seconds)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Rank0ArgumentParser(argparse.ArgumentParser):
@@ -339,3 +363,15 @@ def check_flags(args: argparse.Namespace) -> None:
     check_outer_numbers(kwargs, known.rpartition(".")[2] if known else "the outer optimizer")
     if not known or args.outer_optimizer_kwargs is not None:
         OuterOptimizerConfig(outer_optim_class=args.outer_optimizer, outer_optim_kwargs=kwargs)
+
+
+def check_flags_need_local_sgd(args: argparse.Namespace) -> None:
+    """EDiT flags given without ``--use-local-sgd`` are refused (as ``--mode baseline`` refuses
+    them in the main job): they would do nothing, and the run would train synchronously after a
+    warning lost in Megatron's start-up output."""
+    changed = changed_flags(args)
+    if changed and not getattr(args, "use_local_sgd", False):
+        raise ConfigError(
+            f"{', '.join(changed)} {'does' if len(changed) == 1 else 'do'} nothing without "
+            "--use-local-sgd (EDiT is off: the run would train synchronously). Add --use-local-sgd, "
+            f"or drop {'it' if len(changed) == 1 else 'them'} for the synchronous baseline.")

@@ -16,9 +16,11 @@ script (that one applies ``lm-compile-helpers`` too)::
     from megatron_edit import patch_megatron_for_local_sgd
     patch_megatron_for_local_sgd()
 
-The EDiT flags among the script's arguments are checked before Megatron is imported, and a bad
-flag (then, or in Megatron's ``validate_args``) ends every rank with exit code 2 and one line on
-rank 0 naming the flag, not a traceback per rank.
+The EDiT flags among the script's arguments are checked before Megatron is imported (EDiT flags
+without ``--use-local-sgd`` are refused), and a bad flag (then, or in Megatron's
+``validate_args``, whose own output is held back until EDiT's checks pass) ends every rank with
+exit code 2 and one line on rank 0 naming the flag, not a traceback per rank. Ctrl-C ends every
+rank at once with exit code 130 and one line on rank 0 (``stopped by the user at iteration N``).
 
 Which ``megatron``: ``megatron.core`` is always the installed megatron-core (the release
 megatron_edit checks its patches against): it is imported before the script's directory goes on
@@ -40,6 +42,7 @@ import logging
 import os
 import re
 import runpy
+import signal
 import sys
 import warnings
 from typing import List, NoReturn, Optional
@@ -152,13 +155,18 @@ def _set_up_path(script: str) -> None:
               f"the installed megatron-core {installed}: same release line", flush=True)
 
 
-def quiet_upstream_warnings() -> None:
+def quiet_upstream_warnings(cpu: bool = False) -> None:
     """Hide torch's FutureWarnings about the deprecated ``torch.distributed`` functions
     megatron-core calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``): two lines per
-    call site per rank, nothing for the user to act on. Other warnings stay."""
+    call site per rank, nothing for the user to act on. ``cpu``: also megatron-core's notes at
+    import that Transformer Engine / Apex are absent (never there on CPU; 12 lines per rank).
+    Other warnings stay."""
     warnings.filterwarnings(
         "ignore", category=FutureWarning, message=r"`torch\.distributed\.\w+` is deprecated"
     )
+    if cpu:
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                message=r".*(Transformer Engine and Apex|Apex) (are|is) not installed")
 
 
 def _refuse(message: str) -> NoReturn:
@@ -167,6 +175,29 @@ def _refuse(message: str) -> NoReturn:
     from .arguments import end_with_error
 
     end_with_error(f"megatron_edit: error: {message}")
+
+
+def _stopped_by_the_user(signum=None, frame=None) -> NoReturn:
+    """Ctrl-C: rank 0 prints one line, every rank ends at once with exit code 130 (no
+    KeyboardInterrupt unwinding through Megatron and gloo: a traceback per rank, and the peers'
+    closed connections)."""
+    if _rank0():
+        args = getattr(sys.modules.get("megatron.training.global_vars"), "_GLOBAL_ARGS", None)
+        iteration = getattr(args, "curr_iteration", None)
+        where = f" at iteration {iteration}" if iteration else ""
+        print(f"megatron_edit: stopped by the user{where}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
+#: megatron-core's names in the package's messages, and Megatron-LM's flags for them.
+MEGATRON_LM_TERMS = (("DistributedDataParallelConfig.bucket_size", "--ddp-bucket-size"),)
+
+
+def _in_megatron_lm_terms(message: str) -> str:
+    for core, flag in MEGATRON_LM_TERMS:
+        message = message.replace(core, flag)
+    return message
 
 
 class _FlagError(Exception):
@@ -181,7 +212,7 @@ class _QuietParser(argparse.ArgumentParser):
 def check_edit_flags(script_args: List[str]) -> None:
     """The EDiT flags among ``script_args`` on their own (Megatron's are left to Megatron), before
     Megatron is imported. Raises :class:`~megatron_edit.config.ConfigError` naming the flag."""
-    from .arguments import configs_from_args, local_sgd_args_provider
+    from .arguments import check_flags_need_local_sgd, configs_from_args, local_sgd_args_provider
     from .config import ConfigError
 
     parser = local_sgd_args_provider(_QuietParser(add_help=False, allow_abbrev=False))
@@ -189,7 +220,8 @@ def check_edit_flags(script_args: List[str]) -> None:
         known, _ = parser.parse_known_args(script_args)
     except _FlagError as e:
         raise ConfigError(str(e)) from None
-    configs_from_args(known)
+    if configs_from_args(known) is None:
+        check_flags_need_local_sgd(known)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -205,6 +237,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit(f"megatron_edit.launch: no such script: {opts.script}")
     cpu = _use_cpu(opts)
     if cpu:
+        quiet_upstream_warnings(cpu=True)
         _check_backend(opts.script_args)
         from .cpu import training_adapter as cpu_training_adapter
 
@@ -231,16 +264,19 @@ def main(argv: Optional[List[str]] = None) -> None:
             flush=True,
         )
     sys.argv = [opts.script, *opts.script_args]
+    previous = signal.signal(signal.SIGINT, _stopped_by_the_user)
     try:
         runpy.run_path(opts.script, run_name="__main__")
     except ConfigError as e:  # EDiT's checks in Megatron's validate_args, or at model build
-        _refuse(str(e))
-    except BaseException as error:  # noqa: B036  (an error, SystemExit with a code, Ctrl-C)
+        _refuse(_in_megatron_lm_terms(str(e)))
+    except BaseException as error:  # noqa: B036  (an error, SystemExit with a code)
         if isinstance(error, SystemExit) and not error.code:
             raise  # a clean exit (Megatron's --exit-interval): the interpreter's own ending
         from .arguments import end_rank
 
         end_rank(error)  # without the teardown of the live gloo groups, as the main job
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,31 @@ JOB = ROOT / "scripts" / "fault_job.py"
 LIMIT = 240  # seconds a run may take before it is killed (a hang the job did not end itself)
 
 
+RUN_MARK = "MEGATRON_EDIT_FAULT_MATRIX_RUN"
+"""Environment variable every process of a run inherits (its value: the run's own), so that
+whatever the run leaves behind can be found and ended (:func:`end_the_run`)."""
+
+
+def end_the_run(mark: str) -> None:
+    """SIGKILL every process whose environment carries ``RUN_MARK=mark``. torchrun starts each
+    rank in a session of its own, and a SIGKILLed rank leaves its multiprocessing children (the
+    manager dist_checkpointing's save starts with spawn, about 330 MB, and the resource tracker)
+    reparented away from torchrun: neither torchrun's exit nor a kill of its process group
+    reaches them (before: two processes left per kill row). Linux (/proc)."""
+    needle = f"{RUN_MARK}={mark}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                marked = needle in f.read().split(b"\0")
+        except OSError:  # gone, or another user's
+            continue
+        if marked:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def run(dir_, *argv, limit=LIMIT):
     """(exit code, output, seconds from the fault to the end or None, RESULT dict or None)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--rdzv-backend", "c10d",
@@ -37,8 +62,11 @@ def run(dir_, *argv, limit=LIMIT):
     # Output to a file, not a pipe: helper processes of a killed rank (the checkpoint writer's)
     # can outlive torchrun and keep a pipe open; what ends the run is torchrun's exit.
     log = Path(dir_) / "output.log"
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    env = dict(os.environ, **{RUN_MARK: mark})
     with open(log, "w") as sink:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
         try:
             proc.wait(timeout=limit)
             note = ""
@@ -46,10 +74,11 @@ def run(dir_, *argv, limit=LIMIT):
             note = f"\n[fault_matrix: killed after {limit} s]"
         end = time.time()
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the run is left (orphaned helpers)
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the run is left in its session
         except ProcessLookupError:
             pass
         proc.wait()
+        end_the_run(mark)  # and what left it (the ranks' own sessions, orphaned helpers)
     out = log.read_text() + note
     fault_at = Path(dir_) / "fault_at"
     seconds = end - float(fault_at.read_text()) if fault_at.exists() else None
@@ -64,7 +93,7 @@ def run(dir_, *argv, limit=LIMIT):
 
 def first_error(out: str) -> str:
     """The line a user reads first: the package's message, or torchrun's about a dead rank."""
-    for pattern in (r"(SyncTimeout: [^\n]+)", r"(megatron_edit\.\w+(?:\.\w+)*\.\w+: megatron_edit: [^\n]+)",
+    for pattern in (r"(megatron_edit: sync \d+ \(after step \d+\): [^\n]+)", r"(SyncTimeout: [^\n]+)", r"(megatron_edit\.\w+(?:\.\w+)*\.\w+: megatron_edit: [^\n]+)",
                     r"(\w+Error: megatron_edit: [^\n]+)", r"(megatron_edit: [^\n]+)", r"(exitcode\s*:\s*-9[^\n]*)",
                     r"(Signal 9 \(SIGKILL\)[^\n]*)", r"(\w+Error: [^\n]+)"):
         m = re.search(pattern, out)
@@ -151,7 +180,8 @@ def main() -> int:
         d.mkdir()
         code, out, seconds, _ = run(d, "--fault", "hang", "--fault-rank", "2", "--sync-timeout", "10")
         msg = first_error(out)
-        ok = code != 0 and "for worker 1" in out and "SyncTimeout" in out and seconds is not None and seconds < 200
+        ok = (code != 0 and "worker 1 (global rank" in out and "did not arrive within --local-sgd-sync-timeout" in out
+              and seconds is not None and seconds < 200)
         row("hang", "rank 2 (worker 1) stops arriving before its step 6; --local-sgd-sync-timeout 10",
             msg, seconds, "nothing trained after the last checkpoint is lost beyond what a restart costs", ok)
 

@@ -35,6 +35,7 @@ import argparse
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -46,8 +47,9 @@ warnings.filterwarnings("ignore", module=r"megatron\.")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 
 import megatron_edit  # noqa: E402  (light: the flags' modules import neither torch nor Megatron)
+from megatron_edit import arguments  # noqa: E402
 from megatron_edit.arguments import (  # noqa: E402
-    PEER_WAIT_S, Rank0ArgumentParser, changed_flags, check_flags, end_rank, end_with_error,
+    PEER_WAIT_S, Rank0ArgumentParser, changed_flags, check_flags, end_with_error, wait_for_the_launcher,
 )
 from megatron_edit.config import ConfigError  # noqa: E402
 from megatron_edit.launch import quiet_upstream_warnings  # noqa: E402
@@ -96,8 +98,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 
 def build_parser() -> Rank0ArgumentParser:
+    # allow_abbrev=False: a prefix of a flag (--local-sgd-fragment) is refused, not taken for
+    # the flag it begins (Megatron-LM's parser does the same).
     parser = Rank0ArgumentParser(prog=os.path.basename(__file__), description=__doc__,
-                                 formatter_class=_HelpFormatter)
+                                 formatter_class=_HelpFormatter, allow_abbrev=False)
     at_least_1, at_least_0 = _int_at_least(1), _int_at_least(0)
     add = parser.add_argument
     add("--nproc-per-node", type=at_least_1, default=None,
@@ -170,7 +174,8 @@ def apply_outer_defaults(args: argparse.Namespace) -> None:
 _MAIN_JOB_TERMS = (("--global-batch-size / --micro-batch-size", "--micro-batch-size"),
                    ("--train-iters", "--steps"),
                    (" (needs --overlap-param-gather)", ""),  # this job always overlaps it
-                   ("--distributed-timeout-minutes", "torch's 30 minutes"))
+                   ("--distributed-timeout-minutes", "torch's 30 minutes"),
+                   ("DistributedDataParallelConfig.bucket_size", "--bucket-size"))
 
 
 def _in_main_job_terms(message: str) -> str:
@@ -259,12 +264,45 @@ def check_launch(args: argparse.Namespace, parser: Rank0ArgumentParser) -> int:
         parser.fail(f"--expert-model-parallel-size {ep} must divide the number of processes ({world}, "
                     f"{starts}), and --workers {args.workers} the quotient (each worker holds every "
                     "expert once).")
+    if args.mode != "baseline":
+        check_fragments_fit_buckets(args, parser)
     per_step = world // args.workers * args.micro_batch_size
     if args.eval_samples < per_step:
         parser.fail(f"--eval-samples {args.eval_samples} is fewer than one validation batch of "
                     f"a worker ({world // args.workers} ranks x --micro-batch-size "
                     f"{args.micro_batch_size} = {per_step}).")
     return world
+
+
+# megatron_edit.cpu.data.VOCAB_SIZE (256 bytes + end of document), which imports torch to read.
+VOCAB_SIZE = 257
+
+
+def dense_parameters(args: argparse.Namespace):
+    """(elements, tensors) of this job's dense GPT (an output layer of its own, GPTModel's
+    default), known before torch is imported; the header's parameter count says the same."""
+    h, ffn = args.hidden, 4 * args.hidden
+    per_layer = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (ffn * h + ffn) + (h * ffn + h)
+    elements = 2 * VOCAB_SIZE * h + args.seq_length * h + args.layers * per_layer + 2 * h
+    return elements, 3 + 12 * args.layers + 2
+
+
+def check_fragments_fit_buckets(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
+    """--local-sgd-fragments F needs at least F buckets (one bucket group each). A bucket closes
+    once it holds --bucket-size elements (each parameter padded by under 64), so a dense model
+    of T elements in P tensors has at most (T + 63 P) // size + 1 of them: refused here when
+    even that is too few (megatron-core checks the real count when EDiT is attached). MoE: the
+    experts' buckets are another optimizer's, checked there."""
+    fragments = args.local_sgd_fragments
+    if fragments <= 1 or args.num_experts:
+        return
+    elements, tensors = dense_parameters(args)
+    most = (elements + 63 * tensors) // args.bucket_size + 1
+    if most < fragments:
+        parser.fail(f"--local-sgd-fragments {fragments} needs at least {fragments} DDP buckets, but "
+                    f"--bucket-size {args.bucket_size} makes at most {most} of this model (at most "
+                    f"{elements:,} parameters; a bucket closes once it holds --bucket-size of them): "
+                    f"lower --bucket-size well below {elements // fragments:,}, or use fewer fragments.")
 
 
 def launch(argv=None) -> int:
@@ -288,8 +326,14 @@ def launch(argv=None) -> int:
     for name in list(logging.root.manager.loggerDict):  # its report is the one line below
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         elastic_launch(config, sys.executable)(os.path.abspath(__file__), *argv)
+    except (KeyboardInterrupt, SignalException) as e:
+        # Ctrl-C: the ranks got it too; rank 0 printed "stopped by the user at step N" (UserStop)
+        signum = getattr(e, "sigval", signal.SIGINT)
+        return 128 + int(signum)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
@@ -321,6 +365,33 @@ import torch.distributed as dist  # noqa: E402
 def log0(*args):
     if dist.get_rank() == 0:
         print(*args, flush=True)
+
+
+class UserStop:
+    """Ctrl-C on a rank: rank 0 prints one line, ``stopped by the user at step N``, and every
+    rank ends with exit code 130 at once (``os._exit`` from the signal handler: no
+    KeyboardInterrupt unwinding through Megatron and gloo, which printed a traceback per rank
+    and the peers' closed connections, about 180 lines). The launcher returns 130 quietly."""
+
+    def __init__(self):
+        self.step = 0
+        """The step in progress (0: before the first)."""
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self.stop)
+
+    def line(self) -> str:
+        where = f"at step {self.step}" if self.step else "before the first step"
+        return f"{os.path.basename(__file__)}: stopped by the user {where}"
+
+    def stop(self, signum=None, frame=None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            print(self.line(), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+
+
+USER_STOP = UserStop()
 
 
 class _LogFormatter(logging.Formatter):
@@ -483,7 +554,9 @@ def describe_edit(controller, args) -> str:
     if c.use_async:
         when = (f"A-EDiT: sync every {c.local_sgd_sync_time:g} s of training (the first "
                 f"{c.local_sgd_sync_interval} local steps after warmup), skipped below "
-                f"{c.min_total_global_steps} steps in total, the last at step {args.steps}")
+                f"{c.min_total_global_steps} steps in total, a budget of {args.steps * args.workers} "
+                f"worker-steps (--steps x --workers: each worker stops at its own step count, the "
+                f"faster later, at a last sync)")
     else:
         when = f"sync every {c.local_sgd_sync_interval} steps"
         if c.fragments > 1:
@@ -494,6 +567,18 @@ def describe_edit(controller, args) -> str:
             when += f", each exchange launched {c.outer_step_delay} steps early (merge: {merge})"
     text = (f"{when}, after {c.local_sgd_warmup_steps} synchronous warmup steps, {c.sync_mode} mode; "
             f"outer {outer.optimizer_class.__name__} ({kwargs})")
+    exchange = c.exchange_dtype
+    if exchange != "fp32":
+        exchange += (f" (a scale per {c.exchange_block_size} values"
+                     f"{', error feedback' if c.exchange_error_feedback else ''})")
+    arrivals = controller.arrivals
+    timeout = ("" if arrivals is None else
+               f"; sync timeout {arrivals.timeout:g} s"
+               + (" (torch's default; --local-sgd-sync-timeout)" if c.sync_timeout is None else ""))
+    model = ("dense model" if not args.num_experts else
+             f"MoE: {args.num_experts} experts per layer, top-2, expert parallelism "
+             f"{args.expert_model_parallel_size}")
+    text += f"\nexchange {exchange}{timeout}; {model}"
     penalty = []
     if c.skip_anomaly:
         penalty.append(f"anomaly elimination (EWMA alpha {c.ewma_alpha}, after {c.ewma_warmup_steps} "
@@ -602,6 +687,7 @@ def train(args, use_local_sgd, datasets):
     for step in range(1, last_step + 1):
         if use_async and controllers[0].finished:
             break
+        USER_STOP.step = step
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -672,6 +758,7 @@ def main(argv=None):
     world = check_launch(args, parser)
     setup_logging(args.local_sgd_debug)
     quiet_upstream_warnings()
+    USER_STOP.install()
     torch.set_num_threads(1)
     from megatron_edit.cpu import adapter as cpu_adapter
 
@@ -681,6 +768,33 @@ def main(argv=None):
         run_rank(args, world)
     except BaseException as error:  # noqa: B036  (SystemExit and KeyboardInterrupt too)
         end_rank(error)
+
+
+def end_rank(error: BaseException) -> None:
+    """Ends a main-job rank that stops on an error: :func:`megatron_edit.arguments.end_rank`
+    (``os._exit`` with the rank's exit code, without the interpreter's teardown of the live gloo
+    groups), after the main job's own one-line reports: a refusal found when EDiT is attached
+    (exit code 2, printed by rank 0 in the main job's flag names) and a sync timeout (exit code
+    1, printed by the rank that reports it; the others wait for the launcher to stop them)."""
+    from megatron_edit.exchange.arrival import SyncTimeout
+
+    if isinstance(error, KeyboardInterrupt):  # raised, not signalled (UserStop handles Ctrl-C)
+        USER_STOP.stop()
+    if isinstance(error, ConfigError):  # found when EDiT is attached (the model is built), on every rank
+        line = f"{os.path.basename(__file__)}: error: {_in_main_job_terms(str(error))}"
+        if os.environ.get("RANK", "0") != "0":
+            wait_for_the_launcher(PEER_WAIT_S, 2)  # rank 0 prints; the launcher stops this rank
+        print(line, file=sys.stderr)
+        error = SystemExit(2)
+    elif isinstance(error, SyncTimeout):
+        # Every waiting rank raises it with the same line: the reporter prints it at once; the
+        # others wait for the launcher to stop them (end_with_error's order) and print it only
+        # if still running then.
+        if not error.reporter:
+            wait_for_the_launcher(PEER_WAIT_S, 1)
+        print(error, file=sys.stderr)
+        error = SystemExit(1)
+    arguments.end_rank(error)
 
 
 def run_rank(args: argparse.Namespace, world: int) -> None:

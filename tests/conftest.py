@@ -5,10 +5,21 @@ The test folders mirror the package's layers (algorithm/, exchange/, mcore/, tra
 the helpers every layer's tests share (dist.py: multi-rank runs; gpt_utils.py, edit_runs.py:
 tiny megatron-core GPT runs) sit in tests/ itself. Multi-rank tests use dist.run_ranks and carry
 a pytest-timeout mark.
+
+Every test ends what it starts: each process the tests start carries
+``MEGATRON_EDIT_TEST_SESSION`` (set here, inherited by every child and grandchild, also by one
+reparented away from pytest), and a test after which such a process is still alive fails
+(:func:`no_process_left_behind`).
 """
 
+import os
+import signal
 import sys
+import time
+import uuid
 from pathlib import Path
+
+import pytest
 
 _ROOT = str(Path(__file__).resolve().parents[1])
 _TESTS = str(Path(__file__).resolve().parent)
@@ -35,3 +46,59 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+SESSION_MARK = "MEGATRON_EDIT_TEST_SESSION"
+if not os.environ.get(SESSION_MARK, "").startswith(f"{os.getpid()}-"):  # once per pytest process
+    os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex}"  # every child inherits it
+#: Seconds a test's processes get to end after it (a killed rank is reaped, a child exits).
+LEFT_BEHIND_GRACE_S = 15.0
+
+
+def _session_processes():
+    """{pid: command line} of the live processes started by this session (other than pytest's
+    own multiprocessing helpers, which live for the session: the forkserver tests/dist.py
+    starts ranks from, and the resource tracker)."""
+    import multiprocessing.forkserver as forkserver
+    import multiprocessing.resource_tracker as resource_tracker
+
+    needle = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    # private attributes: multiprocessing names its helper processes nowhere else
+    helpers = {os.getpid(), getattr(forkserver._forkserver, "_forkserver_pid", None),
+               getattr(resource_tracker._resource_tracker, "_pid", None)}
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) in helpers:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue  # (a zombie's environment is empty: it has ended)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Fails the test after which a process it started is still alive (then ends it, so the
+    next test starts clean). Linux only (/proc); elsewhere nothing is checked."""
+    yield
+    if not os.path.isdir("/proc"):
+        return
+    deadline = time.monotonic() + LEFT_BEHIND_GRACE_S
+    left = _session_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _session_processes()
+    if not left:
+        return
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    pytest.fail(f"the test left {len(left)} process(es) running (ended now): "
+                + "; ".join(f"{pid}: {cmd}" for pid, cmd in sorted(left.items())), pytrace=False)

@@ -642,10 +642,11 @@ def vpp_runs(rank, world_size, specs):
     return out
 
 
-def hung_worker_job(rank, world_size, local_sgd, hang_after_step, hung_worker=1, steps=6):
-    """EDiT, 2 workers x 2 shards; the ranks of ``hung_worker`` stop arriving (sleep far longer
-    than the sync timeout) after their step ``hang_after_step``: the others must stop at their
-    next sync with a message naming the worker, not wait for torch's process-group timeout."""
+def hung_worker_job(rank, world_size, local_sgd, hang_after_step, hung_worker=1, steps=6, hung_ranks=None):
+    """EDiT, 2 workers x 2 shards; the ranks of ``hung_worker`` (or only the global ranks
+    ``hung_ranks``) stop arriving (sleep far longer than the sync timeout) after their step
+    ``hang_after_step``: the others must stop at their next sync with a message naming the
+    worker, not wait for torch's process-group timeout."""
     import time as _time
 
     import megatron_edit as me
@@ -660,7 +661,8 @@ def hung_worker_job(rank, world_size, local_sgd, hang_after_step, hung_worker=1,
     worker = dp_rank // (dp // 2)
     batches = make_batches(steps, dp * MICRO_BATCH, seed=0)
     for step in range(1, steps + 1):
-        if worker == hung_worker and step == hang_after_step + 1:
+        hung = rank in hung_ranks if hung_ranks is not None else worker == hung_worker
+        if hung and step == hang_after_step + 1:
             _time.sleep(600)
         train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], dp_rank, dp))
     return step

@@ -525,7 +525,11 @@ def test_fragments_checks():
 
 
 def test_outer_merge_rule_checks():
-    assert LocalSGDConfig().outer_merge_rule == "lerp"
+    assert LocalSGDConfig().outer_merge_rule is None  # lerp, with a delay
+    # Given without a delay it does nothing: refused, lerp too (before: lerp passed silently).
+    message = _raises(LocalSGDConfig, ConfigError, "outer_merge_rule", outer_merge_rule="lerp")
+    assert "--local-sgd-outer-step-delay" in message
+    LocalSGDConfig(local_sgd_sync_interval=4, outer_step_delay=2, outer_merge_rule="lerp")
     cfg = LocalSGDConfig(local_sgd_sync_interval=4, outer_step_delay=2, outer_merge_rule="keep_local")
     assert cfg.outer_merge_rule == "keep_local"
     _raises(LocalSGDConfig, ConfigError, "outer_merge_rule", outer_merge_rule="keep", local_sgd_sync_interval=4,

@@ -3,11 +3,16 @@ processes (EDiT on megatron-core, 2 workers x 2 shards, CPU), one fault each, th
 checked against an uninterrupted run. Slow (20-60 s a row): CI runs them in its default lane;
 ``-m 'not slow'`` leaves them out."""
 
+import importlib.util
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+import conftest
 
 from megatron_edit.mcore import checkpoint as checkpointing, compat
 
@@ -50,3 +55,58 @@ def test_fault_matrix_row_holds(row):
                          capture_output=True, text=True, timeout=850)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "1 of 1 rows hold" in out.stdout, out.stdout[-4000:]
+
+
+def _orphan(env) -> int:
+    """Start ``sleep 300`` through a shell that exits at once: the sleep is reparented away from
+    this process (as a killed rank's helpers are from torchrun); returns its pid."""
+    out = subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], env=env, capture_output=True,
+                         text=True, timeout=30)
+    return int(out.stdout.strip())
+
+
+def _ended(pid: int, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True  # ended, not yet reaped by its new parent
+        except OSError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="Linux only (/proc)")
+def test_a_run_of_the_matrix_ends_the_processes_it_leaves_behind():
+    """Before: each kill row left the killed rank's checkpoint writer (a multiprocessing spawn
+    child) and its resource tracker running, reparented away from torchrun."""
+    spec = importlib.util.spec_from_file_location("fault_matrix_under_test", ROOT / "scripts" / "fault_matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    pid = _orphan(dict(os.environ, **{matrix.RUN_MARK: "this-run"}))
+    other = _orphan(dict(os.environ, **{matrix.RUN_MARK: "another-run"}))
+    try:
+        matrix.end_the_run("this-run")
+        assert _ended(pid)
+        assert not _ended(other, within=1.0)  # another run's processes are left alone
+    finally:
+        for p in (pid, other):
+            try:
+                os.kill(p, 9)
+            except ProcessLookupError:
+                pass
+        assert _ended(other)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="Linux only (/proc)")
+def test_the_suite_sees_a_process_a_test_left_behind():
+    """What tests/conftest.py's check after every test finds: a process this session started,
+    also one reparented away from pytest; gone once it has ended."""
+    pid = _orphan(os.environ)
+    try:
+        assert "sleep 300" in conftest._session_processes().get(pid, "")
+    finally:
+        os.kill(pid, 9)
+    assert _ended(pid) and pid not in conftest._session_processes()

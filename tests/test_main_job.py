@@ -90,6 +90,14 @@ REFUSED = [
     (["--num-experts", "4", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3 must divide --num-experts 4"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4"], "and --workers 2 the quotient"),
     (["--num-experts", "1"], "argument --num-experts: must be an integer >= 2"),
+    # Before: a prefix of a flag was taken for it (argparse's abbreviations): F = 4 fragments.
+    (["--local-sgd-fragment", "4"], "unrecognized arguments: --local-sgd-fragment 4"),
+    # Before: accepted and ignored (nothing to merge without a delay), as alpha is refused.
+    (["--local-sgd-outer-merge-rule", "lerp"], "the merge only follows a delayed outer step; add "
+                                               "--local-sgd-outer-step-delay"),
+    # Before: refused only once the model was built, naming Megatron-LM's --ddp-bucket-size.
+    (["--local-sgd-sync-interval", "8", "--local-sgd-fragments", "8"],
+     "--local-sgd-fragments 8 needs at least 8 DDP buckets, but --bucket-size 20000 makes at most 7"),
 ]
 
 
@@ -131,6 +139,9 @@ LAUNCHER_REFUSED = [
     (["--local-sgd-sync-time", "1"], "--local-sgd-sync-time does nothing without --local-sgd-async"),
     (["--data-dir", str(SCRIPT)], f"--data-dir {SCRIPT} is a file, not a folder"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4"], "and --workers 2 the quotient"),
+    (["--local-sgd-fragment", "4"], "unrecognized arguments: --local-sgd-fragment 4"),
+    (["--local-sgd-sync-interval", "8", "--local-sgd-fragments", "8", "--bucket-size", "100000"],
+     "--local-sgd-fragments 8 needs at least 8 DDP buckets, but --bucket-size 100000 makes at most 2"),
 ]
 
 
@@ -147,6 +158,43 @@ def test_a_mistake_costs_one_line_before_torch_is_imported(argv, fragment):
     assert "megatron_edit.arguments" in imported  # what -X importtime lists is what was imported
     heavy = [m for m in imported if m.split(".")[0] in ("torch", "megatron", "numpy")]
     assert heavy == [], heavy
+
+
+def _header(job, argv):
+    from types import SimpleNamespace
+
+    from megatron_edit.arguments import configs_from_args
+
+    args = job.build_parser().parse_args(argv)
+    job.apply_outer_defaults(args)
+    local, outer, _ = configs_from_args(argparse.Namespace(**{**vars(args), "use_local_sgd": True}))
+    timeout = local.sync_timeout or 1800.0
+    controller = SimpleNamespace(config=local, outer_config=outer, arrivals=SimpleNamespace(timeout=timeout),
+                                 sync_shards=None)
+    return job.describe_edit(controller, args)
+
+
+def test_the_header_names_the_exchange_the_timeout_the_model_and_a_edits_budget(job):
+    # Before: no exchange format, sync timeout or MoE, and A-EDiT's "the last at step 120"
+    # (workers end at their own step counts).
+    text = _header(job, [])
+    assert text.splitlines()[1] == "exchange fp32; sync timeout 1800 s (torch's default; --local-sgd-sync-timeout); dense model"
+    text = _header(job, ["--local-sgd-exchange-dtype", "int8", "--local-sgd-exchange-error-feedback",
+                         "--local-sgd-sync-timeout", "90", "--num-experts", "4", "--expert-model-parallel-size", "2"])
+    assert text.splitlines()[1] == ("exchange int8 (a scale per 256 values, error feedback); sync timeout 90 s; "
+                                    "MoE: 4 experts per layer, top-2, expert parallelism 2")
+    text = _header(job, ["--local-sgd-async", "--local-sgd-sync-time", "2"])
+    assert "a budget of 240 worker-steps" in text and "the last at step" not in text
+
+
+def test_the_parameter_count_known_before_torch_is_the_models(job):
+    """The fragments' bucket bound counts the model without building it: its vocabulary must be
+    the data's, and its count the one the README's header prints for the default model."""
+    from megatron_edit.cpu import data
+
+    assert job.VOCAB_SIZE == data.VOCAB_SIZE
+    args = job.build_parser().parse_args([])
+    assert job.dense_parameters(args)[0] == 137_088  # "137,088 parameters on this rank"
 
 
 @pytest.mark.parametrize("argv", [[], ["--mode", "baseline"], ["--mode", "both"],
@@ -221,7 +269,8 @@ class _Ended(Exception):
     (SystemExit(1), 1, ""),  # stop_if_not_finite: its message is already printed
     (SystemExit("stopped: a reason"), 1, "stopped: a reason"),
     (RuntimeError("a failed sync"), 1, "RuntimeError: a failed sync"),
-    (KeyboardInterrupt(), 1, "KeyboardInterrupt"),
+    # Ctrl-C: one line on rank 0 and exit code 130 (before: a traceback per rank, exit code 1)
+    (KeyboardInterrupt(), 130, "train_gpt_edit.py: stopped by the user before the first step\n"),
     (SystemExit(0), 0, ""),
 ])
 def test_a_rank_that_stops_ends_through_os_exit(job, monkeypatch, capsys, raised, code, printed):
@@ -239,6 +288,7 @@ def test_a_rank_that_stops_ends_through_os_exit(job, monkeypatch, capsys, raised
     monkeypatch.setattr(job.torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(job, "setup_logging", lambda debug: None)  # process-wide otherwise
     monkeypatch.setattr(job, "quiet_upstream_warnings", lambda: None)
+    monkeypatch.setattr(job.USER_STOP, "install", lambda: None)  # pytest keeps its Ctrl-C
 
     def run_rank(args, world):
         raise raised
@@ -253,6 +303,63 @@ def test_a_rank_that_stops_ends_through_os_exit(job, monkeypatch, capsys, raised
     assert ended.value.args == (code,)
     err = capsys.readouterr().err
     assert (printed in err) if printed else err == "", err
+
+
+def _ended_rank(job, monkeypatch, capsys, raised, rank="0"):
+    """(exit code, stderr, sleeps) of a rank whose run raised ``raised`` (os._exit faked)."""
+    from megatron_edit.cpu import adapter
+
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.setenv(name, rank)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(adapter, "activate", lambda: None)
+    monkeypatch.setattr(job.dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(job.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(job, "setup_logging", lambda debug: None)
+    monkeypatch.setattr(job, "quiet_upstream_warnings", lambda: None)
+    monkeypatch.setattr(job.USER_STOP, "install", lambda: None)  # pytest keeps its Ctrl-C
+    sleeps = []
+    monkeypatch.setattr(job.time, "sleep", sleeps.append)
+
+    def run_rank(args, world):
+        raise raised
+
+    def exit_now(status):
+        raise _Ended(status)
+
+    monkeypatch.setattr(job, "run_rank", run_rank)
+    monkeypatch.setattr(job.os, "_exit", exit_now)
+    with pytest.raises(_Ended) as ended:
+        job.main([])
+    return ended.value.args[0], capsys.readouterr().err, sleeps
+
+
+@pytest.mark.parametrize("reporter", [True, False])
+def test_a_sync_timeout_ends_every_rank_with_one_line_from_one_of_them(job, monkeypatch, capsys, reporter):
+    """Every rank waiting at the sync raises SyncTimeout with the same line: the reporter prints
+    it at once, the others wait for the launcher to stop them (before: a traceback per rank,
+    each naming the rank its own sync group missed)."""
+    from megatron_edit.exchange.arrival import SyncTimeout
+
+    line = "megatron_edit: sync 3 (after step 7): worker 1 (global ranks 2, 3) did not arrive ..."
+    code, err, sleeps = _ended_rank(job, monkeypatch, capsys, SyncTimeout(line, reporter=reporter), rank="1")
+    assert code == 1 and err == line + "\n", err
+    assert sleeps == ([] if reporter else [job.PEER_WAIT_S])
+
+
+def test_a_config_error_at_build_is_one_line_in_the_jobs_terms(job, monkeypatch, capsys):
+    """Found when EDiT is attached to the built model (the fragments against the real bucket
+    count): one line naming the job's --bucket-size, exit code 2 (before: a traceback naming
+    Megatron-LM's --ddp-bucket-size)."""
+    from megatron_edit.config import ConfigError
+    from megatron_edit.mcore.fragments import BUCKET_SIZE
+
+    error = ConfigError(f"fragments (--local-sgd-fragments): 5 bucket groups cannot make 6 fragments "
+                        f"on this rank's distributed optimizer; use fewer fragments, or smaller "
+                        f"buckets ({BUCKET_SIZE}) so that the model has more bucket groups.")
+    code, err, sleeps = _ended_rank(job, monkeypatch, capsys, error)
+    assert code == 2 and err.count("\n") == 1 and sleeps == [], err
+    assert err.startswith("train_gpt_edit.py: error: fragments") and "smaller buckets (--bucket-size)" in err
 
 
 def test_help_is_printed_once(job, monkeypatch, capsys):
@@ -395,6 +502,44 @@ def test_a_non_finite_loss_stops_the_job(data_dir):
     assert errors and all(re.search(r"worker \d's (training loss|gradient norm|validation loss) is "
                                     r"(nan|inf)", e) and "--outer-optimizer-lr" in e for e in errors), out[-3000:]
     assert "[rank0]: Traceback" not in out
+
+
+@pytest.mark.timeout(400)
+def test_ctrl_c_stops_the_job_with_one_line_and_exit_code_130(data_dir):
+    """SIGINT to the job's process group, as a terminal's Ctrl-C sends it, once training runs.
+    Before: about 180 lines, 8 tracebacks (a KeyboardInterrupt per rank, the peers' closed
+    connections, the launcher's own) and exit code 1."""
+    import threading
+
+    command = [sys.executable, str(SCRIPT), "--data-dir", data_dir, "--steps", "2000", "--log-interval", "1",
+               "--eval-interval", "1000", "--lr-warmup-steps", "2"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines, training = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step    3 |"):
+                training.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert training.wait(300), "".join(lines)[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(30)
+    out = "".join(lines)
+    after = out.split("step    3 |", 1)[1].splitlines()[1:]
+    said = [line for line in after if not line.startswith("step ")]
+    assert code == 130, out[-3000:]
+    assert len(said) == 1 and re.fullmatch(rf"{SCRIPT.name}: stopped by the user at step \d+", said[0]), said
 
 
 @pytest.mark.timeout(360)

@@ -209,12 +209,14 @@ class LocalSGDConfig:
     dropped), larger values keep part of them (replicas then differ by alpha times their local
     drift until the next sync)."""
 
-    outer_merge_rule: str = flag(
-        "--local-sgd-outer-merge-rule", "lerp", choices=("lerp", "keep_local"),
-        help="After a delayed outer step: lerp: theta <- alpha*theta + (1-alpha)*new anchor "
-             "(--local-sgd-outer-merge-alpha); keep_local: theta <- new anchor + the tau local "
-             "steps taken during the exchange (needs --local-sgd-outer-step-delay).")
-    """The merge after a delayed outer step (tau > 0). ``lerp``:
+    outer_merge_rule: Optional[str] = flag(
+        "--local-sgd-outer-merge-rule", None, choices=("lerp", "keep_local"), show_default=False,
+        help="After a delayed outer step: lerp (the default): theta <- alpha*theta + "
+             "(1-alpha)*new anchor (--local-sgd-outer-merge-alpha); keep_local: theta <- new "
+             "anchor + the tau local steps taken during the exchange (either needs "
+             "--local-sgd-outer-step-delay).")
+    """The merge after a delayed outer step (tau > 0); None (default): ``lerp``. Given without a
+    delay it is refused (there is nothing to merge), ``lerp`` too. ``lerp``:
     ``theta <- alpha * theta_s + (1 - alpha) * anchor'`` (``outer_merge_alpha``; torchft's
     rule). ``keep_local``: ``theta <- anchor' + (theta_s - theta_{s-tau})``: the new anchor
     plus the worker's own progress during the exchange (its tau inner steps), so nothing is
@@ -487,9 +489,9 @@ class LocalSGDConfig:
         _require(tau >= 0, "outer_step_delay", f"must be an integer >= 0 (got {tau!r}); 0: no delay.")
         _require(alpha is None or 0.0 <= alpha <= 1.0, "outer_merge_alpha", f"must be in [0, 1] (got {alpha!r}).")
         rule = self.outer_merge_rule
-        _require(rule in ("lerp", "keep_local"), "outer_merge_rule",
-                 f"must be 'lerp' or 'keep_local' (got {rule!r}).")
-        if rule != "lerp" and tau == 0:
+        _require(rule in (None, "lerp", "keep_local"), "outer_merge_rule",
+                 f"must be 'lerp', 'keep_local' or None (got {rule!r}).")
+        if rule is not None and tau == 0:
             raise ConfigError(
                 f"{_name('outer_merge_rule')}: the merge only follows a delayed outer step; add "
                 f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from ..algorithm import schedule
 from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
-from ..exchange.arrival import Arrivals
+from ..exchange.arrival import Arrivals, short_timeout_warning
 from ..exchange.groups import SyncGroup, WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
@@ -167,8 +167,15 @@ class LocalSGD(ControllerState):
         if timeout is None:
             timeout = dist.default_pg_timeout.total_seconds()
         ranks = dist.get_process_group_ranks(inter)
+        job = (dist.get_process_group_ranks(self.schedule_group) if self.schedule_group is not None
+               else range(dist.get_world_size()))  # every rank arrives at every sync
+        warning = short_timeout_warning(timeout)
+        if warning and dist.get_rank() == 0 and warning not in PROCESS.warned:
+            PROCESS.warned.add(warning)  # once, not once per controller (MoE builds two)
+            logger.warning(warning)
         return Arrivals(default_store(), f"megatron_edit/arrive/{key}", ranks,
-                        ranks.index(dist.get_rank()), timeout, report_every=min(60.0, timeout / 4))
+                        ranks.index(dist.get_rank()), timeout, report_every=min(60.0, timeout / 4),
+                        job_ranks=job)
 
     # ------------------------------------------------------------------ A-EDiT's plan
     @property

@@ -31,6 +31,11 @@ from ..exchange.shard import BucketShard
 from .shards import ShardLayout
 
 
+#: The bucket size as megatron-core names it; entry points with a flag for it put theirs in the
+#: message (Megatron-LM: ``--ddp-bucket-size``, the main job: ``--bucket-size``).
+BUCKET_SIZE = "DistributedDataParallelConfig.bucket_size"
+
+
 def partition_groups(layout: ShardLayout, count: int, worker_groups=None) -> List[List[int]]:
     """The fragments as lists of indices into ``layout.group_order``, of about equal size."""
     groups = [layout.group_shards[g] for g in layout.group_order]
@@ -43,7 +48,7 @@ def partition_groups(layout: ShardLayout, count: int, worker_groups=None) -> Lis
     except math_fragments.FragmentError as e:
         raise ConfigError(
             f"fragments ({FLAG_NAMES['fragments']}): {e} on this rank's distributed optimizer; use "
-            "fewer fragments, or smaller buckets (--ddp-bucket-size) so that the model has more "
+            f"fewer fragments, or smaller buckets ({BUCKET_SIZE}) so that the model has more "
             "bucket groups.") from e
 
 

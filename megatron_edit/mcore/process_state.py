@@ -29,6 +29,8 @@ class ProcessState:
     torchft_backend: object = None
     """The torchft backend of this process's controller (one per process: a torchft Manager per
     rank; :mod:`megatron_edit.mcore.fault_tolerant`), None without."""
+    warned: set = field(default_factory=set)
+    """Start-up warnings already given in this process (each once, not once per controller)."""
 
     def next_controller_key(self) -> int:
         """Count one more controller built; its number keys its arrival checks."""

@@ -48,10 +48,14 @@ params norm, timers) are that rank's worker's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
+import io
+import sys
 from typing import Callable, Dict, List, Optional
 
+from ..config import ConfigError, NotSupportedYet
 from ..mcore import compat
 from ..mcore.wrap_registry import Patch, PatchRegistry
 from ..mcore.runtime import LocalSGDRuntime
@@ -189,9 +193,22 @@ def add_training_patches(
 
     def wrap_validate_args(original):
         def validate_args(args, *rest, **kwargs):
-            result = original(args, *rest, **kwargs)
-            if runtime_ref() is not None:
-                validate_local_sgd_args(args)
+            if runtime_ref() is None:
+                return original(args, *rest, **kwargs)
+            # What Megatron prints while it validates (on rank 0 the whole argument table, about
+            # 700 lines) is held back until EDiT's checks pass: a refusal is then the only line.
+            held = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+                    result = original(args, *rest, **kwargs)
+                    validate_local_sgd_args(args)
+            except (ConfigError, NotSupportedYet):
+                raise  # EDiT's refusal: one line, without Megatron's table
+            except BaseException:
+                sys.stdout.write(held.getvalue())  # Megatron's own error: with what led to it
+                raise
+            sys.stdout.write(held.getvalue())
+            sys.stdout.flush()
             return result
 
         return validate_args

@@ -12,7 +12,7 @@ import argparse
 import logging
 from types import SimpleNamespace
 
-from ..arguments import changed_flags, configs_from_args
+from ..arguments import check_flags_need_local_sgd, configs_from_args
 from ..config import ConfigError, NotSupportedYet
 from ..mcore import compat
 from ..mcore.checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
@@ -30,14 +30,7 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
     """
     configs = configs_from_args(args)  # the flags alone (ConfigError names the flag)
     if configs is None:
-        changed = changed_flags(args)
-        if changed and getattr(args, "rank", 0) == 0:
-            # Refused in the main job (--mode baseline); here a shared command line that drops
-            # --use-local-sgd for the synchronous baseline is a normal way to compare.
-            logger.warning(
-                "megatron_edit: %s given without --use-local-sgd: EDiT is off and %s nothing.",
-                ", ".join(changed), "it does" if len(changed) == 1 else "they do",
-            )
+        check_flags_need_local_sgd(args)
         return
     local = configs[0]
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731

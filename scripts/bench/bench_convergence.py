@@ -176,7 +176,7 @@ def run_args_for(args, spec: str, seed: int):
         outer_optimizer_lr=s.get("lr"), outer_optimizer_momentum=s.get("m"),
         outer_optimizer_nesterov=(False if s.get("m") == 0 else None) if "nesterov" not in s else bool(s["nesterov"]),
         local_sgd_outer_step_delay=s.get("tau", 0), local_sgd_outer_merge_alpha=s.get("alpha"),
-        local_sgd_outer_merge_rule="keep_local" if s.get("rule") == "keep" else "lerp",
+        local_sgd_outer_merge_rule="keep_local" if s.get("rule") == "keep" else None,
         local_sgd_fragments=s.get("F", 1),
         **common,
     )

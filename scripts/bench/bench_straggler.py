@@ -4,8 +4,13 @@
 
 2 workers x 2 shards of the main job's GPT (CPU, gloo). First each worker's solo step time is
 measured (EDiT with H beyond the run: no communication across workers); then worker 1 is made k
-times slower (it sleeps (k - 1) x its solo step time per step) and three runs train on the same
-data with the same total tokens, what ``--steps`` synchronous iterations consume:
+times slower: it works the CPU (busy work, not a sleep) for (k - 1) x its solo step time per
+step, as a slower machine would compute longer. A sleeping straggler freed the shared cores for
+the fast worker, which then ran faster than its solo speed, and A-EDiT came out at 1.33 of the
+solo sum, a ratio whose bound is 1. For each k the solo rates are measured again the same way
+(worker 1 busy, no communication) in the same run: that is the "solo sum" of that k. Then three
+runs train on the same data with the same total tokens, what ``--steps`` synchronous iterations
+consume:
 
 * synchronous: ordinary Megatron; every step waits for the slow worker;
 * EDiT, H = ``--interval``: each worker takes ``--steps`` steps; the fast one waits at every sync;
@@ -32,6 +37,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
 
+def busy(seconds: float) -> None:
+    """Keep this rank's core busy for ``seconds`` (what a slower worker's longer compute costs
+    on shared hardware; a sleep would give the core to the other worker)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def run(args, mode, train_ds, delay):
     """One run; returns this rank's figures (reduced by the caller)."""
     lay = bc.layout(args)
@@ -52,7 +65,7 @@ def run(args, mode, train_ds, delay):
     while steps < limit and not (controllers and controllers[0].finished):
         s0 = time.perf_counter()
         if lay["worker"] == 1 and delay:
-            time.sleep(delay)
+            busy(delay)
         bc.train_step(a, ddp, optimizer, scheduler, next(it))
         times.append(time.perf_counter() - s0)
         steps += 1
@@ -85,16 +98,20 @@ def main():
     solo = run(args, "solo", train_ds, 0.0)
     base = per_worker(args, solo["median"])  # each worker's solo step time
     rows = []
+    solos = []
     for k in [float(x) for x in args.slowdowns.split(",")]:
         delay = (k - 1) * base[1]
-        solo_rate = tokens_per_step * (1 / base[0] + 1 / (k * base[1]))
+        # The solo rates with worker 1 slowed down the same way, measured now (the bound of this k).
+        alone = per_worker(args, run(args, "solo", train_ds, delay)["median"])
+        solo_rate = tokens_per_step * (1 / alone[0] + 1 / alone[1])
+        solos.append(f"{k:g}x: {alone[0] * 1e3:.1f} / {alone[1] * 1e3:.1f} ms")
         if args.sync_time is None:
             args.sync_time = args.interval * base[0]
         for mode in ("synchronous", "EDiT", "A-EDiT"):
             r = run(args, mode, train_ds, delay)
             steps = per_worker(args, r["steps"])
             wall = max(per_worker(args, r["wall"]))
-            own = [steps[0] * base[0], steps[1] * k * base[1]]
+            own = [steps[0] * alone[0], steps[1] * alone[1]]
             waiting = [wall - o for o in own]
             tokens = sum(steps) * tokens_per_step
             idle = "-"
@@ -107,7 +124,8 @@ def main():
                          f"{tokens:,.0f}", f"{wall:.1f}", str(identical)))
     headers = ("slow worker", "run", "tokens/s", "of solo sum", "steps w0/w1", "waiting s w0/w1",
                "final-sync idle s", "tokens", "wall s", "replicas equal")
-    text = (f"solo step time: worker 0 {base[0] * 1e3:.1f} ms, worker 1 {base[1] * 1e3:.1f} ms; "
+    text = (f"solo step time: worker 0 {base[0] * 1e3:.1f} ms, worker 1 {base[1] * 1e3:.1f} ms; slowed "
+            f"down (w0 / w1, busy work, measured in this run): {'; '.join(solos)}; "
             f"EDiT H={args.interval}, A-EDiT T={args.sync_time:.2f} s; budget {args.steps} synchronous "
             f"iterations; load average {bc.load_average()}\n\n" + bc.table(headers, rows, markdown=True))
     bc.log0(text)

@@ -21,6 +21,21 @@
 # first failing worker's.
 set -euo pipefail
 
+# Wait for every pid given; return the first failing exit status (in the order given), 0 when
+# all succeeded. (`if ! wait "$pid"; then rc=$?` read the status of the negation, always 0: a
+# crashed worker made the run report success.)
+wait_all() {
+    local status=0 rc pid
+    for pid in "$@"; do
+        rc=0
+        wait "$pid" || rc=$?
+        if (( status == 0 && rc != 0 )); then status=$rc; fi
+    done
+    return "$status"
+}
+# Sourced (the tests): the functions only.
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then return 0; fi
+
 WORKERS=2
 PROCS=2
 RATE=none
@@ -36,7 +51,7 @@ while [[ $# -gt 0 ]]; do
         --python) PYTHON=$2; shift 2 ;;
         --port) PORT=$2; shift 2 ;;
         --) shift; break ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "netns_cluster.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -162,11 +177,6 @@ for (( w = 0; w < WORKERS; w++ )); do
     PIDS+=("$!")
 done
 status=0
-for pid in "${PIDS[@]}"; do
-    if ! wait "$pid"; then
-        rc=$?
-        (( status == 0 )) && status=$rc
-    fi
-done
+wait_all "${PIDS[@]}" || status=$?
 PIDS=()
 exit "$status"

@@ -6,7 +6,7 @@ the schedule and the math are)."""
 import pytest
 import torch
 
-from dist import run_ranks
+from dist import RankError, run_ranks
 from edit_runs import default_spec, megatron_runs, simulate_edit
 from megatron_edit.mcore import checkpoint as checkpointing, compat
 
@@ -180,6 +180,26 @@ def test_elastic_resume_with_fragments_and_the_int8_exchange(tmp_path):
     # and the saved workers really differed (the load made one model of two)
     assert not all(torch.equal(saved[0]["final"]["params"][k], saved[2]["final"]["params"][k])
                    for k in saved[0]["final"]["params"])
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
+                    reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+def test_a_resume_with_another_fragment_count_names_the_saved_one(tmp_path):
+    """Saved with F = 2, resumed by the same layout with F = 4: refused before the load, naming
+    the saved count (before: "EDiT checkpoint state was saved for different layers", after the
+    load, without the count)."""
+    from checkpoint_runs import DP_RESHARDABLE, train_job
+
+    local = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, fragments=2, sync_mode="layerwise")
+    path = str(tmp_path / "ckpt")
+    run_ranks(train_job, WORLD, local_sgd=local, steps=3, saves={3: [(path, DP_RESHARDABLE)]},
+              bucket_size=1000, timeout=360)
+    with pytest.raises(RankError) as err:
+        run_ranks(train_job, WORLD, local_sgd=dict(local, fragments=4), steps=4,
+                  load=(path, DP_RESHARDABLE, 3), bucket_size=1000, timeout=360)
+    assert ("the checkpoint was saved with --local-sgd-fragments 2, this run has 4" in str(err.value)
+            and "Resume with --local-sgd-fragments 2" in str(err.value)), str(err.value)[-3000:]
 
 
 @pytest.mark.timeout(300)

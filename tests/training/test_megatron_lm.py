@@ -165,6 +165,47 @@ def test_launcher_ends_a_rank_whose_script_fails_without_the_interpreters_teardo
     assert clean.returncode == 0 and "INTERPRETER-TEARDOWN" in clean.stdout, clean.stderr[-3000:]
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_ctrl_c_through_the_launcher_is_one_line_and_exit_code_130(monkeypatch, capsys, rank):
+    """The launcher's SIGINT handler (installed around the script): rank 0 names Megatron's
+    iteration, every rank ends at once with 130 (before: a KeyboardInterrupt traceback per rank)."""
+    class Ended(Exception):
+        pass
+
+    def exit_now(code):
+        raise Ended(code)
+
+    global_vars = SimpleNamespace(_GLOBAL_ARGS=SimpleNamespace(curr_iteration=7))
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(launch.os, "_exit", exit_now)
+    with pytest.raises(Ended) as ended:
+        launch._stopped_by_the_user()
+    assert ended.value.args == (130,)
+    assert capsys.readouterr().err == ("megatron_edit: stopped by the user at iteration 7\n" if rank == "0" else "")
+
+
+def test_launcher_names_megatron_lms_bucket_flag(tmp_path, monkeypatch, capsys):
+    """A refusal at model build names megatron-core's DDP config field; through the launcher it
+    names Megatron-LM's --ddp-bucket-size (the main job: its --bucket-size)."""
+    from megatron_edit.mcore.fragments import BUCKET_SIZE
+
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("from megatron_edit.config import ConfigError\n"
+                      f"raise ConfigError('use smaller buckets ({BUCKET_SIZE})')\n")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(launch, "_use_cpu", lambda opts: False)
+    monkeypatch.setattr(launch, "_set_up_path", lambda script: None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    import megatron.core.datasets.utils as dataset_utils
+
+    monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)
+    with pytest.raises(SystemExit) as info:
+        launch.main(["--no-runtime-patches", str(script)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "megatron_edit: error: use smaller buckets (--ddp-bucket-size)\n"
+
+
 def test_launcher_on_cpu_requires_gloo():
     with pytest.raises(SystemExit, match="--distributed-backend gloo"):
         launch._check_backend(["--num-layers", "2"])
@@ -325,12 +366,13 @@ def test_validation_does_nothing_without_use_local_sgd(caplog):
     assert not caplog.records
 
 
-def test_edit_flags_without_use_local_sgd_are_warned_about(caplog):
-    # Warned, not refused: dropping --use-local-sgd from a shared command line runs the baseline.
-    with caplog.at_level("WARNING", logger="megatron_edit"):
+def test_edit_flags_without_use_local_sgd_are_refused():
+    # Before: one warning among Megatron's start-up lines, then synchronous training.
+    with pytest.raises(ConfigError, match=r"^--local-sgd-sync-interval, --local-sgd-debug do nothing "
+                                          r"without --use-local-sgd"):
         validate_local_sgd_args(_megatron_like_args("--local-sgd-sync-interval", "8", "--local-sgd-debug"))
-    (record,) = caplog.records
-    assert "--local-sgd-sync-interval, --local-sgd-debug given without --use-local-sgd" in record.getMessage()
+    with pytest.raises(ConfigError, match="--local-sgd-sync-interval does nothing without --use-local-sgd"):
+        launch.check_edit_flags(["--num-layers", "2", "--local-sgd-sync-interval", "8"])
 
 
 @pytest.mark.parametrize("argv, iters, fragment", [
@@ -660,6 +702,59 @@ def test_patch_applies_to_the_checkout(patch):
         hint = (" (it is already applied there: point MEGATRON_LM_DIR at a clean checkout)"
                 if reverse.returncode == 0 else "")
         pytest.fail(f"{patch.name} does not apply to {CHECKOUT}{hint}:\n{check.stderr}")
+
+
+# ---------------------------------------------------------------- refusals through the launcher
+def _launch(args, ranks=None, timeout=300):
+    """(exit code, output) of pretrain_gpt.py through megatron_edit.launch on CPU: one process
+    (ranks None), or ``ranks`` under torchrun."""
+    launcher = ([] if ranks is None else
+                ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)])
+    cmd = [sys.executable, *launcher, "-m", "megatron_edit.launch", "--cpu",
+           str(CHECKOUT / "pretrain_gpt.py"), *TINY, "--train-iters", "8", *args]
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+ONE_WORKER = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+              "--use-local-sgd", "--local-sgd-sync-interval", "4"]
+LAUNCH_REFUSED = [
+    (ONE_WORKER + ["--local-sgd-fragments", "2", "--check-weight-hash-across-dp-replicas-interval", "4"],
+     "--check-weight-hash-across-dp-replicas-interval=4 with --local-sgd-fragments 2"),
+    (ONE_WORKER + ["--num-experts", "4", "--moe-router-enable-expert-bias", "--moe-router-score-function",
+                   "sigmoid", "--disable-bias-linear"],
+     "--moe-router-enable-expert-bias"),
+    (["--local-sgd-sync-interval", "8"], "--local-sgd-sync-interval does nothing without --use-local-sgd"),
+]
+
+
+@needs_checkout
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("args, fragment", LAUNCH_REFUSED, ids=["fragments-hash-check", "moe-expert-bias",
+                                                                "edit-flag-without-use-local-sgd"])
+def test_a_refusal_through_megatron_lm_is_one_line_before_anything_is_built(args, fragment):
+    """Before: Megatron printed its ~700-line argument table first (or, for an EDiT flag without
+    --use-local-sgd, warned and trained synchronously)."""
+    code, out = _launch(args)
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert code == 2 and len(errors) == 1, out[-3000:]
+    assert errors[0].startswith("megatron_edit: error: ") and fragment in errors[0], errors
+    assert "---- arguments ----" not in out and "Traceback" not in out, out[-3000:]
+
+
+@needs_checkout
+@pytest.mark.timeout(400)
+def test_every_rank_ends_with_exit_code_2_on_a_refusal_under_torchrun():
+    """Without --use-distributed-optimizer, 2 ranks: the line once, before Megatron's argument
+    table (held back), and exit code 2 on every rank in torchrun's report (before: rank 0's 2,
+    the others -15, stopped by torchrun while they waited)."""
+    args = [a for a in TINY + EDIT if a not in ("--use-distributed-optimizer", "--overlap-param-gather")]
+    code, out = _launch(args + ["--local-sgd-sync-mode", "step_end"], ranks=2)
+    assert code != 0 and out.count("megatron_edit: error: --use-local-sgd needs Megatron's distributed "
+                                   "optimizer: pass --use-distributed-optimizer") == 1, out[-3000:]
+    assert "---- arguments ----" not in out and "Apex" not in out, out[-3000:]
+    assert sorted(re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", out, re.M)) == ["2", "2"], out[-3000:]
 
 
 # ---------------------------------------------------------------- end to end

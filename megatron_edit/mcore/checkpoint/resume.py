@@ -244,6 +244,19 @@ class ResumePlan:
             if flight["keep"]:
                 part["in_flight_launch"] = self.space.load_requests(launch_prefix(m), True)
         self.slice_loaded = (n, record["tensor_parallel"], record["pipeline_parallel"]) == (workers, tp, pp)
+        saved_fragments = (record.get("config") or {}).get("fragments", 1)
+        if saved_fragments != c.config.fragments:
+            if self.slice_loaded:  # its per-layer state is the saved fragments' (<layer>@fragment<f>)
+                return (f"megatron_edit: the checkpoint was saved with --local-sgd-fragments "
+                        f"{saved_fragments}, this run has {c.config.fragments}: the anomaly detector's "
+                        "per-layer statistics and the per-layer decisions follow the fragments (a layer "
+                        "cut by a fragment boundary is one layer per fragment). Resume with "
+                        f"--local-sgd-fragments {saved_fragments}.")
+            note = (f"megatron_edit: the checkpoint was saved with --local-sgd-fragments {saved_fragments}; "
+                    f"this run syncs {c.config.fragments} fragment(s) from here.")
+            if torch.distributed.get_rank() == 0 and note not in PROCESS.warned:  # once, not per optimizer
+                PROCESS.warned.add(note)
+                logger.warning(note)
         if not self.slice_loaded:
             del part["slice"]
         return self._bucket_mismatch(saved)
