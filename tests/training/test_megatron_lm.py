@@ -80,7 +80,9 @@ PENALTY = (
     "--local-sgd-pseudo-gradnorm-reduce --local-sgd-skip-anomaly --local-sgd-ewma-warmup-steps 1 "
     "--local-sgd-clip-pseudo-grad 10"
 ).split()
-SYNC_STEPS = [s for s in range(W + H, ITERS + 1, H)]  # 8, 12, 16
+# The grid (8, 12, 16) and the run's last step (18, off the grid: the run ends with a sync there,
+# so that the workers end with one model; its interval is 2 steps).
+SYNC_STEPS = [s for s in range(W + H, ITERS + 1, H)] + ([ITERS] if (ITERS - W) % H else [])
 # Release lines on which MoE (--num-experts) with --use-local-sgd runs through Megatron-LM.
 MOE_LINES = ("0.16", "0.19")
 
@@ -883,9 +885,10 @@ def test_e2e_edit_metrics_in_the_console_line(request, route):
     lines = _lines(runs["first"])
     synced = [lines[i] for i in sorted(lines) if (_field(lines[i], "local sgd syncs") or 0) > 0]
     assert len(synced) == len(SYNC_STEPS)
-    for line in synced:
+    intervals = [b - a for a, b in zip([W] + SYNC_STEPS, SYNC_STEPS)]  # H, H, H, then 2
+    for line, interval in zip(synced, intervals):
         assert _field(line, "local sgd syncs") == 1
-        assert _field(line, "local sgd steps since last sync") == H
+        assert _field(line, "local sgd steps since last sync") == interval
         assert _field(line, "local sgd outer lr") == 0.7
         assert _field(line, "local sgd workers") == 2
         assert _field(line, "local sgd sync bytes") > 0 and _field(line, "local sgd sync seconds") > 0
