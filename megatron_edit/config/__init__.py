@@ -482,6 +482,11 @@ class LocalSGDConfig:
         """The lerp merge's alpha in effect: ``outer_merge_alpha``, or 0.5 when it is None."""
         return 0.5 if self.outer_merge_alpha is None else float(self.outer_merge_alpha)
 
+    @property
+    def merge_rule(self) -> str:
+        """The merge rule in effect: ``outer_merge_rule``, or ``lerp`` when it is None."""
+        return self.outer_merge_rule or "lerp"
+
     def _check_delay(self) -> None:
         """The delayed outer step's and the fragments' settings (``outer_step_delay``,
         ``outer_merge_alpha``, ``fragments``)."""

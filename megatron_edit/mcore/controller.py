@@ -412,7 +412,7 @@ class LocalSGD(ControllerState):
             c = self.config
             # A delayed merge that keeps local progress (lerp alpha > 0, keep_local) leaves the
             # workers different by design; a blocking sync or an alpha-0 merge makes them equal.
-            if not report.delay or (c.outer_merge_rule == "lerp" and c.merge_alpha == 0.0):
+            if not report.delay or (c.merge_rule == "lerp" and c.merge_alpha == 0.0):
                 synced = range(c.fragments) if report.fragment is None else (report.fragment,)
                 for f in synced:
                     self._identical_after[f] = report.step

@@ -120,6 +120,9 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner):
     log = open(os.path.join(ctl, f"w{worker}-r{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
     log.write(json.dumps(dict(ev="joined", step=c.steps_done, healed=c.sync_group.healed,
                               anchor=_anchor_digest(c), manager_step=c.sync_group.step)) + "\n")
+    if not joiner:  # the first jobs start training together: a job slower to start (imports under
+        # load) would otherwise find the other's first syncs done alone
+        ft_jobs.gate(os.path.join(ctl, "start"), f"w{worker}-r{rank}", WORKERS * world_size, timeout=300.0)
     batches = make_batches(HEAL_TOTAL, WORKERS * RANKS * MICRO_BATCH, seed=0)
     while c.steps_done < HEAL_TOTAL:
         step = c.steps_done + 1

@@ -110,8 +110,8 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
         config=dict(sync_interval=c.local_sgd_sync_interval, warmup_steps=c.local_sgd_warmup_steps,
                     sync_mode=c.sync_mode, use_async=c.use_async, exchange_dtype=c.exchange_dtype,
                     fragments=c.fragments, outer_step_delay=c.outer_step_delay,
-                    outer_merge_rule=c.outer_merge_rule if c.outer_step_delay else None,
-                    merge_alpha=c.merge_alpha if c.outer_step_delay and c.outer_merge_rule == "lerp" else None),
+                    outer_merge_rule=c.merge_rule if c.outer_step_delay else None,
+                    merge_alpha=c.merge_alpha if c.outer_step_delay and c.merge_rule == "lerp" else None),
         # The fragments whose shards every worker held identical at the save (all in warmup);
         # an elastic resume restarts those from the anchor, the others take an outer step.
         identical_fragments=controller.identical_fragments if outer is not None else list(range(c.fragments)),

@@ -304,11 +304,11 @@ class ResumePlan:
             return (f"{what}, launched with {FLAG_NAMES['outer_step_delay']} {flight['delay']}; this run has "
                     f"{c.outer_step_delay}. Resume with {FLAG_NAMES['outer_step_delay']} {flight['delay']}, or "
                     "from a checkpoint saved outside the exchange's window.")
-        if saved_rule != c.outer_merge_rule or (
+        if saved_rule != c.merge_rule or (
                 saved_rule == "lerp" and saved.get("merge_alpha") not in (None, c.merge_alpha)):
             was = saved_rule if saved_rule != "lerp" or saved.get("merge_alpha") is None else \
                 f"lerp, {FLAG_NAMES['outer_merge_alpha']} {saved['merge_alpha']}"
-            now = c.outer_merge_rule if c.outer_merge_rule != "lerp" else \
+            now = c.merge_rule if c.merge_rule != "lerp" else \
                 f"lerp, {FLAG_NAMES['outer_merge_alpha']} {c.merge_alpha}"
             return (f"{what}, to be merged by {FLAG_NAMES['outer_merge_rule']} {was}; this run has {now}. "
                     f"Resume with the saved merge, or from a checkpoint saved outside the exchange's window.")
