@@ -53,6 +53,9 @@ if not os.environ.get(SESSION_MARK, "").startswith(f"{os.getpid()}-"):  # once p
     os.environ[SESSION_MARK] = f"{os.getpid()}-{uuid.uuid4().hex}"  # every child inherits it
 #: Seconds a test's processes get to end after it (a killed rank is reaped, a child exits).
 LEFT_BEHIND_GRACE_S = 15.0
+#: torch.compile's subprocess pool (torch 2.8+ starts it in the first compiling process and keeps
+#: it for that process's life): not a process a test started, and ending it breaks later compiles.
+INDUCTOR_WORKERS = "torch/_inductor/compile_worker"
 
 
 def _session_processes():
@@ -75,7 +78,10 @@ def _session_processes():
                 if needle not in f.read().split(b"\0"):
                     continue  # (a zombie's environment is empty: it has ended)
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                found[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            if INDUCTOR_WORKERS in cmd:
+                continue  # torch.compile's worker pool: torch's own, it lives as long as its parent
+            found[int(pid)] = cmd[:200]
         except OSError:  # gone meanwhile, or another user's
             continue
     return found
