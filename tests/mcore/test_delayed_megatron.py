@@ -164,7 +164,10 @@ def test_two_phase_exchanges_with_a_delay_keep_replicas_identical():
                 assert launch[0] == "all_gather", (name, s, launch)  # the norms first
                 if name == "int8":
                     assert launch[1:] == ["all_to_all_single"] * shards, (s, launch)
-                    assert second == ["all_gather_single"] * shards, (s, second)
+                    # the all-gather of the reduced chunks (torch < 2.9 has no all_gather_single:
+                    # the exchange calls all_gather_into_tensor there)
+                    gathers = ["all_gather_single" if op == "all_gather_into_tensor" else op for op in second]
+                    assert gathers == ["all_gather_single"] * shards, (s, second)
                 else:
                     assert launch[1:] == ["all_reduce"] * shards, (s, launch)  # the consensus
                     assert len(second) >= shards and set(second) == {"all_reduce"}, (s, second)
