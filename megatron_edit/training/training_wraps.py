@@ -267,21 +267,7 @@ def add_training_patches(
                 "EDiT sync metrics on training_log's console line")
     added += add_worker_local_patches(registry, runtime_ref)
     added += add_global_budget_patches(registry, runtime_ref)
-    added += add_run_length_patches(registry, runtime_ref)
     return added
-
-
-def add_run_length_patches(
-    registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
-) -> List[str]:
-    """Declare the :class:`RunLength` patch (synchronous EDiT's last sync where Megatron-LM's run
-    ends: --train-samples, --iterations-to-skip); returns its id. Applied on both routes."""
-    patch = compat_patch("edit-last-step", f"{_TRAINING}:setup_model_and_optimizer",
-                         RunLength(runtime_ref).wrap_setup_model_and_optimizer,
-                         "EDiT: the run's last sync at Megatron's last optimizer step (--train-iters "
-                         "or --train-samples, less --iterations-to-skip)")
-    registry.add(patch)
-    return [patch.id]
 
 
 def add_global_budget_patches(
@@ -294,8 +280,15 @@ def add_global_budget_patches(
         return compat_patch(pid, f"{_TRAINING}:{name}", wrap, description)
 
     patches = [
-        patch("a-edit-loop-cap", "setup_model_and_optimizer", budget.wrap_setup_model_and_optimizer,
-              "A-EDiT: the loop may run to --train-iters x workers (data sets built for that)"),
+        # One patch per target (the registry restores each original exactly): the run's length
+        # (synchronous EDiT's last sync: --train-samples, less --iterations-to-skip) and A-EDiT's
+        # loop cap both wrap setup_model_and_optimizer.
+        patch("edit-last-step", "setup_model_and_optimizer",
+              lambda original: RunLength(runtime_ref).wrap_setup_model_and_optimizer(
+                  budget.wrap_setup_model_and_optimizer(original)),
+              "EDiT: the run's last sync at Megatron's last optimizer step (--train-iters or "
+              "--train-samples, less --iterations-to-skip); A-EDiT: the loop may run to "
+              "--train-iters x workers (data sets built for that)"),
         patch("a-edit-common-iteration", "train", budget.wrap_train,
               "A-EDiT: train returns --train-iters, the common iteration, on every worker"),
         patch("a-edit-save-exit-at-sync", "checkpoint_and_decide_exit", budget.wrap_checkpoint_and_decide_exit,
