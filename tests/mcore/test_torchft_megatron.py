@@ -107,14 +107,22 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner):
         me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H, sync_mode="step_end", sync_backend="torchft",
                           replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0),
         me.OuterOptimizerConfig())
-    if joiner:  # tell the test when this job's join round asks for its quorum
-        begin = FaultTolerantSyncGroup.begin
+    begin = FaultTolerantSyncGroup.begin
+    first = [True]
 
-        def announced(self, contributed):
+    def announced(self, contributed):
+        if joiner:  # tell the test when this job's join round asks for its quorum
             open(os.path.join(ctl, f"joiner-in-quorum-{rank}"), "w").close()
-            return begin(self, contributed)
+        elif first[0]:  # the first jobs ask for their join round's quorum together, every
+            # Manager already heartbeating: one quorum of both workers. (A worker that asked
+            # alone, before the other's Manager was up, got a quorum of one and then waited at
+            # the start gate, while the other's quorum could not form: torchft needs more than
+            # half of the heartbeating workers in it.)
+            first[0] = False
+            ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}-r{rank}", WORKERS * world_size, timeout=300.0)
+        return begin(self, contributed)
 
-        FaultTolerantSyncGroup.begin = announced
+    FaultTolerantSyncGroup.begin = announced
     ddp, optimizer = _build(default_spec(instances=1), 1, 1)  # the join round runs in here
     (c,) = me.get_local_sgd(optimizer)
     log = open(os.path.join(ctl, f"w{worker}-r{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
