@@ -9,11 +9,14 @@ N-1, kept by its relaunches). Every job gets ``TORCHFT_LIGHTHOUSE`` (the Lightho
 runs, torchft's ``LighthouseServer``; ``--local-sgd-lighthouse`` defaults to it) and runs in a
 session of its own, so a job is stopped as a whole. A job that exits with 0 is done; another exit
 is logged in one line and the job is started again, up to ``--max-relaunches`` times in all
-(then every job is stopped and this exits 1). It exits 0 once every worker's job has.
+(then every job is stopped and this exits 1); exit code 2 (refused flags) stops the run at once.
+It exits 0 once every worker's job has.
 
-The Lighthouse's first quorum waits up to ``--join-timeout-ms`` for the workers whose torchft
-Managers are up; a worker that comes up later heals from the others at their next sync.
-Needs torchft (``pip install megatron_edit[ft]``).
+A run starts with all its workers: every job also gets ``MEGATRON_EDIT_FT_START_GATE`` (a TCP
+store of this process), where each worker's controller waits, once its torchft Manager is up and
+before its first quorum, until every worker has arrived (up to ``--start-timeout-s``), so the
+first quorum holds all N. A relaunched worker finds them arrived, goes on at once and heals from
+the others at their next sync. Needs torchft (``pip install megatron_edit[ft]``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="how long a quorum waits for workers whose Managers are up (default: %(default)s)")
     p.add_argument("--max-relaunches", type=int, default=10,
                    help="relaunches of dead worker jobs in all before the run stops (default: %(default)s)")
+    p.add_argument("--start-timeout-s", type=float, default=600.0,
+                   help="how long the first sync waits for every worker to start (default: %(default)s)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then one worker's job, with {replica_id}")
     return p
 
@@ -88,14 +93,27 @@ class Worker:
                 continue
 
 
-def supervise(args: argparse.Namespace) -> int:
+def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -> int:
+    """Run ``args.command`` (one worker's job, with ``{replica_id}``) as ``args.workers`` jobs
+    (``args``: this module's flags, see :func:`_parser`); ``prog`` begins its lines."""
+    from datetime import timedelta
+    from urllib.parse import urlparse
+
+    import torch.distributed as dist
     from torchft._torchft import LighthouseServer
+
+    from .exchange.fault_tolerant import START_GATE_ENV, start_gate_value
 
     lighthouse = LighthouseServer(bind=args.bind, min_replicas=1, join_timeout_ms=args.join_timeout_ms,
                                   heartbeat_timeout_ms=args.heartbeat_timeout_ms)
     address = lighthouse.address()
-    print(f"megatron_edit.supervise: Lighthouse at {address}; starting {args.workers} worker job(s)", flush=True)
-    env = dict(os.environ, TORCHFT_LIGHTHOUSE=address)
+    # The start gate's store listens on every interface; the workers reach it by the name the
+    # Lighthouse's address gives this host.
+    host = urlparse(address).hostname or "127.0.0.1"
+    gate = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    print(f"{prog}: Lighthouse at {address}; starting {args.workers} worker job(s)", flush=True)
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=address,
+               **{START_GATE_ENV: start_gate_value(host, gate.port, args.workers, args.start_timeout_s)})
     workers = [Worker(w, args.command, env) for w in range(args.workers)]
     relaunches = 0
 
@@ -121,17 +139,21 @@ def supervise(args: argparse.Namespace) -> int:
                     worker.done = True
                     continue
                 worker.stop()  # what is left of its session
+                if code == 2:  # its flags were refused (it printed the line): a relaunch would be too
+                    print(f"{prog}: worker {worker.replica_id} exited with code 2 (its flags were refused, "
+                          "above): stopping the run.", file=sys.stderr, flush=True)
+                    return 2
                 if relaunches >= args.max_relaunches:
-                    print(f"megatron_edit.supervise: worker {worker.replica_id} exited with code {code} after "
+                    print(f"{prog}: worker {worker.replica_id} exited with code {code} after "
                           f"{alive:.1f} s and the {args.max_relaunches} relaunch(es) of --max-relaunches are "
                           "used: stopping the run.", file=sys.stderr, flush=True)
                     return 1
                 relaunches += 1
-                print(f"megatron_edit.supervise: worker {worker.replica_id} exited with code {code} after "
+                print(f"{prog}: worker {worker.replica_id} exited with code {code} after "
                       f"{alive:.1f} s; relaunching it as a fresh job (relaunch {relaunches} of "
                       f"{args.max_relaunches}): it heals from a live worker at their next sync.", flush=True)
                 worker.start()
-        print("megatron_edit.supervise: every worker's job ended with code 0", flush=True)
+        print(f"{prog}: every worker's job ended with code 0", flush=True)
         return 0
     finally:
         stop_all()

@@ -3,6 +3,13 @@
     python scripts/train_gpt_edit.py              # EDiT, 4 processes: 2 workers x 2 shards
     python scripts/train_gpt_edit.py --mode both  # then synchronous training on the same data
     python scripts/train_gpt_edit.py --num-experts 4 --expert-model-parallel-size 2  # MoE
+    python scripts/train_gpt_edit.py --local-sgd-sync-backend torchft  # each worker its own job
+
+With --local-sgd-sync-backend torchft (pip install megatron_edit[ft]) each worker is its own job
+of --nproc-per-node / --workers ranks: started with python, this runs torchft's Lighthouse and
+the worker jobs through megatron_edit.supervise (a dead worker's job is relaunched fresh and
+heals from the others at their next sync; the first sync waits for every worker). Each job
+prints its own worker's lines and summary.
 
 Started with python, it checks its flags before torch is even imported (a mistake costs one
 line and exit code 2, in a fraction of a second), then starts --nproc-per-node ranks on this
@@ -57,6 +64,9 @@ from megatron_edit.launch import quiet_upstream_warnings  # noqa: E402
 # The main job's EDiT defaults (the package's are H=1, W=0): a sync every 8 steps after 8
 # synchronous steps shows both phases in a short run.
 MAIN_JOB_DEFAULTS = dict(local_sgd_sync_interval=8, local_sgd_warmup_steps=8)
+# With --local-sgd-sync-backend torchft the warmup's default is 0: warmup all-reduces gradients
+# across workers every step, which workers in jobs of their own cannot.
+MAIN_JOB_FT_WARMUP = 0
 # The main job's outer SGD (the package's is Nesterov, lr 0.7, momentum 0.9, made for long runs
 # with large H): lr 0.8 without momentum, a step 80% of the way to the workers' mean. On the
 # job's 120 steps the package's default ends 8% above synchronous training's validation loss,
@@ -147,6 +157,11 @@ def build_parser() -> Rank0ArgumentParser:
     for action in parser._actions:  # the package's help in this job's terms
         if action.help and action.help is not argparse.SUPPRESS:
             action.help = _in_main_job_terms(action.help)
+    actions["local_sgd_warmup_steps"].default = None  # resolved per backend (check_args)
+    actions["local_sgd_warmup_steps"].help = (
+        "W: ordinary synchronous steps before local training starts (default in this job: "
+        f"{MAIN_JOB_DEFAULTS['local_sgd_warmup_steps']}; {MAIN_JOB_FT_WARMUP} with --local-sgd-sync-backend "
+        "torchft, whose worker jobs cannot all-reduce gradients across workers).")
     actions["outer_optimizer_lr"].help = (
         f"Outer learning rate (default in this job: {MAIN_JOB_OUTER_SGD['lr']} with SGD; required "
         "with another outer optimizer).")
@@ -202,6 +217,9 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
     """Flag combinations, before Megatron is imported and the process group exists: a bad one
     ends every rank with exit code 2 and one line on rank 0 naming the flag."""
     _check_data_dir(args.data_dir, parser)
+    if args.local_sgd_warmup_steps is None:
+        args.local_sgd_warmup_steps = (MAIN_JOB_FT_WARMUP if args.local_sgd_sync_backend == "torchft"
+                                       else MAIN_JOB_DEFAULTS["local_sgd_warmup_steps"])
     if args.hidden % args.heads:
         parser.fail(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}.")
     if args.lr_warmup_steps >= args.steps:
@@ -222,8 +240,14 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
                         "--mode baseline (synchronous training): use --mode edit or --mode both, "
                         "or drop the EDiT flags.")
         return
+    if args.local_sgd_sync_backend == "torchft" and args.mode == "both":
+        parser.fail("--mode both with --local-sgd-sync-backend torchft: the synchronous run needs every "
+                    "worker in one job; use --mode edit (the default) with torchft, or the torch backend.")
+    checked = {**vars(args), "use_local_sgd": True}
+    if supervises(args):  # the worker jobs get their ids and the Lighthouse from this process
+        checked.update(local_sgd_replica_id=0, local_sgd_lighthouse="http://127.0.0.1:1")
     try:
-        check_flags(argparse.Namespace(**{**vars(args), "use_local_sgd": True}))
+        check_flags(argparse.Namespace(**checked))
     except ConfigError as e:
         parser.fail(_in_main_job_terms(str(e)))
     w, h = args.local_sgd_warmup_steps, args.local_sgd_sync_interval
@@ -244,9 +268,24 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def uses_torchft(args: argparse.Namespace) -> bool:
+    """EDiT over torchft: each worker is its own job."""
+    return args.mode != "baseline" and args.local_sgd_sync_backend == "torchft"
+
+
+def supervises(args: argparse.Namespace) -> bool:
+    """Started with python for a torchft run without a worker id: this process runs the
+    Lighthouse and the worker jobs (:func:`supervise`)."""
+    return uses_torchft(args) and args.local_sgd_replica_id is None and not under_torchrun()
+
+
 def check_launch(args: argparse.Namespace, parser: Rank0ArgumentParser) -> int:
-    """What needs the number of processes (torchrun's, or --nproc-per-node): returns it."""
-    if under_torchrun():
+    """What needs the number of processes (torchrun's, or --nproc-per-node): returns the
+    processes of this job (with torchft, of one worker; see :func:`all_processes`)."""
+    if under_torchrun() and uses_torchft(args):  # torchrun started one worker's job
+        world = int(os.environ["WORLD_SIZE"]) * args.workers
+        starts = "torchrun's --nproc_per_node x --nnodes x --workers"
+    elif under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if args.nproc_per_node is not None and args.nproc_per_node != local:
@@ -271,7 +310,26 @@ def check_launch(args: argparse.Namespace, parser: Rank0ArgumentParser) -> int:
         parser.fail(f"--eval-samples {args.eval_samples} is fewer than one validation batch of "
                     f"a worker ({world // args.workers} ranks x --micro-batch-size "
                     f"{args.micro_batch_size} = {per_step}).")
-    return world
+    return world // args.workers if uses_torchft(args) else world
+
+
+def all_processes(args: argparse.Namespace, job: int) -> int:
+    """Every worker's processes: the job's (``job``), times --workers with torchft."""
+    return job * args.workers if uses_torchft(args) else job
+
+
+def supervise(argv) -> int:
+    """A torchft run on this machine: torchft's Lighthouse and one job per worker, each this
+    script with the same flags and its --local-sgd-replica-id (megatron_edit.supervise: a job
+    that dies is relaunched fresh; the first sync waits for every worker)."""
+    from megatron_edit import supervise as supervisor
+
+    command = [sys.executable, os.path.abspath(__file__), *argv, "--local-sgd-replica-id", supervisor.PLACEHOLDER]
+    workers = build_parser().parse_args(argv).workers
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse and Managers: no INFO line per quorum
+    options = supervisor._parser().parse_args(["--workers", str(workers)])  # its defaults
+    options.command = command
+    return supervisor.supervise(options, prog=os.path.basename(__file__))
 
 
 # megatron_edit.cpu.data.VOCAB_SIZE (256 bytes + end of document), which imports torch to read.
@@ -314,6 +372,8 @@ def launch(argv=None) -> int:
     apply_outer_defaults(args)
     check_args(args, parser)
     world = check_launch(args, parser)
+    if supervises(args):
+        return supervise(argv)
     import uuid
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -449,7 +509,7 @@ def build(args, use_local_sgd):
                      vocab_size=data.VOCAB_SIZE, max_sequence_length=args.seq_length)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
-        num_distributed_optimizer_instances=args.workers, bucket_size=args.bucket_size,
+        num_distributed_optimizer_instances=1 if uses_torchft(args) else args.workers, bucket_size=args.bucket_size,
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp.no_sync
@@ -669,7 +729,17 @@ def train(args, use_local_sgd, datasets):
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     intra = worker_group()
     worker, lead = dp_rank // intra.size(), intra.rank() == 0
-    it = data.batch_iterator(train_ds, args.micro_batch_size, start=dp_rank, stride=dp)
+    first = 0  # steps already done: a torchft worker relaunched into a running job healed to the others' step
+    if use_local_sgd and uses_torchft(args):  # this job is one worker: its slice of every global batch
+        worker = args.local_sgd_replica_id
+        dp_rank, dp = worker * dp + dp_rank, args.workers * dp
+        first = controllers[0].steps_done
+        if first:
+            print(f"          worker {worker} rank {dist.get_rank()} joined a running job: healed from a live "
+                  f"worker to step {first}; it trains on from there", flush=True)
+            scheduler.step(first)
+    it = data.batch_iterator(train_ds, args.micro_batch_size, start=dp_rank + first * args.micro_batch_size * dp,
+                             stride=dp)
     name = "EDiT" if use_local_sgd else "synchronous"
     buffers = [*ddp.buffers, *ddp.expert_parallel_buffers]  # MoE, expert parallelism: the experts'
     shard_numel = sum(b.grad_data.numel() // buf.data_parallel_group.size() for buf in buffers for b in buf.buckets)
@@ -684,7 +754,7 @@ def train(args, use_local_sgd, datasets):
     t_start = time.perf_counter()
     # A fast A-EDiT worker takes more steps than --steps (a slow one fewer): at most all of them.
     last_step = args.steps * args.workers if use_async else args.steps
-    for step in range(1, last_step + 1):
+    for step in range(first + 1, last_step + 1):
         if use_async and controllers[0].finished:
             break
         USER_STOP.step = step
@@ -721,8 +791,12 @@ def train(args, use_local_sgd, datasets):
         c.flush()  # nothing should be pending after the last evaluation; never leave a sync open
     log_syncs([c.drain_reports() for c in controllers], counts)
     elapsed = time.perf_counter() - t_start
-    # Every worker is past its last sync here: the one collective across workers of the script.
-    final = gather_per_worker(valid)
+    if use_local_sgd and uses_torchft(args):  # workers in jobs of their own: each reports its own
+        final = {worker: valid}
+        for c in controllers:
+            c.ft.close()
+    else:  # every worker is past its last sync here: the one collective across workers of the script
+        final = gather_per_worker(valid)
     return dict(name=name, final=final, cross_bytes=counts["bytes"] + grad_bytes, seconds=elapsed,
                 syncs=counts["syncs"], skipped=counts["skipped"])
 
@@ -806,7 +880,7 @@ def run_rank(args: argparse.Namespace, world: int) -> None:
     from megatron_edit.cpu import data
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=args.workers,
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1 if uses_torchft(args) else args.workers,
                                  expert_model_parallel_size=args.expert_model_parallel_size)
     if args.workers == 1 and args.mode != "baseline":
         log0("note: --workers 1 is one EDiT worker: synchronous training plus an outer optimizer "
@@ -815,14 +889,15 @@ def run_rank(args: argparse.Namespace, world: int) -> None:
     prefix = os.path.join(args.data_dir, "stdlib_docs")
     os.makedirs(args.data_dir, exist_ok=True)
     data.prepare_indexed_dataset(prefix)
-    dp = ps.get_data_parallel_world_size()
+    dp = all_processes(args, ps.get_data_parallel_world_size())
     # A-EDiT: a fast worker may take up to every worker's share of steps.
     train_steps = args.steps * (args.workers if args.local_sgd_async else 1)
     train_ds, valid_ds, _ = data.build_gpt_datasets(
         prefix, args.seq_length, (train_steps * dp * args.micro_batch_size, args.eval_samples, 0), args.seed,
     )
     log0(f"data: {prefix}.bin, {len(train_ds)} training samples of {args.seq_length} tokens "
-         f"({world} processes)")
+         f"({world} processes" + (f" of worker {args.local_sgd_replica_id}, {args.workers} workers)"
+                                   if uses_torchft(args) else ")"))
 
     results = []
     if args.mode in ("edit", "both"):

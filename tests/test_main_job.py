@@ -52,6 +52,8 @@ REFUSED = [
     # step 1), a bare AssertionError from Megatron's scheduler, or a run that exits 0.
     (["--workers", "0"], "argument --workers: must be an integer >= 1 (got 0)"),
     (["--workers", "3"], "--workers 3 must divide the number of processes (4"),
+    (["--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "0", "--mode", "both"],
+     "--mode both with --local-sgd-sync-backend torchft: the synchronous run needs every worker in one job"),
     (["--eval-interval", "0"], "argument --eval-interval: must be an integer >= 1"),
     (["--log-interval", "0"], "argument --log-interval: must be an integer >= 1"),
     (["--steps", "0"], "argument --steps: must be an integer >= 1"),
@@ -394,8 +396,12 @@ def torchrun(data_dir, *argv, timeout=240, python=False):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)  # a torchft run's supervisor stops its worker jobs
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         pytest.fail(f"the main job did not end within {timeout} s (hung?); its output:\n{out[-4000:]}")
     return proc.returncode, out
 
@@ -592,3 +598,22 @@ def test_flag_table_matches_both_parsers(job):
             assert main_job == "=", (flag, main_job)
         else:
             assert main_job == _as_text(main.get_default(dest)), (flag, main_job)
+
+
+@pytest.mark.timeout(600)
+def test_the_torchft_backend_trains_what_the_torch_backend_does(data_dir):
+    """--local-sgd-sync-backend torchft started with python: a Lighthouse and one job per worker
+    (2 x 2 ranks), each on its worker's slice of every global batch; the same validation losses
+    as the torch backend's one job on the same flags (warmup 0: its default with torchft)."""
+    pytest.importorskip("torchft")
+    flags = ["--steps", "8", "--eval-interval", "8", "--local-sgd-sync-interval", "4", "--lr-warmup-steps", "2"]
+    code, out = torchrun(data_dir, *flags, "--local-sgd-warmup-steps", "0", "--mode", "edit")
+    assert code == 0, out[-3000:]
+    (reference, syncs), = _summary(out).values()
+    code, out = torchrun(data_dir, *flags, "--local-sgd-sync-backend", "torchft", python=True, timeout=420)
+    assert code == 0, out[-3000:]
+    assert "every worker's job ended with code 0" in out and "relaunch" not in out
+    tables = ["=== summary" + part for part in out.split("=== summary")[1:]]
+    ft = sorted(v for table in tables for v in _summary(table)["EDiT"][0])
+    assert len(tables) == 2 and ft == sorted(reference) and all(_summary(t)["EDiT"][1] == syncs for t in tables)
+    assert "torchft::" not in out  # torchft's INFO lines are off in the main job

@@ -26,6 +26,18 @@ if mode == "die-always" and rid == "1":
 if mode == "die-always":
     time.sleep(60)
     open(os.path.join(folder, "r0-finished"), "w").close()
+if mode == "refused" and rid == "1":
+    sys.exit(2)
+if mode == "refused":
+    time.sleep(60)
+if mode == "gate":  # worker 1 starts late; the first sync's gate holds worker 0 until it arrives
+    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, start_gate
+    if rid == "1":
+        time.sleep(2.0)
+    arrived = time.time()
+    start_gate(os.environ[START_GATE_ENV], int(rid), 0)
+    with open(os.path.join(folder, f"gate{rid}"), "w") as f:
+        f.write(f"{arrived} {time.time()}")
 """
 
 
@@ -66,3 +78,19 @@ def test_a_command_without_replica_id_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "{replica_id}" in result.stderr
 
+
+
+@pytest.mark.timeout(180)
+def test_a_flag_refused_by_a_worker_stops_the_run_at_once(tmp_path):
+    result, folder = _supervise(tmp_path, "--workers", "2", mode="refused")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "worker 1 exited with code 2" in result.stderr and "relaunch" not in result.stdout
+    assert sorted(os.listdir(folder)) == ["r0-0", "r1-0"]
+
+
+@pytest.mark.timeout(180)
+def test_the_first_sync_waits_for_every_worker(tmp_path):
+    result, folder = _supervise(tmp_path, "--workers", "2", mode="gate")
+    assert result.returncode == 0, result.stdout + result.stderr
+    (arrived0, passed0), (arrived1, _) = [map(float, (folder / f"gate{w}").read_text().split()) for w in "01"]
+    assert passed0 >= arrived1 > arrived0  # worker 0 waited at the gate for worker 1

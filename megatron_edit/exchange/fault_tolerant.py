@@ -236,3 +236,49 @@ class FaultTolerantSyncGroup:
     def all_reduce_max_everywhere(self, tensor: torch.Tensor, group: Optional[object]) -> torch.Tensor:
         """A-EDiT's schedule message: not over torchft yet (refused by the config)."""
         raise NotImplementedError("megatron_edit: A-EDiT with --local-sgd-sync-backend torchft is not supported yet")
+
+
+START_GATE_ENV = "MEGATRON_EDIT_FT_START_GATE"
+"""Set by a supervisor (``python -m megatron_edit.supervise``, the main job) for every worker job
+it starts: ``host:port:workers:timeout_s``, a TCP store of the supervisor where a run's first
+sync waits for all its workers (:func:`start_gate`)."""
+
+
+def start_gate_value(host: str, port: int, workers: int, timeout: float) -> str:
+    """The value of :data:`START_GATE_ENV` for a store at ``host:port``."""
+    return f"{host}:{port}:{workers}:{timeout:g}"
+
+
+def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
+    """A run starts with all its workers: rank ``rank`` of worker ``replica_id`` marks itself
+    arrived in the supervisor's store (``value``: :data:`START_GATE_ENV`'s) and waits until rank
+    ``rank`` of every worker has, once in the run (a relaunched worker finds them all there and
+    goes on at once). Call it after this rank's Manager is up and before its first quorum: the
+    first quorum then holds every worker (torchft's Lighthouse forms a quorum once every
+    heartbeating worker asks for it). Nothing without ``value``. After ``timeout_s`` without all
+    of them: one line naming the missing workers."""
+    if not value:
+        return
+    try:
+        host, port, workers, timeout = value.rsplit(":", 3)
+        port, workers, timeout = int(port), int(workers), float(timeout)
+    except ValueError:
+        raise RuntimeError(f"megatron_edit: {START_GATE_ENV}={value!r} is not host:port:workers:timeout_s "
+                           "(the supervisor sets it; unset it to start without the gate).") from None
+    if not 0 <= replica_id < workers:
+        raise RuntimeError(
+            f"megatron_edit: --local-sgd-replica-id {replica_id} is not one of the supervisor's {workers} "
+            f"workers (0 .. {workers - 1}).")
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, 1.0)))
+    keys = [f"start/{rank}/{w}" for w in range(workers)]
+    store.set(keys[replica_id], "1")
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 (TCPStore raises a plain timeout error)
+        missing = [w for w, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"megatron_edit: the run's first sync waited {timeout:g} s for worker(s) {missing} (rank {rank}) to "
+            "start; they did not (their jobs' output says why). Raise the supervisor's --start-timeout-s if "
+            "they start slowly.") from None

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..exchange.fault_tolerant import FaultTolerantSyncGroup
+from ..exchange.fault_tolerant import START_GATE_ENV, FaultTolerantSyncGroup, start_gate
 from .process_state import PROCESS
 
 STATE_KEY = "megatron_edit"
@@ -64,6 +64,8 @@ class TorchftBackend:
             min_replicas=config.min_replicas, timeout=timeout, quorum_timeout=max(timeout, 1800.0),
             connect_timeout=min(timeout, 60.0))
         self.group.register_state(STATE_KEY, self.load, self.save)
+        # A supervised run's first sync holds every worker (this rank's Manager is up now).
+        start_gate(os.environ.get(START_GATE_ENV), config.replica_id, dist.get_rank())
         self._sync_step = 0
         """The step of the sync in progress (what a healing peer's step counters become)."""
         PROCESS.torchft_backend = self

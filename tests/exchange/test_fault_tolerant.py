@@ -170,3 +170,22 @@ def test_two_workers_with_one_replica_id_are_refused(tmp_path):
     for message in messages:
         assert message is not None and "\n" not in message
         assert "two workers of the sync have --local-sgd-replica-id 7" in message
+
+
+@pytest.mark.timeout(60)
+def test_the_start_gate_names_the_workers_that_did_not_arrive():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from megatron_edit.exchange.fault_tolerant import start_gate, start_gate_value
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    value = start_gate_value("127.0.0.1", store.port, 3, 1.0)
+    with pytest.raises(RuntimeError) as error:
+        start_gate(value, 1, 0)
+    assert "waited 1 s for worker(s) [0, 2] (rank 0)" in str(error.value) and "\n" not in str(error.value)
+    store.set("start/0/0", "1"), store.set("start/0/2", "1")
+    start_gate(value, 1, 0)  # every worker of rank 0 arrived: it passes at once
+    start_gate(None, 1, 0)  # no supervisor: no gate
+    with pytest.raises(RuntimeError, match="--local-sgd-replica-id 3 is not one of the supervisor's 3 workers"):
+        start_gate(value, 3, 0)
