@@ -9,7 +9,8 @@ N-1, kept by its relaunches). Every job gets ``TORCHFT_LIGHTHOUSE`` (the Lightho
 runs, torchft's ``LighthouseServer``; ``--local-sgd-lighthouse`` defaults to it) and runs in a
 session of its own, so a job is stopped as a whole. A job that exits with 0 is done; another exit
 is logged in one line and the job is started again, up to ``--max-relaunches`` times in all
-(then every job is stopped and this exits 1); exit code 2 (refused flags) stops the run at once.
+(then every job is stopped and this exits 1); exit code 2 (refused flags) stops the run at once,
+and so does a death after some worker has finished the run (exit 1).
 It exits 0 once every worker's job has.
 
 A run starts with all its workers: every job also gets ``MEGATRON_EDIT_FT_START_GATE`` (a TCP
@@ -139,6 +140,12 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
                     worker.done = True
                     continue
                 worker.stop()  # what is left of its session
+                finished = [w.replica_id for w in workers if w.done]
+                if finished:  # a fresh job would wait for a quorum that nobody else joins any more
+                    print(f"{prog}: worker {worker.replica_id} exited with code {code} after {alive:.1f} s, when "
+                          f"worker(s) {finished} had finished the run: not relaunched; stopping.",
+                          file=sys.stderr, flush=True)
+                    return 1
                 if code == 2:  # its flags were refused (it printed the line): a relaunch would be too
                     print(f"{prog}: worker {worker.replica_id} exited with code 2 (its flags were refused, "
                           "above): stopping the run.", file=sys.stderr, flush=True)

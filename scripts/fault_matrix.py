@@ -91,6 +91,66 @@ def run(dir_, *argv, limit=LIMIT):
     return proc.returncode, out, seconds, result
 
 
+MAIN_JOB = ROOT / "scripts" / "train_gpt_edit.py"
+
+
+def kill_worker(mark: str, worker: int) -> int:
+    """SIGKILL every process of the run ``mark`` that belongs to torchft worker ``worker``'s job
+    (its launcher and its ranks: their command lines carry ``--local-sgd-replica-id worker``),
+    as when its node dies. Returns how many were killed."""
+    needle, flag = f"{RUN_MARK}={mark}".encode(), f"--local-sgd-replica-id\0{worker}\0".encode()
+    killed = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                marked = needle in f.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                mine = flag in f.read()
+        except OSError:
+            continue
+        if marked and mine:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def run_torchft(dir_, *argv, kill=None, limit=LIMIT):
+    """The main job with ``--local-sgd-sync-backend torchft`` (its supervisor, a Lighthouse and
+    one job per worker). ``kill``: (worker, regex): SIGKILL that worker's job once the output
+    matches. Returns (exit code, output, time of the kill or None, {line: the time it was first
+    seen}) (the output is polled every 0.1 s)."""
+    command = [sys.executable, str(MAIN_JOB), "--local-sgd-sync-backend", "torchft",
+               "--data-dir", str(Path(dir_).parent / "data"), *argv]
+    log = Path(dir_) / "output.log"
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    seen, killed_at = {}, None
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, **{RUN_MARK: mark}))
+        deadline = time.monotonic() + limit
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now, text = time.time(), log.read_text()
+            for line in text.splitlines():
+                seen.setdefault(line.strip(), now)
+            if kill and killed_at is None and re.search(kill[1], text):
+                if kill_worker(mark, kill[0]):
+                    killed_at = time.time()
+        note = "" if proc.poll() is not None else f"\n[fault_matrix: stopped after {limit} s]"
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the supervisor stops its worker jobs
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        end_the_run(mark)
+        proc.wait()
+    return proc.returncode, log.read_text() + note, killed_at, seen
+
+
 def first_error(out: str) -> str:
     """The line a user reads first: the package's message, or torchrun's about a dead rank."""
     for pattern in (r"(megatron_edit: sync \d+ \(after step \d+\): [^\n]+)", r"(SyncTimeout: [^\n]+)", r"(megatron_edit\.\w+(?:\.\w+)*\.\w+: megatron_edit: [^\n]+)",
@@ -239,6 +299,45 @@ def main() -> int:
         ok = code != 0 and expect in msg
         row(name, f"checkpoint damaged ({name}{': ' + what if isinstance(what, str) else ''}), then resumed", msg,
             None, "the damaged checkpoint is refused; earlier ones load", ok)
+
+    if not wanted or "torchft-kill-between" in wanted:
+        # --local-sgd-sync-backend torchft: each worker its own job. Worker 1's job is SIGKILLed
+        # (every process of it, as when its node dies) after its step 16; nothing else restarts.
+        # The run is long enough (600 steps) for the relaunched job to start and heal before the
+        # survivor ends it on a loaded machine (a relaunch took 62 s at load 9).
+        d = root / "torchft-kill-between"
+        d.mkdir()
+        steps, h = 600, 8
+        code, out, killed_at, seen = run_torchft(
+            d, "--steps", str(steps), "--local-sgd-sync-interval", str(h), "--log-interval", str(h),
+            "--eval-interval", str(steps), kill=(1, r"step\s+16 \| worker 1 loss"), limit=3 * LIMIT)
+        healed = re.search(r"worker 1 rank 0 joined a running job: healed from a live worker to step (\d+)", out)
+        survivor = [int(m) for m in re.findall(r"step\s+(\d+) \| worker 0 loss", out)]
+        alone = [(line, t) for line, t in seen.items()
+                 if re.match(r"worker 0 sync \d+ after step \d+: .*\(1 workers\)", line)]
+        first_alone = min((t for _, t in alone), default=None)
+        back = healed and min((t for line, t in seen.items()
+                               if re.match(rf"worker 1 sync \d+ after step {int(healed.group(1)) + h}:", line)),
+                              default=None)
+        valid = dict(re.findall(r"validation after step \d+: worker (\d) ([\d.]+)", out))
+        checks = dict(exit_0=code == 0, killed=killed_at is not None, healed=healed is not None,
+                      relaunched_once=out.count("relaunching it") == 1,
+                      survivor_every_step_once=survivor == list(range(h, steps + 1, h)),
+                      survivor_synced_alone=bool(alone), all_committed="NOT COMMITTED" not in out,
+                      same_final_model=len(valid) == 2 and valid.get("0") == valid.get("1"), back=bool(back))
+        ok = all(checks.values())
+        seen_line = (f"the survivor's next sync committed with 1 worker {first_alone - killed_at:.1f} s after the kill; "
+                     f"the supervisor relaunched worker 1, which healed at step {healed.group(1)} "
+                     f"{back - killed_at:.1f} s after the kill; final validation loss {valid.get('0')} on both"
+                     if ok else f"failed: {[k for k, v in checks.items() if not v]}; {first_error(out)}")
+        if not ok:
+            print(out[-6000:], flush=True)
+        row("torchft-kill-between", "--local-sgd-sync-backend torchft (each worker its own job, "
+            "megatron_edit.supervise): worker 1's job SIGKILLed after its step 16 of 600", seen_line,
+            None if killed_at is None else seen.get(
+                "train_gpt_edit.py: every worker's job ended with code 0", time.time()) - killed_at,
+            "worker 0: nothing (no restart, every step once); worker 1: what it trained since its last sync "
+            "(at most H = 8 steps), then identical to worker 0" if ok else "NOT as expected", ok)
 
     table = ["| fault | what the user sees | s to end | lost | holds |", "|---|---|---|---|---|"]
     table += [f"| {fault} | {seen.replace('|', '/')} | {sec} | {lost} | {ok} |" for _, fault, seen, sec, lost, ok in rows]

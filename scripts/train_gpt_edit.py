@@ -680,6 +680,11 @@ def penalty_line(report):
     return "penalty: " + " | ".join(parts) if parts else None
 
 
+SYNC_LABEL = "sync"
+"""How the sync lines begin: with --local-sgd-sync-backend torchft each worker's job prints its
+own (``worker N sync``)."""
+
+
 def log_syncs(per_controller, counts) -> None:
     """Rank 0 prints each sync (the syncs are the same on every worker). ``per_controller``:
     each EDiT controller's reports (a MoE model with expert parallelism has two, the dense and
@@ -702,9 +707,11 @@ def log_syncs(per_controller, counts) -> None:
         what = "" if r.fragment is None else f" (fragment {r.fragment})"
         if r.delay:
             what += f" (launched after step {r.step - r.delay}, exposed wait {r.exposed_wait_seconds * 1e3:.1f} ms)"
-        log0(f"          sync {counts['syncs']} after step {r.step}{what}: {r.buckets} buckets{experts}, "
+        if not r.committed:  # torchft: the round failed or had too few workers; nothing applied
+            what += " NOT COMMITTED (the local progress is kept for the next sync)"
+        log0(f"          {SYNC_LABEL} {counts['syncs']} after step {r.step}{what}: {r.buckets} buckets{experts}, "
              f"{sent / 1e3:.1f} kB sent by this rank across the sync group "
-             f"({r.workers} workers), {(r.seconds + sum(x.seconds for x in more)) * 1e3:.1f} ms in EDiT code{steps}")
+             f"({r.workers} workers{'' if r.trained in (None, r.workers) else f', {r.trained} trained since the last'}), {(r.seconds + sum(x.seconds for x in more)) * 1e3:.1f} ms in EDiT code{steps}")
         for report, what in zip((r, *more), ("", *["experts: "] * len(more))):
             line = penalty_line(report)
             if line:
@@ -732,6 +739,8 @@ def train(args, use_local_sgd, datasets):
     first = 0  # steps already done: a torchft worker relaunched into a running job healed to the others' step
     if use_local_sgd and uses_torchft(args):  # this job is one worker: its slice of every global batch
         worker = args.local_sgd_replica_id
+        global SYNC_LABEL
+        SYNC_LABEL = f"worker {worker} sync"
         dp_rank, dp = worker * dp + dp_rank, args.workers * dp
         first = controllers[0].steps_done
         if first:

@@ -20,6 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS = ["kill-between", "kill-exchange", "kill-save", "hang", "nan-fp32", "nan-fp32-excluded",
         "nan-int8", "nan-int8-excluded", "nan-int4", "nan-int4-excluded", "garbled-record", "truncated-file",
         "elastic-2-to-4-int8-penalty", "elastic-2-to-1-int8-penalty"]
+# Not here: the torchft row (torchft-kill-between, python scripts/fault_matrix.py --rows
+# torchft-kill-between, about 3 minutes): its outcome needs the relaunched job to start before
+# the survivor ends the run, a matter of the machine's load; tests/mcore/test_torchft_megatron.py
+# checks the same death and heal deterministically (its jobs wait for each other at files).
 CHECKPOINTS = {"kill-between", "kill-exchange", "kill-save", "garbled-record", "truncated-file",
                "elastic-2-to-4-int8-penalty", "elastic-2-to-1-int8-penalty"}
 

@@ -21,11 +21,24 @@ with open(os.path.join(folder, f"r{rid}-{n}"), "w") as f:
     f.write(os.environ.get("TORCHFT_LIGHTHOUSE", ""))
 if mode == "die-once" and rid == "1" and n == 0:
     os._exit(9)
+if mode in ("die-once", "die-after-the-end") and rid == "0":  # ends once worker 1 has been relaunched
+    end = time.time() + 60
+    while not os.path.exists(os.path.join(folder, "r1-1")) and time.time() < end:
+        time.sleep(0.05)
 if mode == "die-always" and rid == "1":
     sys.exit(3)
 if mode == "die-always":
     time.sleep(60)
     open(os.path.join(folder, "r0-finished"), "w").close()
+if mode == "die-after-the-end" and rid == "1":
+    if n == 0:
+        os._exit(9)
+    while not os.path.exists(os.path.join(folder, "r0-done")):
+        time.sleep(0.05)
+    time.sleep(1.0)
+    os._exit(9)
+if mode == "die-after-the-end" and rid == "0":
+    open(os.path.join(folder, "r0-done"), "w").close()
 if mode == "refused" and rid == "1":
     sys.exit(2)
 if mode == "refused":
@@ -94,3 +107,11 @@ def test_the_first_sync_waits_for_every_worker(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     (arrived0, passed0), (arrived1, _) = [map(float, (folder / f"gate{w}").read_text().split()) for w in "01"]
     assert passed0 >= arrived1 > arrived0  # worker 0 waited at the gate for worker 1
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_dies_after_another_finished_is_not_relaunched(tmp_path):
+    result, folder = _supervise(tmp_path, "--workers", "2", mode="die-after-the-end")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "worker 1 exited with code 9" in result.stderr and "[0] had finished the run: not relaunched" in result.stderr
+    assert sorted(os.listdir(folder)) == ["r0-0", "r0-done", "r1-0", "r1-1"]

@@ -466,6 +466,7 @@ class OuterSync:
             payload_bytes=self.sync_group.counters.payload_bytes - sync.bytes_at_start,
             seconds=sync.seconds,
             workers=self.num_workers,
+            trained=getattr(self.sync_group, "contributors", None) if getattr(self.sync_group, "dynamic", False) else None,
             steps_since_last=sync.steps_since_last,
             outer_lr=self.outer.lr,
             worker=self.sync_group.rank,

@@ -21,6 +21,10 @@ class SyncReport:
     seconds: float
     """Time this rank spent in EDiT code for the sync (launch, wait, outer step, copies)."""
     workers: int
+    trained: Optional[int] = None
+    """The workers that trained since the last sync (the mean's divisor) when that can differ
+    from ``workers``: the torchft backend, where a worker that has just healed did not; None:
+    all of them."""
     steps_since_last: int = 0
     """Inner steps since the previous sync (H for synchronous EDiT)."""
     outer_lr: float = 0.0
