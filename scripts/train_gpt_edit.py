@@ -243,6 +243,9 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
     if args.local_sgd_sync_backend == "torchft" and args.mode == "both":
         parser.fail("--mode both with --local-sgd-sync-backend torchft: the synchronous run needs every "
                     "worker in one job; use --mode edit (the default) with torchft, or the torch backend.")
+    if args.local_sgd_sync_backend == "torchft" and args.local_sgd_min_replicas > args.workers:
+        parser.fail(f"--local-sgd-min-replicas {args.local_sgd_min_replicas} is more than --workers "
+                    f"{args.workers}: no sync could ever commit; lower it.")
     checked = {**vars(args), "use_local_sgd": True}
     if supervises(args):  # the worker jobs get their ids and the Lighthouse from this process
         checked.update(local_sgd_replica_id=0, local_sgd_lighthouse="http://127.0.0.1:1")

@@ -52,6 +52,8 @@ REFUSED = [
     # step 1), a bare AssertionError from Megatron's scheduler, or a run that exits 0.
     (["--workers", "0"], "argument --workers: must be an integer >= 1 (got 0)"),
     (["--workers", "3"], "--workers 3 must divide the number of processes (4"),
+    (["--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "0", "--local-sgd-min-replicas", "3"],
+     "--local-sgd-min-replicas 3 is more than --workers 2: no sync could ever commit"),
     (["--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "0", "--mode", "both"],
      "--mode both with --local-sgd-sync-backend torchft: the synchronous run needs every worker in one job"),
     (["--eval-interval", "0"], "argument --eval-interval: must be an integer >= 1"),
@@ -592,6 +594,9 @@ def test_flag_table_matches_both_parsers(job):
             assert default.split(" (")[0] == _as_text(expected), (flag, default, expected)
         if flag == "--use-local-sgd":
             assert main_job.startswith("refused"), main_job
+        elif flag == "--local-sgd-warmup-steps":  # resolved per sync backend
+            assert main_job == (f"{job.MAIN_JOB_DEFAULTS['local_sgd_warmup_steps']} "
+                                f"({job.MAIN_JOB_FT_WARMUP} with torchft)"), main_job
         elif key in job.MAIN_JOB_OUTER_SGD:
             assert main_job == f"{_as_text(job.MAIN_JOB_OUTER_SGD[key])} with SGD", (flag, main_job)
         elif main.get_default(dest) == expected:

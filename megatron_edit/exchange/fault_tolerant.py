@@ -249,6 +249,21 @@ def start_gate_value(host: str, port: int, workers: int, timeout: float) -> str:
     return f"{host}:{port}:{workers}:{timeout:g}"
 
 
+def _parse_gate(value: str):
+    try:
+        host, port, workers, timeout = value.rsplit(":", 3)
+        return host, int(port), int(workers), float(timeout)
+    except ValueError:
+        raise RuntimeError(f"megatron_edit: {START_GATE_ENV}={value!r} is not host:port:workers:timeout_s "
+                           "(the supervisor sets it; unset it to start without the gate).") from None
+
+
+def supervised_workers(value: Optional[str]) -> Optional[int]:
+    """The number of workers of a supervised run (``value``: :data:`START_GATE_ENV`'s); None
+    without a supervisor."""
+    return _parse_gate(value)[2] if value else None
+
+
 def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
     """A run starts with all its workers: rank ``rank`` of worker ``replica_id`` marks itself
     arrived in the supervisor's store (``value``: :data:`START_GATE_ENV`'s) and waits until rank
@@ -259,12 +274,7 @@ def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
     of them: one line naming the missing workers."""
     if not value:
         return
-    try:
-        host, port, workers, timeout = value.rsplit(":", 3)
-        port, workers, timeout = int(port), int(workers), float(timeout)
-    except ValueError:
-        raise RuntimeError(f"megatron_edit: {START_GATE_ENV}={value!r} is not host:port:workers:timeout_s "
-                           "(the supervisor sets it; unset it to start without the gate).") from None
+    host, port, workers, timeout = _parse_gate(value)
     if not 0 <= replica_id < workers:
         raise RuntimeError(
             f"megatron_edit: --local-sgd-replica-id {replica_id} is not one of the supervisor's {workers} "

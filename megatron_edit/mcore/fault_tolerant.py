@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..exchange.fault_tolerant import START_GATE_ENV, FaultTolerantSyncGroup, start_gate
+from ..exchange.fault_tolerant import START_GATE_ENV, FaultTolerantSyncGroup, start_gate, supervised_workers
 from .process_state import PROCESS
 
 STATE_KEY = "megatron_edit"
@@ -51,6 +51,11 @@ class TorchftBackend:
             raise RuntimeError(
                 "megatron_edit: --local-sgd-sync-backend torchft with several EDiT optimizers in one process (a "
                 "MoE model's expert optimizer) is not supported yet.")
+        workers = supervised_workers(os.environ.get(START_GATE_ENV))
+        if workers is not None and config.min_replicas > workers:
+            raise RuntimeError(
+                f"megatron_edit: --local-sgd-min-replicas {config.min_replicas} is more than the supervisor's "
+                f"{workers} workers: no sync could ever commit; lower it.")
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
             raise RuntimeError(

@@ -2,7 +2,7 @@
 the others, who go on) against today's torch backend (one world: a dead rank stops the run, which
 restarts from its last checkpoint), on the same fault schedule.
 
-    python scripts/bench/bench_ft.py [--workers 3] [--ranks 2] [--fault-every 60] [--steps 600]
+    python scripts/bench/bench_ft.py [--workers 3] [--ranks 2] [--fault-every 60] [--steps 1600]
 
 Each run is the main job (``scripts/train_gpt_edit.py``, EDiT H = --local-sgd-sync-interval, no
 warmup) on this machine, --workers x --ranks processes:
@@ -130,7 +130,8 @@ def torchft_run(args, folder: Path, faults: bool) -> dict:
                 raise SystemExit(f"bench_ft: the torchft run did not end within {args.limit} s: {run.log}")
             if first_sync is None:
                 first_sync = next((t for t, line in run.lines if re.match(r"worker 0 sync 1 after", line)), None)
-            elif faults and time.time() >= first_sync + args.fault_every * (len(kills) + 1):
+            elif (faults and time.time() >= first_sync + args.fault_every * (len(kills) + 1)
+                  and not any(f"validation after step {args.steps}:" in line for _, line in run.lines)):
                 victim = victim % (args.workers - 1) + 1
                 needle = f"--local-sgd-replica-id\0{victim}\0".encode()
                 if _kill(run.mark, needle):
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--ranks", type=int, default=2, help="ranks per worker")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--h", type=int, default=8, help="--local-sgd-sync-interval")
     p.add_argument("--log-interval", type=int, default=2)
     p.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults")

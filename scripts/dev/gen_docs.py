@@ -87,7 +87,7 @@ def _main_job_parser():
     spec = importlib.util.spec_from_file_location("_gen_docs_main_job", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.build_parser(), module.MAIN_JOB_OUTER_SGD
+    return module.build_parser(), module.MAIN_JOB_OUTER_SGD, module
 
 
 def flag_rows() -> List[dict]:
@@ -99,7 +99,7 @@ def flag_rows() -> List[dict]:
         for flag in flags.split(" / "):
             field_of.setdefault(flag, name)
     parser = local_sgd_args_provider(argparse.ArgumentParser(add_help=False))
-    main_parser, main_outer = _main_job_parser()
+    main_parser, main_outer, main_module = _main_job_parser()
     main_defaults = {a.dest: a.default for a in main_parser._actions}
     rows = []
     for action in parser._actions:
@@ -139,6 +139,9 @@ def flag_rows() -> List[dict]:
             shown_main += " with SGD"
         if action.dest == "use_local_sgd":
             shown_main = "refused (--mode selects EDiT)"
+        if action.dest == "local_sgd_warmup_steps":  # resolved per sync backend by the main job
+            shown_main = (f"{main_module.MAIN_JOB_DEFAULTS['local_sgd_warmup_steps']} "
+                          f"({main_module.MAIN_JOB_FT_WARMUP} with torchft)")
         rows.append(dict(flag=name, dest=action.dest, default=default, main=shown_main,
                          kind=kind, help=_clean_help(action.help), field=field,
                          hidden=action.dest == "use_local_sgd"))

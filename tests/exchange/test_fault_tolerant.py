@@ -189,3 +189,11 @@ def test_the_start_gate_names_the_workers_that_did_not_arrive():
     start_gate(None, 1, 0)  # no supervisor: no gate
     with pytest.raises(RuntimeError, match="--local-sgd-replica-id 3 is not one of the supervisor's 3 workers"):
         start_gate(value, 3, 0)
+
+
+def test_the_supervisors_workers_come_from_the_gate():
+    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, start_gate_value, supervised_workers
+
+    assert supervised_workers(start_gate_value("host", 5, 3, 600.0)) == 3 and supervised_workers(None) is None
+    with pytest.raises(RuntimeError, match=f"{START_GATE_ENV}='nonsense' is not host:port:workers:timeout_s"):
+        supervised_workers("nonsense")
