@@ -1,5 +1,5 @@
 """Shared pytest setup: the repository root and tests/ on sys.path (spawned ranks inherit it),
-the `slow` and `cuda` markers.
+the `slow`, `one_lane` and `cuda` markers.
 
 The test folders mirror the package's layers (algorithm/, exchange/, mcore/, training/, cpu/);
 the helpers every layer's tests share (dist.py: multi-rank runs; gpt_utils.py, edit_runs.py:
@@ -30,6 +30,9 @@ for _path in (_TESTS, _ROOT):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
+    config.addinivalue_line(
+        "markers", "one_lane: checks what megatron-core's release does not change (the main job's process "
+        "handling, the docs, end-to-end scripts): CI runs it in its default lane only")
     config.addinivalue_line(
         "markers", "cuda: needs a CUDA GPU (the GPU lane: `bash scripts/gpu_check.sh`; skipped elsewhere)"
     )

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.one_lane  # (what megatron-core's release does not change)
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 TIMEOUT = 120

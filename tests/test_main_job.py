@@ -435,6 +435,7 @@ HANGED = {
 }
 
 
+@pytest.mark.one_lane
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", ["2", "4"])
 @pytest.mark.parametrize("config", sorted(HANGED))
@@ -512,6 +513,7 @@ def test_a_non_finite_loss_stops_the_job(data_dir):
     assert "[rank0]: Traceback" not in out
 
 
+@pytest.mark.one_lane
 @pytest.mark.timeout(400)
 def test_ctrl_c_stops_the_job_with_one_line_and_exit_code_130(data_dir):
     """SIGINT to the job's process group, as a terminal's Ctrl-C sends it, once training runs.
@@ -550,6 +552,7 @@ def test_ctrl_c_stops_the_job_with_one_line_and_exit_code_130(data_dir):
     assert len(said) == 1 and re.fullmatch(rf"{SCRIPT.name}: stopped by the user at step \d+", said[0]), said
 
 
+@pytest.mark.one_lane
 @pytest.mark.timeout(360)
 def test_a_flag_error_under_torchrun_is_one_line(data_dir):
     code, out = torchrun(data_dir, "--workers", "0", timeout=300)
@@ -605,6 +608,7 @@ def test_flag_table_matches_both_parsers(job):
             assert main_job == _as_text(main.get_default(dest)), (flag, main_job)
 
 
+@pytest.mark.one_lane
 @pytest.mark.timeout(600)
 def test_the_torchft_backend_trains_what_the_torch_backend_does(data_dir):
     """--local-sgd-sync-backend torchft started with python: a Lighthouse and one job per worker

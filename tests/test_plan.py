@@ -8,6 +8,8 @@ import pytest
 from megatron_edit import plan as plan_cli
 
 
+pytestmark = pytest.mark.one_lane  # (what megatron-core's release does not change)
+
 def test_prints_the_exchange_time_and_the_flags(capsys):
     assert plan_cli.main(["--params", "137250", "--workers", "2", "--link-mbit", "27", "--step-ms", "43",
                           "--sync-interval", "8"]) == 0

@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("torchft")
 
+pytestmark = pytest.mark.one_lane  # (what megatron-core's release does not change)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = """
 import os, sys, time

@@ -14,6 +14,7 @@ from megatron_edit.mcore import checkpoint as checkpointing, compat
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.one_lane
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
