@@ -174,9 +174,19 @@ def build_parser() -> Rank0ArgumentParser:
     return parser
 
 
+def resolve_warmup(args: argparse.Namespace) -> None:
+    """--local-sgd-warmup-steps left unset: the main job's default for the sync backend
+    (:data:`MAIN_JOB_DEFAULTS`; :data:`MAIN_JOB_FT_WARMUP` with torchft)."""
+    if args.local_sgd_warmup_steps is None:
+        args.local_sgd_warmup_steps = (MAIN_JOB_FT_WARMUP if args.local_sgd_sync_backend == "torchft"
+                                       else MAIN_JOB_DEFAULTS["local_sgd_warmup_steps"])
+
+
 def apply_outer_defaults(args: argparse.Namespace) -> None:
     """The main job's outer SGD defaults (:data:`MAIN_JOB_OUTER_SGD`) where the user left them
-    unset; nothing with another outer optimizer or --mode baseline (which trains without one)."""
+    unset (and its warmup, :func:`resolve_warmup`); nothing more with another outer optimizer or
+    --mode baseline (which trains without one)."""
+    resolve_warmup(args)
     if args.mode == "baseline" or args.outer_optimizer not in ("sgd", "torch.optim.SGD"):
         return
     extra = args.outer_optimizer_kwargs if isinstance(args.outer_optimizer_kwargs, dict) else {}
@@ -217,9 +227,7 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
     """Flag combinations, before Megatron is imported and the process group exists: a bad one
     ends every rank with exit code 2 and one line on rank 0 naming the flag."""
     _check_data_dir(args.data_dir, parser)
-    if args.local_sgd_warmup_steps is None:
-        args.local_sgd_warmup_steps = (MAIN_JOB_FT_WARMUP if args.local_sgd_sync_backend == "torchft"
-                                       else MAIN_JOB_DEFAULTS["local_sgd_warmup_steps"])
+    resolve_warmup(args)
     if args.hidden % args.heads:
         parser.fail(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}.")
     if args.lr_warmup_steps >= args.steps:
