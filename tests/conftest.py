@@ -32,7 +32,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow')")
     config.addinivalue_line(
         "markers", "one_lane: checks what megatron-core's release does not change (the main job's process "
-        "handling, the docs, end-to-end scripts): CI runs it in its default lane only")
+        "handling, the docs, end-to-end scripts, an algorithm's variants on a checkpoint path that other "
+        "tests cover in every lane): CI runs it in its default lane only")
     config.addinivalue_line(
         "markers", "cuda: needs a CUDA GPU (the GPU lane: `bash scripts/gpu_check.sh`; skipped elsewhere)"
     )

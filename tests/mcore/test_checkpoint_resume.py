@@ -159,6 +159,7 @@ def test_resume_with_another_layout(saved, case):
     _assert_loss_goes_on(resumed, ref, range(step + 1, 11))
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("weights", ["mean", "penalty"])
 def test_error_feedback_residuals_follow_a_worker_count_change(tmp_path, weights):
@@ -196,6 +197,7 @@ def test_error_feedback_residuals_follow_a_worker_count_change(tmp_path, weights
         _close(after_sync[w], after_sync[0], "workers identical after the next sync", exact=True)
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
 def test_sparse_exchange_residuals_follow_a_worker_count_change(tmp_path):
     """The top-k exchange (2%, int2, error feedback by default), 2 workers x 2 shards saved
@@ -354,6 +356,7 @@ def _check_partial_restart(saver, resumed, step, workers):
     return kept, stepped
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
 def test_elastic_resume_right_after_a_fragments_sync_keeps_the_other_fragments_progress(tmp_path):
     """H = 4, F = 2, no warmup: saved by 2 workers x 2 shards after step 2, right after fragment
@@ -379,6 +382,7 @@ def test_elastic_resume_right_after_a_fragments_sync_keeps_the_other_fragments_p
         "--local-sgd-fragments 2, this run has 4" in refused, refused
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("merge", ["lerp", "keep_local"])
 def test_elastic_resume_right_after_a_delayed_merge_keeps_local_progress(tmp_path, merge):
@@ -406,6 +410,7 @@ IN_FLIGHT = dict(local_sgd_sync_interval=8, local_sgd_warmup_steps=0, outer_step
                  sync_mode="layerwise")
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
 def test_a_resume_mid_flight_with_another_merge_delay_or_fragments_is_refused(tmp_path):
     """A delayed exchange in flight at the save is applied by the rule it was launched with: a
@@ -443,6 +448,7 @@ def test_a_resume_mid_flight_with_another_merge_delay_or_fragments_is_refused(tm
             assert "\n" not in r[name]
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
 def test_error_feedback_residuals_keep_their_units_when_the_averaging_changes(tmp_path):
     """int4 exchange with error feedback, 2 workers saved between syncs with the plain mean and

@@ -115,6 +115,7 @@ def test_exact_resume_with_quantized_exchange_and_error_feedback(tmp_path):
     assert any(r.abs().sum() > 0 for r, _ in residuals)  # something was dropped and kept
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(420)
 def test_exact_resume_with_sparse_exchange_and_error_feedback(tmp_path):
     """Top-k 2% int2 exchange, error feedback on by default, saved between syncs: each worker's
@@ -132,6 +133,7 @@ def test_exact_resume_with_sparse_exchange_and_error_feedback(tmp_path):
     assert all(r.abs().sum() > 0 for r, _ in residuals)  # most of each pseudo-gradient was kept back
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(300)
 def test_penalty_detector_statistics_are_restored(tmp_path):
     """Penalty on (weights, clipping, anomaly detector): resumed between syncs, the syncs after
@@ -213,6 +215,7 @@ def test_model_only_load_restarts_edit_from_worker_0_and_legacy_format_is_refuse
     assert _same_params(results[0]["after"]["params"], results[2]["after"]["params"])
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(400)
 def test_missing_or_corrupted_edit_state_is_a_clear_error(runs, tmp_path):
     """Loading with EDiT on fails on every rank, never a silent fresh start: CheckpointStateError

@@ -118,6 +118,7 @@ def test_a_checkpoint_mid_flight_resumes_exactly(tmp_path, variant):
             _equal(a["final"][key], b["final"][key], key)
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")

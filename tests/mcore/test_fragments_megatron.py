@@ -150,6 +150,7 @@ def test_a_checkpoint_between_fragment_syncs_resumes_exactly(tmp_path, save_at):
             _equal(a["final"][key], b["final"][key], key)
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
@@ -182,6 +183,7 @@ def test_elastic_resume_with_fragments_and_the_int8_exchange(tmp_path):
                    for k in saved[0]["final"]["params"])
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")

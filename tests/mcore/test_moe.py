@@ -364,6 +364,7 @@ def test_moe_expert_parallel_checkpoint_resumes_exactly(tmp_path):
         run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, load_at=4, ep=1, timeout=280)
 
 
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(400)
 def test_moe_expert_parallel_elastic_resume_to_one_worker(tmp_path):
     """EP=2: a checkpoint of 2 workers saved between syncs, resumed by 1 worker (2 ranks, EP=2)
