@@ -301,7 +301,7 @@ def test_what_megatrons_bucket_format_cannot_reshard_is_named(saved):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("resumed_workers", [4, 1])
+@pytest.mark.parametrize("resumed_workers", [pytest.param(4, marks=pytest.mark.one_lane), 1])  # (one_lane: see conftest)
 def test_elastic_a_edit_resume_keeps_global_progress_and_reaches_the_budget_exactly(tmp_path, resumed_workers):
     """Review item 1: A-EDiT, 2 workers (1 s and 0.25 s a step on a fake clock), a budget of 30
     synchronous iterations, saved at its second sync and resumed by 4 workers (or 1). Before

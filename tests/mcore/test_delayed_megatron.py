@@ -95,7 +95,7 @@ DELAYED = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, outer_step_d
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
-@pytest.mark.parametrize("variant", ["lerp", "keep_local-int8"])
+@pytest.mark.parametrize("variant", [pytest.param("lerp", marks=pytest.mark.one_lane), "keep_local-int8"])  # (one_lane: see conftest)
 def test_a_checkpoint_mid_flight_resumes_exactly(tmp_path, variant):
     """Saved after step 3, while the exchange of the sync after step 4 is in flight (launched
     after step 2): the save waits for the exchange and keeps its result (and, for keep_local,

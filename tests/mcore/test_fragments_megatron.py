@@ -130,7 +130,7 @@ FRAG_CKPT = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, fragments=
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
-@pytest.mark.parametrize("save_at", [4, 3])
+@pytest.mark.parametrize("save_at", [4, pytest.param(3, marks=pytest.mark.one_lane)])  # (one_lane: see conftest)
 def test_a_checkpoint_between_fragment_syncs_resumes_exactly(tmp_path, save_at):
     """F = 2, tau = 1, keep_local, the penalty with anomaly detection: saved after step 4
     (fragment 0 just applied; fragment 1's anchor and the per-layer statistics from step 2), or

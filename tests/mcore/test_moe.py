@@ -267,7 +267,7 @@ def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["layerwise", "step_end"])
+@pytest.mark.parametrize("mode", ["layerwise", pytest.param("step_end", marks=pytest.mark.one_lane)])  # (one_lane: see conftest)
 def test_moe_a_edit_with_expert_parallelism_syncs_both_halves_at_the_same_steps(mode):
     """A-EDiT with EP=2 (worker 0 1 s per step, worker 1 0.25 s, sync every 4 s, a budget of 20
     synchronous iterations): the expert controller follows the dense one's schedule, so both
