@@ -86,11 +86,13 @@ def _wait_file(path, timeout=300.0):
         time.sleep(0.05)
 
 
-def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner):
+def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=False):
     """One worker's job: EDiT H=2 over torchft for HEAL_TOTAL steps, every sync logged (one JSON
     line per sync in ``ctl``). The first jobs stop before step 5 until the test has killed worker
     1 (it is killed there, between its syncs 4 and 6); worker 0 then stops before step 7 until the
-    relaunched worker 1 (``joiner``) waits in its join round's quorum."""
+    relaunched worker 1 (``joiner``) waits in its join round's quorum. ``grow``: nobody is killed;
+    the first jobs (workers 0 and 1) stop before step 5 until a new worker 2 (``joiner``) waits in
+    its join round's quorum, so that it joins them at their sync 6."""
     import json
 
     import megatron_edit as me
@@ -131,15 +133,15 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner):
     if not joiner:  # the first jobs start training together: a job slower to start (imports under
         # load) would otherwise find the other's first syncs done alone
         ft_jobs.gate(os.path.join(ctl, "start"), f"w{worker}-r{rank}", WORKERS * world_size, timeout=300.0)
-    batches = make_batches(HEAL_TOTAL, WORKERS * RANKS * MICRO_BATCH, seed=0)
+    shares = (WORKERS + grow) * world_size  # every worker's ranks, the one that joins included
+    batches = make_batches(HEAL_TOTAL, shares * MICRO_BATCH, seed=0)
     while c.steps_done < HEAL_TOTAL:
         step = c.steps_done + 1
         if step == 5 and not joiner:
-            _wait_file(os.path.join(ctl, "killed"))
-        if step == 7 and worker == 0:
+            _wait_file(os.path.join(ctl, f"joiner-in-quorum-{rank}" if grow else "killed"))
+        if step == 7 and worker == 0 and not grow:
             _wait_file(os.path.join(ctl, f"joiner-in-quorum-{rank}"))
-        train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], worker * world_size + rank,
-                                                      WORKERS * world_size))
+        train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], worker * world_size + rank, shares))
         for r in c.drain_reports():
             log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, committed=r.committed,
                                       anchor=_anchor_digest(c))) + "\n")
@@ -219,6 +221,33 @@ def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_pat
         assert all(torch.equal(x, y) for x, y in zip(a["momentum"], b["momentum"]))
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
         assert "resuming from a checkpoint with --local-sgd-sync-backend torchft is not supported" in a["resume"]
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_new_worker_joins_a_running_job(tmp_path):
+    """2 -> 3 workers (one rank each): a job for a new worker 2 starts while workers 0 and 1
+    train; it joins them at their sync 6 (healing from them: it trained nothing yet, so the mean
+    of that sync is over the 2 that did), and from then on all three are bit-identical."""
+    ctl = str(tmp_path)
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
+        addr = server.address()
+        first = [start(_healing_worker, 1, w, addr, ctl, False, True, timeout=2 * TIMEOUT - 60) for w in range(2)]
+        _until(lambda: all(any(e["ev"] == "sync" and e["step"] == 4 for e in _events(ctl, w, 0)) for w in range(2)),
+               "the first workers' sync 4")  # they wait before step 5 for the new one's join round
+        new = start(_healing_worker, 1, 2, addr, ctl, True, True, timeout=2 * TIMEOUT - 60)
+        finals = [job.results()[0] for job in (*first, new)]
+    logs = [[e for e in _events(ctl, w, 0)] for w in range(3)]
+    for w in (0, 1):  # the first workers: never restarted; their sync 6 held the new one
+        assert len({e["pid"] for e in logs[w]}) == 1
+        assert [(e["step"], e["workers"], e["committed"]) for e in logs[w] if e["ev"] == "sync"] == [
+            (2, 2, True), (4, 2, True), (6, 3, True), (8, 3, True), (10, 3, True), (12, 3, True)]
+    joined, *syncs = logs[2]
+    assert joined["ev"] == "joined" and joined["healed"] and joined["step"] == 6
+    assert joined["anchor"] == next(e["anchor"] for e in logs[0] if e["ev"] == "sync" and e["step"] == 6)
+    assert [(e["step"], e["workers"]) for e in syncs] == [(8, 3), (10, 3), (12, 3)]
+    for other in finals[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(finals[0]["anchors"], other["anchors"]))
+        assert all(torch.equal(finals[0]["params"][k], other["params"][k]) for k in finals[0]["params"])
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 120)
