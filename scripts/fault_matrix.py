@@ -41,18 +41,30 @@ def end_the_run(mark: str) -> None:
     manager dist_checkpointing's save starts with spawn, about 330 MB, and the resource tracker)
     reparented away from torchrun: neither torchrun's exit nor a kill of its process group
     reaches them (before: two processes left per kill row). Linux (/proc)."""
+    kill_marked(mark)
+
+
+def kill_marked(mark: str, cmdline: bytes = b"") -> int:
+    """SIGKILL every process whose environment carries ``RUN_MARK=mark`` and whose command line
+    holds ``cmdline`` (its arguments joined by NUL bytes); returns how many."""
     needle = f"{RUN_MARK}={mark}".encode()
+    killed = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 marked = needle in f.read().split(b"\0")
+            if marked and cmdline:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    marked = cmdline in f.read()
         except OSError:  # gone, or another user's
             continue
         if marked:
             try:
                 os.kill(int(pid), signal.SIGKILL)
+                killed += 1
             except ProcessLookupError:
                 pass
+    return killed
 
 
 def run(dir_, *argv, limit=LIMIT):
@@ -98,23 +110,7 @@ def kill_worker(mark: str, worker: int) -> int:
     """SIGKILL every process of the run ``mark`` that belongs to torchft worker ``worker``'s job
     (its launcher and its ranks: their command lines carry ``--local-sgd-replica-id worker``),
     as when its node dies. Returns how many were killed."""
-    needle, flag = f"{RUN_MARK}={mark}".encode(), f"--local-sgd-replica-id\0{worker}\0".encode()
-    killed = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                marked = needle in f.read().split(b"\0")
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                mine = flag in f.read()
-        except OSError:
-            continue
-        if marked and mine:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-    return killed
+    return kill_marked(mark, f"--local-sgd-replica-id\0{worker}\0".encode())
 
 
 def run_torchft(dir_, *argv, kill=None, limit=LIMIT):

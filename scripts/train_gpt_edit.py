@@ -329,14 +329,13 @@ def all_processes(args: argparse.Namespace, job: int) -> int:
     return job * args.workers if uses_torchft(args) else job
 
 
-def supervise(argv) -> int:
+def supervise(argv, workers: int) -> int:
     """A torchft run on this machine: torchft's Lighthouse and one job per worker, each this
     script with the same flags and its --local-sgd-replica-id (megatron_edit.supervise: a job
     that dies is relaunched fresh; the first sync waits for every worker)."""
     from megatron_edit import supervise as supervisor
 
     command = [sys.executable, os.path.abspath(__file__), *argv, "--local-sgd-replica-id", supervisor.PLACEHOLDER]
-    workers = build_parser().parse_args(argv).workers
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse and Managers: no INFO line per quorum
     options = supervisor._parser().parse_args(["--workers", str(workers)])  # its defaults
     options.command = command
@@ -384,7 +383,7 @@ def launch(argv=None) -> int:
     check_args(args, parser)
     world = check_launch(args, parser)
     if supervises(args):
-        return supervise(argv)
+        return supervise(argv, args.workers)
     import uuid
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -35,21 +35,29 @@ if mode == "die-always":
 if mode == "die-after-the-end" and rid == "1":
     if n == 0:
         os._exit(9)
-    while not os.path.exists(os.path.join(folder, "r0-done")):
+    while not os.path.exists(os.path.join(folder, "r0-done")):  # worker 0's pid, once it ends
         time.sleep(0.05)
-    time.sleep(1.0)
+    pid = int(open(os.path.join(folder, "r0-done")).read() or 0)
+    while pid and os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z":
+        time.sleep(0.05)  # dies only once worker 0 has ended (the supervisor looks at worker 0 first)
     os._exit(9)
 if mode == "die-after-the-end" and rid == "0":
-    open(os.path.join(folder, "r0-done"), "w").close()
+    with open(os.path.join(folder, "r0-done.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(folder, "r0-done.tmp"), os.path.join(folder, "r0-done"))
 if mode == "refused" and rid == "1":
     sys.exit(2)
 if mode == "refused":
     time.sleep(60)
 if mode == "gate":  # worker 1 starts late; the first sync's gate holds worker 0 until it arrives
     from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, start_gate
-    if rid == "1":
-        time.sleep(2.0)
+    if rid == "1":  # arrives 1 s after worker 0 has
+        while not os.path.exists(os.path.join(folder, "gate0-arrived")):
+            time.sleep(0.05)
+        time.sleep(1.0)
     arrived = time.time()
+    if rid == "0":
+        open(os.path.join(folder, "gate0-arrived"), "w").close()
     start_gate(os.environ[START_GATE_ENV], int(rid), 0)
     with open(os.path.join(folder, f"gate{rid}"), "w") as f:
         f.write(f"{arrived} {time.time()}")
@@ -108,7 +116,7 @@ def test_the_first_sync_waits_for_every_worker(tmp_path):
     result, folder = _supervise(tmp_path, "--workers", "2", mode="gate")
     assert result.returncode == 0, result.stdout + result.stderr
     (arrived0, passed0), (arrived1, _) = [map(float, (folder / f"gate{w}").read_text().split()) for w in "01"]
-    assert passed0 >= arrived1 > arrived0  # worker 0 waited at the gate for worker 1
+    assert arrived1 > arrived0 and passed0 >= arrived1  # worker 0 waited at the gate for worker 1
 
 
 @pytest.mark.timeout(180)

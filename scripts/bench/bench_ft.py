@@ -44,34 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MAIN_JOB = ROOT / "scripts" / "train_gpt_edit.py"
 RESULTS = ROOT / "scripts" / "bench" / "results"
-MARK = "MEGATRON_EDIT_BENCH_FT_RUN"
-
-
-def _processes(mark: str, needle: bytes = b""):
-    """Pids of this run's processes (their environment carries ``MARK=mark``) whose command line
-    holds ``needle``."""
-    tag = f"{MARK}={mark}".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if tag not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if needle in f.read():
-                    yield int(pid)
-        except OSError:
-            continue
-
-
-def _kill(mark: str, needle: bytes = b"") -> int:
-    killed = 0
-    for pid in _processes(mark, needle):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
-        except ProcessLookupError:
-            pass
-    return killed
+sys.path.insert(0, str(ROOT / "scripts"))
+from fault_matrix import RUN_MARK as MARK, kill_marked as _kill  # noqa: E402  (the run's processes, by mark)
 
 
 class Run:
@@ -85,7 +59,6 @@ class Run:
         self.proc = subprocess.Popen([sys.executable, str(MAIN_JOB), *argv], cwd=ROOT, stdout=self.sink,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env=dict(os.environ, **{MARK: self.mark}))
-        self.seen = {}
         self.lines = []
         """(time first seen, line) of every output line so far."""
         self._read = 0
@@ -99,7 +72,6 @@ class Run:
         self._read += len(complete.encode())
         now = time.time()
         for line in complete.splitlines():
-            self.seen.setdefault(line.strip(), now)
             self.lines.append((now, line.strip()))
         return self.proc.poll() is None
 
@@ -115,13 +87,9 @@ class Run:
         self.sink.close()
 
 
-def _start(argv, folder, name) -> Run:
-    return Run(argv, folder, name)
-
-
 def torchft_run(args, folder: Path, faults: bool) -> dict:
     flags = _flags(args) + ["--local-sgd-sync-backend", "torchft"]
-    run = _start(flags, folder, "torchft-faults" if faults else "torchft")
+    run = Run(flags, folder, "torchft-faults" if faults else "torchft")
     kills, victim, first_sync = [], 0, None
     deadline = time.monotonic() + args.limit
     try:
@@ -141,16 +109,15 @@ def torchft_run(args, folder: Path, faults: bool) -> dict:
         run.stop()
     run.poll()
     end = time.time()
-    text = run.log.read_text()
     if run.proc.returncode != 0:
         raise SystemExit(f"bench_ft: the torchft run failed (exit {run.proc.returncode}); its output: {run.log}")
-    return dict(seconds=end - run.started, worker_steps=_anchored_steps(run, args), kills=kills,
-                stall=_stall(run, kills, args), rejoin=_rejoin(run, kills, args),
-                survivor_steps_ok=_survivor_steps(text) == list(range(args.log_interval, args.steps + 1,
+    return dict(seconds=end - run.started, worker_steps=_anchored_steps(run), kills=kills,
+                stall=_stall(run, kills), rejoin=_rejoin(run, kills),
+                survivor_steps_ok=_survivor_steps(run.log.read_text()) == list(range(args.log_interval, args.steps + 1,
                                                                      args.log_interval)))
 
 
-def _anchored_steps(run: Run, args) -> int:
+def _anchored_steps(run: Run) -> int:
     """Worker-steps in the anchor: over worker 0's committed syncs, (workers that trained) x
     (steps since the last sync)."""
     total, last = 0, 0
@@ -173,7 +140,7 @@ def _step_times(run: Run, worker: int):
             for m in [re.match(rf"step\s+(\d+) \| worker {worker} loss", line)] if m]
 
 
-def _stall(run: Run, kills, args) -> list:
+def _stall(run: Run, kills) -> list:
     """Per fault: the longest gap between worker 0's logged steps in the 30 s after the kill,
     minus the median gap of the whole run (what the fault added)."""
     times = _step_times(run, 0)
@@ -188,7 +155,7 @@ def _stall(run: Run, kills, args) -> list:
     return out
 
 
-def _rejoin(run: Run, kills, args) -> list:
+def _rejoin(run: Run, kills) -> list:
     """Per fault: seconds from the kill to the relaunched worker's first sync after its heal."""
     out = []
     for at, victim in kills:
@@ -206,7 +173,7 @@ def torch_run(args, folder: Path, faults: bool) -> dict:
     next_fault = None
     while left > 0:
         flags = _flags(args, steps=left)
-        run = _start(flags + ["--local-sgd-warmup-steps", "0"], folder, f"torch-{restarts}")
+        run = Run(flags + ["--local-sgd-warmup-steps", "0"], folder, f"torch-{restarts}")
         done, killed = 0, False
         deadline = time.monotonic() + args.limit
         try:
