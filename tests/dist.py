@@ -106,21 +106,31 @@ def _kill(procs):
         proc.join(timeout=5)
 
 
-def _failures(rank, payload, results, grace=1.0):
-    """The first failure, plus any other rank's failure reported within `grace` seconds.
+def _failures(rank, payload, results, procs, finished=(), grace=10.0):
+    """The first failure, plus every other rank's failure reported within `grace` seconds, and
+    the exit code of any rank that died without reporting.
 
     The first to arrive is usually the cause; the others are often its echo (a peer's closed
-    connection), listed after it.
+    connection), listed after it. Not always: a rank's report goes through its queue's feeder
+    thread, which a loaded machine may delay past a peer's echo, and a rank killed by a signal
+    reports nothing; so the parent waits for every rank that has not finished, or `grace`.
     """
     lines = [f"rank {rank} failed:\n{payload}"]
+    heard = {rank, *finished}
     deadline = time.monotonic() + grace
-    while (remaining := deadline - time.monotonic()) > 0:
+    while len(heard) < len(procs) and (remaining := deadline - time.monotonic()) > 0:
         try:
-            other, ok, text = results.get(timeout=remaining)
+            other, ok, text = results.get(timeout=min(remaining, 0.5))
         except queue.Empty:
-            break
+            if all(proc.exitcode is not None for r, proc in enumerate(procs) if r not in heard):
+                break
+            continue
+        heard.add(other)
         if not ok:
             lines.append(f"rank {other} also failed:\n{text}")
+    for other, proc in enumerate(procs):
+        if other not in heard and proc.exitcode not in (None, 0):
+            lines.append(f"rank {other} exited with code {proc.exitcode} without reporting")
     return "\n".join(lines)
 
 
@@ -164,7 +174,7 @@ def run_ranks(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> lis
                         )
                 continue
             if not ok:
-                raise RankError(_failures(rank, payload, results))
+                raise RankError(_failures(rank, payload, results, procs, values))
             values[rank] = pickle.loads(payload)
         for proc in procs:
             proc.join(timeout=max(deadline - time.monotonic(), 1))

@@ -70,7 +70,7 @@ class Job:
                         raise dist.RankError(f"rank {rank} exited with code {proc.exitcode} without reporting")
                 continue
             if not ok:
-                raise dist.RankError(dist._failures(rank, payload, self.queue))
+                raise dist.RankError(dist._failures(rank, payload, self.queue, self.procs, self._values))
             self._values[rank] = pickle.loads(payload)
         return [self._values[r] for r in range(self.world_size)]
 
