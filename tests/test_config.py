@@ -551,6 +551,7 @@ def test_torchft_backend_checks(monkeypatch):
     assert LocalSGDConfig().sync_backend == "torch"
     cfg = LocalSGDConfig(**FT, min_replicas=2, exchange_dtype="int8", exchange_error_feedback=True)
     assert (cfg.replica_id, cfg.min_replicas, cfg.lighthouse_address) == (0, 2, "http://127.0.0.1:29510")
+    LocalSGDConfig(**FT, exchange_topk_density=0.02, exchange_dtype="int2")  # the sparse exchange runs over it
     _raises(LocalSGDConfig, ConfigError, "sync_backend", sync_backend="gloo")
     for field, value in (("lighthouse", "http://h:1"), ("replica_id", 1), ("min_replicas", 2)):
         message = _raises(LocalSGDConfig, ConfigError, field, **{field: value})

@@ -469,7 +469,6 @@ class LocalSGDConfig:
                 "(http://host:port); give the flag or set TORCHFT_LIGHTHOUSE.")
         for field, on in (("use_async", self.use_async), ("outer_step_delay", self.outer_step_delay > 0),
                           ("fragments", self.fragments > 1), ("skip_anomaly", self.skip_anomaly),
-                          ("exchange_topk_density", self.exchange_topk_density is not None),
                           ("pseudo_gradnorm_reduce", self.pseudo_gradnorm_reduce),
                           ("local_sgd_warmup_steps", self.local_sgd_warmup_steps > 0)):
             if on:

@@ -38,8 +38,21 @@ import torch
 
 from ..algorithm import topk
 from ..config import FLAG_NAMES, ConfigError
-from .groups import all_reduce_bytes
+from .groups import all_reduce_bytes, mean_divisor
 from .shard import BucketShard
+
+
+def check_sparse_workers(workers: int, density: float, chunk: int, dtype: str) -> None:
+    """Refuse ``workers`` from which the dense int4 exchange sends fewer bytes than the top-k
+    all-gather at these settings (never switched silently)."""
+    cheaper = topk.dense_int4_cheaper_from(density, chunk, dtype)
+    if workers >= cheaper:
+        raise ConfigError(
+            f"{FLAG_NAMES['exchange_topk_density']} {density} with {FLAG_NAMES['exchange_dtype']} {dtype} "
+            f"and {FLAG_NAMES['exchange_topk_chunk']} {chunk}: an all-gather of {workers} workers' payloads "
+            f"sends more bytes than the dense int4 exchange, which is cheaper from {cheaper} workers on; "
+            f"use {FLAG_NAMES['exchange_dtype']} int4 without {FLAG_NAMES['exchange_topk_density']}, "
+            "or a lower density.")
 
 
 @dataclass
@@ -61,15 +74,7 @@ class SparseExchange:
         self.error_sq = 0.0
         """Squared norm of what was not sent in this rank's last sync (a device 0-dim tensor
         while a sync runs; see :meth:`take_error_norm`)."""
-        workers = sync_group.size
-        cheaper = topk.dense_int4_cheaper_from(density, chunk, dtype)
-        if workers >= cheaper:
-            raise ConfigError(
-                f"{FLAG_NAMES['exchange_topk_density']} {density} with {FLAG_NAMES['exchange_dtype']} {dtype} "
-                f"and {FLAG_NAMES['exchange_topk_chunk']} {chunk}: an all-gather of {workers} workers' payloads "
-                f"sends more bytes than the dense int4 exchange, which is cheaper from {cheaper} workers on; "
-                f"use {FLAG_NAMES['exchange_dtype']} int4 without {FLAG_NAMES['exchange_topk_density']}, "
-                "or a lower density.")
+        check_sparse_workers(sync_group.size, density, chunk, dtype)
 
     def chunk_for(self, numel: int) -> int:
         """The chunk of a shard of ``numel`` elements: the configured one, or the whole shard
@@ -104,6 +109,8 @@ class SparseExchange:
     def launch(self, shard: BucketShard, delta: torch.Tensor, keep: Sequence[Tuple[int, int]] = ()) -> _Stage:
         """Steps 1 and 2: encode ``delta`` (+ the residual), keep what was not sent, start the
         all-gather. ``keep``: ranges of skipped layers, whose residual is carried on unchanged."""
+        if getattr(self.sync_group, "dynamic", False):  # torchft: the quorum may have grown
+            check_sparse_workers(self.sync_group.size, self.density, self.chunk, self.dtype)
         saved = []
         if self.error_feedback:
             if shard.residual is None:
@@ -127,14 +134,15 @@ class SparseExchange:
     @torch.no_grad()
     def finish(self, stage: _Stage, delta: torch.Tensor, mean: bool) -> None:
         """Step 3: ``delta`` := the sum of every worker's decoded payload in worker order (the
-        mean: divided by the workers); the same bytes everywhere."""
+        mean: divided by the workers that trained since the last sync, :func:`.groups.mean_divisor`);
+        the same bytes everywhere."""
         stage.handle.wait()
         workers, size = self.sync_group.size, stage.payload_bytes
         delta.zero_()
         for w in range(workers):  # worker order: the same sum wherever it is computed
             delta += self._decode(stage.gathered[w * size : (w + 1) * size], delta.numel())
         if mean:
-            delta /= workers
+            delta /= mean_divisor(self.sync_group)
 
     def pays_off(self, numel: int) -> bool:
         """Whether a shard of ``numel`` elements is worth sparsifying: it sends no more bytes

@@ -279,3 +279,43 @@ def test_a_setting_where_dense_int4_sends_fewer_bytes_is_refused_naming_the_work
     # and a density that never pays off against int4 (every entry with its index) is refused at 2
     with pytest.raises(ConfigError, match="from 2 workers"):
         SparseExchange(FakeWorld(2).group(0), 1.0, 4096, "fp32", True)
+
+
+class _QuorumOfTwo:
+    """A torchft-like group seen from worker 0 (``dynamic``: its workers change between syncs):
+    worker 1 has just healed, so it sends zeros and did not train (``contributors`` 1)."""
+
+    dynamic = True
+
+    def __init__(self, size=2, contributors=1):
+        self.size, self.rank, self.contributors = size, 0, contributors
+
+    def all_gather_into(self, output, tensor, async_op=True):
+        output.zero_()
+        output[: tensor.numel()].copy_(tensor)
+        return _Waited()
+
+
+class _Waited:
+    def wait(self):
+        return True
+
+
+def test_over_a_changing_group_the_mean_is_over_the_workers_that_trained_and_the_size_is_checked_each_sync():
+    """The torchft backend's group: a just-healed worker's zero payload does not dilute the mean
+    (the divisor is ``contributors``, not the quorum's size), and a quorum that has grown to
+    where dense int4 sends fewer bytes is refused at that sync, naming the flags."""
+    group = _QuorumOfTwo()
+    exchange = SparseExchange(group, D, C, "int2", True)
+    shard = BucketShard(numel=300, mains=[], local_ranges=[], segments=[])
+    delta = torch.randn(300, generator=torch.Generator().manual_seed(3))
+    sent = topk.decode(topk.encode(delta.clone(), D, C, "int2"), 300, D, C, "int2")
+    stage = exchange.launch(shard, delta.clone())
+    zero_payload = torch.zeros(stage.payload_bytes, dtype=torch.uint8)
+    assert torch.equal(stage.gathered[stage.payload_bytes:], zero_payload)
+    result = torch.empty(300)
+    exchange.finish(stage, result, mean=True)
+    assert torch.equal(result, sent)  # divided by 1, not by 2
+    group.size = topk.dense_int4_cheaper_from(D, C, "int2")
+    with pytest.raises(ConfigError, match=f"from {group.size} workers"):
+        exchange.launch(shard, delta.clone())

@@ -67,6 +67,15 @@ def test_torchft_equals_torch_backend_int8_error_feedback_step_end():
     assert all(r.quantization_error is not None for run in ft for r in run["reports"])
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_torchft_equals_torch_backend_topk_int2_layerwise():
+    """The sparse exchange (an all-gather of the workers' top-k payloads) over torchft."""
+    reference, ft = _both_backends(dict(local_sgd_sync_interval=3, exchange_topk_density=0.05,
+                                        exchange_topk_chunk=256, exchange_dtype="int2"), steps=6)
+    _check_equal(reference, ft, [3, 6])
+    assert all(r.quantization_error is not None for run in ft for r in run["reports"])
+
+
 # ---------------------------------------------------------------------- a worker dies and comes back
 HEAL_TOTAL, HEAL_H = 12, 2
 
