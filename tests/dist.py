@@ -16,6 +16,7 @@ first). Set MEGATRON_EDIT_TEST_START_METHOD=spawn to start every rank from scrat
 """
 
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -44,6 +45,7 @@ class RankError(RuntimeError):
 def _worker(rank, world_size, store_path, timeout, device, fn, args, kwargs, results):
     # Runs in the child. Everything is reported through `results` as (rank, ok, payload).
     message = None
+    faulthandler.enable()  # a rank killed by a fatal signal (a C++ abort in gloo) leaves its Python stack
     try:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         import torch
