@@ -22,7 +22,7 @@ decisions, without further communication.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,6 +57,18 @@ class EWMAStats:
     def state_dict(self) -> dict:
         return {"mean": self.mean.clone(), "var": self.var.clone(), "count": self.count.clone(),
                 "rel_mean": self.rel_mean.clone(), "rel_var": self.rel_var.clone()}
+
+    def rows(self, index: Sequence[int]) -> "EWMAStats":
+        """The statistics of the workers at ``index`` (in that order), a copy."""
+        pick = torch.tensor(list(index), dtype=torch.long)
+        return EWMAStats(*(t.index_select(0, pick) for t in (self.mean, self.var, self.count, self.rel_mean,
+                                                              self.rel_var)))
+
+    @classmethod
+    def stack(cls, rows: Sequence["EWMAStats"]) -> "EWMAStats":
+        """One [W, L] statistics of ``rows`` ([1, L] each), in order."""
+        return cls(*(torch.cat(parts) for parts in zip(*((r.mean, r.var, r.count, r.rel_mean, r.rel_var)
+                                                           for r in rows))))
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "EWMAStats":
@@ -122,6 +134,36 @@ def detect_anomalies(
     new.rel_mean, new.rel_var = _ewma(rel, stats.rel_mean, stats.rel_var, stats.count, update, alpha)
     new.count = stats.count + update.to(torch.int64)
     return excluded, new
+
+
+def detect_anomalies_by_worker(
+    norms: torch.Tensor, ledger: Dict[int, EWMAStats], members: Sequence[int], trained: torch.Tensor,
+    alpha: float, warmup: int, threshold: float, layers: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[int, EWMAStats]]:
+    """:func:`detect_anomalies` over workers that change from one sync to the next (the torchft
+    backend): ``norms`` [W, L] of the sync's workers, ``members`` their ids (in ``norms``' order),
+    ``trained`` [W] bool which of them trained since the last sync. Each worker's statistics
+    follow its id, not its place in the sync: ``ledger`` maps an id to its [1, L] statistics
+    (a worker not in it starts from zeros). Returns (excluded [W, L], the new ledger; ``ledger``
+    is not modified). A worker that did not train (it has just joined or healed: its
+    pseudo-gradient is zero) is excluded everywhere, neither counted in the others' relative
+    norms nor updated."""
+    workers, layer_count = norms.shape
+    if len(members) != workers or trained.shape != (workers,):
+        raise ValueError(f"{workers} workers' norms, {len(members)} members, trained {tuple(trained.shape)}")
+    present = [w for w in range(workers) if bool(trained[w])]
+    excluded = torch.ones(workers, layer_count, dtype=torch.bool)
+    new_ledger = dict(ledger)
+    if not present:
+        return excluded, new_ledger
+    zero = EWMAStats.zeros(1, layer_count)
+    stats = EWMAStats.stack([ledger.get(members[w], zero) for w in present])
+    index = torch.tensor(present, dtype=torch.long)
+    sub, updated = detect_anomalies(norms.index_select(0, index), stats, alpha, warmup, threshold, layers)
+    excluded[index] = sub
+    for row, w in enumerate(present):
+        new_ledger[members[w]] = updated.rows([row])
+    return excluded, new_ledger
 
 
 def averaging_weights(

@@ -468,8 +468,7 @@ class LocalSGDConfig:
                 f"{_name('lighthouse')}: {FLAG_NAMES['sync_backend']} torchft needs the Lighthouse's address "
                 "(http://host:port); give the flag or set TORCHFT_LIGHTHOUSE.")
         for field, on in (("use_async", self.use_async), ("outer_step_delay", self.outer_step_delay > 0),
-                          ("fragments", self.fragments > 1), ("skip_anomaly", self.skip_anomaly),
-                          ("pseudo_gradnorm_reduce", self.pseudo_gradnorm_reduce),
+                          ("fragments", self.fragments > 1),
                           ("local_sgd_warmup_steps", self.local_sgd_warmup_steps > 0)):
             if on:
                 raise NotSupportedYet(

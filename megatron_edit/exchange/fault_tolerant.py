@@ -12,9 +12,11 @@ same order on every member, one commit per round):
 * :meth:`FaultTolerantSyncGroup.begin` (``start_quorum``): the workers of this sync; ``size``
   and ``rank`` come from the quorum. A worker behind the others (a fresh job for a dead one)
   heals here from a live peer's same rank (the state registered with :meth:`register_state`).
-  Then one 1-element sum counts the workers that trained since the last sync
-  (:attr:`contributors`: the mean's divisor, so a just-healed worker's zero pseudo-gradient
-  does not dilute it);
+  Then one small all-gather says which workers these are (:attr:`members`, their replica ids
+  in quorum order) and which of them trained since the last sync (:attr:`trained`;
+  :attr:`contributors` counts them: the mean's divisor, so a just-healed worker's zero
+  pseudo-gradient does not dilute it; the penalty excludes it and keeps each worker's
+  statistics under its id, :func:`~megatron_edit.algorithm.penalty.detect_anomalies_by_worker`);
 * the collectives: ``all_reduce_sum`` is ``Manager.allreduce`` (an error becomes a failed round);
   the others run on the Manager's group and route their errors to ``Manager.report_error`` the
   same way (their output is zeroed: nothing undefined reaches the decisions);
@@ -72,11 +74,17 @@ class FaultTolerantSyncGroup:
     dynamic = True
     """The workers may change from one sync to the next (:meth:`begin` says which)."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, replica_id: int = 0):
         self.manager = manager
+        self.replica_id = replica_id
         self.group = None  # not a torch.distributed group
         self.size = 1
         self.rank = 0
+        self.members = [replica_id]
+        """The replica ids of the workers in the current sync, in quorum order (``rank`` is this
+        worker's place)."""
+        self.trained = torch.ones(1, dtype=torch.bool)
+        """[size] bool: which of :attr:`members` trained since the last sync."""
         self.contributors = 1
         """Workers that trained since the last sync, in the current one (the mean's divisor)."""
         self.counters = CommCounters()
@@ -110,7 +118,7 @@ class FaultTolerantSyncGroup:
                 f"with the Lighthouse at {lighthouse} (--local-sgd-lighthouse / TORCHFT_LIGHTHOUSE) within "
                 f"{connect_timeout:g} s: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
             ) from error
-        return cls(manager)
+        return cls(manager, replica_id)
 
     def register_state(self, key: str, load: Callable[[object], None], save: Callable[[], object]) -> None:
         """What a peer sends a healing worker under ``key``: ``save()`` runs in this rank's quorum
@@ -125,9 +133,9 @@ class FaultTolerantSyncGroup:
 
     # ------------------------------------------------------------------ the round
     def begin(self, contributed: bool) -> None:
-        """Start a sync: the quorum (healing this worker from a peer if it is behind), then the
-        count of workers that trained since the last sync (``contributed``: this worker did; a
-        worker that has just healed did not)."""
+        """Start a sync: the quorum (healing this worker from a peer if it is behind), then who
+        is in it and which of them trained since the last sync (``contributed``: this worker
+        did; a worker that has just healed did not)."""
         self.healed = False
         before = (self.size, self.rank)
         self.manager.start_quorum()
@@ -136,9 +144,12 @@ class FaultTolerantSyncGroup:
         rank = self.manager.participating_rank()
         self.size, self.rank = max(int(participants), 1), int(rank or 0)
         self.layout_changed = (self.size, self.rank) != before
-        flag = torch.tensor([1.0 if contributed and not self.healed else 0.0])
-        self.all_reduce_sum(flag, async_op=False)
-        self.contributors = int(round(float(flag[0]))) if self.size > 1 else int(flag[0])
+        mine = torch.tensor([1.0 if contributed and not self.healed else 0.0, float(self.replica_id)],
+                            dtype=torch.float64)
+        everyone = self.all_gather(mine)  # zeros if the round has failed: nobody trained, no commit
+        self.trained = everyone[:, 0] > 0.5
+        self.members = [int(r) for r in everyone[:, 1].tolist()]
+        self.contributors = int(self.trained.sum())
 
     def _refuse_shared_replica_id(self) -> None:
         """Two workers of the quorum with one replica id (torchft tells them apart by a random

@@ -37,7 +37,7 @@ This module is long because the phases share one sync's state. The collectives g
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -105,6 +105,9 @@ class OuterSync:
                 sync_group, config.exchange_dtype, config.exchange_block_size, config.error_feedback
             )
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
+        self.ewma_by_worker: Dict[int, penalty.EWMAStats] = {}
+        """Over a group whose workers change (torchft): each worker's statistics under its replica
+        id (``ewma`` is then unused)."""
         self._sync: Optional[SyncInProgress] = None
         self.commit_gate: Optional[Callable[[], bool]] = None
         """Asked once per sync, after every exchange of it is in and before any outer step:
@@ -207,10 +210,17 @@ class OuterSync:
         own = self._layer_norms(sync.members)
         norms = self.sync_group.all_gather(own).cpu()  # the decisions are taken on the host
         excluded = None
-        if c.skip_anomaly:
+        trained = getattr(self.sync_group, "trained", None)  # a group whose workers change (torchft)
+        if c.skip_anomaly and trained is not None:
+            excluded, self.ewma_by_worker = penalty.detect_anomalies_by_worker(
+                norms, self.ewma_by_worker, self.sync_group.members, trained, c.ewma_alpha, c.ewma_warmup_steps,
+                c.ewma_threshold, sync.layers)
+        elif c.skip_anomaly:
             excluded, self.ewma = penalty.detect_anomalies(
                 norms, self.ewma, c.ewma_alpha, c.ewma_warmup_steps, c.ewma_threshold, sync.layers
             )
+        elif self._penalty and trained is not None:  # a worker that did not train has no weight
+            excluded = (~trained).unsqueeze(1).expand_as(norms).clone()
         self._refuse_non_finite(norms, excluded)
         if self._penalty:
             temperature = c.weight_softmax_temperature if c.weight_softmax_temperature is not None else 1.0

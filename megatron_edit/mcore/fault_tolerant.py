@@ -15,7 +15,8 @@ again from zero); if the others committed, it heals from them at the next sync.
 Joining: when the controller is built, its worker takes part in one round (:meth:`join`) with a
 zero pseudo-gradient. In a fresh run every worker does so together; a fresh job for a worker
 that died waits there for the others' next sync, heals from its same rank in a live peer (the
-anchor, the outer optimizer's state, the step counters; :meth:`save` / :meth:`load`), and
+anchor, the outer optimizer's state, the step counters, the penalty's statistics;
+:meth:`save` / :meth:`load`), and
 applies that sync's outer step with them: it is then bit-identical to them. The inner
 optimizer's state is not sent (it restarts), nor are error-feedback residuals (zero).
 """
@@ -29,6 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..algorithm.penalty import EWMAStats
 from ..exchange.fault_tolerant import START_GATE_ENV, FaultTolerantSyncGroup, start_gate, supervised_workers
 from ..exchange.sparse import check_sparse_workers
 from .process_state import PROCESS
@@ -134,12 +136,14 @@ class TorchftBackend:
             outer=c.outer_state.optimizer.state_dict(),
             step=self._sync_step,
             last_sync_step=c._last_sync_step,
+            ewma={worker: stats.state_dict() for worker, stats in c.sync.ewma_by_worker.items()},
         )
 
     @torch.no_grad()
     def load(self, state: dict) -> None:
         """Become the peer's replica (in :meth:`begin`, on the main thread): its anchors, which
-        the parameters restart from, its outer optimizer's state and its step counters."""
+        the parameters restart from, its outer optimizer's state, its step counters and the
+        penalty's statistics of every worker (so every worker takes the same decisions)."""
         c = self.controller
         anchors = state["anchors"]
         if len(anchors) != len(c.shards) or any(a.numel() != s.numel for a, s in zip(anchors, c.shards)):
@@ -156,6 +160,7 @@ class TorchftBackend:
         c.steps_done = int(state["step"])
         c.global_progress = float(state["step"])  # synchronous EDiT without warmup: 1 per step
         c._last_sync_step = int(state["last_sync_step"])
+        c.sync.ewma_by_worker = {int(w): EWMAStats.from_state_dict(stats) for w, stats in state["ewma"].items()}
 
 
 def backend_of(controller) -> Optional[TorchftBackend]:

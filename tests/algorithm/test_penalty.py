@@ -156,3 +156,60 @@ def test_detector_does_not_judge_from_a_single_value():
     assert not excluded.any()
     excluded, _ = penalty.detect_anomalies(norms * 1.01, stats, 0.1, 0, 3.0)
     assert not excluded.any()
+
+
+# ---------------------------------------------------------------------- workers that change (torchft)
+def _norms(level, sync):
+    """[W, 2] norms: each worker at its own level, with a small deterministic wiggle."""
+    wiggle = torch.tensor([[1 + 0.02 * math.sin(3 * sync + w + l) for l in range(2)] for w in range(len(level))],
+                          dtype=torch.float64)
+    return torch.tensor(level, dtype=torch.float64).unsqueeze(1) * wiggle
+
+
+def test_statistics_follow_the_worker_not_its_place_in_the_sync():
+    """Workers 0, 1, 2 (norms about 1, 1.1 and 10) for 6 syncs, then worker 1 leaves and worker 2
+    is second in the sync: against its own history its norm is normal (not excluded), where the
+    statistics of the second place (worker 1's) would exclude it. While all three stay, the
+    result is detect_anomalies' on the same rows."""
+    alpha, warmup, threshold = 0.3, 2, 3.0
+    ledger, static = {}, penalty.EWMAStats.zeros(3, 2)
+    everyone = torch.ones(3, dtype=torch.bool)
+    for sync in range(6):
+        norms = _norms([1.0, 1.1, 10.0], sync)
+        excluded, ledger = penalty.detect_anomalies_by_worker(norms, ledger, [0, 1, 2], everyone, alpha, warmup,
+                                                              threshold)
+        expected, static = penalty.detect_anomalies(norms, static, alpha, warmup, threshold)
+        assert torch.equal(excluded, expected) and not excluded.any()
+        for w in range(3):
+            assert torch.equal(ledger[w].mean, static.mean[w : w + 1])
+            assert torch.equal(ledger[w].rel_var, static.rel_var[w : w + 1])
+    norms = _norms([1.0, 10.0], 6)  # workers 0 and 2
+    two = torch.ones(2, dtype=torch.bool)
+    excluded, after = penalty.detect_anomalies_by_worker(norms, ledger, [0, 2], two, alpha, warmup, threshold)
+    assert not excluded.any()
+    by_place, _ = penalty.detect_anomalies(norms, static.rows([0, 1]), alpha, warmup, threshold)
+    assert by_place[1].all()  # what keeping the statistics by place would have done
+    assert torch.equal(after[1].count, ledger[1].count)  # the one that left keeps its statistics
+    assert bool((after[2].count == ledger[2].count + 1).all())
+
+
+def test_a_worker_that_did_not_train_is_excluded_and_leaves_no_statistics():
+    """A worker that has just joined (id 7, zero pseudo-gradient) is excluded from every layer,
+    not counted in the others' relative norms and gets no statistics; the next sync it trains
+    and starts from one update (not warm: not excluded)."""
+    ledger = {}
+    for sync in range(4):
+        _, ledger = penalty.detect_anomalies_by_worker(_norms([1.0, 1.2], sync), ledger, [0, 1],
+                                                       torch.ones(2, dtype=torch.bool), 0.3, 2, 3.0)
+    norms = torch.cat([_norms([1.0, 1.2], 4), torch.zeros(1, 2, dtype=torch.float64)])
+    trained = torch.tensor([True, True, False])
+    excluded, after = penalty.detect_anomalies_by_worker(norms, ledger, [0, 1, 7], trained, 0.3, 2, 3.0)
+    assert excluded.tolist() == [[False, False], [False, False], [True, True]]
+    _, without = penalty.detect_anomalies_by_worker(norms[:2], ledger, [0, 1], trained[:2], 0.3, 2, 3.0)
+    assert 7 not in after
+    assert all(torch.equal(after[w].mean, without[w].mean) and torch.equal(after[w].rel_mean, without[w].rel_mean)
+               for w in (0, 1))  # as if worker 7 were not there
+    excluded, after = penalty.detect_anomalies_by_worker(_norms([1.0, 1.2, 30.0], 5), after, [0, 1, 7],
+                                                         torch.ones(3, dtype=torch.bool), 0.3, 2, 3.0)
+    assert not excluded[2].any() and after[7].count.tolist() == [[1, 1]]
+    assert penalty.averaging_weights(norms, torch.tensor([[False] * 2, [False] * 2, [True] * 2]), True)[2].sum() == 0

@@ -26,8 +26,8 @@ def _ft_worker(rank, world_size, worker, lighthouse, spec):
     return _ft_worker_n(rank, world_size, worker, lighthouse, spec, WORKERS)
 
 
-def _both_backends(local_sgd, steps=8):
-    spec = default_spec(steps=steps, local_sgd=local_sgd)
+def _both_backends(local_sgd, steps=8, **spec_kwargs):
+    spec = default_spec(steps=steps, local_sgd=local_sgd, **spec_kwargs)
     reference = [r["runs"][0] for r in run_ranks(megatron_runs, WORKERS * RANKS, [spec], timeout=TIMEOUT)]
     # min_replicas: the Lighthouse's first quorum waits for both workers (a run that starts together)
     with ft_jobs.jobs_and_lighthouse(min_replicas=WORKERS) as (server, start):
@@ -76,6 +76,24 @@ def test_torchft_equals_torch_backend_topk_int2_layerwise():
     assert all(r.quantization_error is not None for run in ft for r in run["reports"])
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_torchft_equals_torch_backend_with_the_penalty_step_end():
+    """Norm-weighted averaging and anomaly exclusion over torchft: worker 1 goes wrong after
+    step 5 and is excluded at the sync after step 6 (the statistics are warm after the syncs
+    at 2 and 4; the join round, where nobody trained, does not count), as on the torch backend."""
+    penalty = dict(local_sgd_sync_interval=2, pseudo_gradnorm_reduce=True, weight_softmax_temperature=0.02,
+                   skip_anomaly=True, ewma_warmup_steps=1, ewma_threshold=0.5, ewma_alpha=0.5, sync_mode="step_end")
+    reference, ft = _both_backends(penalty, steps=6, faults=[dict(workers=[1], steps=[5], kind="scale", factor=1.5)])
+    _check_equal(reference, ft, [2, 4, 6])
+    for ref, run in zip(reference, ft):
+        for a, b in zip(ref["reports"], run["reports"]):
+            assert torch.equal(a.excluded, b.excluded)
+            assert torch.allclose(a.weights, b.weights, atol=1e-9, rtol=0)
+    excluded = ft[0]["reports"][-1].excluded
+    assert excluded[1].any() and not excluded[0].any(), excluded  # the test exercised the exclusion
+    assert (ft[0]["reports"][0].weights - 0.5).abs().max() > 0.05  # and the weighting
+
+
 # ---------------------------------------------------------------------- a worker dies and comes back
 HEAL_TOTAL, HEAL_H = 12, 2
 
@@ -101,7 +119,8 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     1 (it is killed there, between its syncs 4 and 6); worker 0 then stops before step 7 until the
     relaunched worker 1 (``joiner``) waits in its join round's quorum. ``grow``: nobody is killed;
     the first jobs (workers 0 and 1) stop before step 5 until a new worker 2 (``joiner``) waits in
-    its join round's quorum, so that it joins them at their sync 6."""
+    its join round's quorum, so that it joins them at their sync 6; with the penalty on
+    (norm-weighted averaging and anomaly exclusion), whose statistics a joiner heals with."""
     import json
 
     import megatron_edit as me
@@ -116,7 +135,8 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
     me.patch_megatron_for_local_sgd(
         me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H, sync_mode="step_end", sync_backend="torchft",
-                          replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0),
+                          replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0,
+                          skip_anomaly=grow, pseudo_gradnorm_reduce=grow),
         me.OuterOptimizerConfig())
     begin = FaultTolerantSyncGroup.begin
     first = [True]
@@ -157,7 +177,8 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     ddp.start_param_sync(force_sync=True)
     momentum = [c.outer_optimizer.state[a]["momentum_buffer"].clone() for a in c.outer_optimizer.param_groups[0]["params"]]
     out = dict(params=named_params(ddp), anchors=[s.anchor.clone() for s in c.shards], momentum=momentum,
-               steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid())
+               steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid(),
+               ewma={w: stats.state_dict() for w, stats in c.sync.ewma_by_worker.items()})
     try:  # a checkpoint's state cannot be loaded into a torchft run yet: one line
         c.load_state_dict(c.state_dict())
         out["resume"] = None
@@ -234,9 +255,10 @@ def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_pat
 
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_a_new_worker_joins_a_running_job(tmp_path):
-    """2 -> 3 workers (one rank each): a job for a new worker 2 starts while workers 0 and 1
-    train; it joins them at their sync 6 (healing from them: it trained nothing yet, so the mean
-    of that sync is over the 2 that did), and from then on all three are bit-identical."""
+    """2 -> 3 workers (one rank each), the penalty on: a job for a new worker 2 starts while
+    workers 0 and 1 train; it joins them at their sync 6 (healing from them: it trained nothing
+    yet, so it is excluded from that sync and has no statistics yet), and from then on all three
+    are bit-identical and hold the same statistics of every worker (each under its id)."""
     ctl = str(tmp_path)
     with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
         addr = server.address()
@@ -257,6 +279,12 @@ def test_a_new_worker_joins_a_running_job(tmp_path):
     for other in finals[1:]:
         assert all(torch.equal(x, y) for x, y in zip(finals[0]["anchors"], other["anchors"]))
         assert all(torch.equal(finals[0]["params"][k], other["params"][k]) for k in finals[0]["params"])
+    ewma = finals[0]["ewma"]
+    assert sorted(ewma) == [0, 1, 2]
+    assert [int(ewma[w]["count"].min()) for w in range(3)] == [6, 6, 3]  # syncs 2-12; 8-12 for worker 2
+    for other in finals[1:]:
+        assert sorted(other["ewma"]) == [0, 1, 2]
+        assert all(torch.equal(ewma[w][k], other["ewma"][w][k]) for w in ewma for k in ewma[w])
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 120)
@@ -279,8 +307,10 @@ def _ft_worker_n(rank, world_size, worker, lighthouse, spec, workers):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     local = dict(spec["local_sgd"], sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)
+    # A fault of worker w of the one-world run is worker 0's of its own job.
+    faults = [dict(f, workers=[0] if worker in f["workers"] else []) for f in spec.get("faults", ())]
     spec = dict(spec, instances=1, data_dp=workers * world_size, data_rank_offset=worker * world_size,
-                local_sgd=local)
+                local_sgd=local, faults=faults)
     return megatron_runs(rank, world_size, [spec])["runs"][0]
 
 
