@@ -332,6 +332,40 @@ def test_torchft_with_two_workers_in_one_world_is_refused():
         assert "num_distributed_optimizer_instances 1 (got 2)" in message and "own job" in message
 
 
+def _refusals_before_connecting(rank, world_size):
+    """What the supervisor's worker count refuses, before any Manager starts (the Lighthouse's
+    address is never contacted)."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, start_gate_value
+
+    messages = []
+    for workers, extra in ((2, dict(min_replicas=3)),
+                           (29, dict(exchange_topk_density=0.02, exchange_dtype="int2"))):
+        os.environ[START_GATE_ENV] = start_gate_value("127.0.0.1", 1, workers, 10.0)
+        spec = default_spec(steps=1, instances=1, local_sgd=dict(
+            sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:1", **extra))
+        try:
+            megatron_runs(rank, world_size, [spec])
+            messages.append(None)
+        except (RuntimeError, me.ConfigError) as error:
+            messages.append(str(error))
+        finally:
+            me.unpatch_megatron_for_local_sgd()
+            ps.destroy_model_parallel()
+    return messages
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_settings_the_supervisors_workers_cannot_run_are_refused_before_connecting():
+    """--local-sgd-min-replicas above the supervisor's --workers (no sync could commit), and a
+    top-k exchange at a worker count where dense int4 sends fewer bytes: one line each."""
+    ((min_replicas, topk),) = run_ranks(_refusals_before_connecting, 1, timeout=TIMEOUT - 30)
+    assert min_replicas is not None and "\n" not in min_replicas
+    assert "--local-sgd-min-replicas 3 is more than the supervisor's 2 workers" in min_replicas
+    assert topk is not None and "\n" not in topk and "from 29 workers" in topk, topk
+
+
 def _alone_below_min_replicas(rank, world_size, lighthouse):
     host, port = ft_jobs.job_store_address()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
