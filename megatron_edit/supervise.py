@@ -18,6 +18,15 @@ store of this process), where each worker's controller waits, once its torchft M
 before its first quorum, until every worker has arrived (up to ``--start-timeout-s``), so the
 first quorum holds all N. A relaunched worker finds them arrived, goes on at once and heals from
 the others at their next sync. Needs torchft (``pip install megatron_edit[ft]``).
+
+Several nodes (a worker's job spans nodes, or the workers run on different ones): the jobs are
+started and restarted by the cluster's scheduler, and this process only serves the Lighthouse
+and the start gate:
+
+    python -m megatron_edit.supervise --workers 3 --bind 0.0.0.0:29510 --serve --env-file run.env
+
+prints (and writes to ``--env-file``) the two ``export`` lines every worker's job needs, and
+runs until it is stopped (SIGTERM or SIGINT: exit 0).
 """
 
 from __future__ import annotations
@@ -47,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="relaunches of dead worker jobs in all before the run stops (default: %(default)s)")
     p.add_argument("--start-timeout-s", type=float, default=600.0,
                    help="how long the first sync waits for every worker to start (default: %(default)s)")
+    p.add_argument("--serve", action="store_true",
+                   help="several nodes: serve only the Lighthouse and the start gate (the jobs are the cluster's), "
+                        "print the environment every worker's job needs, run until stopped")
+    p.add_argument("--env-file", default=None,
+                   help="with --serve: also write that environment to this file, as export lines")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then one worker's job, with {replica_id}")
     return p
 
@@ -112,9 +126,12 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     # Lighthouse's address gives this host.
     host = urlparse(address).hostname or "127.0.0.1"
     gate = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    run_env = {"TORCHFT_LIGHTHOUSE": address,
+               START_GATE_ENV: start_gate_value(host, gate.port, args.workers, args.start_timeout_s)}
+    if getattr(args, "serve", False):
+        return _serve(args, prog, run_env, gate, lighthouse)
     print(f"{prog}: Lighthouse at {address}; starting {args.workers} worker job(s)", flush=True)
-    env = dict(os.environ, TORCHFT_LIGHTHOUSE=address,
-               **{START_GATE_ENV: start_gate_value(host, gate.port, args.workers, args.start_timeout_s)})
+    env = dict(os.environ, **run_env)
     workers = [Worker(w, args.command, env) for w in range(args.workers)]
     relaunches = 0
 
@@ -166,13 +183,43 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
         stop_all()
 
 
+def _serve(args: argparse.Namespace, prog: str, run_env: dict, gate, lighthouse) -> int:
+    """``--serve``: the Lighthouse and the start gate (``gate``, kept alive here) until SIGTERM
+    or SIGINT; the environment of the workers' jobs printed and, with ``--env-file``, written."""
+    lines = [f"export {key}={value}" for key, value in run_env.items()]
+    if args.env_file:
+        with open(args.env_file + ".tmp", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(args.env_file + ".tmp", args.env_file)  # whole or absent for a job that reads it
+    print(f"{prog}: serving the Lighthouse and the start gate of {args.workers} workers until stopped; "
+          "every worker's job (started by the cluster, --local-sgd-replica-id 0 .. "
+          f"{args.workers - 1}) needs:", flush=True)
+    print("\n".join(lines), flush=True)
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: stopped.append(signum))
+    try:
+        while not stopped:
+            time.sleep(0.2)
+    finally:
+        lighthouse.shutdown()
+    print(f"{prog}: stopped", flush=True)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
+    if args.serve and command:
+        _fail("--serve runs no job (the cluster starts them): drop the command after --, or drop --serve.")
+    if args.env_file and not args.serve:
+        _fail("--env-file is for --serve (this process starts the jobs and gives them the environment itself).")
+    if args.serve:
+        command = []
+    elif not command:
         _fail("give one worker's job after --, e.g. -- torchrun --standalone --nproc-per-node 2 train.py "
               "--local-sgd-replica-id {replica_id}")
-    if not any(PLACEHOLDER in part for part in command):
+    if not args.serve and not any(PLACEHOLDER in part for part in command):
         _fail("the worker's command needs {replica_id} (e.g. --local-sgd-replica-id {replica_id}): every worker "
               "needs its own id.")
     if args.workers < 1 or args.max_relaunches < 0:

@@ -125,3 +125,47 @@ def test_a_worker_that_dies_after_another_finished_is_not_relaunched(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "worker 1 exited with code 9" in result.stderr and "[0] had finished the run: not relaunched" in result.stderr
     assert sorted(os.listdir(folder)) == ["r0-0", "r0-done", "r1-0", "r1-1"]
+
+
+@pytest.mark.timeout(180)
+def test_serve_gives_jobs_started_elsewhere_the_lighthouse_and_the_start_gate(tmp_path):
+    """Several nodes: --serve runs no job; the environment it writes to --env-file is what the
+    cluster's jobs need (here two plain processes: the first sync's gate holds worker 0 until
+    worker 1 arrives); SIGTERM ends it with 0. A command with --serve is one line."""
+    import signal
+    import time
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    env_file = tmp_path / "run.env"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    server = subprocess.Popen([sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--serve",
+                               "--env-file", str(env_file)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env, cwd=ROOT)
+    try:
+        end = time.monotonic() + 120
+        while not env_file.exists():
+            assert server.poll() is None and time.monotonic() < end, "no --env-file from the server"
+            time.sleep(0.1)
+        exported = dict(line.removeprefix("export ").split("=", 1) for line in env_file.read_text().splitlines())
+        assert sorted(exported) == ["MEGATRON_EDIT_FT_START_GATE", "TORCHFT_LIGHTHOUSE"]
+        assert exported["MEGATRON_EDIT_FT_START_GATE"].endswith(":2:600")
+        jobs = [subprocess.Popen([sys.executable, str(script), rid, str(folder), "gate"], env=dict(env, **exported),
+                                 cwd=ROOT) for rid in "01"]
+        assert [job.wait(timeout=120) for job in jobs] == [0, 0]
+        assert [(folder / f"r{rid}-0").read_text() for rid in "01"] == [exported["TORCHFT_LIGHTHOUSE"]] * 2
+        (arrived0, passed0), (arrived1, _) = [map(float, (folder / f"gate{w}").read_text().split()) for w in "01"]
+        assert arrived1 > arrived0 and passed0 >= arrived1  # worker 0 waited at the gate for worker 1
+        server.send_signal(signal.SIGTERM)
+        out, _ = server.communicate(timeout=60)
+        assert server.returncode == 0, out
+        assert "export TORCHFT_LIGHTHOUSE=" in out and "stopped" in out
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    result = subprocess.run([sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--serve", "--",
+                             "echo", "{replica_id}"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--serve runs no job" in result.stderr
