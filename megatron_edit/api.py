@@ -13,7 +13,7 @@ import logging
 import os
 from typing import List, Optional
 
-from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
+from .config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig, default_outer_config
 from .mcore.checkpoint import add_checkpoint_patches, add_load_fix_patches
 from .mcore.compat import SUPPORTED, TESTED, megatron_core_version
 from .mcore.controller import LocalSGD
@@ -107,7 +107,8 @@ def _keep_live_runtime(local_sgd_config, outer_optim_config, gta_config) -> None
     runtime = SESSION.runtime
     wanted = None
     if local_sgd_config is not None:
-        wanted = Configs(local_sgd_config, outer_optim_config or OuterOptimizerConfig(), gta_config or GTAConfig())
+        wanted = Configs(local_sgd_config, outer_optim_config or default_outer_config(local_sgd_config),
+                         gta_config or GTAConfig())
     if wanted is None or wanted == runtime.configs:
         return
     raise RuntimeError(

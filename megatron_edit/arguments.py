@@ -35,6 +35,7 @@ from .config import (
     LocalSGDConfig,
     OuterOptimizerConfig,
     DEFAULT_OUTER_KWARGS,
+    TOPK_OUTER_KWARGS,
     OUTER_OPTIMIZERS,
     check_combination,
     check_outer_numbers,
@@ -47,6 +48,8 @@ GROUP_TITLE = "local SGD (EDiT / A-EDiT)"
 # The outer optimizer's flag defaults, for SGD (and its subclasses) only: another optimizer
 # gets no momentum / nesterov, and must be given its learning rate (0.7 is SGD's).
 SGD_DEFAULTS = dict(DEFAULT_OUTER_KWARGS)
+# With the sparse exchange (--local-sgd-exchange-topk-density): SparseLoCo's (TOPK_OUTER_KWARGS).
+TOPK_SGD_DEFAULTS = dict(TOPK_OUTER_KWARGS)
 _OUTER_FLAGS = {"lr": "--outer-optimizer-lr", "momentum": "--outer-optimizer-momentum",
                 "nesterov": "--[no-]outer-optimizer-nesterov"}
 
@@ -178,14 +181,17 @@ def local_sgd_args_provider(parser: argparse.ArgumentParser) -> argparse.Argumen
     add("--outer-optimizer", default="sgd",
         help=_d("Outer optimizer: sgd, adam, adamw or a dotted class path."))
     add("--outer-optimizer-lr", type=float, default=None,
-        help=f"Outer learning rate (default: {SGD_DEFAULTS['lr']} with SGD; required with "
-             "another outer optimizer).")
+        help=f"Outer learning rate (default: {SGD_DEFAULTS['lr']} with SGD, {TOPK_SGD_DEFAULTS['lr']} with "
+             "--local-sgd-exchange-topk-density; required with another outer optimizer).")
     add("--outer-optimizer-momentum", type=float, default=None,
-        help=f"Momentum of the outer SGD, in [0, 1) (default: {SGD_DEFAULTS['momentum']}; "
+        help=f"Momentum of the outer SGD, in [0, 1) (default: {SGD_DEFAULTS['momentum']}, "
+             f"{TOPK_SGD_DEFAULTS['momentum']} with --local-sgd-exchange-topk-density; "
              "SGD only, other optimizers take theirs in --outer-optimizer-kwargs).")
     add("--outer-optimizer-nesterov", action=argparse.BooleanOptionalAction, default=None,
         help=f"Nesterov momentum for the outer SGD (default: "
-             f"{'on' if SGD_DEFAULTS['nesterov'] else 'off'}; SGD only).")
+             f"{'on' if SGD_DEFAULTS['nesterov'] else 'off'}, "
+             f"{'on' if TOPK_SGD_DEFAULTS['nesterov'] else 'off'} with --local-sgd-exchange-topk-density; "
+             "SGD only).")
     add("--outer-optimizer-kwargs", type=_json_object, default=None,
         help="More keyword arguments of the outer optimizer as a JSON object, e.g. "
              "'{\"betas\": [0.9, 0.95]}' (default: none). A key set by a flag above is refused.")
@@ -262,7 +268,8 @@ def _is_sgd(spec: str) -> bool:
 
 
 def _outer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
-    """The outer optimizer's keyword arguments from its flags (see :data:`SGD_DEFAULTS`);
+    """The outer optimizer's keyword arguments from its flags (see :data:`SGD_DEFAULTS`, and
+    :data:`TOPK_SGD_DEFAULTS` with the sparse exchange);
     torch is imported only for a class other than sgd / adam / adamw."""
     is_sgd = _is_sgd(args.outer_optimizer)
     extra = args.outer_optimizer_kwargs
@@ -293,7 +300,8 @@ def _outer_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
                 "averaged pseudo-gradient); adaptive optimizers need a much smaller one."
             )
         return {**given, **extra}
-    kwargs = {key: value for key, value in SGD_DEFAULTS.items() if key not in extra}
+    defaults = TOPK_SGD_DEFAULTS if getattr(args, "local_sgd_exchange_topk_density", None) is not None else SGD_DEFAULTS
+    kwargs = {key: value for key, value in defaults.items() if key not in extra}
     kwargs.update(given)
     kwargs.update(extra)
     return kwargs

@@ -149,7 +149,9 @@ def test_help_shows_every_default():
     for action in parser._actions:
         if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
             assert action.help and "%(default)" in action.help, action.option_strings
-    assert "(default: 0.7 with SGD" in text and "(default: 0.9;" in text
+    flat = " ".join(text.split())  # argparse wraps the lines
+    assert "(default: 0.7 with SGD, 1.0 with --local-sgd-exchange-topk-density" in flat
+    assert "(default: 0.9, 0.0 with --local-sgd-exchange-topk-density;" in flat
     assert "ignored by optimizers without one only if" not in text  # the old, garbled text
 
 
@@ -162,6 +164,18 @@ def test_outer_optimizer_adam_with_json_kwargs():
     assert outer.optimizer_class is torch.optim.Adam
     # SGD's momentum / nesterov are not passed to Adam
     assert outer.outer_optim_kwargs == {"lr": 0.001, "betas": [0.9, 0.95], "eps": 1e-6}
+
+
+def test_the_outer_sgd_defaults_with_the_sparse_exchange_are_sparselocos():
+    """With top-k: lr 1 without momentum (the convergence benchmark's choice); a flag or a JSON
+    key still sets its value; without top-k the paper's Nesterov SGD."""
+    topk = ("--local-sgd-exchange-topk-density", "0.03", "--local-sgd-exchange-dtype", "int2")
+    _, outer, _ = _configs(*topk)
+    assert outer.outer_optim_kwargs == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    _, outer, _ = _configs(*topk, "--outer-optimizer-momentum", "0.5", "--outer-optimizer-kwargs", '{"lr": 0.9}')
+    assert outer.outer_optim_kwargs == {"lr": 0.9, "momentum": 0.5, "nesterov": False}
+    _, outer, _ = _configs()
+    assert outer.outer_optim_kwargs == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
 def test_json_kwargs_set_what_no_flag_sets():

@@ -37,6 +37,7 @@ from ..flags import documented, field_docs, flag, flag_names  # noqa: F401 (fiel
 from .outer_optimizer import (  # noqa: F401 (re-exported)
     DEFAULT_OUTER_KWARGS,
     OUTER_OPTIMIZERS,
+    TOPK_OUTER_KWARGS,
     _check_outer_kwargs,
     check_outer_numbers,
     resolve_optimizer_class,
@@ -546,7 +547,8 @@ class OuterOptimizerConfig:
         "--outer-optimizer-lr / --outer-optimizer-momentum / --outer-optimizer-kwargs", by_hand=True,
         default_factory=lambda: dict(DEFAULT_OUTER_KWARGS))
     """Keyword arguments of the outer optimizer's constructor (default: the paper's Nesterov
-    SGD, lr 0.7, momentum 0.9)."""
+    SGD, lr 0.7, momentum 0.9; with the sparse exchange, where no outer optimizer is given,
+    :func:`default_outer_config`: SGD lr 1 without momentum)."""
 
     def __post_init__(self) -> None:
         cls = resolve_optimizer_class(self.outer_optim_class)
@@ -570,6 +572,14 @@ FLAG_NAMES.update(flag_names(LocalSGDConfig, OuterOptimizerConfig, GTAConfig))
 def replace(cfg, **changes):
     """dataclasses.replace that re-runs validation."""
     return dataclasses.replace(cfg, **changes)
+
+
+def default_outer_config(local: Optional[LocalSGDConfig]) -> OuterOptimizerConfig:
+    """The outer optimizer where none is given: the paper's Nesterov SGD, or with the sparse
+    exchange SparseLoCo's SGD lr 1 without momentum (:data:`TOPK_OUTER_KWARGS`)."""
+    if local is not None and local.exchange_topk_density is not None:
+        return OuterOptimizerConfig(outer_optim_kwargs=dict(TOPK_OUTER_KWARGS))
+    return OuterOptimizerConfig()
 
 
 def check_combination(local: LocalSGDConfig, gta: GTAConfig) -> None:

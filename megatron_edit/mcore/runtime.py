@@ -16,7 +16,7 @@ from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
-from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig, check_combination
+from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig, check_combination, default_outer_config
 from . import compat
 from .async_plan import AsyncPlan, FollowerPlan
 from .checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
@@ -52,7 +52,7 @@ class LocalSGDRuntime:
         if local_sgd_config is not None:
             self._configs = Configs(
                 local_sgd_config,
-                outer_optim_config or OuterOptimizerConfig(),
+                outer_optim_config or default_outer_config(local_sgd_config),
                 gta_config or GTAConfig(),
             )
             check_combination(self._configs.local, self._configs.gta)

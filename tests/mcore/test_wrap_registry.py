@@ -116,6 +116,18 @@ def test_patching_twice_is_idempotent(originals):
     assert SESSION.runtime.configs[0].local_sgd_sync_interval == 5
 
 
+def test_the_default_outer_optimizer_follows_the_exchange(originals):
+    """No outer optimizer given: the paper's Nesterov SGD, or with the sparse exchange SGD lr 1
+    without momentum (the convergence benchmark's choice); one given is kept as it is."""
+    patch_megatron_for_local_sgd(LocalSGDConfig())
+    assert SESSION.runtime.configs.outer.outer_optim_kwargs == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    topk = LocalSGDConfig(exchange_topk_density=0.03, exchange_dtype="int2")
+    patch_megatron_for_local_sgd(topk)
+    assert SESSION.runtime.configs.outer.outer_optim_kwargs == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    patch_megatron_for_local_sgd(topk, OuterOptimizerConfig())
+    assert SESSION.runtime.configs.outer.outer_optim_kwargs == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
 def test_unpatch_restores_the_exact_originals(originals):
     patch_megatron_for_local_sgd(LocalSGDConfig())
     reverted = unpatch_megatron_for_local_sgd()
