@@ -595,7 +595,3 @@ def check_combination(local: LocalSGDConfig, gta: GTAConfig) -> None:
             f"{local.exchange_dtype}: GTA's sign consensus and masks need the fp32 exchange; use "
             f"the linear reducer with a quantized exchange, or GTA with fp32."
         )
-    if gta.reducer == "gta" and local.sync_backend == "torchft":
-        raise NotSupportedYet(
-            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['sync_backend']} torchft is not supported "
-            "yet; use the linear reducer, or the torch backend.")

@@ -12,8 +12,8 @@ same order on every member, one commit per round):
 * :meth:`FaultTolerantSyncGroup.begin` (``start_quorum``): the workers of this sync; ``size``
   and ``rank`` come from the quorum. A worker behind the others (a fresh job for a dead one)
   heals here from a live peer's same rank (the state registered with :meth:`register_state`).
-  Then one small all-gather says which workers these are (:attr:`members`, their replica ids
-  in quorum order) and which of them trained since the last sync (:attr:`trained`;
+  Then one small all-gather says which workers these are (:attr:`replica_ids`, in quorum
+  order) and which of them trained since the last sync (:attr:`trained`;
   :attr:`contributors` counts them: the mean's divisor, so a just-healed worker's zero
   pseudo-gradient does not dilute it; the penalty excludes it and keeps each worker's
   statistics under its id, :func:`~megatron_edit.algorithm.penalty.detect_anomalies_by_worker`);
@@ -80,11 +80,11 @@ class FaultTolerantSyncGroup:
         self.group = None  # not a torch.distributed group
         self.size = 1
         self.rank = 0
-        self.members = [replica_id]
+        self.replica_ids = [replica_id]
         """The replica ids of the workers in the current sync, in quorum order (``rank`` is this
         worker's place)."""
         self.trained = torch.ones(1, dtype=torch.bool)
-        """[size] bool: which of :attr:`members` trained since the last sync."""
+        """[size] bool: which of them (:attr:`replica_ids`) trained since the last sync."""
         self.contributors = 1
         """Workers that trained since the last sync, in the current one (the mean's divisor)."""
         self.counters = CommCounters()
@@ -148,7 +148,7 @@ class FaultTolerantSyncGroup:
                             dtype=torch.float64)
         everyone = self.all_gather(mine)  # zeros if the round has failed: nobody trained, no commit
         self.trained = everyone[:, 0] > 0.5
-        self.members = [int(r) for r in everyone[:, 1].tolist()]
+        self.replica_ids = [int(r) for r in everyone[:, 1].tolist()]
         self.contributors = int(self.trained.sum())
 
     def _refuse_shared_replica_id(self) -> None:

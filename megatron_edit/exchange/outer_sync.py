@@ -213,7 +213,7 @@ class OuterSync:
         trained = getattr(self.sync_group, "trained", None)  # a group whose workers change (torchft)
         if c.skip_anomaly and trained is not None:
             excluded, self.ewma_by_worker = penalty.detect_anomalies_by_worker(
-                norms, self.ewma_by_worker, self.sync_group.members, trained, c.ewma_alpha, c.ewma_warmup_steps,
+                norms, self.ewma_by_worker, self.sync_group.replica_ids, trained, c.ewma_alpha, c.ewma_warmup_steps,
                 c.ewma_threshold, sync.layers)
         elif c.skip_anomaly:
             excluded, self.ewma = penalty.detect_anomalies(
@@ -227,8 +227,12 @@ class OuterSync:
             self._set_weights(penalty.averaging_weights(norms, excluded, c.pseudo_gradnorm_reduce, temperature),
                               excluded)
         elif self._gta or c.use_step_weight:  # explicit weights: start from the mean
-            W, L = self.num_workers, len(self.layer_names)
-            self._set_weights(torch.full((W, L), 1.0 / W, dtype=torch.float64), None)
+            W, L = self.sync_group.size, len(self.layer_names)
+            if trained is None:
+                self._set_weights(torch.full((W, L), 1.0 / W, dtype=torch.float64), None)
+            else:  # the mean of those that trained (torchft: one that has just joined weighs 0)
+                share = trained.to(torch.float64) / max(1, int(trained.sum()))
+                self._set_weights(share.unsqueeze(1).expand(W, L).clone(), None)
         sync.norms, sync.excluded = norms, excluded
         sync.skipped = penalty.skipped_layers(excluded, len(self.layer_names))
 

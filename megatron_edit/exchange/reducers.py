@@ -126,7 +126,9 @@ class GTAReducer(Reducer):
         g = self.config
         generator = None
         if g.sparsification_method in ("random", "rescaled_random"):
-            seed = self.step * 1_000_003 + self.sync_group.rank * 10_007 + self.shard_rank * 101 + shard.index
+            ids = getattr(self.sync_group, "replica_ids", None)  # torchft: the worker's id, not its place
+            worker = ids[self.sync_group.rank] if ids is not None else self.sync_group.rank
+            seed = self.step * 1_000_003 + worker * 10_007 + self.shard_rank * 101 + shard.index
             generator = torch.Generator().manual_seed(seed)
         gta.sparsify(delta, shard.sparsifiable_segments(), g.density, g.sparsification_method, generator)
         shard.scale_layers(delta, self.own_weights)

@@ -43,7 +43,7 @@ def _collectives(rank, world_size, worker, workers, lighthouse, gate_dir):
     group.begin(contributed=True)
     out = dict(join=(group.contributors, group.healed, float(state_of(group)), group.commit()))
     group.begin(contributed=worker != workers - 1)  # the last one "did not train"
-    out.update(size=group.size, rank=group.rank, contributors=group.contributors, members=group.members,
+    out.update(size=group.size, rank=group.rank, contributors=group.contributors, replica_ids=group.replica_ids,
                trained=group.trained.tolist())
     W, me = group.size, group.rank
     t = torch.full((5,), float(me + 1))
@@ -82,7 +82,7 @@ def test_a_round_over_three_workers(tmp_path):
         # Join round: workers 1 and 2 healed from worker 0 (its state), so only it counts.
         assert out["join"] == (1, w > 0, 0.0, True)
         assert (out["size"], out["rank"], out["contributors"]) == (3, w, 2)
-        assert (out["members"], out["trained"]) == ([0, 1, 2], [True, True, False])
+        assert (out["replica_ids"], out["trained"]) == ([0, 1, 2], [True, True, False])
         assert out["sum"] == [6.0] * 5
         assert out["all_to_all"] == [float(2 * w + k + 100 * r) for r in range(3) for k in range(2)]
         assert out["all_to_all_uint8"] == [3 * w + k + 10 * r for r in range(3) for k in range(3)]

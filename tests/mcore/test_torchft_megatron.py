@@ -94,6 +94,16 @@ def test_torchft_equals_torch_backend_with_the_penalty_step_end():
     assert (ft[0]["reports"][0].weights - 0.5).abs().max() > 0.05  # and the weighting
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_torchft_equals_torch_backend_with_gta():
+    """GTA (random sparsification seeded per worker, sign consensus by count, int8 masks) over
+    torchft: the same model as the torch backend; the seed follows the worker's id."""
+    gta = dict(reducer="gta", consensus_method="count", sparsification_method="rescaled_random", density=0.5,
+               int8_mask=True)
+    reference, ft = _both_backends(dict(local_sgd_sync_interval=2, sync_mode="step_end"), steps=4, gta=gta)
+    _check_equal(reference, ft, [2, 4])
+
+
 # ---------------------------------------------------------------------- a worker dies and comes back
 HEAL_TOTAL, HEAL_H = 12, 2
 
