@@ -469,7 +469,6 @@ class LocalSGDConfig:
                 f"{_name('lighthouse')}: {FLAG_NAMES['sync_backend']} torchft needs the Lighthouse's address "
                 "(http://host:port); give the flag or set TORCHFT_LIGHTHOUSE.")
         for field, on in (("use_async", self.use_async), ("outer_step_delay", self.outer_step_delay > 0),
-                          ("fragments", self.fragments > 1),
                           ("local_sgd_warmup_steps", self.local_sgd_warmup_steps > 0)):
             if on:
                 raise NotSupportedYet(

@@ -18,7 +18,7 @@ DEFAULT_OUTER_KWARGS: Dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": 
 
 # With the sparse exchange (``LocalSGDConfig.exchange_topk_density``) the default outer SGD is
 # SparseLoCo's: lr 1 without momentum (its error feedback carries what momentum would). On the
-# convergence benchmark (H = 8, top-k 3% int2, 2 seeds) Nesterov 0.7 / 0.9 ended 11% higher
+# convergence benchmark (H = 8, top-k 3% int2, 2 seeds) Nesterov 0.7 / 0.9 ended 11-16% higher
 # (docs/benchmarks/convergence.md).
 TOPK_OUTER_KWARGS: Dict[str, Any] = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
 

@@ -115,7 +115,11 @@ class TorchftBackend:
         c = self.controller
         c.capture_anchor()
         self.begin(c.steps_done, contributed=False)
-        if c.sync.start(c.steps_done, 0):
+        # The round is the others' sync at their step (this worker's now, if it healed): with
+        # streaming fragments, the fragment due there (a fresh run's round at step 0: every shard).
+        due = c.sync_shards.due(c.steps_done, c.last_step)
+        fragment, members = due if due is not None else (None, None)
+        if c.sync.start(c.steps_done, 0, fragment=fragment, members=members):
             c.sync.complete(c.sync.members, write_model=True)
         c.reports.clear()  # the join is not one of the run's syncs
 
@@ -136,6 +140,7 @@ class TorchftBackend:
             outer=c.outer_state.optimizer.state_dict(),
             step=self._sync_step,
             last_sync_step=c._last_sync_step,
+            last_step=c.last_step,
             ewma={worker: stats.state_dict() for worker, stats in c.sync.ewma_by_worker.items()},
         )
 
@@ -160,6 +165,8 @@ class TorchftBackend:
         c.steps_done = int(state["step"])
         c.global_progress = float(state["step"])  # synchronous EDiT without warmup: 1 per step
         c._last_sync_step = int(state["last_sync_step"])
+        if c.last_step is None and state["last_step"] is not None:  # the run's length, until it is told
+            c.last_step = int(state["last_step"])
         c.sync.ewma_by_worker = {int(w): EWMAStats.from_state_dict(stats) for w, stats in state["ewma"].items()}
 
 

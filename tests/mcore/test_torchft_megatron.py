@@ -104,6 +104,16 @@ def test_torchft_equals_torch_backend_with_gta():
     _check_equal(reference, ft, [2, 4])
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_torchft_equals_torch_backend_with_streaming_fragments():
+    """2 fragments, H = 4: a fragment's sync every 2 steps, each its own torchft round; the
+    run's known last step (8) syncs every shard, so the workers end identical."""
+    reference, ft = _both_backends(dict(local_sgd_sync_interval=4, fragments=2, sync_mode="layerwise"), steps=8,
+                                   last_step=8)
+    _check_equal(reference, ft, [2, 4, 6, 8])
+    assert [r.fragment for r in ft[0]["reports"]] == [r.fragment for r in reference[0]["reports"]]
+
+
 # ---------------------------------------------------------------------- a worker dies and comes back
 HEAL_TOTAL, HEAL_H = 12, 2
 
@@ -143,9 +153,12 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     host, port = ft_jobs.job_store_address()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    # The death and heal with streaming fragments (2 of them, H = 4: a fragment's sync every 2
+    # steps, the same steps as H = 2 without), the join with the penalty.
+    fragments = 1 if grow else 2
     me.patch_megatron_for_local_sgd(
-        me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H, sync_mode="step_end", sync_backend="torchft",
-                          replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0,
+        me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H * fragments, fragments=fragments, sync_mode="step_end",
+                          sync_backend="torchft", replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0,
                           skip_anomaly=grow, pseudo_gradnorm_reduce=grow),
         me.OuterOptimizerConfig())
     begin = FaultTolerantSyncGroup.begin
@@ -166,6 +179,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     FaultTolerantSyncGroup.begin = announced
     ddp, optimizer = _build(default_spec(instances=1), 1, 1)  # the join round runs in here
     (c,) = me.get_local_sgd(optimizer)
+    me.set_train_iters(optimizer, HEAL_TOTAL)  # the last step syncs every shard: identical workers at the end
     log = open(os.path.join(ctl, f"w{worker}-r{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
     log.write(json.dumps(dict(ev="joined", step=c.steps_done, healed=c.sync_group.healed,
                               anchor=_anchor_digest(c), manager_step=c.sync_group.step)) + "\n")
@@ -183,7 +197,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
         train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], worker * world_size + rank, shares))
         for r in c.drain_reports():
             log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, committed=r.committed,
-                                      anchor=_anchor_digest(c))) + "\n")
+                                      fragment=r.fragment, anchor=_anchor_digest(c))) + "\n")
     ddp.start_param_sync(force_sync=True)
     momentum = [c.outer_optimizer.state[a]["momentum_buffer"].clone() for a in c.outer_optimizer.param_groups[0]["params"]]
     out = dict(params=named_params(ddp), anchors=[s.anchor.clone() for s in c.shards], momentum=momentum,
@@ -223,10 +237,11 @@ def _until(predicate, what, timeout=300.0):
 
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_path):
-    """2 workers x 2 ranks. Worker 1's job is SIGKILLed between its syncs 4 and 6; worker 0
-    commits sync 6 alone (nothing restarts); a fresh job for worker 1 joins at sync 8, heals
-    from worker 0's same rank and is bit-identical to it from then on (anchors, outer momentum,
-    parameters at the end)."""
+    """2 workers x 2 ranks, 2 streaming fragments. Worker 1's job is SIGKILLed between its
+    syncs 4 and 6; worker 0 commits sync 6 alone (nothing restarts); a fresh job for worker 1
+    joins at sync 8 (its join round exchanges the fragment due there, as worker 0's sync does),
+    heals from worker 0's same rank and is bit-identical to it from then on (anchors, outer
+    momentum, parameters after the last step's sync of every shard)."""
     ctl = str(tmp_path)
     synced = lambda w, step, **kw: all(  # noqa: E731
         any(e["ev"] == "sync" and e["step"] == step and all(e[k] == v for k, v in kw.items())
@@ -245,8 +260,9 @@ def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_pat
         final0, final1 = survivor.results(), joiner.results()
     for r in range(RANKS):
         ev0 = [e for e in _events(ctl, 0, r) if e["ev"] == "sync"]
-        assert [(e["step"], e["workers"], e["committed"]) for e in ev0] == [
-            (2, 2, True), (4, 2, True), (6, 1, True), (8, 2, True), (10, 2, True), (12, 2, True)]
+        assert [(e["step"], e["workers"], e["committed"], e["fragment"]) for e in ev0] == [
+            (2, 2, True, 1), (4, 2, True, 0), (6, 1, True, 1), (8, 2, True, 0), (10, 2, True, 1),
+            (12, 2, True, None)]  # the last step: every shard
         assert len({e["pid"] for e in _events(ctl, 0, r)}) == 1  # the survivor never restarted
         new = [e for e in _events(ctl, 1, r) if e["pid"] == final1[r]["pid"]]
         joined, *syncs = new
