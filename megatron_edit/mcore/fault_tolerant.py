@@ -60,7 +60,8 @@ class TorchftBackend:
                 f"megatron_edit: --local-sgd-min-replicas {config.min_replicas} is more than the supervisor's "
                 f"{workers} workers: no sync could ever commit; lower it.")
         if workers is not None and config.exchange_topk_density is not None:
-            check_sparse_workers(workers, config.exchange_topk_density, config.exchange_topk_chunk, config.exchange_dtype)
+            check_sparse_workers(workers, config.exchange_topk_density, config.exchange_topk_chunk,
+                                 config.exchange_dtype)
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
             raise RuntimeError(
