@@ -343,11 +343,11 @@ def baseline_of(spec: str) -> str:
 
 # The keys that change how the same run exchanges (format, delay, merge, fragments): a run with
 # any of them is compared with the run without them ("vs base run", paired by seed).
-EXCHANGE_KEYS = ("dtype", "ef", "tau", "alpha", "rule", "F")
+EXCHANGE_KEYS = ("dtype", "ef", "tau", "alpha", "rule", "F", "topk", "chunk")
 
 
 def base_of(spec: str) -> str:
-    """The same run with the fp32 exchange, no delay and no fragments."""
+    """The same run with the dense fp32 exchange, no delay and no fragments."""
     kind, _, rest = spec.partition(":")
     kept = [item for item in filter(None, rest.split(",")) if item.partition("=")[0] not in EXCHANGE_KEYS]
     return kind + (":" + ",".join(kept) if kept else "")
