@@ -73,7 +73,6 @@ class ControllerState:
         rest when present (a checkpoint's run record holds worker 0's counters, its per-slice
         record the rest). A checkpoint taken right after an A-EDiT sync gives every worker its
         own counters and plan."""
-        self._refuse_torchft_resume()
         if "steps_done" in state:
             self.steps_done = int(state["steps_done"])
         if "last_sync_step" in state:
@@ -91,6 +90,9 @@ class ControllerState:
         delayed = getattr(self, "delayed", None)
         if delayed is not None and delayed.in_flight:  # a checkpoint mid-flight (DelayedOuterStep)
             out["in_flight_skipped"] = delayed.saved_skipped
+        ft = getattr(self, "ft", None)
+        if ft is not None:  # the torchft backend: its Manager's counters, every worker's statistics
+            out["torchft"] = ft.state_dict()
         return out
 
     def load_extra_state(self, state: dict) -> None:
@@ -106,7 +108,15 @@ class ControllerState:
                 "--local-sgd-fragments (a layer cut by a fragment boundary is one layer per "
                 "fragment, <layer>@fragment<f>) differs from the saved run's."
             )
+        ft = getattr(self, "ft", None)
+        if ft is not None and "torchft" not in state:
+            raise NotSupportedYet(
+                "megatron_edit: resuming a checkpoint of the torch backend with --local-sgd-sync-backend torchft "
+                "is not supported yet (each torchft worker resumes from its own torchft checkpoint); resume it "
+                "with the torch backend.")
         self.sync.ewma = EWMAStats.from_state_dict(state["ewma"])
+        if ft is not None:
+            ft.load_state_dict(state["torchft"])
         self.global_progress = float(state.get("global_progress", self.steps_done))
         point = self.async_plan.load_state_dict(state, self.steps_done)
         if point is not None:
@@ -117,9 +127,9 @@ class ControllerState:
     def _refuse_torchft_resume(self) -> None:
         if getattr(self, "ft", None) is not None:
             raise NotSupportedYet(
-                "megatron_edit: resuming from a checkpoint with --local-sgd-sync-backend torchft is not "
-                "supported yet (a worker that comes back heals from a live peer instead); start without "
-                "loading the checkpoint, or resume with the torch backend.")
+                "megatron_edit: resuming EDiT with --local-sgd-sync-backend torchft from a synchronous "
+                "checkpoint is not supported yet; resume it with the torch backend, or start the torchft run "
+                "without loading it.")
 
     def resume_elastic(self) -> None:
         """After :meth:`load_state_dict` of another layout's counters (worker 0's), with an

@@ -19,6 +19,11 @@ anchor, the outer optimizer's state, the step counters, the penalty's statistics
 :meth:`save` / :meth:`load`), and
 applies that sync's outer step with them: it is then bit-identical to them. The inner
 optimizer's state is not sent (it restarts), nor are error-feedback residuals (zero).
+
+Checkpoints: each worker's job saves its own; :meth:`TorchftBackend.state_dict` adds the
+Manager's counters (committed syncs) and every worker's penalty statistics to EDiT's state, so a
+resume continues exactly, and a worker resuming from an older checkpoint than the others is
+behind them and heals at its first sync.
 """
 
 from __future__ import annotations
@@ -142,7 +147,7 @@ class TorchftBackend:
             step=self._sync_step,
             last_sync_step=c._last_sync_step,
             last_step=c.last_step,
-            ewma={worker: stats.state_dict() for worker, stats in c.sync.ewma_by_worker.items()},
+            ewma=self._ledger(),
         )
 
     @torch.no_grad()
@@ -168,7 +173,27 @@ class TorchftBackend:
         c._last_sync_step = int(state["last_sync_step"])
         if c.last_step is None and state["last_step"] is not None:  # the run's length, until it is told
             c.last_step = int(state["last_step"])
-        c.sync.ewma_by_worker = {int(w): EWMAStats.from_state_dict(stats) for w, stats in state["ewma"].items()}
+        self._set_ledger(state["ewma"])
+
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """What this worker's checkpoint carries of the backend: its Manager's counters (the
+        committed syncs: a worker that resumes from an older checkpoint than the others is behind
+        them and heals at its first sync) and every worker's penalty statistics."""
+        return dict(manager=dict(self.group.manager.state_dict()), ewma=self._ledger())
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (a resume; the join round at the build has run already)."""
+        self.group.manager.load_state_dict({k: int(v) for k, v in state["manager"].items()})
+        self._set_ledger(state["ewma"])
+
+    def _ledger(self) -> dict:
+        """Every worker's penalty statistics (by replica id), as tensors."""
+        return {w: stats.state_dict() for w, stats in self.controller.sync.ewma_by_worker.items()}
+
+    def _set_ledger(self, ledger: dict) -> None:
+        self.controller.sync.ewma_by_worker = {int(w): EWMAStats.from_state_dict(s) for w, s in ledger.items()}
 
 
 def backend_of(controller) -> Optional[TorchftBackend]:

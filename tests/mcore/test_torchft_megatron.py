@@ -203,11 +203,6 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     out = dict(params=named_params(ddp), anchors=[s.anchor.clone() for s in c.shards], momentum=momentum,
                steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid(),
                ewma={w: stats.state_dict() for w, stats in c.sync.ewma_by_worker.items()})
-    try:  # a checkpoint's state cannot be loaded into a torchft run yet: one line
-        c.load_state_dict(c.state_dict())
-        out["resume"] = None
-    except me.NotSupportedYet as error:
-        out["resume"] = str(error)
     c.ft.close()
     me.unpatch_megatron_for_local_sgd()
     return out
@@ -276,7 +271,6 @@ def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_pat
         assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
         assert all(torch.equal(x, y) for x, y in zip(a["momentum"], b["momentum"]))
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
-        assert "resuming from a checkpoint with --local-sgd-sync-backend torchft is not supported" in a["resume"]
 
 
 @pytest.mark.timeout(2 * TIMEOUT)
@@ -390,6 +384,81 @@ def test_settings_the_supervisors_workers_cannot_run_are_refused_before_connecti
     assert min_replicas is not None and "\n" not in min_replicas
     assert "--local-sgd-min-replicas 3 is more than the supervisor's 2 workers" in min_replicas
     assert topk is not None and "\n" not in topk and "from 29 workers" in topk, topk
+
+
+# ---------------------------------------------------------------------- checkpoints
+RESUME_STEPS, RESUME_AT = 8, 4
+
+
+def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=None):
+    """Worker ``worker``'s job (1 rank): EDiT H=2 over torchft on its slice of the data for
+    RESUME_STEPS steps, saving its own checkpoint after step RESUME_AT (Megatron's
+    dist_checkpointing, as Megatron-LM's --save), or resuming from it (``load_at``)."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    import checkpoint_runs as cr
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    local = dict(local_sgd_sync_interval=2, sync_mode="step_end", sync_backend="torchft", replica_id=worker,
+                 lighthouse=lighthouse, sync_timeout=120.0, skip_anomaly=True, pseudo_gradnorm_reduce=True)
+    ddp, opt, ctl = cr._setup(local, instances=1)
+    path = os.path.join(folder, f"worker{worker}")
+    first = 1
+    if load_at is not None:
+        cr._load(ddp, opt, path)
+        first = load_at + 1
+    shares = WORKERS * world_size
+    batches = make_batches(RESUME_STEPS, shares * MICRO_BATCH, seed=0)
+    for step in range(first, RESUME_STEPS + 1):
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker * world_size + rank, shares))
+        if step == RESUME_AT and load_at is None:
+            cr._save(ddp, opt, path)
+    out = cr._state(ddp, opt, ctl)
+    out.update(manager=ctl.ft.group.manager.state_dict(),
+               reports=[(r.step, r.workers, r.committed) for r in ctl.drain_reports()],
+               ewma={w: st.state_dict() for w, st in ctl.sync.ewma_by_worker.items()})
+    torch_backend_state = {k: v for k, v in ctl.state_dict().items() if k != "torchft"}
+    try:  # what a torch-backend checkpoint gives (no torchft part): one line
+        ctl.load_state_dict(torch_backend_state)
+        out["refused"] = None
+    except me.NotSupportedYet as error:
+        out["refused"] = str(error)
+    ctl.ft.close()
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+def _ft_checkpoint_runs(folder, load_at=None):
+    with ft_jobs.jobs_and_lighthouse(min_replicas=WORKERS) as (server, start):
+        jobs = [start(_ft_checkpoint_job, 1, w, server.address(), folder, load_at, timeout=TIMEOUT)
+                for w in range(WORKERS)]
+        return [job.results()[0] for job in jobs]
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_each_worker_resumes_from_its_own_checkpoint_exactly(tmp_path):
+    """Each worker saves its own checkpoint after step 4 (Megatron's dist_checkpointing); fresh
+    jobs resuming from them end bit-identical to the run that went on (parameters, Adam, anchors,
+    outer momentum, counters, the torchft Manager's committed syncs, every worker's penalty
+    statistics). A torch-backend checkpoint's state (no torchft part) is refused in one line."""
+    straight = _ft_checkpoint_runs(str(tmp_path))
+    resumed = _ft_checkpoint_runs(str(tmp_path), load_at=RESUME_AT)
+    for a, b in zip(straight, resumed):
+        assert [r[0] for r in b["reports"]] == [6, 8] and [r[0] for r in a["reports"]] == [2, 4, 6, 8]
+        assert a["manager"] == b["manager"] and a["manager"]["step"] == 5  # the join round and 4 syncs
+        assert (a["steps_done"], a["last_sync_step"]) == (b["steps_done"], b["last_sync_step"]) == (8, 8)
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(a["outer"], b["outer"]) for k in x)
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(a["adam"], b["adam"]) for k in x if torch.is_tensor(x[k]))
+        assert sorted(a["ewma"]) == sorted(b["ewma"]) == [0, 1]
+        assert all(torch.equal(a["ewma"][w][k], b["ewma"][w][k]) for w in a["ewma"] for k in a["ewma"][w])
+        assert "a checkpoint of the torch backend" in b["refused"] and "\n" not in b["refused"]
 
 
 def _alone_below_min_replicas(rank, world_size, lighthouse):
