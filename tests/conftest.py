@@ -39,11 +39,21 @@ def pytest_configure(config):
     )
 
 
+#: Test folders that import no megatron-core (pure math; collectives on fake groups or torchft):
+#: every test in them is ``one_lane``.
+WITHOUT_MEGATRON_CORE = ("algorithm", "exchange")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config, items):
-    """The GPU lane runs where there is a GPU; elsewhere each of its tests says how to run it."""
-    import pytest
+    """The tests of :data:`WITHOUT_MEGATRON_CORE` are ``one_lane``. The GPU lane runs where
+    there is a GPU; elsewhere each of its tests says how to run it."""
     import torch
 
+    for item in items:
+        folder = Path(str(item.fspath)).parent
+        if folder.parent == Path(_TESTS) and folder.name in WITHOUT_MEGATRON_CORE:
+            item.add_marker(pytest.mark.one_lane)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: run `bash scripts/gpu_check.sh` on a machine with one")

@@ -55,6 +55,7 @@ def test_the_docs_site_names_only_what_exists():
     assert stale == {}
 
 
+@pytest.mark.one_lane  # the docs
 @pytest.mark.parametrize("command", [
     [sys.executable, "-m", "megatron_edit.launch", "--help"],
     [sys.executable, str(ROOT / "scripts" / "train_gpt_edit.py"), "--help"],

@@ -28,6 +28,7 @@ CHECKPOINTS = {"kill-between", "kill-exchange", "kill-save", "garbled-record", "
                "elastic-2-to-4-int8-penalty", "elastic-2-to-1-int8-penalty"}
 
 
+@pytest.mark.one_lane  # a process's end
 @pytest.mark.timeout(300)
 def test_a_fault_job_rank_that_stops_on_an_error_ends_without_the_interpreters_teardown(tmp_path):
     """scripts/fault_job.py ends a rank that stops on an error as the main job's do
