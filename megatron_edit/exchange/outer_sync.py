@@ -228,11 +228,10 @@ class OuterSync:
                               excluded)
         elif self._gta or c.use_step_weight:  # explicit weights: start from the mean
             W, L = self.sync_group.size, len(self.layer_names)
-            if trained is None:
-                self._set_weights(torch.full((W, L), 1.0 / W, dtype=torch.float64), None)
-            else:  # the mean of those that trained (torchft: one that has just joined weighs 0)
-                share = trained.to(torch.float64) / max(1, int(trained.sum()))
-                self._set_weights(share.unsqueeze(1).expand(W, L).clone(), None)
+            # the mean of those that trained (torchft: one that has just joined weighs 0)
+            present = torch.ones(W, dtype=torch.bool) if trained is None else trained
+            share = present.to(torch.float64) / max(1, int(present.sum()))
+            self._set_weights(share.unsqueeze(1).expand(W, L).clone(), None)
         sync.norms, sync.excluded = norms, excluded
         sync.skipped = penalty.skipped_layers(excluded, len(self.layer_names))
 

@@ -74,6 +74,8 @@ class SparseExchange:
         self.error_sq = 0.0
         """Squared norm of what was not sent in this rank's last sync (a device 0-dim tensor
         while a sync runs; see :meth:`take_error_norm`)."""
+        self.cheaper_from = topk.dense_int4_cheaper_from(density, chunk, dtype)
+        """Workers from which the dense int4 exchange sends fewer bytes (refused from there on)."""
         check_sparse_workers(sync_group.size, density, chunk, dtype)
 
     def chunk_for(self, numel: int) -> int:
@@ -109,8 +111,8 @@ class SparseExchange:
     def launch(self, shard: BucketShard, delta: torch.Tensor, keep: Sequence[Tuple[int, int]] = ()) -> _Stage:
         """Steps 1 and 2: encode ``delta`` (+ the residual), keep what was not sent, start the
         all-gather. ``keep``: ranges of skipped layers, whose residual is carried on unchanged."""
-        if getattr(self.sync_group, "dynamic", False):  # torchft: the quorum may have grown
-            check_sparse_workers(self.sync_group.size, self.density, self.chunk, self.dtype)
+        if getattr(self.sync_group, "dynamic", False) and self.sync_group.size >= self.cheaper_from:
+            check_sparse_workers(self.sync_group.size, self.density, self.chunk, self.dtype)  # torchft: it grew
         saved = []
         if self.error_feedback:
             if shard.residual is None:

@@ -175,7 +175,6 @@ class TorchftBackend:
             c.last_step = int(state["last_step"])
         self._set_ledger(state["ewma"])
 
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """What this worker's checkpoint carries of the backend: its Manager's counters (the
