@@ -554,6 +554,7 @@ def test_torchft_backend_checks(monkeypatch):
     LocalSGDConfig(**FT, exchange_topk_density=0.02, exchange_dtype="int2")  # the sparse exchange runs over it
     LocalSGDConfig(**FT, skip_anomaly=True, pseudo_gradnorm_reduce=True)  # and so does the penalty
     LocalSGDConfig(**FT, fragments=2, local_sgd_sync_interval=4)  # and streaming fragments
+    LocalSGDConfig(**FT, outer_step_delay=1, local_sgd_sync_interval=4)  # and the delayed outer step
     _raises(LocalSGDConfig, ConfigError, "sync_backend", sync_backend="gloo")
     for field, value in (("lighthouse", "http://h:1"), ("replica_id", 1), ("min_replicas", 2)):
         message = _raises(LocalSGDConfig, ConfigError, field, **{field: value})
@@ -566,7 +567,6 @@ def test_torchft_backend_checks(monkeypatch):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://env:2")
     assert LocalSGDConfig(**{**FT, "lighthouse": None}).lighthouse_address == "http://env:2"
     for field, kwargs in (("use_async", dict(use_async=True)),
-                          ("outer_step_delay", dict(outer_step_delay=1, local_sgd_sync_interval=4)),
                           ("local_sgd_warmup_steps", dict(local_sgd_warmup_steps=2))):
         message = _raises(LocalSGDConfig, NotSupportedYet, field, **FT, **kwargs)
         assert "torchft is not supported yet" in message and "\n" not in message

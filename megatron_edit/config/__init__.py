@@ -468,8 +468,7 @@ class LocalSGDConfig:
             raise ConfigError(
                 f"{_name('lighthouse')}: {FLAG_NAMES['sync_backend']} torchft needs the Lighthouse's address "
                 "(http://host:port); give the flag or set TORCHFT_LIGHTHOUSE.")
-        for field, on in (("use_async", self.use_async), ("outer_step_delay", self.outer_step_delay > 0),
-                          ("local_sgd_warmup_steps", self.local_sgd_warmup_steps > 0)):
+        for field, on in (("use_async", self.use_async), ("local_sgd_warmup_steps", self.local_sgd_warmup_steps > 0)):
             if on:
                 raise NotSupportedYet(
                     f"{_name(field)} with {FLAG_NAMES['sync_backend']} torchft is not supported yet; "

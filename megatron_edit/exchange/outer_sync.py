@@ -429,16 +429,27 @@ class OuterSync:
         {id(shard): (reduced Delta, launch params or None)})``, for :meth:`resume_in_flight`."""
         sync = self._sync
         self._finish_exchange(sync.members)
+        committed = self.settle_commit()
         meta = dict(step=sync.step, steps_since_last=sync.steps_since_last, delay=sync.delay, fragment=sync.fragment,
                     divisor=sync.divisor, skipped=None if sync.skipped is None else sync.skipped.tolist(),
-                    keep=any(sync.of(s).launch_params is not None for s in sync.members))
+                    keep=any(sync.of(s).launch_params is not None for s in sync.members), committed=committed)
         return meta, {id(s): (sync.of(s).delta, sync.of(s).launch_params) for s in sync.members}
+
+    def settle_commit(self) -> Optional[bool]:
+        """A sync in flight (delayed) and a commit gate (torchft): finish its exchange and ask the
+        gate now. A checkpoint does so, where every rank of the worker saves: the resumed run
+        applies the sync or not as this one does (it has no round to commit), and the counters
+        saved with it (the Manager's step) count the sync. None: no gate or no sync in flight."""
+        if self.commit_gate is None or self._sync is None:
+            return None
+        return self._committed()
 
     def resume_in_flight(self, meta: dict, members: Sequence[BucketShard], deltas, launch) -> None:
         """The sync of :meth:`finish_in_flight` again, exchanged, waiting for its apply."""
         self._sync = sync = SyncInProgress(meta["step"], meta["steps_since_last"],
                                            self.sync_group.counters.payload_bytes)
         sync.delay, sync.fragment, sync.divisor = meta["delay"], meta["fragment"], meta["divisor"]
+        sync.committed = meta.get("committed")  # torchft: decided when it was saved
         sync.members = list(members)
         if meta["skipped"] is not None:
             sync.skipped = torch.tensor(meta["skipped"], dtype=torch.bool)

@@ -114,6 +114,19 @@ def test_torchft_equals_torch_backend_with_streaming_fragments():
     assert [r.fragment for r in ft[0]["reports"]] == [r.fragment for r in reference[0]["reports"]]
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_torchft_equals_torch_backend_with_a_delay_and_int8():
+    """The delayed outer step over torchft: the sync after step 4 is one torchft round from its
+    launch after step 2 (the quorum, the decisions, the int8 exchange's first phase; its second
+    one step later, behind training) to its apply after step 4 (the commit, then the lerp merge
+    with alpha 0.5); the last step's sync (8) is blocking."""
+    reference, ft = _both_backends(dict(local_sgd_sync_interval=4, outer_step_delay=2, outer_merge_alpha=0.5,
+                                        exchange_dtype="int8", exchange_error_feedback=True,
+                                        sync_mode="layerwise"), steps=8, last_step=8)
+    _check_equal(reference, ft, [4, 8])
+    assert [r.delay for r in ft[0]["reports"]] == [2, 0]
+
+
 # ---------------------------------------------------------------------- a worker dies and comes back
 HEAL_TOTAL, HEAL_H = 12, 2
 
@@ -140,7 +153,9 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     relaunched worker 1 (``joiner``) waits in its join round's quorum. ``grow``: nobody is killed;
     the first jobs (workers 0 and 1) stop before step 5 until a new worker 2 (``joiner``) waits in
     its join round's quorum, so that it joins them at their sync 6; with the penalty on
-    (norm-weighted averaging and anomaly exclusion), whose statistics a joiner heals with."""
+    (norm-weighted averaging and anomaly exclusion), whose statistics a joiner heals with, and
+    the delayed outer step (tau 1: each sync's round from its launch one step early to its
+    apply)."""
     import json
 
     import megatron_edit as me
@@ -159,7 +174,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     me.patch_megatron_for_local_sgd(
         me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H * fragments, fragments=fragments, sync_mode="step_end",
                           sync_backend="torchft", replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0,
-                          skip_anomaly=grow, pseudo_gradnorm_reduce=grow),
+                          skip_anomaly=grow, pseudo_gradnorm_reduce=grow, outer_step_delay=int(grow)),
         me.OuterOptimizerConfig())
     begin = FaultTolerantSyncGroup.begin
     first = [True]
@@ -197,7 +212,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
         train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], worker * world_size + rank, shares))
         for r in c.drain_reports():
             log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, committed=r.committed,
-                                      fragment=r.fragment, anchor=_anchor_digest(c))) + "\n")
+                                      fragment=r.fragment, delay=r.delay, anchor=_anchor_digest(c))) + "\n")
     ddp.start_param_sync(force_sync=True)
     momentum = [c.outer_optimizer.state[a]["momentum_buffer"].clone() for a in c.outer_optimizer.param_groups[0]["params"]]
     out = dict(params=named_params(ddp), anchors=[s.anchor.clone() for s in c.shards], momentum=momentum,
@@ -275,10 +290,13 @@ def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_pat
 
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_a_new_worker_joins_a_running_job(tmp_path):
-    """2 -> 3 workers (one rank each), the penalty on: a job for a new worker 2 starts while
-    workers 0 and 1 train; it joins them at their sync 6 (healing from them: it trained nothing
-    yet, so it is excluded from that sync and has no statistics yet), and from then on all three
-    are bit-identical and hold the same statistics of every worker (each under its id)."""
+    """2 -> 3 workers (one rank each), the penalty and a delay of 1 on: a job for a new worker 2
+    starts while workers 0 and 1 train; it joins the round of their sync 6 (launched after their
+    step 5; healing from them: it trained nothing yet, so it is excluded from that sync and has
+    no statistics yet). From then on all three hold the same anchors after every sync (their
+    parameters differ between syncs by the lerp merge's local part, as any workers' do with a
+    delay) and the same statistics of every worker (each under its id); the last step's blocking
+    sync leaves them bit-identical."""
     ctl = str(tmp_path)
     with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
         addr = server.address()
@@ -292,10 +310,12 @@ def test_a_new_worker_joins_a_running_job(tmp_path):
         assert len({e["pid"] for e in logs[w]}) == 1
         assert [(e["step"], e["workers"], e["committed"]) for e in logs[w] if e["ev"] == "sync"] == [
             (2, 2, True), (4, 2, True), (6, 3, True), (8, 3, True), (10, 3, True), (12, 3, True)]
+        assert [e["delay"] for e in logs[w] if e["ev"] == "sync"] == [1, 1, 1, 1, 1, 0]  # the last: blocking
     joined, *syncs = logs[2]
     assert joined["ev"] == "joined" and joined["healed"] and joined["step"] == 6
     assert joined["anchor"] == next(e["anchor"] for e in logs[0] if e["ev"] == "sync" and e["step"] == 6)
     assert [(e["step"], e["workers"]) for e in syncs] == [(8, 3), (10, 3), (12, 3)]
+    assert [e["anchor"] for e in syncs] == [e["anchor"] for e in logs[0] if e["ev"] == "sync"][-3:]
     for other in finals[1:]:
         assert all(torch.equal(x, y) for x, y in zip(finals[0]["anchors"], other["anchors"]))
         assert all(torch.equal(finals[0]["params"][k], other["params"][k]) for k in finals[0]["params"])
@@ -390,10 +410,11 @@ def test_settings_the_supervisors_workers_cannot_run_are_refused_before_connecti
 RESUME_STEPS, RESUME_AT = 8, 4
 
 
-def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=None):
+def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=None, delay=0, save_at=RESUME_AT):
     """Worker ``worker``'s job (1 rank): EDiT H=2 over torchft on its slice of the data for
-    RESUME_STEPS steps, saving its own checkpoint after step RESUME_AT (Megatron's
-    dist_checkpointing, as Megatron-LM's --save), or resuming from it (``load_at``)."""
+    RESUME_STEPS steps, saving its own checkpoint after step ``save_at`` (Megatron's
+    dist_checkpointing, as Megatron-LM's --save), or resuming from it (``load_at``); ``delay``:
+    the delayed outer step's tau."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps
 
@@ -405,7 +426,8 @@ def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=Non
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
     local = dict(local_sgd_sync_interval=2, sync_mode="step_end", sync_backend="torchft", replica_id=worker,
-                 lighthouse=lighthouse, sync_timeout=120.0, skip_anomaly=True, pseudo_gradnorm_reduce=True)
+                 lighthouse=lighthouse, sync_timeout=120.0, skip_anomaly=True, pseudo_gradnorm_reduce=True,
+                 outer_step_delay=delay)
     ddp, opt, ctl = cr._setup(local, instances=1)
     path = os.path.join(folder, f"worker{worker}")
     first = 1
@@ -416,7 +438,7 @@ def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=Non
     batches = make_batches(RESUME_STEPS, shares * MICRO_BATCH, seed=0)
     for step in range(first, RESUME_STEPS + 1):
         train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker * world_size + rank, shares))
-        if step == RESUME_AT and load_at is None:
+        if step == save_at and load_at is None:
             cr._save(ddp, opt, path)
     out = cr._state(ddp, opt, ctl)
     out.update(manager=ctl.ft.group.manager.state_dict(),
@@ -433,23 +455,29 @@ def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=Non
     return out
 
 
-def _ft_checkpoint_runs(folder, load_at=None):
+def _ft_checkpoint_runs(folder, load_at=None, **kwargs):
     with ft_jobs.jobs_and_lighthouse(min_replicas=WORKERS) as (server, start):
-        jobs = [start(_ft_checkpoint_job, 1, w, server.address(), folder, load_at, timeout=TIMEOUT)
+        jobs = [start(_ft_checkpoint_job, 1, w, server.address(), folder, load_at, timeout=TIMEOUT, **kwargs)
                 for w in range(WORKERS)]
         return [job.results()[0] for job in jobs]
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 120)
-def test_each_worker_resumes_from_its_own_checkpoint_exactly(tmp_path):
+@pytest.mark.parametrize("delay", [0, 1], ids=["blocking", "delay-in-flight"])
+def test_each_worker_resumes_from_its_own_checkpoint_exactly(tmp_path, delay):
     """Each worker saves its own checkpoint after step 4 (Megatron's dist_checkpointing); fresh
     jobs resuming from them end bit-identical to the run that went on (parameters, Adam, anchors,
     outer momentum, counters, the torchft Manager's committed syncs, every worker's penalty
-    statistics). A torch-backend checkpoint's state (no torchft part) is refused in one line."""
-    straight = _ft_checkpoint_runs(str(tmp_path))
-    resumed = _ft_checkpoint_runs(str(tmp_path), load_at=RESUME_AT)
+    statistics). A torch-backend checkpoint's state (no torchft part) is refused in one line.
+    ``delay`` 1: the checkpoint after step 3, with the sync of step 4 in flight (launched after
+    step 3): its exchange is finished and committed at the save, and the resumed jobs apply it
+    after their step 4 without a round of their own."""
+    save_at = RESUME_AT - delay
+    straight = _ft_checkpoint_runs(str(tmp_path), delay=delay, save_at=save_at)
+    resumed = _ft_checkpoint_runs(str(tmp_path), load_at=save_at, delay=delay, save_at=save_at)
     for a, b in zip(straight, resumed):
-        assert [r[0] for r in b["reports"]] == [6, 8] and [r[0] for r in a["reports"]] == [2, 4, 6, 8]
+        assert [r[0] for r in a["reports"]] == [2, 4, 6, 8]
+        assert [r[0] for r in b["reports"]] == ([4, 6, 8] if delay else [6, 8])
         assert a["manager"] == b["manager"] and a["manager"]["step"] == 5  # the join round and 4 syncs
         assert (a["steps_done"], a["last_sync_step"]) == (b["steps_done"], b["last_sync_step"]) == (8, 8)
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
