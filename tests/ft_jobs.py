@@ -79,13 +79,40 @@ class Job:
         return [p.pid for p in self.procs]
 
     def kill(self) -> None:
-        """SIGKILL every rank still running and reap them."""
+        """SIGKILL every rank still running and every process they started (Megatron's checkpoint
+        writers: a node's death ends them all), and reap the ranks."""
+        import signal
+
+        for pid in _descendants([p.pid for p in self.procs if p.is_alive()]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         dist._kill(self.procs)
 
     def close(self) -> None:
         self.kill()
         self.queue.close()
         shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+def _descendants(pids) -> list:
+    """Every process below ``pids`` (Linux /proc; elsewhere none)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(pids)
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 @contextlib.contextmanager

@@ -388,6 +388,9 @@ class LocalSGD(ControllerState):
             self.arrivals.wait(step - delay)  # where this worker is (a delayed sync: its launch)
         if self.ft is not None:  # torchft: this sync's quorum (a worker behind heals here)
             self.ft.begin(step)
+            if self.ft.healed_sync_step is not None:  # it was behind: now in the others' sync
+                step = self.ft.healed_sync_step
+                due = self.sync_shards.due(step, None if delay else self.last_step)
         bytes_at_start = self.sync_group.counters.payload_bytes
         schedule, skip, final, fragment, members = None, False, False, None, None
         steps_since = step - self._last_sync_step

@@ -65,7 +65,7 @@ class DelayedOuterStep:
             return  # the run's last sync is blocking: nothing may be left in flight at the end
         c._start_sync(target, c.sync_shards.due(target, None), delay=self.delay)
         c.sync.launch(c.sync.members)  # in group order: the forward order
-        self.apply_at = target
+        self.apply_at = c.steps_done + self.delay  # target (a torchft worker that healed: the others')
 
     def after_inner_update(self, step: int) -> None:
         """Inner update of ``step`` done, mains not yet copied into the model: apply the

@@ -83,7 +83,10 @@ class TorchftBackend:
         # A supervised run's first sync holds every worker (this rank's Manager is up now).
         start_gate(os.environ.get(START_GATE_ENV), config.replica_id, dist.get_rank())
         self._sync_step = 0
-        """The step of the sync in progress (what a healing peer's step counters become)."""
+        """The step of the sync in progress (its apply's, for a delayed sync)."""
+        self.healed_sync_step: Optional[int] = None
+        """The step of the others' sync this worker healed into at the last :meth:`begin` (None:
+        it did not heal): its own sync step was another (it was behind)."""
         PROCESS.torchft_backend = self
 
     # ------------------------------------------------------------------ rounds
@@ -91,6 +94,7 @@ class TorchftBackend:
         """Before a sync's first collective: the quorum (this worker may heal here) and the
         count of the workers that trained since the last sync."""
         self._sync_step = step
+        self.healed_sync_step = None
         self.group.begin(contributed)
         if self.group.layout_changed:  # who reduces which chunk changed: restart those residuals
             for shard in self.controller.shards:
@@ -121,6 +125,9 @@ class TorchftBackend:
         c = self.controller
         c.capture_anchor()
         self.begin(c.steps_done, contributed=False)
+        if self.healed_sync_step is not None:  # it applies the others' sync now: it is at its step
+            c.steps_done = self.healed_sync_step
+            c.global_progress = float(c.steps_done)
         # The round is the others' sync at their step (this worker's now, if it healed): with
         # streaming fragments, the fragment due there (a fresh run's round at step 0: every shard).
         due = c.sync_shards.due(c.steps_done, c.last_step)
@@ -144,7 +151,8 @@ class TorchftBackend:
         return dict(
             anchors=[shard.anchor for shard in c.shards],
             outer=c.outer_state.optimizer.state_dict(),
-            step=self._sync_step,
+            step=c.steps_done,  # step-end: the sync's step - 1; a delayed launch: its step - tau
+            sync_step=self._sync_step,
             last_sync_step=c._last_sync_step,
             last_step=c.last_step,
             ewma=self._ledger(),
@@ -154,7 +162,10 @@ class TorchftBackend:
     def load(self, state: dict) -> None:
         """Become the peer's replica (in :meth:`begin`, on the main thread): its anchors, which
         the parameters restart from, its outer optimizer's state, its step counters and the
-        penalty's statistics of every worker (so every worker takes the same decisions)."""
+        penalty's statistics of every worker (so every worker takes the same decisions). A
+        worker that was behind (an older checkpoint, a failed commit) is then at the peer's
+        point of the sync: the controller goes on with the peer's sync step
+        (:attr:`healed_sync_step`), its fragment and its apply."""
         c = self.controller
         anchors = state["anchors"]
         if len(anchors) != len(c.shards) or any(a.numel() != s.numel for a, s in zip(anchors, c.shards)):
@@ -168,8 +179,9 @@ class TorchftBackend:
             shard.residual = None
             shard.chunk_residual = None
         c.outer_state.optimizer.load_state_dict(state["outer"])
-        c.steps_done = int(state["step"])
+        c.steps_done = int(state["step"])  # the peer's count where it is in the sync (see save)
         c.global_progress = float(state["step"])  # synchronous EDiT without warmup: 1 per step
+        self.healed_sync_step = int(state["sync_step"])
         c._last_sync_step = int(state["last_sync_step"])
         if c.last_step is None and state["last_step"] is not None:  # the run's length, until it is told
             c.last_step = int(state["last_step"])

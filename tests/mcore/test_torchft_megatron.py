@@ -509,3 +509,115 @@ def test_a_sync_that_is_not_committed_keeps_the_local_progress():
                                                                              (6, 1, False)]
     assert _max_diff(edit["params"], plain["params"]) == 0.0
     assert edit["losses"] == plain["losses"]
+
+
+# ---------------------------------------------------------------------- killed inside a save
+OLD_TOTAL = 16
+
+
+def _older_checkpoint_worker(rank, world_size, worker, lighthouse, ctl, relaunched=False):
+    """One worker's job (1 rank): 2 streaming fragments, H = 4 (a fragment's sync every 2 steps,
+    step-end), OLD_TOTAL steps; each job saves its own checkpoint after step 4. Worker 1's first
+    job is SIGKILLed inside its next save (after step 6: the test kills it while Megatron's save
+    builds EDiT's state). Its relaunched job (``relaunched``) joins worker 0's sync 10 (worker 0
+    waits before step 9 for it), then loads its last complete checkpoint (step 4): it is behind
+    by the Manager's count again, trains its steps 5 and 6 and, at its own sync 6 (fragment 1),
+    heals into worker 0's sync 12 (fragment 0): it goes on with worker 0's step and fragment."""
+    import json
+    import time
+
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+    from megatron_edit.mcore.fault_tolerant import TorchftBackend
+
+    import checkpoint_runs as cr
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    begins = [0]
+    begin = FaultTolerantSyncGroup.begin
+
+    def announced(self, contributed):
+        begins[0] += 1
+        if relaunched:  # tell the test and worker 0 where this job asks for a quorum
+            open(os.path.join(ctl, f"relaunched-begin-{begins[0]}"), "w").close()
+        elif begins[0] == 1:  # the first jobs' join round: together (see _healing_worker)
+            ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}", WORKERS, timeout=300.0)
+        return begin(self, contributed)
+
+    FaultTolerantSyncGroup.begin = announced
+    local = dict(local_sgd_sync_interval=4, fragments=2, sync_mode="step_end", sync_backend="torchft",
+                 replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0)
+    ddp, opt, c = cr._setup(local, instances=1)  # the join round runs in here
+    me.set_train_iters(opt, OLD_TOTAL)
+    log = open(os.path.join(ctl, f"w{worker}-r{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
+    log.write(json.dumps(dict(ev="joined", step=c.steps_done, healed=c.sync_group.healed,
+                              anchor=_anchor_digest(c))) + "\n")
+    if relaunched:
+        cr._load(ddp, opt, os.path.join(ctl, f"worker{worker}-step4"))
+        log.write(json.dumps(dict(ev="loaded", step=c.steps_done, manager_step=c.sync_group.step)) + "\n")
+    batches = make_batches(OLD_TOTAL, WORKERS * MICRO_BATCH, seed=0)
+    while c.steps_done < OLD_TOTAL:
+        step = c.steps_done + 1
+        if worker == 0 and step == 7:
+            _wait_file(os.path.join(ctl, "killed"))  # worker 1 is stuck in its save after step 6
+        if worker == 0 and step == 9:
+            _wait_file(os.path.join(ctl, "relaunched-begin-1"))  # the relaunched job's join round
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker, WORKERS))
+        for r in c.drain_reports():
+            log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, trained=r.trained,
+                                      fragment=r.fragment, anchor=_anchor_digest(c))) + "\n")
+        if step == 4 and not relaunched:
+            cr._save(ddp, opt, os.path.join(ctl, f"worker{worker}-step4"))
+        if step == 6 and worker == 1 and not relaunched:
+            def stuck(self):  # Megatron's save is building EDiT's state: the test kills the job here
+                open(os.path.join(ctl, "victim-in-save"), "w").close()
+                time.sleep(600)
+
+            TorchftBackend.state_dict = stuck
+            cr._save(ddp, opt, os.path.join(ctl, f"worker{worker}-step6"))
+    ddp.start_param_sync(force_sync=True)
+    out = dict(state=cr._state(ddp, opt, c), pid=os.getpid(), manager_step=c.sync_group.step)
+    c.ft.close()
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_worker_killed_in_its_save_resumes_from_its_older_checkpoint_and_heals(tmp_path):
+    """Worker 1's job is SIGKILLed inside a checkpoint save; worker 0 goes on alone (it never
+    restarts, nothing waits for worker 1). The relaunched job resumes from its last complete
+    checkpoint (step 4), older than worker 0's state: it heals at its first sync into worker 0's
+    (at another step and fragment) and is bit-identical to worker 0 from then on."""
+    ctl = str(tmp_path)
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
+        addr = server.address()
+        survivor = start(_older_checkpoint_worker, 1, 0, addr, ctl, timeout=2 * TIMEOUT - 60)
+        victim = start(_older_checkpoint_worker, 1, 1, addr, ctl, timeout=2 * TIMEOUT - 60)
+        _wait_file(os.path.join(ctl, "victim-in-save"))
+        victim.kill()
+        open(os.path.join(ctl, "killed"), "w").close()
+        _until(lambda: any(e["ev"] == "sync" and e["step"] == 8 for e in _events(ctl, 0, 0)), "worker 0's sync 8")
+        relaunched = start(_older_checkpoint_worker, 1, 1, addr, ctl, True, timeout=2 * TIMEOUT - 60)
+        final0, final1 = survivor.results()[0], relaunched.results()[0]
+    ev0 = [e for e in _events(ctl, 0, 0) if e["ev"] == "sync"]
+    assert len({e["pid"] for e in _events(ctl, 0, 0)}) == 1  # the survivor never restarted
+    assert [(e["step"], e["workers"], e["trained"], e["fragment"]) for e in ev0] == [
+        (2, 2, 2, 1), (4, 2, 2, 0), (6, 2, 2, 1), (8, 1, 1, 0),  # 8: alone (worker 1 died in its save)
+        (10, 2, 1, 1),  # the relaunched job's join round
+        (12, 2, 1, 0),  # worker 1, back at its step 6 from its step-4 checkpoint, heals here again
+        (14, 2, 2, 1), (16, 2, 2, None)]
+    new = [e for e in _events(ctl, 1, 0) if e["pid"] == final1["pid"]]
+    joined, loaded, *syncs = new
+    assert joined["ev"] == "joined" and joined["healed"] and joined["step"] == 10
+    assert loaded["ev"] == "loaded" and loaded["step"] == 4 and loaded["manager_step"] < final0["manager_step"] - 3
+    assert [(e["step"], e["fragment"]) for e in syncs] == [(12, 0), (14, 1), (16, None)]
+    assert [e["anchor"] for e in syncs] == [e["anchor"] for e in ev0[-3:]]
+    a, b = final0["state"], final1["state"]
+    assert a["steps_done"] == b["steps_done"] == OLD_TOTAL and final0["manager_step"] == final1["manager_step"]
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
