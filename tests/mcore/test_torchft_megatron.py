@@ -621,3 +621,80 @@ def test_a_worker_killed_in_its_save_resumes_from_its_older_checkpoint_and_heals
     assert a["steps_done"] == b["steps_done"] == OLD_TOTAL and final0["manager_step"] == final1["manager_step"]
     assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
     assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
+
+
+# ---------------------------------------------------------------------- killed inside an exchange
+def _exchange_victim_worker(rank, world_size, worker, lighthouse, ctl):
+    """One worker's job (1 rank): EDiT H=2 over torchft, 8 steps, layer-wise. Worker 1 stops
+    inside its exchange of sync 4 (after the quorum and the decisions, before its first
+    all-reduce) and the test SIGKILLs its job there; worker 0's all-reduce of that sync then
+    fails (its peer is gone), the round is not committed and worker 0 trains on from its own
+    parameters, committing its sync 6 alone."""
+    import json
+    import time
+
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    import checkpoint_runs as cr
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    begin, first = FaultTolerantSyncGroup.begin, [True]
+
+    def together(self, contributed):  # the join round: both Managers up first (see _healing_worker)
+        if first[0]:
+            first[0] = False
+            ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}", WORKERS, timeout=300.0)
+        return begin(self, contributed)
+
+    FaultTolerantSyncGroup.begin = together
+    local = dict(local_sgd_sync_interval=2, sync_mode="layerwise", sync_backend="torchft", replica_id=worker,
+                 lighthouse=lighthouse, sync_timeout=120.0)
+    ddp, opt, c = cr._setup(local, instances=1)
+    me.set_train_iters(opt, 8)
+    if worker == 1:
+        reduce = FaultTolerantSyncGroup.all_reduce_sum
+
+        def stuck(self, tensor, async_op=True):
+            if c.steps_done == 4:  # inside the exchange of sync 4: the test kills the job here
+                open(os.path.join(ctl, "victim-in-exchange"), "w").close()
+                time.sleep(600)
+            return reduce(self, tensor, async_op)
+
+        FaultTolerantSyncGroup.all_reduce_sum = stuck
+    log = open(os.path.join(ctl, f"w{worker}-r{rank}-{os.getpid()}.jsonl"), "a", buffering=1)
+    batches = make_batches(8, WORKERS * MICRO_BATCH, seed=0)
+    while c.steps_done < 8:
+        train_step(ddp, opt, rank_micro_batches(batches[c.steps_done], worker, WORKERS))
+        for r in c.drain_reports():
+            log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, committed=r.committed,
+                                      since=r.steps_since_last, anchor=_anchor_digest(c))) + "\n")
+    c.ft.close()
+    me.unpatch_megatron_for_local_sgd()
+    return os.getpid()
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_worker_killed_inside_an_exchange_fails_that_round_only(tmp_path):
+    """Worker 1's job is SIGKILLed inside its exchange of sync 4. Worker 0 does not wait beyond
+    the failed collective: its sync 4 is not committed (its anchor stays that of sync 2, its
+    parameters keep their local progress), and its sync 6 commits alone, its pseudo-gradient
+    covering the 4 steps since sync 2; it never restarts."""
+    ctl = str(tmp_path)
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
+        addr = server.address()
+        survivor = start(_exchange_victim_worker, 1, 0, addr, ctl, timeout=2 * TIMEOUT - 60)
+        victim = start(_exchange_victim_worker, 1, 1, addr, ctl, timeout=2 * TIMEOUT - 60)
+        _wait_file(os.path.join(ctl, "victim-in-exchange"))
+        victim.kill()
+        (pid,) = survivor.results()
+    ev0 = [e for e in _events(ctl, 0, 0) if e["ev"] == "sync"]
+    assert {e["pid"] for e in ev0} == {pid}
+    assert [(e["step"], e["workers"], e["committed"], e["since"]) for e in ev0] == [
+        (2, 2, True, 2), (4, 2, False, 2), (6, 1, True, 4), (8, 1, True, 2)]
+    assert ev0[1]["anchor"] == ev0[0]["anchor"] != ev0[2]["anchor"]  # sync 4: nothing applied
