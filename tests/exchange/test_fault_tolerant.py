@@ -17,14 +17,14 @@ import ft_jobs  # noqa: E402
 TIMEOUT = 240
 
 
-def _connect(worker, lighthouse, min_replicas=1):
+def _connect(worker, lighthouse, min_replicas=1, timeout=30.0):
     from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
 
     host, port = ft_jobs.job_store_address()
     group = FaultTolerantSyncGroup.connect(
         replica_id=worker, lighthouse=lighthouse, rank=torch.distributed.get_rank(),
         world_size=torch.distributed.get_world_size(), store_addr=host, store_port=port,
-        min_replicas=min_replicas, timeout=30.0, quorum_timeout=90.0, connect_timeout=30.0)
+        min_replicas=min_replicas, timeout=timeout, quorum_timeout=90.0, connect_timeout=30.0)
     state = torch.tensor([float(worker)])
     group.register_state("test", lambda sd: state.copy_(sd["value"]), lambda: {"value": state.clone()})
     group.test_state = state
@@ -152,7 +152,8 @@ def test_no_lighthouse_at_the_address_is_one_line_after_a_bounded_wait():
 
 
 def _same_id(rank, world_size, lighthouse, gate_dir, name):
-    group = _connect(7, lighthouse)
+    # timeout 10 s: the quorum's group of two ranks 7 cannot connect; its setup gives up after it
+    group = _connect(7, lighthouse, timeout=10.0)
     ft_jobs.gate(gate_dir, name, 2)
     try:
         group.begin(contributed=True)
