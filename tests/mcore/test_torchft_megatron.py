@@ -5,6 +5,7 @@ same data and config, to 1e-6.
 
 torchft is the optional ``ft`` extra: installed in CI's default lane, skipped where it is not."""
 
+import contextlib
 import os
 
 import pytest
@@ -512,6 +513,20 @@ def test_a_sync_that_is_not_committed_keeps_the_local_progress():
 
 
 # ---------------------------------------------------------------------- killed inside a save
+@contextlib.contextmanager
+def _one_rank_pair_with_victim_killed(fn, ctl, marker):
+    """Jobs of ``fn`` for workers 0 and 1 (one rank each) under a Lighthouse (heartbeat 3 s: a
+    dead worker leaves the quorum 3 s after its death; join timeout 60 s: a quorum waits for a
+    worker whose Manager is up); worker 1's job is SIGKILLed once it has written ``marker`` in
+    ``ctl``. Yields (the Lighthouse's address, ``start``, worker 0's job)."""
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
+        addr = server.address()
+        survivor = start(fn, 1, 0, addr, ctl, timeout=2 * TIMEOUT - 60)
+        victim = start(fn, 1, 1, addr, ctl, timeout=2 * TIMEOUT - 60)
+        _wait_file(os.path.join(ctl, marker))
+        victim.kill()
+        yield addr, start, survivor
+
 OLD_TOTAL = 16
 
 
@@ -594,12 +609,7 @@ def test_a_worker_killed_in_its_save_resumes_from_its_older_checkpoint_and_heals
     checkpoint (step 4), older than worker 0's state: it heals at its first sync into worker 0's
     (at another step and fragment) and is bit-identical to worker 0 from then on."""
     ctl = str(tmp_path)
-    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
-        addr = server.address()
-        survivor = start(_older_checkpoint_worker, 1, 0, addr, ctl, timeout=2 * TIMEOUT - 60)
-        victim = start(_older_checkpoint_worker, 1, 1, addr, ctl, timeout=2 * TIMEOUT - 60)
-        _wait_file(os.path.join(ctl, "victim-in-save"))
-        victim.kill()
+    with _one_rank_pair_with_victim_killed(_older_checkpoint_worker, ctl, "victim-in-save") as (addr, start, survivor):
         open(os.path.join(ctl, "killed"), "w").close()
         _until(lambda: any(e["ev"] == "sync" and e["step"] == 8 for e in _events(ctl, 0, 0)), "worker 0's sync 8")
         relaunched = start(_older_checkpoint_worker, 1, 1, addr, ctl, True, timeout=2 * TIMEOUT - 60)
@@ -686,12 +696,7 @@ def test_a_worker_killed_inside_an_exchange_fails_that_round_only(tmp_path):
     parameters keep their local progress), and its sync 6 commits alone, its pseudo-gradient
     covering the 4 steps since sync 2; it never restarts."""
     ctl = str(tmp_path)
-    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
-        addr = server.address()
-        survivor = start(_exchange_victim_worker, 1, 0, addr, ctl, timeout=2 * TIMEOUT - 60)
-        victim = start(_exchange_victim_worker, 1, 1, addr, ctl, timeout=2 * TIMEOUT - 60)
-        _wait_file(os.path.join(ctl, "victim-in-exchange"))
-        victim.kill()
+    with _one_rank_pair_with_victim_killed(_exchange_victim_worker, ctl, "victim-in-exchange") as (_, _, survivor):
         (pid,) = survivor.results()
     ev0 = [e for e in _events(ctl, 0, 0) if e["ev"] == "sync"]
     assert {e["pid"] for e in ev0} == {pid}
