@@ -498,6 +498,7 @@ def test_penalty_decisions_and_debug_lines_are_printed(layerwise_and_step_end):
     assert "rank 0: sync" not in layerwise_and_step_end["step_end"][1]
 
 
+@pytest.mark.one_lane  # the main job's process handling (its own check of the loss)
 @pytest.mark.timeout(300)
 def test_a_non_finite_loss_stops_the_job(data_dir):
     # Before: loss NaN from the first sync on, and exit code 0.

@@ -138,6 +138,7 @@ def test_launcher_reports_a_config_error_from_the_script_in_one_line(tmp_path, m
     assert err == "megatron_edit: error: --ckpt-format torch with --use-local-sgd: use torch_dist\n"
 
 
+@pytest.mark.one_lane  # a process's end (the launcher's, not megatron-core's)
 def test_launcher_ends_a_rank_whose_script_fails_without_the_interpreters_teardown(tmp_path):
     """A script that fails (an exception, or an exit with a code) ends its rank as the main
     job's do: its traceback, its exit code, and ``os._exit`` instead of the interpreter's
