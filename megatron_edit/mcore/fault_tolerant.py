@@ -193,8 +193,7 @@ class TorchftBackend:
         committed syncs: a worker that resumes from an older checkpoint than the others is behind
         them and heals at its first sync) and every worker's penalty statistics. A delayed sync
         in flight is committed first (:meth:`OuterSync.settle_commit`), so the counters include it."""
-        if self.controller.delayed is not None and self.controller.delayed.in_flight:
-            self.controller.sync.settle_commit()
+        self.controller.sync.settle_commit()
         return dict(manager=dict(self.group.manager.state_dict()), ewma=self._ledger())
 
     def load_state_dict(self, state: dict) -> None:

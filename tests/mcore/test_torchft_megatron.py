@@ -582,6 +582,8 @@ def _older_checkpoint_worker(rank, world_size, worker, lighthouse, ctl, relaunch
             _wait_file(os.path.join(ctl, "killed"))  # worker 1 is stuck in its save after step 6
         if worker == 0 and step == 9:
             _wait_file(os.path.join(ctl, "relaunched-begin-1"))  # the relaunched job's join round
+        if worker == 0 and step == 11:  # its own sync 6 (after its load and 2 steps), however slow:
+            _wait_file(os.path.join(ctl, "relaunched-begin-2"))  # not left to the join timeout
         train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker, WORKERS))
         for r in c.drain_reports():
             log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, trained=r.trained,
