@@ -45,7 +45,12 @@ class RankError(RuntimeError):
 def _worker(rank, world_size, store_path, timeout, device, fn, args, kwargs, results):
     # Runs in the child. Everything is reported through `results` as (rank, ok, payload).
     message = None
-    faulthandler.enable()  # a rank killed by a fatal signal (a C++ abort in gloo) leaves its Python stack
+    # A rank killed by a fatal signal (a C++ abort or a segfault in gloo) leaves the Python stack
+    # of every thread in its own file, which the parent puts into the error (the rank's stderr
+    # is the forkserver's, which pytest does not capture for this test).
+    global _FAULT_FILE
+    _FAULT_FILE = open(_fault_path(store_path, rank), "w")
+    faulthandler.enable(file=_FAULT_FILE, all_threads=True)
     try:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         import torch
@@ -82,6 +87,25 @@ def _worker(rank, world_size, store_path, timeout, device, fn, args, kwargs, res
         results.put(message)
 
 
+_FAULT_FILE = None
+
+
+def _fault_path(store_path, rank):
+    return f"{store_path}.rank{rank}.fault"
+
+
+def _died(rank, proc, store_path):
+    """One line for a rank that exited without reporting, with the stacks it left if a fatal
+    signal killed it."""
+    line = f"rank {rank} exited with code {proc.exitcode} without reporting"
+    try:
+        with open(_fault_path(store_path, rank)) as f:
+            stacks = f.read().strip()
+    except OSError:
+        stacks = ""
+    return f"{line}; its stacks:\n{stacks}" if stacks else line
+
+
 def _cleanup():
     import sys
 
@@ -108,7 +132,7 @@ def _kill(procs):
         proc.join(timeout=5)
 
 
-def _failures(rank, payload, results, procs, finished=(), grace=10.0):
+def _failures(rank, payload, results, procs, store_path, finished=(), grace=10.0):
     """The first failure, plus every other rank's failure reported within `grace` seconds, and
     the exit code of any rank that died without reporting.
 
@@ -132,7 +156,7 @@ def _failures(rank, payload, results, procs, finished=(), grace=10.0):
             lines.append(f"rank {other} also failed:\n{text}")
     for other, proc in enumerate(procs):
         if other not in heard and proc.exitcode not in (None, 0):
-            lines.append(f"rank {other} exited with code {proc.exitcode} without reporting")
+            lines.append(_died(other, proc, store_path))
     return "\n".join(lines)
 
 
@@ -171,12 +195,10 @@ def run_ranks(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> lis
             except queue.Empty:
                 for rank, proc in enumerate(procs):
                     if rank not in values and proc.exitcode not in (None, 0):
-                        raise RankError(
-                            f"rank {rank} exited with code {proc.exitcode} without reporting"
-                        )
+                        raise RankError(_died(rank, proc, store_path))
                 continue
             if not ok:
-                raise RankError(_failures(rank, payload, results, procs, values))
+                raise RankError(_failures(rank, payload, results, procs, store_path, values))
             values[rank] = pickle.loads(payload)
         for proc in procs:
             proc.join(timeout=max(deadline - time.monotonic(), 1))

@@ -44,7 +44,7 @@ class Job:
         ctx = dist._context()
         self.queue = ctx.Queue()
         self.store_dir = tempfile.mkdtemp(prefix="megatron_edit_ftjob_")
-        store = os.path.join(self.store_dir, "store")
+        store = self.store = os.path.join(self.store_dir, "store")
         self.procs = [
             ctx.Process(target=dist._worker, args=(rank, world_size, store, timeout, "cpu", fn, args, kwargs,
                                                    self.queue), name=f"job-rank{rank}", daemon=True)
@@ -67,10 +67,10 @@ class Job:
             except queue.Empty:
                 for rank, proc in enumerate(self.procs):
                     if rank not in self._values and proc.exitcode not in (None, 0):
-                        raise dist.RankError(f"rank {rank} exited with code {proc.exitcode} without reporting")
+                        raise dist.RankError(dist._died(rank, proc, self.store))
                 continue
             if not ok:
-                raise dist.RankError(dist._failures(rank, payload, self.queue, self.procs, self._values))
+                raise dist.RankError(dist._failures(rank, payload, self.queue, self.procs, self.store, self._values))
             self._values[rank] = pickle.loads(payload)
         return [self._values[r] for r in range(self.world_size)]
 
