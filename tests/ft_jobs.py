@@ -57,22 +57,31 @@ class Job:
 
     def results(self) -> list:
         """The ranks' return values in rank order (raises :class:`dist.RankError`)."""
-        while len(self._values) < self.world_size:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                raise dist.RankError(f"timeout after {self.timeout}s; ranks "
-                                     f"{sorted(set(range(self.world_size)) - set(self._values))} did not finish")
-            try:
-                rank, ok, payload = self.queue.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                for rank, proc in enumerate(self.procs):
-                    if rank not in self._values and proc.exitcode not in (None, 0):
-                        raise dist.RankError(dist._died(rank, proc, self.store))
-                continue
-            if not ok:
-                raise dist.RankError(dist._failures(rank, payload, self.queue, self.procs, self.store, self._values))
-            self._values[rank] = pickle.loads(payload)
+        while not self.poll():
+            pass
         return [self._values[r] for r in range(self.world_size)]
+
+    def poll(self, wait: float = 0.5) -> bool:
+        """Whether every rank has reported, after waiting up to ``wait`` seconds for one more
+        (raises :class:`dist.RankError` when a rank failed or died, or at the timeout)."""
+        if len(self._values) == self.world_size:
+            return True
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise dist.RankError(f"timeout after {self.timeout}s; ranks "
+                                 f"{sorted(set(range(self.world_size)) - set(self._values))} did not finish")
+        try:
+            rank, ok, payload = self.queue.get(timeout=min(remaining, wait))
+        except queue.Empty:
+            for rank, proc in enumerate(self.procs):
+                if rank not in self._values and proc.exitcode not in (None, 0):
+                    raise dist.RankError(dist._died(rank, proc, self.store))
+            return False
+        if not ok:
+            raise dist.RankError(dist._failures(rank, payload, self.queue, self.procs, self.store, self._values))
+        self._values[rank] = pickle.loads(payload)
+        return len(self._values) == self.world_size
+
 
     @property
     def pids(self):
@@ -94,6 +103,15 @@ class Job:
         self.kill()
         self.queue.close()
         shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+def all_results(jobs) -> list:
+    """Every job's :meth:`Job.results`, in order; raises as soon as any job fails (a job that
+    failed is not left waiting behind another that waits for it)."""
+    pending = list(jobs)
+    while pending:
+        pending = [job for job in pending if not job.poll(wait=0.2)]
+    return [job.results() for job in jobs]
 
 
 def _descendants(pids) -> list:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from ..algorithm import asynchronous
 from ..algorithm.penalty import EWMAStats
-from ..config import NotSupportedYet
 
 
 class ControllerState:
@@ -109,13 +108,8 @@ class ControllerState:
                 "fragment, <layer>@fragment<f>) differs from the saved run's."
             )
         ft = getattr(self, "ft", None)
-        if ft is not None and "torchft" not in state:
-            raise NotSupportedYet(
-                "megatron_edit: resuming a checkpoint of the torch backend with --local-sgd-sync-backend torchft "
-                "is not supported yet (each torchft worker resumes from its own torchft checkpoint); resume it "
-                "with the torch backend.")
         self.sync.ewma = EWMAStats.from_state_dict(state["ewma"])
-        if ft is not None:
+        if ft is not None and "torchft" in state:  # else a torch-backend checkpoint (the loader restarts it)
             ft.load_state_dict(state["torchft"])
         self.global_progress = float(state.get("global_progress", self.steps_done))
         point = self.async_plan.load_state_dict(state, self.steps_done)
@@ -123,13 +117,6 @@ class ControllerState:
             self.steps_done = point.step
             self._last_sync_step = point.last_exchange[self.sync_group.rank]
             self.global_progress = point.global_progress
-
-    def _refuse_torchft_resume(self) -> None:
-        if getattr(self, "ft", None) is not None:
-            raise NotSupportedYet(
-                "megatron_edit: resuming EDiT with --local-sgd-sync-backend torchft from a synchronous "
-                "checkpoint is not supported yet; resume it with the torch backend, or start the torchft run "
-                "without loading it.")
 
     def resume_elastic(self) -> None:
         """After :meth:`load_state_dict` of another layout's counters (worker 0's), with an
@@ -145,7 +132,6 @@ class ControllerState:
         """Continue a synchronous run after ``steps`` optimizer steps: past warmup the anchor
         is taken from the loaded parameters now (the exchange restarts here), else warmup goes
         on; no error-feedback residual carries over."""
-        self._refuse_torchft_resume()
         self.steps_done = steps
         self.global_progress = float(steps)  # synchronous steps: one iteration each
         for shard in self.shards:

@@ -23,7 +23,10 @@ optimizer's state is not sent (it restarts), nor are error-feedback residuals (z
 Checkpoints: each worker's job saves its own; :meth:`TorchftBackend.state_dict` adds the
 Manager's counters (committed syncs) and every worker's penalty statistics to EDiT's state, so a
 resume continues exactly, and a worker resuming from an older checkpoint than the others is
-behind them and heals at its first sync.
+behind them and heals at its first sync. A checkpoint of the torch backend (N workers in one
+world) or of synchronous training starts a torchft run too: every job loads it as one worker
+(:mod:`~megatron_edit.mcore.checkpoint.resume`), and its Manager starts from no committed sync
+(:meth:`TorchftBackend.start_from_torch_backend`).
 """
 
 from __future__ import annotations
@@ -200,6 +203,17 @@ class TorchftBackend:
         """Restore :meth:`state_dict` (a resume; the join round at the build has run already)."""
         self.group.manager.load_state_dict({k: int(v) for k, v in state["manager"].items()})
         self._set_ledger(state["ewma"])
+
+    def start_from_torch_backend(self) -> None:
+        """After loading a checkpoint of the torch backend (or of synchronous training): this
+        worker's Manager counts one committed round, a fresh run's join (torchft's step 0 would
+        make every worker but one heal from that one at the next quorum), so that a worker that
+        loads it while others have synced since is behind them and heals at its first sync, and
+        jobs that load it together are level and none heals; the penalty's statistics restart,
+        as in a fresh run."""
+        counters = dict(self.group.manager.state_dict())
+        self.group.manager.load_state_dict({**counters, "step": 1})
+        self._set_ledger({})
 
     def _ledger(self) -> dict:
         """Every worker's penalty statistics (by replica id), as tensors."""

@@ -77,7 +77,7 @@ def test_a_round_over_three_workers(tmp_path):
     with ft_jobs.jobs_and_lighthouse() as (server, start):
         jobs = [start(_collectives, 1, w, 3, server.address(), str(tmp_path / "gate"), timeout=TIMEOUT)
                 for w in range(3)]
-        outs = [job.results()[0] for job in jobs]
+        outs = [out[0] for out in ft_jobs.all_results(jobs)]
     for w, out in enumerate(outs):
         # Join round: workers 1 and 2 healed from worker 0 (its state), so only it counts.
         assert out["join"] == (1, w > 0, 0.0, True)
@@ -169,7 +169,7 @@ def test_two_workers_with_one_replica_id_are_refused(tmp_path):
     with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
         jobs = [start(_same_id, 1, server.address(), str(tmp_path / "gate"), f"job{j}", timeout=TIMEOUT)
                 for j in range(2)]
-        messages = [job.results()[0] for job in jobs]
+        messages = [out[0] for out in ft_jobs.all_results(jobs)]
     for message in messages:
         assert message is not None and "\n" not in message
         assert "two workers of the sync have --local-sgd-replica-id 7" in message

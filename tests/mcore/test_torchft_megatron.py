@@ -33,7 +33,7 @@ def _both_backends(local_sgd, steps=8, **spec_kwargs):
     # min_replicas: the Lighthouse's first quorum waits for both workers (a run that starts together)
     with ft_jobs.jobs_and_lighthouse(min_replicas=WORKERS) as (server, start):
         jobs = [start(_ft_worker, RANKS, w, server.address(), spec, timeout=TIMEOUT) for w in range(WORKERS)]
-        ft = [out for job in jobs for out in job.results()]  # worker-major: rank w * RANKS + r
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]  # worker-major: rank w * RANKS + r
     return reference, ft
 
 
@@ -268,7 +268,7 @@ def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_pat
         open(os.path.join(ctl, "killed"), "w").close()
         _until(lambda: synced(0, 6, workers=1, committed=True), "worker 0's sync 6 alone")
         joiner = start(_healing_worker, RANKS, 1, addr, ctl, True, timeout=2 * TIMEOUT)
-        final0, final1 = survivor.results(), joiner.results()
+        final0, final1 = ft_jobs.all_results([survivor, joiner])
     for r in range(RANKS):
         ev0 = [e for e in _events(ctl, 0, r) if e["ev"] == "sync"]
         assert [(e["step"], e["workers"], e["committed"], e["fragment"]) for e in ev0] == [
@@ -305,7 +305,7 @@ def test_a_new_worker_joins_a_running_job(tmp_path):
         _until(lambda: all(any(e["ev"] == "sync" and e["step"] == 4 for e in _events(ctl, w, 0)) for w in range(2)),
                "the first workers' sync 4")  # they wait before step 5 for the new one's join round
         new = start(_healing_worker, 1, 2, addr, ctl, True, True, timeout=2 * TIMEOUT - 60)
-        finals = [job.results()[0] for job in (*first, new)]
+        finals = [out[0] for out in ft_jobs.all_results([*first, new])]
     logs = [[e for e in _events(ctl, w, 0)] for w in range(3)]
     for w in (0, 1):  # the first workers: never restarted; their sync 6 held the new one
         assert len({e["pid"] for e in logs[w]}) == 1
@@ -335,7 +335,7 @@ def test_three_one_rank_workers_equal_the_torch_backend():
     reference = [r["runs"][0] for r in run_ranks(megatron_runs, 3, [spec], timeout=TIMEOUT)]
     with ft_jobs.jobs_and_lighthouse(min_replicas=3) as (server, start):
         jobs = [start(_ft_worker_n, 1, w, server.address(), spec, 3, timeout=TIMEOUT) for w in range(3)]
-        ft = [job.results()[0] for job in jobs]
+        ft = [out[0] for out in ft_jobs.all_results(jobs)]
     for g, (ref, run) in enumerate(zip(reference, ft)):
         assert _max_diff(ref["params"], run["params"]) <= 1e-6, f"worker {g}"
         assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6
@@ -411,11 +411,17 @@ def test_settings_the_supervisors_workers_cannot_run_are_refused_before_connecti
 RESUME_STEPS, RESUME_AT = 8, 4
 
 
-def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=None, delay=0, save_at=RESUME_AT):
+PLAIN = dict(local_sgd_sync_interval=2, sync_mode="step_end")  # EDiT H=2 without the penalty
+
+
+def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=None, delay=0, save_at=RESUME_AT,
+                       torch_checkpoint=None):
     """Worker ``worker``'s job (1 rank): EDiT H=2 over torchft on its slice of the data for
     RESUME_STEPS steps, saving its own checkpoint after step ``save_at`` (Megatron's
     dist_checkpointing, as Megatron-LM's --save), or resuming from it (``load_at``); ``delay``:
-    the delayed outer step's tau."""
+    the delayed outer step's tau. ``torch_checkpoint``: resume from the checkpoint
+    ``folder/<torch_checkpoint><load_at>`` of :func:`_one_world_job` instead (EDiT without the
+    penalty)."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps
 
@@ -426,15 +432,18 @@ def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=Non
     host, port = ft_jobs.job_store_address()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
-    local = dict(local_sgd_sync_interval=2, sync_mode="step_end", sync_backend="torchft", replica_id=worker,
-                 lighthouse=lighthouse, sync_timeout=120.0, skip_anomaly=True, pseudo_gradnorm_reduce=True,
-                 outer_step_delay=delay)
+    penalty = {} if torch_checkpoint else dict(skip_anomaly=True, pseudo_gradnorm_reduce=True)
+    local = dict(PLAIN, sync_backend="torchft", replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0,
+                 outer_step_delay=delay, **penalty)
     ddp, opt, ctl = cr._setup(local, instances=1)
-    path = os.path.join(folder, f"worker{worker}")
+    path = os.path.join(folder, f"{torch_checkpoint}{load_at}" if torch_checkpoint else f"worker{worker}")
     first = 1
+    loaded = None
     if load_at is not None:
         cr._load(ddp, opt, path)
         first = load_at + 1
+        loaded = cr._state(ddp, opt, ctl, gather=False)
+        loaded["manager"] = ctl.ft.group.manager.state_dict()
     shares = WORKERS * world_size
     batches = make_batches(RESUME_STEPS, shares * MICRO_BATCH, seed=0)
     for step in range(first, RESUME_STEPS + 1):
@@ -442,15 +451,9 @@ def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=Non
         if step == save_at and load_at is None:
             cr._save(ddp, opt, path)
     out = cr._state(ddp, opt, ctl)
-    out.update(manager=ctl.ft.group.manager.state_dict(),
+    out.update(manager=ctl.ft.group.manager.state_dict(), loaded=loaded,
                reports=[(r.step, r.workers, r.committed) for r in ctl.drain_reports()],
                ewma={w: st.state_dict() for w, st in ctl.sync.ewma_by_worker.items()})
-    torch_backend_state = {k: v for k, v in ctl.state_dict().items() if k != "torchft"}
-    try:  # what a torch-backend checkpoint gives (no torchft part): one line
-        ctl.load_state_dict(torch_backend_state)
-        out["refused"] = None
-    except me.NotSupportedYet as error:
-        out["refused"] = str(error)
     ctl.ft.close()
     me.unpatch_megatron_for_local_sgd()
     return out
@@ -460,7 +463,7 @@ def _ft_checkpoint_runs(folder, load_at=None, **kwargs):
     with ft_jobs.jobs_and_lighthouse(min_replicas=WORKERS) as (server, start):
         jobs = [start(_ft_checkpoint_job, 1, w, server.address(), folder, load_at, timeout=TIMEOUT, **kwargs)
                 for w in range(WORKERS)]
-        return [job.results()[0] for job in jobs]
+        return [out[0] for out in ft_jobs.all_results(jobs)]
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 120)
@@ -487,7 +490,73 @@ def test_each_worker_resumes_from_its_own_checkpoint_exactly(tmp_path, delay):
         assert all(torch.equal(x[k], y[k]) for x, y in zip(a["adam"], b["adam"]) for k in x if torch.is_tensor(x[k]))
         assert sorted(a["ewma"]) == sorted(b["ewma"]) == [0, 1]
         assert all(torch.equal(a["ewma"][w][k], b["ewma"][w][k]) for w in a["ewma"] for k in a["ewma"][w])
-        assert "a checkpoint of the torch backend" in b["refused"] and "\n" not in b["refused"]
+
+
+def _one_world_job(rank, world_size, folder, name, saves=(), load_at=None, last=RESUME_STEPS, edit=True):
+    """The run of :func:`_ft_checkpoint_job` (EDiT H=2 without the penalty) with the torch
+    backend (``edit`` False: plain synchronous Megatron): ``world_size`` workers of 1 rank in one
+    world, each on its slice of the data, to step ``last``, saving after the steps in ``saves``
+    (``folder/<name><step>``), or resuming from ``folder/<name><load_at>``; the state right
+    after the load and at the end."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    import checkpoint_runs as cr
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=world_size)
+    ddp, opt, ctl = cr._setup(dict(PLAIN) if edit else None, instances=world_size)
+    first, loaded = 1, None
+    if load_at is not None:
+        cr._load(ddp, opt, os.path.join(folder, f"{name}{load_at}"))
+        first, loaded = load_at + 1, cr._state(ddp, opt, ctl, gather=False)
+    batches = make_batches(RESUME_STEPS, WORKERS * MICRO_BATCH, seed=0)
+    for step in range(first, last + 1):
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], rank, WORKERS))
+        if step in saves:
+            cr._save(ddp, opt, os.path.join(folder, f"{name}{step}"))
+    out = dict(final=cr._state(ddp, opt, ctl), loaded=loaded)
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_torchft_workers_resume_from_a_torch_backend_checkpoint(tmp_path):
+    """2 workers of the torch backend (one world) save after steps 3 and 4 (H=2: 4 is a sync);
+    each torchft worker's job resumes from one of them as one worker.
+
+    After step 4, where the workers are identical: each job takes the saved anchor, outer
+    momentum and its own worker's Adam state (replica id mod the saved workers), its Manager
+    counts one committed round (as after a fresh run's join: no worker heals), and the torchft run ends bit-for-bit where the torch run that went
+    on ends (to 1e-6). After step 3 (mid-interval): each job computes the outer step over both
+    saved workers' parameters alone, in saved-worker order: the two jobs load the same bytes,
+    which are what the torch backend's own elastic resume (2 -> 1 worker) loads."""
+    folder = str(tmp_path)
+    straight = [r["final"] for r in run_ranks(_one_world_job, WORKERS, folder, "torch", (3, 4), timeout=TIMEOUT)]
+    for load_at in (4, 3):
+        resumed = _ft_checkpoint_runs(folder, load_at=load_at, torch_checkpoint="torch")
+        for w, (ref, run) in enumerate(zip(straight, resumed)):
+            syncs = [s for s in (4, 6, 8) if s > load_at]
+            assert run["loaded"]["manager"]["step"] == 1 and run["manager"]["step"] == 1 + len(syncs)  # + the join
+            assert [r[0] for r in run["reports"]] == syncs and all(r[1:] == (WORKERS, True) for r in run["reports"])
+            assert (run["steps_done"], run["last_sync_step"]) == (8, 8)
+            if load_at == 4:
+                assert _max_diff(ref["params"], run["params"]) <= 1e-6, w
+                assert max(float((x - y).abs().max()) for x, y in zip(ref["anchors"], run["anchors"])) <= 1e-6
+        a, b = (r["loaded"] for r in resumed)
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
+        if load_at == 3:
+            (one,) = [r["loaded"] for r in run_ranks(_one_world_job, 1, folder, "torch", load_at=3, last=3,
+                                                      timeout=TIMEOUT)]
+            assert all(torch.equal(one["params"][k], a["params"][k]) for k in a["params"])
+            assert all(torch.equal(x, y) for x, y in zip(one["anchors"], a["anchors"]))
+            assert all(torch.equal(x[k], y[k]) for x, y in zip(one["outer"], a["outer"]) for k in x)
+        # each its own saved worker's Adam moments (the equality after step 8 needs them too)
+        assert any(not torch.equal(x["exp_avg"], y["exp_avg"]) for x, y in zip(a["adam"], b["adam"]))
+        for run in resumed[1:]:  # replicas after the last sync
+            assert _max_diff(resumed[0]["params"], run["params"]) == 0.0
 
 
 def _alone_below_min_replicas(rank, world_size, lighthouse):
@@ -615,7 +684,7 @@ def test_a_worker_killed_in_its_save_resumes_from_its_older_checkpoint_and_heals
         open(os.path.join(ctl, "killed"), "w").close()
         _until(lambda: any(e["ev"] == "sync" and e["step"] == 8 for e in _events(ctl, 0, 0)), "worker 0's sync 8")
         relaunched = start(_older_checkpoint_worker, 1, 1, addr, ctl, True, timeout=2 * TIMEOUT - 60)
-        final0, final1 = survivor.results()[0], relaunched.results()[0]
+        final0, final1 = (out[0] for out in ft_jobs.all_results([survivor, relaunched]))
     ev0 = [e for e in _events(ctl, 0, 0) if e["ev"] == "sync"]
     assert len({e["pid"] for e in _events(ctl, 0, 0)}) == 1  # the survivor never restarted
     assert [(e["step"], e["workers"], e["trained"], e["fragment"]) for e in ev0] == [
@@ -705,3 +774,23 @@ def test_a_worker_killed_inside_an_exchange_fails_that_round_only(tmp_path):
     assert [(e["step"], e["workers"], e["committed"], e["since"]) for e in ev0] == [
         (2, 2, True, 2), (4, 2, False, 2), (6, 1, True, 4), (8, 1, True, 2)]
     assert ev0[1]["anchor"] == ev0[0]["anchor"] != ev0[2]["anchor"]  # sync 4: nothing applied
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_torchft_workers_start_from_a_checkpoint_of_synchronous_training(tmp_path):
+    """Plain Megatron (2 data-parallel ranks in one world) saves after step 4; each torchft
+    worker's job loads it with its Adam state, takes its anchor there and counts the 4 steps as
+    done (its Manager: one committed round, as after a fresh run's join), and the torchft run
+    ends where the torch backend's run from the same checkpoint ends (1e-6), with identical
+    replicas after the last sync."""
+    folder = str(tmp_path)
+    run_ranks(_one_world_job, WORKERS, folder, "sync", (4,), last=4, edit=False, timeout=TIMEOUT)
+    reference = run_ranks(_one_world_job, WORKERS, folder, "sync", load_at=4, timeout=TIMEOUT)
+    resumed = _ft_checkpoint_runs(folder, load_at=4, torch_checkpoint="sync")
+    for w, (ref, run) in enumerate(zip(reference, resumed)):
+        assert all(torch.equal(ref["loaded"]["params"][k], run["loaded"]["params"][k]) for k in run["loaded"]["params"])
+        assert all(torch.equal(x, y) for x, y in zip(run["loaded"]["anchors"], run["loaded"]["mains"]))
+        assert run["loaded"]["steps_done"] == 4 and run["loaded"]["manager"]["step"] == 1
+        assert [r[0] for r in run["reports"]] == [6, 8] and run["manager"]["step"] == 3
+        assert _max_diff(ref["final"]["params"], run["params"]) <= 1e-6, w
+    assert _max_diff(resumed[0]["params"], resumed[1]["params"]) == 0.0

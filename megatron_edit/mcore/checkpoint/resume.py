@@ -126,6 +126,10 @@ class ResumePlan:
         self.megatron_keys = {id(v): v.key[strip:] for v in self.inner}
         self.prepared = False
         self.mode: Optional[str] = None  # "same-workers" | "elastic" | "synchronous"
+        self.torchft = False
+        """This run's controller syncs over torchft (each job one worker)."""
+        self.source = 0
+        """The saved worker whose inner optimizer state this worker loads."""
         self.saved: Optional[dict] = None
         self.residuals = False  # error-feedback residuals read (the same on every rank)
         self.residual_workers: List[int] = []
@@ -201,10 +205,20 @@ class ResumePlan:
                     f"(--dist-ckpt-optim-fully-reshardable), or keep TP and PP.")
         n, m, workers = record["num_workers"], layout.worker, layout.num_workers
         self.mode = "same-workers" if n == workers else "elastic"
-        if m % n != m:
-            self._retarget_inner(m % n)  # worker m's inner optimizer state: saved worker m mod N
-        if self.mode == "elastic":
-            part["workers"] = {k: self._mains_request(k) for k in range(m + workers, n, workers)}
+        self.torchft = getattr(c, "ft", None) is not None
+        if self.torchft and self.mode == "elastic":  # a torch-backend checkpoint, one torchft worker
+            self.source = c.config.replica_id % n
+            if self.source != m:
+                self._retarget_inner(self.source)  # its inner optimizer state: saved worker replica id mod N
+            # Every other saved worker's main params: the load-time outer step is computed in the
+            # job alone (no collective outside a torchft round), the same in every job.
+            part["workers"] = {k: self._mains_request(k) for k in range(n) if k != self.source}
+        else:
+            self.source = m % n
+            if m % n != m:
+                self._retarget_inner(m % n)  # worker m's inner optimizer state: saved worker m mod N
+            if self.mode == "elastic":
+                part["workers"] = {k: self._mains_request(k) for k in range(m + workers, n, workers)}
         tensor_keys, _ = outer_state_keys(c)
         if not record["anchor_taken"]:
             part["anchor"], part["outer"] = {}, {}
@@ -223,11 +237,13 @@ class ResumePlan:
         flight = record.get("in_flight")
         if flight is not None:
             if self.mode != "same-workers":
+                now = "a torchft worker loads it as 1" if self.torchft else f"{workers} now"
                 return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
                         f"step was in flight (launched after step {flight['apply_at'] - flight['delay']}, "
                         f"due after step {flight['apply_at']}); it resumes with the same number of "
-                        f"workers only ({n} saved, {workers} now). Resume with {n} workers, or from a "
-                        "checkpoint saved outside the exchange's window.")
+                        f"workers only ({n} saved, {now}). Resume with {n} workers"
+                        f"{' of the torch backend' if self.torchft else ''}, or from a checkpoint saved "
+                        "outside the exchange's window.")
             if (record["tensor_parallel"], record["pipeline_parallel"]) != (tp, pp):
                 return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
                         f"step was in flight (due after step {flight['apply_at']}); it resumes with the "
@@ -323,6 +339,15 @@ class ResumePlan:
         part = self.part
         wanted = "result_residual" in part
         self.residuals = wanted and record["residuals"]
+        if self.residuals and self.torchft and self.mode == "elastic":
+            # As a torchft worker that heals: its error-feedback residuals start at zero.
+            self.residuals = False
+            part.pop("residual", None)
+            part.pop("result_residual", None)
+            if torch.distributed.get_rank() == 0:
+                logger.warning("megatron_edit: the checkpoint's error-feedback residuals (saved by %d workers of "
+                               "the torch backend) are not carried into a torchft worker: they start at zero.", n)
+            return
         if self.residuals:
             self.residual_workers = list(range(m, n, workers)) if self.mode == "elastic" else [m]
             # Saved worker k is read by one worker only (k mod M): its requests are main.
@@ -357,10 +382,11 @@ class ResumePlan:
     def _retarget_inner(self, worker: int) -> None:
         """Load saved worker ``worker``'s inner optimizer state. Another worker reads it as its
         own too (worker ``worker`` itself, or worker 0 for Megatron's keys): these requests
-        are not the main replica (Megatron's load checks there is one per shard)."""
+        are not the main replica (Megatron's load checks there is one per shard). A torchft
+        worker's job holds no other worker: its requests stay the main ones."""
         for sh in self.inner:
             sh.key = retarget(sh.key, self.megatron_keys[id(sh)], worker)
-            if worker != self.layout.worker:
+            if worker != self.layout.worker and not self.torchft:
                 rid = sh.replica_id
                 sh.replica_id = 1 if isinstance(rid, int) else (1, *tuple(rid)[1:])
 
@@ -415,17 +441,31 @@ def decode_mains(optimizer, plan: ResumePlan, loaded: dict) -> List[Dict[int, to
 
 @torch.no_grad()
 def load_time_sync(controller, extra_mains: List[Dict[int, torch.Tensor]], saved_workers: int,
-                   skip=()) -> None:
+                   skip=(), alone_as: Optional[int] = None) -> None:
     """The outer step a sync at the save step would have made, over the saved workers: this
     worker contributes its own (loaded) main params when it was a saved worker, plus the
     ``extra_mains`` it read; the sum over workers divided by ``saved_workers``. ``skip``: slots
-    of shards every saved worker held identical (restarted from their anchor instead)."""
-    own = controller.sync_group.rank < saved_workers
+    of shards every saved worker held identical (restarted from their anchor instead).
+    ``alone_as``: a torchft worker, which read every saved worker (its own loaded mains are saved
+    worker ``alone_as``'s) and sums them in saved-worker order, with no collective: every job
+    computes the same bytes."""
+    own = controller.sync_group.rank < saved_workers if alone_as is None else True
     for slot, shard in enumerate(controller.shards):
         if slot in skip:
             continue
         anchor = controller.outer_state.anchor_on_device(shard)
         delta = torch.zeros(shard.numel, dtype=torch.float32, device=shard.device)
+        if alone_as is not None:
+            for worker in range(saved_workers):
+                if worker == alone_as:
+                    delta += shard.pseudo_gradient(anchor, torch.empty_like(delta))
+                    continue
+                theirs = anchor - extra_mains[slot][worker]
+                for s, e in shard.gaps:  # as in its own: 0 where no parameter is
+                    theirs[s:e].zero_()
+                delta += theirs
+            controller.outer_state.apply(shard, delta, [], write_model=True, divisor=saved_workers)
+            continue
         if own:
             shard.pseudo_gradient(anchor, delta)
         for mains in extra_mains[slot].values():

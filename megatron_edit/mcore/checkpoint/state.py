@@ -126,6 +126,7 @@ from .resume import (
     restart_from_anchor,
 )
 from .space import ModelSpace, model_tensors_by_param
+from ..fault_tolerant import backend_of
 from ..wrap_registry import VersionRange
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,8 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
     controller.outer_state.synchronize()  # offloaded state: no copy in flight while we write it
     if plan.mode == "synchronous":
         controller.resume_from_synchronous(adam_step_of(state_dict))
+        if backend_of(controller) is not None:  # every torchft job loads it: level, none heals
+            backend_of(controller).start_from_torch_backend()
         _log_resume(controller, "a checkpoint of synchronous training", "Adam state kept, " + (
             "anchor taken there" if controller.outer_optimizer is not None else "warmup goes on"))
         refresh_model_from_mains(optimizer, controller)
@@ -258,10 +261,11 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
         restart_from_anchor(controller, identical)
         if len(identical) < len(controller.shards):
             load_time_sync(controller, decode_mains(optimizer, plan, part.get("workers")), record["num_workers"],
-                           skip=identical)
+                           skip=identical, alone_as=plan.source if plan.torchft else None)
     merge_residuals(controller, plan, part)
+    extra = (part.get("slice") or {}).get("extra_state") if plan.slice_loaded else None
     if plan.slice_loaded:
-        _load_extra_state(controller, (part.get("slice") or {}).get("extra_state"))
+        _load_extra_state(controller, extra)
     elif record["anchor_taken"]:
         controller.restart_async_schedule()
     if record.get("in_flight") is not None:
@@ -285,6 +289,10 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
                 "one outer step over the saved workers for the others")
     else:
         note = "one outer step over the saved workers at load"
+    ft = backend_of(controller)
+    if ft is not None and not (isinstance(extra, dict) and "torchft" in extra):
+        ft.start_from_torch_backend()
+        note += f"; worker {controller.config.replica_id} of torchft from saved worker {plan.source}"
     _log_resume(controller, f"a checkpoint of {record['num_workers']} worker(s)"
                 + (f" ({plan.difference})" if plan.difference else ""), note)
     if controller.num_workers > 1 or elastic:
