@@ -472,8 +472,8 @@ def test_each_worker_resumes_from_its_own_checkpoint_exactly(tmp_path, delay):
     """Each worker saves its own checkpoint after step 4 (Megatron's dist_checkpointing); fresh
     jobs resuming from them end bit-identical to the run that went on (parameters, Adam, anchors,
     outer momentum, counters, the torchft Manager's committed syncs, every worker's penalty
-    statistics). A torch-backend checkpoint's state (no torchft part) is refused in one line.
-    ``delay`` 1: the checkpoint after step 3, with the sync of step 4 in flight (launched after
+    statistics); the torch backend resumes from worker 0's checkpoint (1 worker -> 2) with its
+    anchor, outer momentum and counters. ``delay`` 1: the checkpoint after step 3, with the sync of step 4 in flight (launched after
     step 3): its exchange is finished and committed at the save, and the resumed jobs apply it
     after their step 4 without a round of their own."""
     save_at = RESUME_AT - delay
@@ -490,14 +490,28 @@ def test_each_worker_resumes_from_its_own_checkpoint_exactly(tmp_path, delay):
         assert all(torch.equal(x[k], y[k]) for x, y in zip(a["adam"], b["adam"]) for k in x if torch.is_tensor(x[k]))
         assert sorted(a["ewma"]) == sorted(b["ewma"]) == [0, 1]
         assert all(torch.equal(a["ewma"][w][k], b["ewma"][w][k]) for w in a["ewma"] for k in a["ewma"][w])
+    if delay:
+        return
+    # The torch backend resumes from a torchft worker's checkpoint (its 1 worker -> 2, saved at a
+    # sync): both workers from its anchor, outer momentum and counters; replicas after a sync.
+    back = run_ranks(_one_world_job, WORKERS, str(tmp_path), "", load_at=save_at,
+                     load_path=os.path.join(str(tmp_path), "worker0"), timeout=TIMEOUT)
+    own = resumed[0]["loaded"]  # worker 0's job right after loading the same checkpoint
+    for run in back:
+        assert run["loaded"]["steps_done"] == own["steps_done"] == save_at
+        assert all(torch.equal(run["loaded"]["params"][k], own["params"][k]) for k in own["params"])
+        assert all(torch.equal(x, y) for x, y in zip(run["loaded"]["anchors"], own["anchors"]))
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(run["loaded"]["outer"], own["outer"]) for k in x)
+    assert _max_diff(back[0]["final"]["params"], back[1]["final"]["params"]) == 0.0
 
 
-def _one_world_job(rank, world_size, folder, name, saves=(), load_at=None, last=RESUME_STEPS, edit=True):
+def _one_world_job(rank, world_size, folder, name, saves=(), load_at=None, last=RESUME_STEPS, edit=True,
+                   load_path=None):
     """The run of :func:`_ft_checkpoint_job` (EDiT H=2 without the penalty) with the torch
     backend (``edit`` False: plain synchronous Megatron): ``world_size`` workers of 1 rank in one
     world, each on its slice of the data, to step ``last``, saving after the steps in ``saves``
-    (``folder/<name><step>``), or resuming from ``folder/<name><load_at>``; the state right
-    after the load and at the end."""
+    (``folder/<name><step>``), or resuming from ``folder/<name><load_at>`` (or ``load_path``);
+    the state right after the load and at the end."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps
 
@@ -509,7 +523,7 @@ def _one_world_job(rank, world_size, folder, name, saves=(), load_at=None, last=
     ddp, opt, ctl = cr._setup(dict(PLAIN) if edit else None, instances=world_size)
     first, loaded = 1, None
     if load_at is not None:
-        cr._load(ddp, opt, os.path.join(folder, f"{name}{load_at}"))
+        cr._load(ddp, opt, load_path or os.path.join(folder, f"{name}{load_at}"))
         first, loaded = load_at + 1, cr._state(ddp, opt, ctl, gather=False)
     batches = make_batches(RESUME_STEPS, WORKERS * MICRO_BATCH, seed=0)
     for step in range(first, last + 1):
