@@ -25,8 +25,8 @@ Manager's counters (committed syncs) and every worker's penalty statistics to ED
 resume continues exactly, and a worker resuming from an older checkpoint than the others is
 behind them and heals at its first sync. A checkpoint of the torch backend (N workers in one
 world) or of synchronous training starts a torchft run too: every job loads it as one worker
-(:mod:`~megatron_edit.mcore.checkpoint.resume`), and its Manager starts from no committed sync
-(:meth:`TorchftBackend.start_from_torch_backend`).
+(:mod:`~megatron_edit.mcore.checkpoint.resume`), and its Manager counts one committed round, as
+after a fresh run's join (:meth:`TorchftBackend.start_from_torch_backend`).
 """
 
 from __future__ import annotations

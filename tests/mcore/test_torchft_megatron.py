@@ -469,13 +469,13 @@ def _ft_checkpoint_runs(folder, load_at=None, **kwargs):
 @pytest.mark.timeout(2 * TIMEOUT + 120)
 @pytest.mark.parametrize("delay", [0, 1], ids=["blocking", "delay-in-flight"])
 def test_each_worker_resumes_from_its_own_checkpoint_exactly(tmp_path, delay):
-    """Each worker saves its own checkpoint after step 4 (Megatron's dist_checkpointing); fresh
-    jobs resuming from them end bit-identical to the run that went on (parameters, Adam, anchors,
+    """Each worker saves its own checkpoint after step 4 (Megatron's dist_checkpointing); fresh jobs
+    resuming from them end bit-identical to the run that went on (parameters, Adam, anchors,
     outer momentum, counters, the torchft Manager's committed syncs, every worker's penalty
     statistics); the torch backend resumes from worker 0's checkpoint (1 worker -> 2) with its
-    anchor, outer momentum and counters. ``delay`` 1: the checkpoint after step 3, with the sync of step 4 in flight (launched after
-    step 3): its exchange is finished and committed at the save, and the resumed jobs apply it
-    after their step 4 without a round of their own."""
+    anchor, outer momentum and counters. ``delay`` 1: the checkpoint after step 3, with the sync
+    of step 4 in flight (launched after step 3): its exchange is finished and committed at the
+    save, and the resumed jobs apply it after their step 4 without a round of their own."""
     save_at = RESUME_AT - delay
     straight = _ft_checkpoint_runs(str(tmp_path), delay=delay, save_at=save_at)
     resumed = _ft_checkpoint_runs(str(tmp_path), load_at=save_at, delay=delay, save_at=save_at)
@@ -537,15 +537,16 @@ def _one_world_job(rank, world_size, folder, name, saves=(), load_at=None, last=
 
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_torchft_workers_resume_from_a_torch_backend_checkpoint(tmp_path):
-    """2 workers of the torch backend (one world) save after steps 3 and 4 (H=2: 4 is a sync);
-    each torchft worker's job resumes from one of them as one worker.
+    """2 workers of the torch backend (one world) save after steps 3 and 4 (H=2: 4 is a sync); each
+    torchft worker's job resumes from one of them as one worker.
 
     After step 4, where the workers are identical: each job takes the saved anchor, outer
     momentum and its own worker's Adam state (replica id mod the saved workers), its Manager
-    counts one committed round (as after a fresh run's join: no worker heals), and the torchft run ends bit-for-bit where the torch run that went
-    on ends (to 1e-6). After step 3 (mid-interval): each job computes the outer step over both
-    saved workers' parameters alone, in saved-worker order: the two jobs load the same bytes,
-    which are what the torch backend's own elastic resume (2 -> 1 worker) loads."""
+    counts one committed round (as after a fresh run's join: no worker heals), and the torchft
+    run ends bit-for-bit where the torch run that went on ends (to 1e-6). After step 3 (mid-
+    interval): each job computes the outer step over both saved workers' parameters alone, in
+    saved-worker order: the two jobs load the same bytes, which are what the torch backend's own
+    elastic resume (2 -> 1 worker) loads."""
     folder = str(tmp_path)
     straight = [r["final"] for r in run_ranks(_one_world_job, WORKERS, folder, "torch", (3, 4), timeout=TIMEOUT)]
     for load_at in (4, 3):
