@@ -11,6 +11,8 @@ the tests compare. ``simulate_edit`` is an independent implementation of EDiT in
 from __future__ import annotations
 
 import inspect
+import os
+import signal
 from typing import Dict, List
 
 import torch
@@ -540,14 +542,17 @@ def async_runs(rank, world_size, spec):
     ddp, optimizer = _build(spec, 1, 1)
     (controller,) = me.get_local_sgd(optimizer)
     if spec.get("train_iters"):  # A-EDiT's budget: what a synchronous run of that length takes
-        controller.budget_steps = spec["train_iters"] * spec["instances"]
+        me.set_train_iters(optimizer, spec["train_iters"])
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    worker = dp_rank // (dp // spec["instances"])
+    worker = spec["worker"] if "worker" in spec else dp_rank // (dp // spec["instances"])
     fake = spec.get("seconds_per_step")
     now = [0.0]
     if fake:
         controller.clock = lambda: now[0]
-    batches = make_batches(spec["max_steps"], dp * MICRO_BATCH, seed=0)
+    # data_dp / data_rank_offset: a worker's own job (torchft) replays its micro-batches of the
+    # one-world run (see megatron_runs)
+    data_dp, data_rank = spec.get("data_dp") or dp, dp_rank + spec.get("data_rank_offset", 0)
+    batches = make_batches(spec["max_steps"], data_dp * MICRO_BATCH, seed=0)
     reports, steps, progress, t0 = [], 0, 0.0, _time.monotonic()
 
     def more():
@@ -560,16 +565,22 @@ def async_runs(rank, world_size, spec):
         steps += 1
         if spec.get("sleep"):
             _time.sleep(spec["sleep"][worker])
-        train_step(ddp, optimizer, rank_micro_batches(batches[steps - 1], dp_rank, dp))
+        train_step(ddp, optimizer, rank_micro_batches(batches[steps - 1], data_rank, data_dp))
+        if spec.get("die_after") == steps:  # a worker's crash (the torchft backend's fault tests)
+            os.kill(os.getpid(), signal.SIGKILL)
         progress += controller.last_step_progress
         if fake:
             now[0] += fake[worker]
         reports += controller.drain_reports()
     ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync
     reports += controller.drain_reports()
+    out = dict(worker=worker, steps=steps, reports=reports, params=named_params(ddp),
+               seconds=_time.monotonic() - t0, finished=controller.finished, progress=progress,
+               last_sync=controller.last_sync)
+    if controller.ft is not None:
+        controller.ft.close()
     me.unpatch_megatron_for_local_sgd()
-    return dict(worker=worker, steps=steps, reports=reports, params=named_params(ddp),
-                seconds=_time.monotonic() - t0, finished=controller.finished, progress=progress)
+    return out
 
 
 def vpp_runs(rank, world_size, specs):

@@ -34,7 +34,7 @@ import torch
 RATE_WINDOW = 3
 """Intervals over which a worker's speed is measured."""
 
-_ROWS = 5
+_ROWS = 6
 
 
 def schedule_message(
@@ -45,17 +45,21 @@ def schedule_message(
     interval_seconds: float,
     step: int = 0,
     elapsed: float = 0.0,
+    applied: int = 0,
 ) -> torch.Tensor:
     """This rank's contribution, its worker's column filled, others 0 (all-reduce with MAX):
     steps since the last real exchange (for the min-steps skip and the step weights, which
     accumulate across skipped syncs), the steps and seconds of the latest interval (the speed
-    estimate), the worker's step count, and its training seconds so far (time budget)."""
+    estimate), the worker's step count, its training seconds so far (time budget), and the
+    worker-steps applied to the anchor before the last real exchange's window (workers that
+    come and go, the torchft backend: the budget counts what reached the anchor; 0 otherwise)."""
     message = torch.zeros(_ROWS, workers, dtype=torch.float64)
     message[0, worker] = steps_since_exchange
     message[1, worker] = interval_steps
     message[2, worker] = interval_seconds
     message[3, worker] = step
     message[4, worker] = elapsed
+    message[5, worker] = applied
     return message
 
 
@@ -68,6 +72,7 @@ class Schedule:
     interval_seconds: torch.Tensor
     steps: torch.Tensor
     elapsed: torch.Tensor
+    applied: torch.Tensor
 
     @property
     def idle(self) -> torch.Tensor:
@@ -84,6 +89,16 @@ def smoothed_rates(history_steps: torch.Tensor, history_seconds: torch.Tensor) -
     steps = history_steps[-RATE_WINDOW:].to(torch.float64).sum(0)
     seconds = history_seconds[-RATE_WINDOW:].to(torch.float64).sum(0)
     return steps / seconds.clamp_min(1e-9)
+
+
+def fill_unmeasured(rates: torch.Tensor, measured: torch.Tensor) -> Optional[torch.Tensor]:
+    """[W] rates where a worker with no measured interval (``measured`` False: it has just joined
+    or healed) takes the mean rate of those measured; None when no worker is measured (plan the
+    first interval, :func:`first_interval`)."""
+    if not bool(measured.any()):
+        return None
+    mean = rates[measured].to(torch.float64).mean()
+    return torch.where(measured, rates.to(torch.float64), mean)
 
 
 def plan_next_interval(rates: torch.Tensor, sync_time: float, max_steps: int = 1_000_000) -> torch.Tensor:
@@ -126,6 +141,7 @@ def plan(
     sync_time: float,
     budget_steps: Optional[int] = None,
     remaining_seconds: Optional[float] = None,
+    done_steps: Optional[int] = None,
 ) -> Tuple[torch.Tensor, bool]:
     """(steps each worker takes until the next sync, whether that sync is the run's last).
 
@@ -133,10 +149,12 @@ def plan(
     interval is the last when it would reach the budget, or leave less than half an interval
     or fewer worker-steps than workers after it (the final interval gives every worker at
     least one step); it then takes exactly the remaining worker-steps. ``remaining_seconds``:
-    with a wall-clock budget, the same for time."""
+    with a wall-clock budget, the same for time. ``done_steps``: the worker-steps done, when not
+    ``steps.sum()`` (workers that come and go: those applied to the anchor)."""
     interval = plan_next_interval(rates, sync_time)
     if budget_steps is not None:
-        remaining = int(budget_steps - int(steps.sum()))
+        done = int(steps.sum()) if done_steps is None else int(done_steps)
+        remaining = int(budget_steps - done)
         after = remaining - int(interval.sum())
         if int(interval.sum()) * 1.5 >= remaining or after < rates.numel():
             return plan_final_interval(rates, remaining), True
@@ -153,10 +171,11 @@ def share_steps(total: int, workers: int) -> torch.Tensor:
     return torch.tensor([base + (1 if w < extra else 0) for w in range(workers)], dtype=torch.int64)
 
 
-def progress_per_step(interval: torch.Tensor, worker: int) -> float:
+def progress_per_step(interval: torch.Tensor, worker: int, workers: Optional[int] = None) -> float:
     """Synchronous steps of global progress (learning-rate schedule) per step of ``worker``
-    during an interval where the workers take ``interval`` steps: N / (W n_w)."""
-    workers = interval.numel()
+    during an interval where the workers take ``interval`` steps: N / (W n_w). ``workers``: W,
+    the workers the budget is counted for, when not those of ``interval`` (some have left)."""
+    workers = interval.numel() if workers is None else int(workers)
     return float(interval.sum()) / (workers * max(int(interval[worker]), 1))
 
 

@@ -468,11 +468,10 @@ class LocalSGDConfig:
             raise ConfigError(
                 f"{_name('lighthouse')}: {FLAG_NAMES['sync_backend']} torchft needs the Lighthouse's address "
                 "(http://host:port); give the flag or set TORCHFT_LIGHTHOUSE.")
-        for field, on in (("use_async", self.use_async), ("local_sgd_warmup_steps", self.local_sgd_warmup_steps > 0)):
-            if on:
-                raise NotSupportedYet(
-                    f"{_name(field)} with {FLAG_NAMES['sync_backend']} torchft is not supported yet; "
-                    "drop one of the two (the torch backend runs it).")
+        if self.local_sgd_warmup_steps > 0:
+            raise NotSupportedYet(
+                f"{_name('local_sgd_warmup_steps')} with {FLAG_NAMES['sync_backend']} torchft is not supported yet; "
+                "drop one of the two (the torch backend runs it).")
 
     @property
     def merge_alpha(self) -> float:

@@ -245,8 +245,21 @@ class FaultTolerantSyncGroup:
         return out
 
     def all_reduce_max_everywhere(self, tensor: torch.Tensor, group: Optional[object]) -> torch.Tensor:
-        """A-EDiT's schedule message: not over torchft yet (refused by the config)."""
-        raise NotImplementedError("megatron_edit: A-EDiT with --local-sgd-sync-backend torchft is not supported yet")
+        """A-EDiT's schedule message: MAX over every rank of every worker of this sync.
+        ``group``: this worker's ranks (None: the job's world, which is this worker). MAX over
+        them, then across the workers (one small all-gather; zeros where the round has failed),
+        then over them again, so every rank of this worker holds the same figures even where the
+        round failed on some of its ranks only (the worker then commits nothing)."""
+        import torch.distributed as dist
+
+        local = dist.get_world_size(group) > 1
+        if local:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        if self.size > 1:
+            tensor = self.all_gather(tensor).amax(dim=0)
+            if local:
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return tensor
 
 
 START_GATE_ENV = "MEGATRON_EDIT_FT_START_GATE"

@@ -11,6 +11,15 @@ is in :mod:`megatron_edit.algorithm.asynchronous`. The controller
 MoE with expert parallelism has two controllers per model (the dense and the expert optimizer):
 the expert one follows the dense one's plan (:class:`FollowerPlan`), so both halves of the model
 sync after the same steps with one schedule all-reduce per sync.
+
+Over the torchft backend (workers that die, leave and join; :attr:`AsyncPlan.dynamic`) the
+workers of a sync are its quorum, so the plan keys what it keeps by worker id, not by place:
+each worker's speeds (:attr:`AsyncPlan.rates_by_worker`; one that has just joined or healed
+takes the mean of the measured ones), and the budget counts the worker-steps applied to the
+anchor (:attr:`AsyncPlan.applied_steps`), so a dead worker's unsynced steps are not counted
+and the workers that remain train until the budget is used. Global progress (the
+learning-rate schedule) is applied worker-steps over the run's workers
+(:attr:`AsyncPlan.budget_workers`, fixed at the start).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,10 +53,17 @@ class SyncPoint:
     """Steps each worker takes until the next sync (None after the final one)."""
     skipped: bool
     final: bool
+    progress: Optional[float] = None
+    """Global progress at the sync where workers come and go (torchft): applied worker-steps
+    over the run's workers; None: from ``worker_steps``."""
+    replica_ids: Optional[List[int]] = None
+    """The worker ids of ``worker_steps``' entries (torchft: the sync's quorum); None: 0 .. W-1."""
 
     @property
     def global_progress(self) -> float:
         """Synchronous iterations of global progress at the sync: worker-steps / workers."""
+        if self.progress is not None:
+            return self.progress
         return sum(self.worker_steps) / len(self.worker_steps)
 
 
@@ -80,10 +96,32 @@ class AsyncPlan:
         self.planned_at: Optional[int] = None
         """The step of the latest :meth:`plan` (a follower syncs there too)."""
         self.last_plan = None
+        self.dynamic = bool(getattr(sync_group, "dynamic", False))
+        """The workers change from sync to sync (the torchft backend)."""
+        self.run_workers: Optional[int] = None
+        """Dynamic: the run's workers, that the budget and global progress count (set when the
+        run starts, :meth:`start_run`)."""
+        self.applied_steps = 0
+        """Dynamic: worker-steps applied to the anchor by the real exchanges before the current
+        window (what the budget has used)."""
+        self.rates_by_worker: Dict[int, List[tuple]] = {}
+        """Dynamic: worker id -> its last measured intervals, (steps, seconds) each."""
+        self._done_at_plan = 0
 
     @property
     def workers(self) -> int:
+        """The workers of the current sync."""
         return self.sync_group.size
+
+    @property
+    def budget_workers(self) -> int:
+        """The workers global progress and the budget count: the run's (dynamic), else the
+        current ones."""
+        return self.run_workers if self.dynamic and self.run_workers is not None else self.workers
+
+    def start_run(self, workers: int) -> None:
+        """Dynamic: the run starts with ``workers`` workers (its budget is theirs)."""
+        self.run_workers = int(workers)
 
     def due(self, steps_done: int) -> bool:
         return self.next_sync_at is not None and steps_done == self.next_sync_at
@@ -106,7 +144,7 @@ class AsyncPlan:
         if self.budget_steps is not None:
             # Worker-steps done so far from global progress (synchronous iterations): after an
             # elastic resume the workers' own counts differ from the saved run's.
-            remaining = self.budget_steps - round(global_progress * workers)
+            remaining = self.budget_steps - round(global_progress * self.budget_workers)
             if remaining < workers:
                 raise ValueError(
                     f"megatron_edit: A-EDiT's budget leaves {remaining} worker-steps after step "
@@ -125,31 +163,52 @@ class AsyncPlan:
                 interval = asynchronous.plan_final_interval(torch.ones(workers), remaining)
                 self.final_planned = True
         self.next_sync_at = steps_done + int(interval[self.sync_group.rank])
-        self.progress_scale = asynchronous.progress_per_step(interval, self.sync_group.rank)
+        self.progress_scale = asynchronous.progress_per_step(interval, self.sync_group.rank, self.budget_workers)
 
-    def plan(self, step: int, last_sync_step: int, device: torch.device, arrived: Optional[float] = None):
+    def plan(self, step: int, last_sync_step: int, device: torch.device, arrived: Optional[float] = None,
+             joining: bool = False, progress: Optional[float] = None):
         """At the sync after ``step``: one small all-reduce over every rank gives an identical
         schedule everywhere. ``arrived``: the clock when this worker reached the sync, before
-        it waited for the others (default: now). Returns (the workers' figures, skip this
-        exchange?, is this the run's last sync?)."""
+        it waited for the others (default: now). ``joining`` (dynamic): this worker joins the
+        others' sync (the torchft backend's join round): it brings no steps and no speed.
+        ``progress`` (dynamic): where this worker's learning-rate schedule is after ``step``;
+        the next interval's steps bring it to the global progress at the next sync (a worker
+        lost in the last interval had its planned steps counted there).
+        Returns (the workers' figures, skip this exchange?, is this the run's last sync?)."""
         c = self.config
+        group = self.sync_group
         now = self.clock() if arrived is None else arrived
+        # A worker that trained nothing since the last sync (dynamic: it joins, or has just
+        # healed from a peer) brings no steps; one with no measured interval brings no speed.
+        trained = not joining and (not self.dynamic or bool(group.trained[group.rank]))
+        measured = trained and self.interval_start is not None
         message = asynchronous.schedule_message(
-            self.sync_group.size,
-            self.sync_group.rank,
-            step - last_sync_step,
-            step - self.interval_start_step,
-            now - self.interval_start,
+            group.size,
+            group.rank,
+            step - last_sync_step if trained else 0,
+            step - self.interval_start_step if measured else 0,
+            now - self.interval_start if measured else 0.0,
             step,
-            now - self.train_start,
+            now - self.train_start if self.train_start is not None else 0.0,
+            self.applied_steps if self.dynamic else 0,
         )
-        message = self.sync_group.all_reduce_max_everywhere(message.to(device), self.schedule_group).cpu()
+        message = group.all_reduce_max_everywhere(message.to(device), self.schedule_group).cpu()
         schedule = asynchronous.read_schedule(message)
-        self.rate_history.append((schedule.interval_steps, schedule.interval_seconds))
-        del self.rate_history[: -asynchronous.RATE_WINDOW]
-        final = self.final_planned or (
-            self.budget_steps is not None and int(schedule.steps.sum()) >= self.budget_steps
-        )
+        if self.dynamic:  # the budget counts what reaches the anchor (a dead worker's steps do not)
+            done = int(schedule.applied.max()) + int(schedule.steps_since_exchange.sum())
+            rates = self._dynamic_rates(schedule)
+        else:
+            done = int(schedule.steps.sum())
+            self.rate_history.append((schedule.interval_steps, schedule.interval_seconds))
+            del self.rate_history[: -asynchronous.RATE_WINDOW]
+        self._done_at_plan = done
+        budget = self.budget_steps
+        if self.dynamic and budget is not None:
+            # Not final_planned: a worker lost in the last interval leaves budget to train; a loss
+            # that leaves fewer worker-steps than workers (each takes one at least) ends the run.
+            final = done >= budget - (group.size - 1)
+        else:
+            final = self.final_planned or (budget is not None and done >= budget)
         # The run's last sync is never skipped: the workers end with identical models.
         skip = not final and asynchronous.skip_sync(schedule.steps_since_exchange, c.min_total_global_steps)
         interval = None
@@ -158,18 +217,22 @@ class AsyncPlan:
             self.next_sync_at = None
             self.progress_scale = 1.0
         else:
-            rates = asynchronous.smoothed_rates(
-                torch.stack([h[0] for h in self.rate_history]), torch.stack([h[1] for h in self.rate_history])
-            )
+            if not self.dynamic:
+                rates = asynchronous.smoothed_rates(
+                    torch.stack([h[0] for h in self.rate_history]), torch.stack([h[1] for h in self.rate_history])
+                )
             remaining_seconds = None
             if c.async_time_budget is not None:
                 remaining_seconds = c.async_time_budget - float(schedule.elapsed.max())
             interval, self.final_planned = asynchronous.plan(
-                schedule.steps, rates, c.local_sgd_sync_time, self.budget_steps, remaining_seconds
+                schedule.steps, rates, c.local_sgd_sync_time, budget, remaining_seconds, done_steps=done
             )
-            me = self.sync_group.rank
+            me = group.rank
             self.next_sync_at = step + int(interval[me])
-            self.progress_scale = asynchronous.progress_per_step(interval, me)
+            self.progress_scale = asynchronous.progress_per_step(interval, me, self.budget_workers)
+            if self.dynamic and progress is not None:
+                target = (done + int(interval.sum())) / self.budget_workers
+                self.progress_scale = max(0.0, (target - progress) / int(interval[me]))
         steps = [int(n) for n in schedule.steps]
         self.last_sync = SyncPoint(
             step=step,
@@ -178,22 +241,67 @@ class AsyncPlan:
             interval=None if interval is None else [int(n) for n in interval],
             skipped=skip,
             final=final,
+            progress=done / self.budget_workers if self.dynamic else None,
+            replica_ids=list(group.replica_ids) if self.dynamic else None,
         )
         self.interval_start, self.interval_start_step = self.clock(), step
+        if self.train_start is None:
+            self.train_start = self.interval_start
         self.planned_at, self.last_plan = step, (schedule, skip, final)
         return schedule, skip, final
+
+    def _dynamic_rates(self, schedule) -> torch.Tensor:
+        """Dynamic: every worker of the sync's rate from its own last measured intervals (by
+        worker id); one with none takes the mean of the others; before any is measured, the
+        first interval's (``local_sgd_sync_interval`` steps each)."""
+        ids = list(self.sync_group.replica_ids)
+        for w, n, seconds in zip(ids, schedule.interval_steps.tolist(), schedule.interval_seconds.tolist()):
+            if n > 0:
+                self.rates_by_worker[w] = (self.rates_by_worker.get(w, []) + [(n, seconds)])[-asynchronous.RATE_WINDOW:]
+        measured = torch.tensor([w in self.rates_by_worker for w in ids])
+        rates = torch.tensor([sum(n for n, _ in self.rates_by_worker.get(w, [(0, 0.0)])) /
+                              max(sum(s for _, s in self.rates_by_worker.get(w, [(0, 0.0)])), 1e-9) for w in ids],
+                             dtype=torch.float64)
+        filled = asynchronous.fill_unmeasured(rates, measured)
+        if filled is None:  # the first interval: local_sgd_sync_interval steps each
+            first = asynchronous.first_interval(self.config.local_sgd_sync_interval)
+            return torch.full((len(ids),), first / self.config.local_sgd_sync_time, dtype=torch.float64)
+        return filled
+
+    def applied(self) -> None:
+        """Dynamic: the sync just planned was applied to the anchor (a committed real exchange)."""
+        self.applied_steps = self._done_at_plan
+
+    def restart_clock(self) -> None:
+        """The clock starts again at the next step (a worker that joins: the time before its
+        first step is not training time)."""
+        self.interval_start = self.train_start = None
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, at_sync: bool) -> dict:
         """The planned next sync and the speeds measured so far; with ``at_sync`` (a checkpoint
         right after a sync, where Megatron-LM saves) every worker's counters and plan."""
-        return {
+        state = {
             "next_sync_at": self.next_sync_at,
             "final_planned": self.final_planned,
             "progress_scale": self.progress_scale,
             "rate_history": [(a.clone(), b.clone()) for a, b in self.rate_history],
             "sync_point": asdict(self.last_sync) if at_sync else None,
         }
+        if self.dynamic:
+            state["dynamic"] = self.dynamic_state()
+        return state
+
+    def dynamic_state(self) -> dict:
+        """Dynamic: what every worker shares of the plan (a healing worker receives it): the
+        run's workers, the applied worker-steps, every worker's measured speeds (copies)."""
+        return {"run_workers": self.run_workers, "applied_steps": self.applied_steps,
+                "rates": {w: list(h) for w, h in self.rates_by_worker.items()}}
+
+    def load_dynamic_state(self, state: dict) -> None:
+        self.run_workers = state["run_workers"]
+        self.applied_steps = int(state["applied_steps"])
+        self.rates_by_worker = {int(w): [tuple(x) for x in h] for w, h in state["rates"].items()}
 
     def load_state_dict(self, state: dict, steps_done: int) -> Optional[SyncPoint]:
         """Restore :meth:`state_dict`; the clock restarts (time while the job was down is not
@@ -202,17 +310,26 @@ class AsyncPlan:
         self.final_planned = bool(state.get("final_planned", False))
         self.progress_scale = float(state.get("progress_scale", 1.0))
         self.rate_history = list(state.get("rate_history", []))
+        if self.dynamic and "dynamic" in state:
+            self.load_dynamic_state(state["dynamic"])
         point = state.get("sync_point")
         point = None if point is None else self._resume_at_sync(SyncPoint(**point))
         if self.next_sync_at is not None:
             self.start_clock(point.step if point is not None else steps_done)
         return point
 
+    def place(self, point: SyncPoint) -> int:
+        """This worker's index in ``point``'s lists (dynamic: its id's place in that sync)."""
+        if point.replica_ids is not None:
+            return point.replica_ids.index(self.sync_group.replica_id)
+        return self.sync_group.rank
+
     def _resume_at_sync(self, point: SyncPoint) -> SyncPoint:
         """A checkpoint taken right after a sync: this worker's own plan (the record holds
-        worker 0's); ``point.step`` becomes this worker's step count."""
-        me = self.sync_group.rank
-        if len(point.worker_steps) != self.workers:
+        worker 0's); ``point.step`` becomes this worker's step count. Dynamic: every worker
+        saves its own; its place in the saved sync is its id's."""
+        me = self.place(point)
+        if point.replica_ids is None and len(point.worker_steps) != self.workers:
             raise ValueError(
                 f"A-EDiT checkpoint state of {len(point.worker_steps)} workers, this run has "
                 f"{self.workers}"
@@ -225,7 +342,7 @@ class AsyncPlan:
         else:
             interval = torch.tensor(point.interval, dtype=torch.int64)
             self.next_sync_at = point.step + point.interval[me]
-            self.progress_scale = asynchronous.progress_per_step(interval, me)
+            self.progress_scale = asynchronous.progress_per_step(interval, me, self.budget_workers)
         return point
 
 
@@ -260,7 +377,8 @@ class FollowerPlan:
         """The leader plans (its controller reaches the end of warmup first)."""
         self.progress_scale = self.leader.progress_scale
 
-    def plan(self, step: int, last_sync_step: int, device, arrived: Optional[float] = None):
+    def plan(self, step: int, last_sync_step: int, device, arrived: Optional[float] = None, joining: bool = False,
+             progress: Optional[float] = None):
         if self.leader.planned_at != step:
             raise RuntimeError(f"megatron_edit: A-EDiT follower plan at step {step}, its leader "
                                f"planned at {self.leader.planned_at}")

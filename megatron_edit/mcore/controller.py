@@ -210,8 +210,8 @@ class LocalSGD(ControllerState):
         if isinstance(train_iters, bool) or not isinstance(train_iters, int) or train_iters < 1:
             raise ValueError(f"megatron_edit: set_train_iters needs a number of optimizer steps >= 1 "
                              f"(got {train_iters!r}).")
-        if self.config.use_async:
-            self.budget_steps = train_iters * self.num_workers
+        if self.config.use_async:  # torchft: the run's workers (each job is one)
+            self.budget_steps = train_iters * (self.async_plan.budget_workers if self.ft else self.num_workers)
             return
         if train_iters < self.steps_done:
             raise ValueError(
@@ -347,8 +347,9 @@ class LocalSGD(ControllerState):
 
     def _snap_progress(self) -> None:
         """At an A-EDiT sync every worker's global progress is worker-steps / workers: set it
-        exactly (no float drift between workers)."""
-        if self.at_sync:
+        exactly (no float drift between workers). Over torchft the next interval's steps bring
+        it there instead (:meth:`AsyncPlan.plan`: a lost worker's steps were counted)."""
+        if self.at_sync and self.ft is None:
             self.global_progress = self.last_sync.global_progress
 
     @property
@@ -396,11 +397,17 @@ class LocalSGD(ControllerState):
         steps_since = step - self._last_sync_step
         if self.config.use_async:
             device = self.shards[0].device if self.shards else torch.device("cpu")
-            schedule, skip, final = self.async_plan.plan(step, self._last_sync_step, device, arrived)
+            # torchft: the learning-rate schedule's position after this step (step-end: its own
+            # step's progress is counted after the sync)
+            progress = None
+            if self.ft is not None:
+                progress = self.global_progress + (self._step_progress if self._in_step else 0.0)
+            schedule, skip, final = self.async_plan.plan(step, self._last_sync_step, device, arrived,
+                                                         progress=progress)
         else:
             fragment, members = due or self.sync_shards.due(step, self.last_step)
             steps_since = self.sync_shards.steps_since(step, fragment, self._last_sync_step)
-        return self.sync.start(
+        started = self.sync.start(
             step, steps_since,
             None if schedule is None else schedule.steps_since_exchange,
             None if schedule is None else schedule.interval_seconds,
@@ -408,10 +415,15 @@ class LocalSGD(ControllerState):
             worker_idle=None if schedule is None else schedule.idle,
             final=final, delay=delay, fragment=fragment, members=members,
         )
+        if skip and self.ft is not None:
+            self.ft.close_skipped()
+        return started
 
     def _on_sync_done(self, report: SyncReport) -> None:
         if not report.skipped_sync and report.committed:  # keep counting from the last applied one
             self._last_sync_step = report.step
+            if self.ft is not None and self.config.use_async:  # its steps reached the anchor
+                self.async_plan.applied()
             c = self.config
             # A delayed merge that keeps local progress (lerp alpha > 0, keep_local) leaves the
             # workers different by design; a blocking sync or an alpha-0 merge makes them equal.

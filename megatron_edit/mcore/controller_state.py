@@ -115,7 +115,7 @@ class ControllerState:
         point = self.async_plan.load_state_dict(state, self.steps_done)
         if point is not None:
             self.steps_done = point.step
-            self._last_sync_step = point.last_exchange[self.sync_group.rank]
+            self._last_sync_step = point.last_exchange[self.async_plan.place(point)]
             self.global_progress = point.global_progress
 
     def resume_elastic(self) -> None:

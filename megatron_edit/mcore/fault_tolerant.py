@@ -128,9 +128,24 @@ class TorchftBackend:
         c = self.controller
         c.capture_anchor()
         self.begin(c.steps_done, contributed=False)
+        plan = c.async_plan
         if self.healed_sync_step is not None:  # it applies the others' sync now: it is at its step
             c.steps_done = self.healed_sync_step
             c.global_progress = float(c.steps_done)
+        if c.config.use_async and plan.run_workers is None:  # a fresh run (none healed from knows it)
+            plan.start_run(supervised_workers(os.environ.get(START_GATE_ENV)) or self.group.size)
+        if c.config.use_async:  # A-EDiT: the others' schedule (a fresh run: everyone's first interval)
+            device = c.shards[0].device if c.shards else torch.device("cpu")
+            schedule, skip, final = plan.plan(c.steps_done, c._last_sync_step, device, joining=True)
+            plan.restart_clock()  # its first interval starts with its first step
+            c.global_progress = plan.last_sync.global_progress
+            if c.sync.start(c.steps_done, 0, schedule.steps_since_exchange, schedule.interval_seconds, skip,
+                            final=final):
+                c.sync.complete(c.sync.members, write_model=True)
+            elif skip:  # a round with nothing to apply: closed like the others close it
+                self.close_skipped()
+            c.reports.clear()
+            return
         # The round is the others' sync at their step (this worker's now, if it healed): with
         # streaming fragments, the fragment due there (a fresh run's round at step 0: every shard).
         due = c.sync_shards.due(c.steps_done, c.last_step)
@@ -138,6 +153,11 @@ class TorchftBackend:
         if c.sync.start(c.steps_done, 0, fragment=fragment, members=members):
             c.sync.complete(c.sync.members, write_model=True)
         c.reports.clear()  # the join is not one of the run's syncs
+
+    def close_skipped(self) -> None:
+        """A-EDiT skipped this sync's exchange (too few steps in all; every worker decides the
+        same from the shared schedule): the round commits with nothing applied."""
+        self.group.commit()
 
     def close(self) -> None:
         """Shut this rank's Manager down (the end of the run)."""
@@ -159,6 +179,8 @@ class TorchftBackend:
             last_sync_step=c._last_sync_step,
             last_step=c.last_step,
             ewma=self._ledger(),
+            plan=c.async_plan.dynamic_state() if c.config.use_async else None,
+            global_progress=c.global_progress,
         )
 
     @torch.no_grad()
@@ -183,7 +205,9 @@ class TorchftBackend:
             shard.chunk_residual = None
         c.outer_state.optimizer.load_state_dict(state["outer"])
         c.steps_done = int(state["step"])  # the peer's count where it is in the sync (see save)
-        c.global_progress = float(state["step"])  # synchronous EDiT without warmup: 1 per step
+        c.global_progress = float(state["global_progress"])
+        if state["plan"] is not None:  # A-EDiT: the run's workers, the budget used, the speeds
+            c.async_plan.load_dynamic_state(state["plan"])
         self.healed_sync_step = int(state["sync_step"])
         c._last_sync_step = int(state["last_sync_step"])
         if c.last_step is None and state["last_step"] is not None:  # the run's length, until it is told

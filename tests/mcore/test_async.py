@@ -27,11 +27,31 @@ def test_plan_skip_and_step_weights_on_known_inputs():
     weights[:, 2] = torch.tensor([0.0, 1.0], dtype=F64)
     blended = asynchronous.blend_step_weights(weights, torch.tensor([4.0, 16.0]), excluded, 0.5)
     assert torch.allclose(blended[:, 2], torch.tensor([0.0, 1.0], dtype=F64))
-    message = asynchronous.schedule_message(3, 1, 9, 7, 2.5, 40, 12.0)
-    assert message.dtype == F64 and message[:, 1].tolist() == [9, 7, 2.5, 40, 12.0]
+    message = asynchronous.schedule_message(3, 1, 9, 7, 2.5, 40, 12.0, 30)
+    assert message.dtype == F64 and message[:, 1].tolist() == [9, 7, 2.5, 40, 12.0, 30]
     assert message[:, 0].abs().sum() == 0 and message[:, 2].abs().sum() == 0
-    schedule = asynchronous.read_schedule(torch.tensor([[1, 2], [3, 4], [5.0, 3.5], [10, 20], [9, 9]], dtype=F64))
+    schedule = asynchronous.read_schedule(
+        torch.tensor([[1, 2], [3, 4], [5.0, 3.5], [10, 20], [9, 9], [0, 0]], dtype=F64))
     assert schedule.idle.tolist() == [0.0, 1.5]
+
+
+def test_workers_that_come_and_go_plan_from_applied_steps_and_measured_speeds():
+    """The torchft backend's A-EDiT: a worker with no measured interval (just joined or healed)
+    is planned at the mean speed of those measured; the budget counts the worker-steps applied
+    to the anchor, not the workers' own counts (a dead worker's were lost); global progress per
+    step counts the run's workers."""
+    measured = torch.tensor([True, False, True])
+    filled = asynchronous.fill_unmeasured(torch.tensor([1.0, 0.0, 3.0], dtype=F64), measured)
+    assert filled.tolist() == [1.0, 2.0, 3.0]
+    assert asynchronous.fill_unmeasured(torch.zeros(2, dtype=F64), torch.tensor([False, False])) is None
+    rates = torch.tensor([1.0, 1.0], dtype=F64)
+    # own counts 100 + 100 would end the run; 30 applied worker-steps leave 10 of a 40 budget
+    interval, last = asynchronous.plan(torch.tensor([100.0, 100.0]), rates, 4.0, budget_steps=40, done_steps=30)
+    assert last and interval.tolist() == [5, 5]
+    interval, last = asynchronous.plan(torch.tensor([100.0, 100.0]), rates, 4.0, budget_steps=40, done_steps=8)
+    assert not last and interval.tolist() == [4, 4]
+    # two workers left of a run of three: each step of theirs is worth 8 / (3 x 4)
+    assert asynchronous.progress_per_step(torch.tensor([4, 4]), 0, workers=3) == pytest.approx(8 / 12)
 
 
 def test_rates_are_smoothed_over_the_last_intervals():
@@ -95,8 +115,8 @@ def test_fake_clock_schedule_skip_and_step_weights_are_exact_and_identical_every
         assert [rep.skipped_sync for rep in r["reports"]] == [True, False, False]
         assert r["reports"][0].worker_steps.tolist() == [2, 2]
         assert r["reports"][0].worker_seconds.tolist() == [2.0, 0.5]
-        # only the schedule: 5 x W float64, all-reduced over the 4 ranks (2 x 3/4 of it sent)
-        assert r["reports"][0].payload_bytes == 2 * 3 * (5 * 2 * 8) // 4
+        # only the schedule: 6 x W float64, all-reduced over the 4 ranks (2 x 3/4 of it sent)
+        assert r["reports"][0].payload_bytes == 2 * 3 * (6 * 2 * 8) // 4
         assert r["reports"][1].worker_steps.tolist() == [6, 18]  # since the anchor (skip in between)
         assert r["reports"][1].worker_seconds.tolist() == [4.0, 4.0]
         assert r["reports"][2].worker_steps.tolist() == [4, 16]

@@ -10,6 +10,7 @@ from dist import RankError, run_ranks
 from edit_runs import hung_worker_job
 
 
+@pytest.mark.one_lane  # the arrival check (megatron_edit.exchange.arrival), not a release's hooks
 @pytest.mark.timeout(240)
 def test_a_hung_rank_and_the_worker_it_holds_up_are_named_within_the_sync_timeout():
     """Global rank 2 (worker 1's first rank) stops after step 2; rank 3 waits for it in worker

@@ -102,6 +102,7 @@ def _fault_runs(fault_kind):
     return run_ranks(megatron_runs, WORLD, specs, timeout=200)
 
 
+@pytest.mark.one_lane  # the penalty's hooks run in every lane (test_penalty_matches_simulation_in_both_modes)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["scale", "nan"])
 def test_fault_injection_anomaly_elimination_protects_the_other_workers(kind):

@@ -1,0 +1,280 @@
+"""A-EDiT over the torchft backend on real megatron-core (CPU, gloo): each worker its own job, a
+torchft Lighthouse in the test process, a fake clock per worker (a deterministic schedule).
+
+With no fault it computes what the torch backend computes (one world of 2 workers x 2 ranks);
+when a worker dies the others go on without it and the run's budget of worker-steps is used
+exactly by the workers that remain.
+
+torchft is the optional ``ft`` extra: installed in CI's default lane, skipped where it is not."""
+
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+import ft_jobs  # noqa: E402
+from dist import run_ranks  # noqa: E402
+from edit_runs import async_runs, default_spec  # noqa: E402
+from test_edit_megatron import OUTER  # noqa: E402
+
+TIMEOUT = 300
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _ft_async_worker(rank, world_size, worker, lighthouse, spec, workers, gate=None):
+    """One worker's job: :func:`edit_runs.async_runs` with the torchft backend, on the
+    micro-batches its ranks have in the one-world run; ``gate``: a supervisor's start gate (the
+    run's first sync waits for every worker)."""
+    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    if gate is not None:
+        os.environ[START_GATE_ENV] = gate
+    local = dict(spec["local_sgd"], sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
+                 sync_timeout=120.0)
+    spec = dict(spec, instances=1, worker=worker, data_dp=workers * world_size, data_rank_offset=worker * world_size,
+                local_sgd=local, die_after=spec.get("die_after", {}).get(worker))
+    return async_runs(rank, world_size, spec)
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_a_edit_over_torchft_equals_the_torch_backend():
+    """2 workers x 2 ranks, worker 0 1 s per step, worker 1 0.25 s, a budget of 40 iterations
+    (80 worker-steps): the first sync (2 + 2 steps) is skipped, then the workers sync every 4 s
+    and end at a final sync planned from their speeds (worker 0 after 18 steps, worker 1 after
+    62); the torchft run takes the same syncs as the torch backend's (one world), ends with the
+    same parameters (1e-6) and the same learning-rate progress (the budget's 40 iterations)."""
+    spec = default_spec(
+        local_sgd=dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=10,
+                       sync_mode="step_end"),
+        outer=OUTER, seconds_per_step=[1.0, 0.25], max_steps=128, train_iters=40)
+    reference = run_ranks(async_runs, 4, spec, timeout=TIMEOUT)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_async_worker, 2, w, server.address(), spec, 2, timeout=TIMEOUT) for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]  # worker-major
+    for g, (ref, run) in enumerate(zip(reference, ft)):
+        assert run["worker"] == ref["worker"] == g // 2
+        syncs = [(r.step, r.skipped_sync, r.final) for r in run["reports"]]
+        assert syncs == [(r.step, r.skipped_sync, r.final) for r in ref["reports"]]
+        assert [s[1:] for s in syncs] == [(True, False), (False, False), (False, False), (False, True)]
+        assert [s[0] for s in syncs][::3] == ([2, 18] if g < 2 else [2, 62])  # 18 + 62: the budget
+        assert all(r.committed and r.workers == 2 for r in run["reports"])
+        assert run["finished"] and run["progress"] == pytest.approx(40.0, abs=1e-9)
+        assert run["last_sync"].global_progress == 40.0  # 80 worker-steps applied, over 2 workers
+        assert _max_diff(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
+    for run in ft[1:]:  # the final sync leaves every rank of every worker with the same model
+        assert _max_diff(ft[0]["params"], run["params"]) == 0.0
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_edit_over_torchft_goes_on_without_a_dead_worker_and_uses_the_budget_exactly():
+    """3 workers of one rank (1 s, 0.5 s, 0.5 s per step), a budget of 16 iterations (48
+    worker-steps). At the first sync (2 steps each) the 42 worker-steps left are about one
+    interval: they plan the final one, 9, 17 and 16 steps by speed. Worker 2 dies after its step
+    5, 3 steps into it. Workers 0 and 1 sync without it (their quorum forms once its heartbeat
+    stops: nothing waits for its steps) and its unsynced steps are lost: 32 worker-steps have
+    reached the anchor, not 48, so that sync is not the last. The two plan the 16 left from their
+    own speeds (6 + 10): their final sync applies exactly 48 worker-steps, their learning-rate
+    schedules end at the budget's 16 iterations (the last interval makes up for the dead
+    worker's planned steps) and they end identical."""
+    import torch.distributed as dist
+
+    from megatron_edit.exchange.fault_tolerant import start_gate_value
+
+    spec = default_spec(
+        local_sgd=dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
+                       sync_mode="layerwise"),
+        outer=OUTER, seconds_per_step=[1.0, 0.5, 0.5], max_steps=64, train_iters=16, die_after={2: 5})
+    # The start gate (a supervisor's): every worker's Manager is up before the first quorum, which
+    # then holds all three. Heartbeat 3 s: a dead worker leaves the quorum 3 s after its death;
+    # join timeout 60 s: a quorum waits for a live worker that has not asked yet.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    gate = start_gate_value("127.0.0.1", store.port, 3, 240.0)
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
+        jobs = [start(_ft_async_worker, 1, w, server.address(), spec, 3, gate, timeout=2 * TIMEOUT - 60)
+                for w in range(3)]
+        survivors = [out for outs in ft_jobs.all_results(jobs[:2]) for out in outs]
+        assert jobs[2].procs[0].exitcode == -9  # it died where it was told to, not earlier
+    del store
+    fast, slow = survivors
+    assert [(r.step, r.workers, r.committed, r.final) for r in fast["reports"]] == [
+        (2, 3, True, False), (11, 2, True, False), (17, 2, True, True)]
+    assert [(r.step, r.workers, r.committed, r.final) for r in slow["reports"]] == [
+        (2, 3, True, False), (19, 2, True, False), (29, 2, True, True)]
+    assert fast["reports"][1].worker_steps.tolist() == [9, 17]  # the dead worker's 3 steps are not there
+    for run in survivors:
+        assert run["finished"] and run["last_sync"].global_progress * 3 == 48  # the budget, exactly
+        assert run["last_sync"].replica_ids == [0, 1] and run["last_sync"].worker_steps == [17, 29]
+        assert run["progress"] == pytest.approx(16.0, abs=1e-9)
+    assert _max_diff(fast["params"], slow["params"]) == 0.0
+
+
+def _checkpoint_job(rank, world_size, worker, lighthouse, folder, resume):
+    """Worker ``worker``'s job (1 rank): A-EDiT over torchft, fake clock (1 s / 0.5 s per step),
+    a budget of 24 iterations; it saves its own checkpoint right after its first real sync
+    (Megatron's dist_checkpointing), or (``resume``) resumes from it and trains to the end."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    import checkpoint_runs as cr
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
+                 sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
+                 sync_timeout=120.0)
+    ddp, opt, ctl = cr._setup(local, instances=1)
+    me.set_train_iters(opt, 24)
+    now = [0.0]
+    ctl.clock = lambda: now[0]
+    path = os.path.join(folder, f"worker{worker}")
+    if resume:
+        cr._load(ddp, opt, path)
+    batches = make_batches(64, 2 * MICRO_BATCH, seed=0)
+    reports, progress = [], 0.0
+    while not ctl.finished:
+        step = ctl.steps_done + 1
+        # The step's time counts before it: a step-end sync (inside the step) ends its interval
+        # after it, and the resumed run's clock (restarted at the load) measures the same.
+        now[0] += (1.0, 0.5)[worker]
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker, 2))
+        progress += ctl.last_step_progress
+        reports += [(r.step, r.workers, r.skipped_sync, r.final) for r in ctl.drain_reports()]
+        if not resume and ctl.at_sync and [r for r in reports if not r[2]] == reports[-1:]:
+            cr._save(ddp, opt, path)  # right after its first real sync
+    out = cr._state(ddp, opt, ctl)
+    out.update(reports=reports, progress=progress, manager=ctl.ft.group.manager.state_dict(),
+               applied=ctl.async_plan.applied_steps)
+    ctl.ft.close()
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_each_a_edit_worker_resumes_from_its_own_checkpoint_exactly(tmp_path):
+    """Each worker saves its own checkpoint right after its first real sync; fresh jobs resuming
+    from them take the same syncs and end bit-identical to the run that went on: parameters,
+    Adam, anchors, outer momentum, step counters, the Manager's committed syncs, the applied
+    worker-steps (the budget) and the learning-rate progress of the steps after the save."""
+    runs = {}
+    for resume in (False, True):
+        with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+            jobs = [start(_checkpoint_job, 1, w, server.address(), str(tmp_path), resume, timeout=TIMEOUT)
+                    for w in range(2)]
+            runs[resume] = [out[0] for out in ft_jobs.all_results(jobs)]
+    for a, b in zip(runs[False], runs[True]):
+        saved_at = next(i for i, r in enumerate(a["reports"]) if not r[2])
+        assert a["reports"][saved_at + 1:] == b["reports"] and b["reports"][-1][3]  # the same syncs to the final
+        assert len(b["reports"]) == 3 and a["progress"] == pytest.approx(24.0, abs=1e-9)
+        assert b["progress"] == pytest.approx(24.0 - 2.0, abs=1e-9)  # 2: the progress of the first sync
+        assert a["manager"] == b["manager"] and a["applied"] == b["applied"] == 48
+        assert (a["steps_done"], a["last_sync_step"]) == (b["steps_done"], b["last_sync_step"])
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(a["outer"], b["outer"]) for k in x)
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(a["adam"], b["adam"]) for k in x if torch.is_tensor(x[k]))
+    assert all(torch.equal(runs[True][0]["params"][k], runs[True][1]["params"][k]) for k in runs[True][0]["params"])
+
+
+def _wait_for(path, timeout=240.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"no {path} after {timeout}s")
+        time.sleep(0.05)
+
+
+def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
+    """Worker ``worker``'s job (1 rank): A-EDiT over torchft, fake clock (1 s a step for both), a
+    budget of 20 iterations, the step-end sync. The first worker 1 dies after its step 5;
+    worker 0 waits before its step 7 until the relaunched worker 1 (``joiner``) asks for its join
+    round's quorum (a file in ``ctl``), so that it joins worker 0's next sync (after its step
+    10)."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    import checkpoint_runs as cr
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    if joiner:
+        begin = FaultTolerantSyncGroup.begin
+
+        def announced(self, contributed):  # the join round asks for its quorum (its Manager is up)
+            open(os.path.join(ctl, "joiner-in-quorum"), "w").close()
+            return begin(self, contributed)
+
+        FaultTolerantSyncGroup.begin = announced
+    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
+                 sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
+                 sync_timeout=120.0)
+    ddp, opt, ctl_ = cr._setup(local, instances=1)
+    joined = dict(step=ctl_.steps_done, healed=ctl_.sync_group.healed, progress=ctl_.global_progress,
+                  applied=ctl_.async_plan.applied_steps, run_workers=ctl_.async_plan.run_workers)
+    me.set_train_iters(opt, 20)
+    now = [0.0]
+    ctl_.clock = lambda: now[0]
+    batches = make_batches(128, 2 * MICRO_BATCH, seed=0)
+    reports = []
+    while not ctl_.finished:
+        step = ctl_.steps_done + 1
+        if step == 7 and worker == 0:
+            _wait_for(os.path.join(ctl, "joiner-in-quorum"))
+        now[0] += 1.0
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker, 2))
+        if step == 5 and worker == 1 and not joiner:
+            os.kill(os.getpid(), 9)  # a crash: its 3 steps since the sync after step 2 are lost
+        reports += [(r.step, r.workers, r.trained, r.committed, r.final) for r in ctl_.drain_reports()]
+    out = cr._state(ddp, opt, ctl_)
+    out.update(reports=reports, joined=joined, last_sync=ctl_.last_sync)
+    ctl_.ft.close()
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_relaunched_a_edit_worker_heals_and_the_budget_stays_exact(tmp_path):
+    """2 workers of one rank, 1 s a step each, a budget of 20 iterations (40 worker-steps). Both
+    sync after step 2 and plan 8 steps each; worker 1 dies after its step 5. A fresh job for
+    worker 1 joins worker 0's sync after step 10 (2 workers in it, 1 that trained), heals from
+    worker 0 (the anchor, the outer momentum and the plan: the run's 2 workers, the worker-steps
+    applied, the speeds by worker id) and takes the same plan. 4 + 8 = 12 worker-steps have
+    reached the anchor there: the dead worker's 3 unsynced steps are not among them. The two
+    then sync together until the final sync, which applies exactly 40 worker-steps and leaves
+    them bit-identical."""
+    ctl = str(tmp_path)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2, heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (
+            server, start):
+        addr = server.address()
+        first = [start(_relaunch_job, 1, w, addr, ctl, False, timeout=2 * TIMEOUT - 60) for w in range(2)]
+        while first[1].procs[0].exitcode is None:  # its crash after step 5
+            time.sleep(0.1)
+        joiner = start(_relaunch_job, 1, 1, addr, ctl, True, timeout=2 * TIMEOUT - 60)
+        survivor, rejoined = ft_jobs.all_results([first[0], joiner])
+        survivor, rejoined = survivor[0], rejoined[0]
+    assert first[1].procs[0].exitcode == -9
+    assert survivor["reports"][:2] == [(2, 2, 2, True, False), (10, 2, 1, True, False)]
+    assert rejoined["joined"] == dict(step=10, healed=True, progress=6.0, applied=12, run_workers=2)
+    assert len(rejoined["reports"]) == len(survivor["reports"]) - 2  # every sync after the join together
+    assert all(r[1:] == (2, 2, True, r[4]) for r in survivor["reports"][2:] + rejoined["reports"])
+    for run in (survivor, rejoined):
+        assert run["last_sync"].final and run["last_sync"].global_progress * 2 == 40  # the budget, exactly
+    assert all(torch.equal(x, y) for x, y in zip(survivor["anchors"], rejoined["anchors"]))
+    assert all(torch.equal(survivor["params"][k], rejoined["params"][k]) for k in survivor["params"])
