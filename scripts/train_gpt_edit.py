@@ -754,11 +754,9 @@ def train(args, use_local_sgd, datasets):
         dp_rank, dp = worker * dp + dp_rank, args.workers * dp
         first = controllers[0].steps_done
         if first:
+            # (its learning-rate schedule follows at its first step: patch sched-step-global-progress)
             print(f"          worker {worker} rank {dist.get_rank()} joined a running job: healed from a live "
                   f"worker to step {first}; it trains on from there", flush=True)
-            # the learning-rate schedule where the others' is (A-EDiT: their global progress; the
-            # step's progress is 1 before this worker's first step)
-            scheduler.step(controllers[0].global_progress if use_async else first)
     it = data.batch_iterator(train_ds, args.micro_batch_size, start=dp_rank + first * args.micro_batch_size * dp,
                              stride=dp)
     name = "EDiT" if use_local_sgd else "synchronous"

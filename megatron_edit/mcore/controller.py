@@ -94,6 +94,10 @@ class LocalSGD(ControllerState):
         self.global_progress = 0.0
         """Synchronous iterations of global progress: 1 per warmup step, ``last_step_progress``
         per local step; with A-EDiT equal on every worker at each sync (worker-steps / workers)."""
+        self.progress_jump = 0.0
+        """Synchronous iterations by which a heal (torchft: this worker became a peer's replica)
+        moved :attr:`global_progress`: the learning-rate schedule's next step takes them too
+        (:meth:`take_progress_jump`), so a relaunched worker's schedule is where the others' is."""
         self._in_step = False
         self._synced_in_step = False
         self._length_said = False  # warned (once) when the run's length is unknown
@@ -277,6 +281,18 @@ class LocalSGD(ControllerState):
         (``mcore.core_wraps``: ``OptimizerParamScheduler.step``), so all workers' schedules agree
         at every sync and end together."""
         return self.async_plan.progress_scale if self.grads_are_local else 1.0
+
+    def move_progress(self, progress: float) -> None:
+        """A heal puts this worker at ``progress`` (the peer's global progress): the learning-rate
+        schedule follows at its next step (:attr:`progress_jump`)."""
+        self.progress_jump += float(progress) - self.global_progress
+        self.global_progress = float(progress)
+
+    def take_progress_jump(self) -> float:
+        """What a heal moved global progress by since the learning-rate schedule's last step
+        (then 0): ``mcore.core_wraps``' ``OptimizerParamScheduler.step`` adds it."""
+        jump, self.progress_jump = self.progress_jump, 0.0
+        return jump
 
     @property
     def last_step_progress(self) -> float:

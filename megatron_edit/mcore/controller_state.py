@@ -78,6 +78,7 @@ class ControllerState:
             self._last_sync_step = int(state["last_sync_step"])
         if "global_progress" in state:
             self.global_progress = float(state["global_progress"])
+        self.progress_jump = 0.0  # the learning-rate schedule is loaded with the checkpoint
         if "layer_names" in state:
             self.load_extra_state(state)
 

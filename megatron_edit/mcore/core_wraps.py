@@ -22,7 +22,8 @@ distopt-copy-main-to-model             step-end sync: between the inner update a
 distopt-grad-stats-group               gradient norm and zero count reduced inside the worker
                                        (megatron-core 0.12.x reduces them over all ranks)
 sched-step-global-progress             A-EDiT: the learning-rate schedule follows the workers'
-                                       global progress, not this worker's step count
+                                       global progress, not this worker's step count;
+                                       torchft: it follows a heal to the peer's progress
 =====================================  =====================================================
 
 Megatron-FSDP's own attachment points (its gradient reduce and parameter gather) are declared
@@ -139,6 +140,8 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
             if runtime is not None:
                 controllers = get_local_sgd(self.optimizer, runtime)
                 scale = controllers[0].last_step_progress if controllers else 1.0
+                if controllers and increment:  # torchft: a heal moved global progress (not step(0))
+                    scale += controllers[0].take_progress_jump()
                 if scale != 1.0:
                     increment = increment * scale
             return original(self, increment, *args, **kwargs)
@@ -167,7 +170,8 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
         "step-end sync between the inner update and the main->model copy")
     add("sched-step-global-progress",
         "megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.step", wrap_scheduler_step,
-        "A-EDiT: each step advances the LR schedule by its share of the workers' global progress")
+        "A-EDiT: each step advances the LR schedule by its share of the workers' global progress; "
+        "torchft: the step after a heal jumps to the peer's progress")
     add("distopt-grad-stats-group", f"{_DISTOPT}.get_grad_stats_parallel_group", wrap_grad_stats_group,
         "gradient norm / zero count inside the worker, never across workers (0.12.x: all ranks)")
     add_fsdp_patches(registry, runtime_ref)

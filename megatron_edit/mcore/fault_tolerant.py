@@ -131,14 +131,14 @@ class TorchftBackend:
         plan = c.async_plan
         if self.healed_sync_step is not None:  # it applies the others' sync now: it is at its step
             c.steps_done = self.healed_sync_step
-            c.global_progress = float(c.steps_done)
+            c.move_progress(float(c.steps_done))
         if c.config.use_async and plan.run_workers is None:  # a fresh run (none healed from knows it)
             plan.start_run(supervised_workers(os.environ.get(START_GATE_ENV)) or self.group.size)
         if c.config.use_async:  # A-EDiT: the others' schedule (a fresh run: everyone's first interval)
             device = c.shards[0].device if c.shards else torch.device("cpu")
             schedule, skip, final = plan.plan(c.steps_done, c._last_sync_step, device, joining=True)
             plan.restart_clock()  # its first interval starts with its first step
-            c.global_progress = plan.last_sync.global_progress
+            c.move_progress(plan.last_sync.global_progress)
             if c.sync.start(c.steps_done, 0, schedule.steps_since_exchange, schedule.interval_seconds, skip,
                             final=final):
                 c.sync.complete(c.sync.members, write_model=True)
@@ -205,7 +205,7 @@ class TorchftBackend:
             shard.chunk_residual = None
         c.outer_state.optimizer.load_state_dict(state["outer"])
         c.steps_done = int(state["step"])  # the peer's count where it is in the sync (see save)
-        c.global_progress = float(state["global_progress"])
+        c.move_progress(state["global_progress"])  # the learning-rate schedule follows
         if state["plan"] is not None:  # A-EDiT: the run's workers, the budget used, the speeds
             c.async_plan.load_dynamic_state(state["plan"])
         self.healed_sync_step = int(state["sync_step"])

@@ -205,10 +205,11 @@ def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
     10)."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
 
     import checkpoint_runs as cr
-    from edit_runs import MICRO_BATCH
+    from edit_runs import LR, MICRO_BATCH
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
     host, port = ft_jobs.job_store_address()
@@ -226,6 +227,13 @@ def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)
     ddp, opt, ctl_ = cr._setup(local, instances=1)
+    # Megatron's learning-rate schedule over the budget's 20 iterations: a healed worker's
+    # follows the heal (patch sched-step-global-progress)
+    for group in opt.param_groups:  # what get_megatron_optimizer sets from OptimizerConfig.lr / min_lr
+        group["max_lr"], group["min_lr"] = LR, LR / 10
+    scheduler = OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR / 10, lr_warmup_steps=0,
+                                        lr_decay_steps=20, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=20, wd_incr_style="constant")
     joined = dict(step=ctl_.steps_done, healed=ctl_.sync_group.healed, progress=ctl_.global_progress,
                   applied=ctl_.async_plan.applied_steps, run_workers=ctl_.async_plan.run_workers)
     me.set_train_iters(opt, 20)
@@ -239,11 +247,12 @@ def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
             _wait_for(os.path.join(ctl, "joiner-in-quorum"))
         now[0] += 1.0
         train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker, 2))
+        scheduler.step(1)
         if step == 5 and worker == 1 and not joiner:
             os.kill(os.getpid(), 9)  # a crash: its 3 steps since the sync after step 2 are lost
         reports += [(r.step, r.workers, r.trained, r.committed, r.final) for r in ctl_.drain_reports()]
     out = cr._state(ddp, opt, ctl_)
-    out.update(reports=reports, joined=joined, last_sync=ctl_.last_sync)
+    out.update(reports=reports, joined=joined, last_sync=ctl_.last_sync, schedule=scheduler.num_steps)
     ctl_.ft.close()
     me.unpatch_megatron_for_local_sgd()
     return out
@@ -255,7 +264,8 @@ def test_a_relaunched_a_edit_worker_heals_and_the_budget_stays_exact(tmp_path):
     sync after step 2 and plan 8 steps each; worker 1 dies after its step 5. A fresh job for
     worker 1 joins worker 0's sync after step 10 (2 workers in it, 1 that trained), heals from
     worker 0 (the anchor, the outer momentum and the plan: the run's 2 workers, the worker-steps
-    applied, the speeds by worker id) and takes the same plan. 4 + 8 = 12 worker-steps have
+    applied, the speeds by worker id; its learning-rate schedule jumps to the survivor's) and
+    takes the same plan. 4 + 8 = 12 worker-steps have
     reached the anchor there: the dead worker's 3 unsynced steps are not among them. The two
     then sync together until the final sync, which applies exactly 40 worker-steps and leaves
     them bit-identical."""
@@ -276,5 +286,8 @@ def test_a_relaunched_a_edit_worker_heals_and_the_budget_stays_exact(tmp_path):
     assert all(r[1:] == (2, 2, True, r[4]) for r in survivor["reports"][2:] + rejoined["reports"])
     for run in (survivor, rejoined):
         assert run["last_sync"].final and run["last_sync"].global_progress * 2 == 40  # the budget, exactly
+        # Megatron's schedule at the budget's 20 iterations: the relaunched worker's jumped to the
+        # survivor's progress at the heal (6 iterations) and went on from there
+        assert run["schedule"] == pytest.approx(20.0, abs=1e-9)
     assert all(torch.equal(x, y) for x, y in zip(survivor["anchors"], rejoined["anchors"]))
     assert all(torch.equal(survivor["params"][k], rejoined["params"][k]) for k in survivor["params"])
