@@ -147,6 +147,10 @@ def build_parser() -> Rank0ArgumentParser:
              "with --workers dividing processes / this)")
     add("--bucket-size", type=at_least_1, default=20000,
         help="DDP bucket size in elements (small: several layer-wise buckets)")
+    add("--use-megatron-fsdp", action="store_true",
+        help="Megatron-FSDP in HSDP instead of DDP + the distributed optimizer: each worker (--workers "
+             "instances) fully sharded inside, replicated across workers (outer no_shard); "
+             "megatron-core 0.16.1")
     add("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
         help="stop (exit code 1) when a worker's loss or gradient norm is not finite, as "
              "Megatron-LM's flag of the same name")
@@ -238,6 +242,8 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
         parser.fail(f"--expert-model-parallel-size {ep} needs a MoE model: pass --num-experts.")
     if args.num_experts and args.num_experts % ep:
         parser.fail(f"--expert-model-parallel-size {ep} must divide --num-experts {args.num_experts}.")
+    if args.use_megatron_fsdp:
+        _check_megatron_fsdp(args, parser)
     if args.use_local_sgd:
         parser.fail("--use-local-sgd is Megatron-LM's switch; in the main job --mode edit (the "
                     "default) or --mode both trains with EDiT.")
@@ -269,6 +275,23 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
         parser.fail(f"--steps {args.steps} ends before the first sync, after step {w + h} "
                     f"(--local-sgd-warmup-steps {w} + --local-sgd-sync-interval {h}): the workers "
                     "would never sync; lower either, or raise --steps.")
+
+
+def _check_megatron_fsdp(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
+    """--use-megatron-fsdp: what this job does not run with it. The EDiT settings Megatron-FSDP
+    does not run are refused when its model is built (megatron_edit.mcore.fsdp, one line)."""
+    from megatron_edit.mcore import compat
+    from megatron_edit.mcore.releases import FSDP_SUPPORTED
+
+    version = compat.megatron_core_version()
+    if not FSDP_SUPPORTED.contains(version):
+        parser.fail(f"--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core {FSDP_SUPPORTED} "
+                    f"(installed: {version}); install megatron-core 0.16.1 or drop the flag.")
+    if args.num_experts:
+        parser.fail("--use-megatron-fsdp with --num-experts is not supported yet: drop one of the two.")
+    if args.local_sgd_sync_backend == "torchft" and args.mode != "baseline":
+        parser.fail("--use-megatron-fsdp with --local-sgd-sync-backend torchft is not supported yet: EDiT on "
+                    "Megatron-FSDP exchanges across its HSDP instances in one job; use the torch backend.")
 
 
 DEFAULT_PROCESSES = 4
@@ -517,11 +540,25 @@ def build(args, use_local_sgd):
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=data.VOCAB_SIZE, max_sequence_length=args.seq_length)
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
-        num_distributed_optimizer_instances=1 if uses_torchft(args) else args.workers, bucket_size=args.bucket_size,
-    )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    if args.use_megatron_fsdp:  # HSDP: a worker is an instance, fully sharded inside, replicated across
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        # gloo has no PREMUL_SUM (gradient_reduce_div_fusion off); fp32 main weights
+        ddp_config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+            num_distributed_optimizer_instances=args.workers, outer_dp_sharding_strategy="no_shard",
+            overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True,
+            gradient_reduce_div_fusion=False, bucket_size=args.bucket_size,
+        )
+        ddp = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                       device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    else:
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+            num_distributed_optimizer_instances=1 if uses_torchft(args) else args.workers,
+            bucket_size=args.bucket_size,
+        )
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
@@ -760,11 +797,17 @@ def train(args, use_local_sgd, datasets):
     it = data.batch_iterator(train_ds, args.micro_batch_size, start=dp_rank + first * args.micro_batch_size * dp,
                              stride=dp)
     name = "EDiT" if use_local_sgd else "synchronous"
-    buffers = [*ddp.buffers, *ddp.expert_parallel_buffers]  # MoE, expert parallelism: the experts'
-    shard_numel = sum(b.grad_data.numel() // buf.data_parallel_group.size() for buf in buffers for b in buf.buckets)
+    if args.use_megatron_fsdp:  # its gradient shards: each bucket's, reduced across workers per step
+        fsdp_buckets = ddp.module.param_and_grad_buffer.parameter_groups
+        shard_numel = sum(p.numel() for p in ddp.parameters()) // intra.size()
+        buckets = len(fsdp_buckets)
+    else:
+        buffers = [*ddp.buffers, *ddp.expert_parallel_buffers]  # MoE, expert parallelism: the experts'
+        shard_numel = sum(b.grad_data.numel() // buf.data_parallel_group.size() for buf in buffers for b in buf.buckets)
+        buckets = len([b for buf in buffers for b in buf.buckets])
     log0(f"\n=== {name}: {args.steps} steps, {args.workers} workers x {intra.size()} shards, "
-         f"{sum(p.numel() for p in ddp.parameters()):,} parameters on this rank, "
-         f"{len([b for buf in buffers for b in buf.buckets])} buckets ===")
+         f"{sum(p.numel() for p in ddp.parameters()):,} parameters on this rank, {buckets} buckets"
+         f"{' (Megatron-FSDP)' if args.use_megatron_fsdp else ''} ===")
     if controllers:
         log0(describe_edit(controllers[0], args))
     counts = dict(syncs=0, skipped=0, bytes=0)

@@ -439,7 +439,8 @@ HANGED = {
 
 @pytest.mark.one_lane
 @pytest.mark.timeout(300)
-# CI runs the 2-worker case; the 4-worker one (40 s on 2 cores) is slow: pytest -m slow.
+# CI runs the first config (2 workers of 2 ranks); the second (4 workers of one, 40 s on 2
+# cores; the same hang) is slow: pytest -m slow.
 @pytest.mark.parametrize("config, workers", [("eval-5-sync-1s", "2"),
                                              pytest.param("eval-20-sync-2s", "4", marks=pytest.mark.slow)])
 def test_a_edit_with_frequent_validation_ends(data_dir, config, workers):
@@ -630,3 +631,43 @@ def test_the_torchft_backend_trains_what_the_torch_backend_does(data_dir):
     ft = sorted(v for table in tables for v in _summary(table)["EDiT"][0])
     assert len(tables) == 2 and ft == sorted(reference) and all(_summary(t)["EDiT"][1] == syncs for t in tables)
     assert "torchft::" not in out  # torchft's INFO lines are off in the main job
+
+
+def _fsdp_supported() -> bool:
+    from megatron_edit.mcore import compat
+    from megatron_edit.mcore.releases import FSDP_SUPPORTED
+
+    return FSDP_SUPPORTED.contains(compat.megatron_core_version())
+
+
+def test_megatron_fsdp_where_the_job_does_not_run_it_is_one_line(job, monkeypatch, capsys):
+    """--use-megatron-fsdp: on a megatron-core release other than 0.16.1, with MoE, or with the
+    torchft backend, one line before anything starts (EDiT settings Megatron-FSDP does not run
+    are refused when its model is built: test_a_config_error_at_build_is_one_line_in_the_jobs_terms)."""
+    if not _fsdp_supported():
+        text = _refusal(job, monkeypatch, capsys, ["--use-megatron-fsdp"])
+        assert text.count("\n") == 1 and "--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core" in text
+        return
+    for argv, fragment in ((["--num-experts", "4"], "--use-megatron-fsdp with --num-experts is not supported yet"),
+                           (["--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "0"],
+                            "--use-megatron-fsdp with --local-sgd-sync-backend torchft is not supported yet")):
+        text = _refusal(job, monkeypatch, capsys, ["--use-megatron-fsdp", *argv])
+        assert text.count("\n") == 1 and fragment in text, text
+
+
+@pytest.mark.one_lane
+@pytest.mark.timeout(600)
+def test_megatron_fsdp_trains_what_ddp_and_the_distributed_optimizer_do(data_dir):
+    """--use-megatron-fsdp (HSDP: 2 workers of 2 fully sharded ranks): EDiT ends with the
+    validation losses and syncs of DDP + the distributed optimizer on the same flags (fp32 on
+    CPU; megatron-core 0.16.1, the release EDiT on Megatron-FSDP runs on)."""
+    if not _fsdp_supported():
+        pytest.skip("EDiT on Megatron-FSDP runs on megatron-core 0.16.1 (this lane: refused, tested above)")
+    flags = ["--steps", "8", "--eval-interval", "8", *SHORT]
+    code, fsdp = torchrun(data_dir, *flags, "--use-megatron-fsdp")
+    assert code == 0, fsdp[-3000:]
+    _quiet(fsdp)
+    assert "(Megatron-FSDP) ===" in fsdp and "instead of the current device" not in fsdp
+    code, ddp = torchrun(data_dir, *flags)
+    assert code == 0, ddp[-3000:]
+    assert _summary(fsdp) == _summary(ddp) and _summary(fsdp)["EDiT"][1] == 3  # after steps 4, 6, 8

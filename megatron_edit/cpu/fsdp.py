@@ -8,8 +8,10 @@ Megatron-FSDP is refused there with a message naming the supported releases):
 * S1, ``MegatronFSDP.__init__`` builds ``torch.device(f"cuda:{torch.cuda.current_device()}")``
   even when a device is given. The adapter makes ``current_device()`` the CPU device, which gives
   the invalid string ``"cuda:cpu"``. Inside that constructor only, ``current_device()`` returns
-  the ordinal 0: the string parses (Megatron-FSDP then logs that it uses the CPU device it was
-  given), and ``device=0`` allocations still land on the CPU through the adapter's factory wraps.
+  the ordinal 0: the string parses, and ``device=0`` allocations still land on the CPU through
+  the adapter's factory wraps. Megatron-FSDP's warning on every rank that it uses the CPU device
+  it was given "instead of the current device cuda:0" is dropped there (it is what the adapter
+  asks for).
 * S2, ``mcore_fsdp_adapter`` builds its device meshes with ``DeviceMesh.from_group(...,
   device_type="cuda")``; ``DTensor.from_local`` then moves every main-weight shard to CUDA. The
   name ``DeviceMesh`` in that module is replaced by a stand-in whose ``from_group`` builds a CPU
@@ -24,6 +26,8 @@ Applied and reverted with the rest of :mod:`megatron_edit.cpu.adapter`.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -41,12 +45,20 @@ def _ordinal_device_while_building(original):
     def __init__(self, *args, **kwargs):
         current = torch.cuda.current_device
         torch.cuda.current_device = _ordinal_zero
+        log = logging.getLogger(original.__module__)
+        log.addFilter(_not_the_cpu_device_note)
         try:
             return original(self, *args, **kwargs)
         finally:
             torch.cuda.current_device = current
+            log.removeFilter(_not_the_cpu_device_note)
 
     return __init__
+
+
+def _not_the_cpu_device_note(record: logging.LogRecord) -> bool:
+    """Drops Megatron-FSDP's note that it uses the CPU device instead of ``cuda:0`` (S1)."""
+    return "using device cpu instead of the current device" not in record.getMessage()
 
 
 def _ordinal_zero():
