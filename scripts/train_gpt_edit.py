@@ -851,6 +851,8 @@ def train(args, use_local_sgd, datasets):
             log_syncs([c.drain_reports() for c in controllers], counts)
     for c in controllers:
         c.flush()  # nothing should be pending after the last evaluation; never leave a sync open
+    if args.use_megatron_fsdp:  # no parameter all-gather (a prefetch) left in flight inside the worker
+        ddp.module.synchronize_param_gather()
     log_syncs([c.drain_reports() for c in controllers], counts)
     elapsed = time.perf_counter() - t_start
     if use_local_sgd and uses_torchft(args):  # workers in jobs of their own: each reports its own

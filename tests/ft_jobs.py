@@ -174,3 +174,12 @@ def gate(directory: str, name: str, expected: int, timeout: float = 120.0) -> No
         if time.monotonic() > end:
             raise TimeoutError(f"gate {directory}: {sorted(os.listdir(directory))} after {timeout}s")
         time.sleep(0.05)
+
+
+def wait_file(path: str, timeout: float = 300.0) -> None:
+    """Wait until ``path`` exists (a job's signal to another; TimeoutError after ``timeout``)."""
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise TimeoutError(f"no {path} after {timeout}s")
+        time.sleep(0.05)

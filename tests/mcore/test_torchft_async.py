@@ -187,16 +187,6 @@ def test_each_a_edit_worker_resumes_from_its_own_checkpoint_exactly(tmp_path):
     assert all(torch.equal(runs[True][0]["params"][k], runs[True][1]["params"][k]) for k in runs[True][0]["params"])
 
 
-def _wait_for(path, timeout=240.0):
-    import time
-
-    end = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            raise TimeoutError(f"no {path} after {timeout}s")
-        time.sleep(0.05)
-
-
 def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
     """Worker ``worker``'s job (1 rank): A-EDiT over torchft, fake clock (1 s a step for both), a
     budget of 20 iterations, the step-end sync. The first worker 1 dies after its step 5;
@@ -244,7 +234,7 @@ def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
     while not ctl_.finished:
         step = ctl_.steps_done + 1
         if step == 7 and worker == 0:
-            _wait_for(os.path.join(ctl, "joiner-in-quorum"))
+            ft_jobs.wait_file(os.path.join(ctl, "joiner-in-quorum"), timeout=240.0)
         now[0] += 1.0
         train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker, 2))
         scheduler.step(1)

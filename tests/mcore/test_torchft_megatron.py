@@ -137,14 +137,7 @@ def _anchor_digest(controller) -> str:
     return float(sum(s.anchor.double().sum() for s in controller.shards)).hex()
 
 
-def _wait_file(path, timeout=300.0):
-    import time
-
-    end = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            raise TimeoutError(f"no {path} after {timeout}s")
-        time.sleep(0.05)
+_wait_file = ft_jobs.wait_file
 
 
 def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=False):
