@@ -259,9 +259,11 @@ class AsyncPlan:
             if n > 0:
                 self.rates_by_worker[w] = (self.rates_by_worker.get(w, []) + [(n, seconds)])[-asynchronous.RATE_WINDOW:]
         measured = torch.tensor([w in self.rates_by_worker for w in ids])
-        rates = torch.tensor([sum(n for n, _ in self.rates_by_worker.get(w, [(0, 0.0)])) /
-                              max(sum(s for _, s in self.rates_by_worker.get(w, [(0, 0.0)])), 1e-9) for w in ids],
-                             dtype=torch.float64)
+        rates = torch.zeros(len(ids), dtype=torch.float64)
+        for i, w in enumerate(ids):
+            if w in self.rates_by_worker:  # its own window, as smoothed_rates measures every worker's
+                history = torch.tensor(self.rates_by_worker[w], dtype=torch.float64)  # [K, 2]
+                rates[i] = asynchronous.smoothed_rates(history[:, :1], history[:, 1:])[0]
         filled = asynchronous.fill_unmeasured(rates, measured)
         if filled is None:  # the first interval: local_sgd_sync_interval steps each
             first = asynchronous.first_interval(self.config.local_sgd_sync_interval)
