@@ -39,12 +39,31 @@ case "$py" in
     3.11|3.10) TORCH=${TORCH:-2.13.0} ;;
     *) TORCH=${TORCH:-2.8.0} ;;
 esac
+# The CUDA build of torch for Python 3.12 is several GB from the package index, and a download
+# cut short there once failed CI (pip's own resume gave up at 683.7 of 706.8 MB of one wheel).
+# retry CMD...: run CMD up to 4 times, pausing 30, 60, 120 s between tries; what pip installed
+# already stays installed, so a retry fetches only what is missing. pip_install also lets pip
+# resume a cut download 20 times within a try.
+retry() {
+    local attempt pause=30
+    for attempt in 1 2 3 4; do
+        "$@" && return 0
+        if [ "$attempt" -lt 4 ]; then
+            echo "setup_env.sh: '$*' failed (try $attempt of 4); again in $pause s" >&2
+            sleep "$pause"
+            pause=$((pause * 2))
+        fi
+    done
+    echo "setup_env.sh: '$*' failed 4 times; see the message above" >&2
+    return 1
+}
+pip_install() { retry "$VENV/bin/python" -m pip install -q --resume-retries 20 "$@"; }
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "torch==$TORCH"
+retry "$VENV/bin/python" -m pip install -q --upgrade pip
+pip_install "torch==$TORCH"
 EXTRAS=${EXTRAS:+,$EXTRAS}
-"$VENV/bin/python" -m pip install -q "megatron-core==$MEGATRON_CORE" -e ".[test$EXTRAS]"
+pip_install "megatron-core==$MEGATRON_CORE" -e ".[test$EXTRAS]"
 if [ "$minor" -ge 17 ]; then
-    "$VENV/bin/python" -m pip install -q -r scripts/requirements-megatron-lm.txt
+    pip_install -r scripts/requirements-megatron-lm.txt
 fi
 "$VENV/bin/python" -W ignore -c "import torch, megatron.core, megatron_edit; print('python', '$py', '| torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| megatron_edit', megatron_edit.__version__)"
