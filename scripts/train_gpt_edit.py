@@ -504,13 +504,15 @@ def _brief(report) -> str:
 
 def setup_logging(debug: bool) -> None:
     """The package logs through ``logging`` (logger ``megatron_edit``): its warnings always,
-    and with --local-sgd-debug every sync on every rank."""
+    --local-sgd-auto-overlap's decisions (one line each), and with --local-sgd-debug every sync
+    on every rank."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(_LogFormatter("%(message)s"))
     logger = logging.getLogger("megatron_edit")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if debug else logging.WARNING)
     logger.propagate = False
+    logging.getLogger("megatron_edit.mcore.auto_overlap").setLevel(logging.INFO)
 
 
 def build(args, use_local_sgd):

@@ -301,7 +301,20 @@ LOCAL_FLAG_CASES = {
     "lighthouse": (["--local-sgd-lighthouse", "http://127.0.0.1:29510"], ConfigError),
     "replica_id": (["--local-sgd-replica-id", "3"], ConfigError),
     "min_replicas": (["--local-sgd-min-replicas", "2"], ConfigError),
+    # --local-sgd-sync-interval 1 (the default) leaves no room for a delay: alone it is refused
+    # (test_auto_overlap_flags_reach_their_fields sets them together).
+    "auto_overlap": (["--local-sgd-auto-overlap"], ConfigError),
+    "auto_formats": (["--local-sgd-auto-formats", "fp32,int8"], ConfigError),
+    "auto_every": (["--local-sgd-auto-every", "5"], ConfigError),
 }
+
+
+def test_auto_overlap_flags_reach_their_fields():
+    args = _parser().parse_args(["--use-local-sgd", "--local-sgd-sync-interval", "8", "--local-sgd-auto-overlap",
+                                 "--local-sgd-auto-formats", "fp32,int8,int4", "--local-sgd-auto-every", "5"])
+    local = configs_from_args(args)[0]
+    assert (local.auto_overlap, local.auto_formats, local.auto_every) == (True, "fp32,int8,int4", 5)
+    assert local.allowed_formats == ("fp32", "int8", "int4")
 
 
 NEEDS = {

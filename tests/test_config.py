@@ -53,6 +53,9 @@ FLAGS = {
     "lighthouse": "--local-sgd-lighthouse",
     "replica_id": "--local-sgd-replica-id",
     "min_replicas": "--local-sgd-min-replicas",
+    "auto_overlap": "--local-sgd-auto-overlap",
+    "auto_formats": "--local-sgd-auto-formats",
+    "auto_every": "--local-sgd-auto-every",
     "outer_optim_class": "--outer-optimizer",
     "outer_optim_kwargs": "--outer-optimizer-lr",
     "reducer": "--local-sgd-reducer",
@@ -578,3 +581,44 @@ def test_torchft_backend_without_torchft_is_one_line(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "torchft" else object())
     message = _raises(LocalSGDConfig, ConfigError, "sync_backend", **FT)
     assert "pip install megatron_edit[ft]" in message and "\n" not in message
+
+
+# --- auto_overlap (settings from the measured link) -------------------------------------------
+
+AUTO = dict(auto_overlap=True, local_sgd_sync_interval=8)
+
+
+def test_auto_overlap_settings():
+    cfg = LocalSGDConfig(**AUTO, auto_formats="int4, fp32,int8", auto_every=5)
+    assert cfg.allowed_formats == ("fp32", "int8", "int4")  # most precise first
+    assert LocalSGDConfig(**AUTO).allowed_formats == ("fp32",)
+    assert LocalSGDConfig(**AUTO, exchange_dtype="int8").allowed_formats == ("int8",)
+    # a merge for the delay it may choose; a block size for the scaled formats it may choose
+    LocalSGDConfig(**AUTO, outer_merge_alpha=0.0)
+    LocalSGDConfig(**AUTO, auto_formats="fp32,int8", exchange_block_size=64)
+
+
+@pytest.mark.parametrize("kwargs, exc, field_name, match", [
+    (dict(auto_every=5, local_sgd_sync_interval=8), ConfigError, "auto_every", "only used by --local-sgd-auto-overlap"),
+    (dict(auto_formats="fp32,int8", local_sgd_sync_interval=8), ConfigError, "auto_formats", "only used by"),
+    (dict(AUTO, auto_every=0), ConfigError, "auto_every", ">= 1"),
+    (dict(AUTO, auto_formats="fp32,int9"), ConfigError, "auto_formats", "comma-separated list"),
+    (dict(AUTO, auto_formats="fp32,fp32"), ConfigError, "auto_formats", "distinct"),
+    (dict(AUTO, auto_formats="int8,int4"), ConfigError, "auto_formats", "starts in --local-sgd-exchange-dtype fp32"),
+    (dict(AUTO, outer_step_delay=2), ConfigError, "outer_step_delay", "chooses the delay"),
+    (dict(AUTO, local_sgd_sync_interval=4, fragments=4), ConfigError, "auto_overlap", "no room for a delay"),
+    (dict(AUTO, use_async=True), NotSupportedYet, "auto_overlap", "--local-sgd-async"),
+    (dict(AUTO, exchange_dtype="int8", exchange_error_feedback=True), NotSupportedYet, "auto_overlap",
+     "--local-sgd-exchange-error-feedback"),
+    (dict(AUTO, exchange_topk_density=0.1), NotSupportedYet, "auto_overlap", "--local-sgd-exchange-topk-density"),
+])
+def test_auto_overlap_refusals(kwargs, exc, field_name, match):
+    assert match in _raises(LocalSGDConfig, exc, field_name, **kwargs)
+
+
+def test_auto_overlap_with_gta_keeps_fp32():
+    from megatron_edit.config import check_combination
+
+    check_combination(LocalSGDConfig(**AUTO), GTAConfig(reducer="gta"))
+    with pytest.raises(ConfigError, match="--local-sgd-auto-formats fp32,int8: GTA's sign consensus"):
+        check_combination(LocalSGDConfig(**AUTO, auto_formats="fp32,int8"), GTAConfig(reducer="gta"))

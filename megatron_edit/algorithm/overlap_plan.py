@@ -38,10 +38,13 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
+from ..config import AUTO_FORMATS
 from .quantize import encoded_bytes
 
-# Most precise first: the order in which formats are tried.
-FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")
+# Most precise first: the order in which formats are tried (the config's list of them).
+FORMATS = AUTO_FORMATS
+FORMAT_BITS = {"fp32": 32, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
+"""Bits per element of each format (its scales not counted)."""
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -108,10 +111,13 @@ def _divisors(n: int):
 
 
 def choose(step_s: float, exchange_s: Dict[str, float], interval: int, formats: Optional[Sequence[str]] = None,
-           margin: float = 1.2, max_delay: Optional[int] = None, forward_share: float = 1 / 3) -> Choice:
+           margin: float = 1.2, max_delay: Optional[int] = None, forward_share: float = 1 / 3,
+           fragments: Optional[Sequence[int]] = None) -> Choice:
     """The delay, fragments and format for an inner step of ``step_s`` seconds and the given
     exchange times per format (the module's docstring gives the rule). Every argument is a
-    measurement or a setting that all workers share, so every worker makes the same choice."""
+    measurement or a setting that all workers share, so every worker makes the same choice.
+    ``fragments``: the numbers of fragments allowed (default: every divisor of H; the runtime
+    choice keeps the run's own F)."""
     if step_s <= 0:
         raise ValueError(f"the step time must be > 0, got {step_s}")
     if interval < 1:
@@ -127,6 +133,9 @@ def choose(step_s: float, exchange_s: Dict[str, float], interval: int, formats: 
         raise ValueError(f"no exchange time for {', '.join(missing)}")
     cap = interval // 2 if max_delay is None else max_delay
     ordered = sorted(formats, key=FORMATS.index)
+    splits = _divisors(interval) if fragments is None else sorted(set(fragments))
+    if not splits or any(f < 1 or interval % f for f in splits):
+        raise ValueError(f"fragments must divide the sync interval {interval}, got {list(fragments)}")
 
     def make(fmt, delay, frags, hidden):
         exposed = exposed_seconds(exchange_s[fmt], step_s, delay, frags, forward_share)
@@ -135,15 +144,15 @@ def choose(step_s: float, exchange_s: Dict[str, float], interval: int, formats: 
     for fmt in ordered:
         c = exchange_s[fmt]
         if margin * c <= forward_share * step_s:
-            return make(fmt, 0, 1, True)
-        for frags in _divisors(interval):
+            return make(fmt, 0, splits[0], True)
+        for frags in splits:
             delay = max(1, math.ceil(margin * c / (frags * step_s)))
             if delay < interval // frags and delay <= cap:
                 return make(fmt, delay, frags, True)
     # Nothing hides it: the fastest predicted step among the allowed settings.
-    candidates = [make(fmt, 0, 1, False) for fmt in ordered]
+    candidates = [make(fmt, 0, frags, False) for fmt in ordered for frags in splits[:1]]
     for fmt in ordered:
-        for frags in _divisors(interval):
+        for frags in splits:
             delay = min(interval // frags - 1, cap)
             if delay >= 1:
                 candidates.append(make(fmt, delay, frags, False))
@@ -157,3 +166,41 @@ def plan(params: int, workers: int, link_bits_per_s: float, step_s: float, inter
     times = {fmt: exchange_seconds(exchange_bytes(params, fmt, block), workers, link_bits_per_s / 8, buckets,
                                    latency_s) for fmt in formats}
     return times, choose(step_s, times, interval, formats, margin, max_delay)
+
+
+def scale_to_formats(measured_s: float, measured_format: str, numel: int, formats: Sequence[str],
+                     block: int = 256) -> Dict[str, float]:
+    """Each format's exchange time from one measured in ``measured_format``: the same link, so
+    the time scales with the bytes of a ``numel``-element pseudo-gradient (scales included)."""
+    base = exchange_bytes(max(numel, 1), measured_format, block)
+    return {fmt: measured_s * exchange_bytes(max(numel, 1), fmt, block) / base for fmt in formats}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one rank measured by a sync; the runtime's agreement takes the fastest step and
+    the slowest exchange and exposed wait over every rank (:func:`agreed`)."""
+
+    step_s: float
+    """The inner step's time (a median since the last sync)."""
+    exchange_s: Dict[str, float]
+    """The whole exchange's time in each allowed format."""
+    exposed_s: float
+    """The wait the last sync exposed (not hidden by compute)."""
+
+    def pack(self, formats: Sequence[str]) -> list:
+        """The numbers one all-reduce of MAX agrees on (the step time negated: its minimum)."""
+        return [-self.step_s, self.exposed_s] + [self.exchange_s[f] for f in formats]
+
+
+def agreed(maxed: Sequence[float], formats: Sequence[str]) -> Measurement:
+    """The :class:`Measurement` every rank holds after the all-reduce of MAX of
+    :meth:`Measurement.pack`: a fast worker's step (the exchange must be hidden behind its
+    steps, or it waits) and the slowest rank's exchange."""
+    return Measurement(-float(maxed[0]), {f: float(v) for f, v in zip(formats, maxed[2:])}, float(maxed[1]))
+
+
+def exposure_grew(exposed_s: float, predicted_s: float, step_s: float) -> bool:
+    """Whether a sync's exposed wait calls for a new measurement: more than half an inner step
+    above the prediction and more than 1.5 times it (noise of a step does not)."""
+    return exposed_s > predicted_s + 0.5 * step_s and exposed_s > 1.5 * predicted_s

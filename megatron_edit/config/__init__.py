@@ -65,6 +65,7 @@ TOPK_DTYPES = ("fp32", "int8", "int4", "int2")
 TOPK_MAX_CHUNK = 1 << 16
 """The largest top-k chunk: its indices take 16 bits (megatron_edit.algorithm.topk.MAX_CHUNK)."""
 SYNC_BACKENDS = ("torch", "torchft")
+AUTO_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")  # the dense formats, most precise first
 
 
 @documented
@@ -292,6 +293,39 @@ class LocalSGDConfig:
     indices take ``ceil(log2 chunk)`` bits (12 for 4096) and it has one fp32 scale. A shard
     smaller than a chunk is one chunk."""
 
+    auto_overlap: bool = flag(
+        "--local-sgd-auto-overlap", False,
+        help="Choose the delay (and, with --local-sgd-auto-formats, the exchange format) from the "
+             "measured step and exchange times while the job runs (synchronous EDiT, torch backend).")
+    """Settings from the measured link (:mod:`megatron_edit.mcore.auto_overlap`): the first syncs
+    (and one sync every ``auto_every``) run blocking and are timed; at each sync every rank's
+    inner step time, exchange time per allowed format and exposed wait are agreed on (one
+    all-reduce of a few numbers over every rank, right after the sync), and the rule of
+    :func:`megatron_edit.algorithm.overlap_plan.choose` sets ``outer_step_delay`` tau (the
+    smallest that covers the exchange with a 1.2 margin, tau < H/F) and the format, only at a
+    sync with nothing in flight, the same on every worker. H and the fragments F stay the
+    user's (F splits the per-layer state; ``python -m megatron_edit.plan`` says which F to
+    start with). The run starts blocking, in ``exchange_dtype``. Synchronous EDiT over the
+    torch backend; not with error feedback, the top-k exchange or GTA (their state follows the
+    format)."""
+
+    auto_formats: Optional[str] = flag(
+        "--local-sgd-auto-formats", None, type=str, show_default=False,
+        help="Exchange formats --local-sgd-auto-overlap may choose, comma-separated, most precise "
+             "taken first when it hides the exchange (e.g. fp32,int8,int4; default: "
+             "--local-sgd-exchange-dtype only).")
+    """Comma-separated formats (of fp32, bf16, fp8, int8, int4) that ``auto_overlap`` may
+    choose; it takes the most precise one whose exchange it can hide. Must include
+    ``exchange_dtype`` (the format the run starts with). None: ``exchange_dtype`` only (the
+    delay alone is chosen)."""
+
+    auto_every: int = flag(
+        "--local-sgd-auto-every", 20,
+        help="--local-sgd-auto-overlap re-measures (one blocking sync) and re-decides every this "
+             "many syncs, and sooner when the exposed wait grows.")
+    """Syncs between two decisions of ``auto_overlap`` (>= 1); a decision is also taken when a
+    sync's exposed wait exceeds the prediction by more than half an inner step and 50%."""
+
     sync_timeout: Optional[float] = flag(
         # type=float: "none" is refused, as it always was (None is the default, not a setting).
         "--local-sgd-sync-timeout", None, type=float, show_default=False,
@@ -371,7 +405,9 @@ class LocalSGDConfig:
                  f"must be one of {EXCHANGE_DTYPES} (got {self.exchange_dtype!r}).")
         _require(self.exchange_block_size >= 2 and self.exchange_block_size % 2 == 0, "exchange_block_size",
                  f"must be an even integer >= 2 (got {self.exchange_block_size!r}); 256 is the default.")
-        if self.exchange_block_size != 256 and self.exchange_dtype in ("fp32", "bf16"):
+        scaled = {"fp8", "int8", "int4"}.intersection(str(self.auto_formats or "").split(",")) if \
+            self.auto_overlap else ()
+        if self.exchange_block_size != 256 and self.exchange_dtype in ("fp32", "bf16") and not scaled:
             raise ConfigError(
                 f"{_name('exchange_block_size')}: only used by the scaled formats (fp8, int8, "
                 f"int4); {FLAG_NAMES['exchange_dtype']} is {self.exchange_dtype}.")
@@ -383,6 +419,7 @@ class LocalSGDConfig:
         self._check_topk()
         self._check_delay()
         self._check_sync_backend()
+        self._check_auto()
         # Valid, but not built in this version: refuse rather than ignore.
         if self.use_step_weight and not self.use_async:
             raise ConfigError(
@@ -474,6 +511,55 @@ class LocalSGDConfig:
                 "drop one of the two (the torch backend runs it).")
 
     @property
+    def allowed_formats(self) -> tuple:
+        """The exchange formats ``auto_overlap`` may choose (``auto_formats``, else
+        ``exchange_dtype`` alone), most precise first."""
+        if self.auto_formats is None:
+            return (self.exchange_dtype,)
+        names = [n.strip() for n in self.auto_formats.split(",") if n.strip()]
+        return tuple(f for f in AUTO_FORMATS if f in names)
+
+    def _check_auto(self) -> None:
+        """``auto_overlap`` and its settings (``auto_formats``, ``auto_every``)."""
+        _require(self.auto_every >= 1, "auto_every", f"must be an integer >= 1 (got {self.auto_every!r}).")
+        if self.auto_formats is not None:
+            names = [n.strip() for n in str(self.auto_formats).split(",")]
+            bad = [n for n in names if n not in AUTO_FORMATS]
+            _require(not bad and len(set(names)) == len(names), "auto_formats",
+                     f"must be a comma-separated list of distinct formats of {', '.join(AUTO_FORMATS)} "
+                     f"(got {self.auto_formats!r}).")
+        if not self.auto_overlap:
+            given = [f for f, default in (("auto_formats", None), ("auto_every", 20)) if getattr(self, f) != default]
+            if given:
+                raise ConfigError(f"{_name(given[0])}: only used by {FLAG_NAMES['auto_overlap']}; add it "
+                                  "or drop the flag.")
+            return
+        why = None
+        if self.use_async:
+            why = f"{FLAG_NAMES['use_async']} (A-EDiT plans its own syncs; it runs no delay)"
+        elif self.sync_backend != "torch":
+            why = f"{FLAG_NAMES['sync_backend']} {self.sync_backend} (the torch backend only, yet)"
+        elif self.exchange_topk_density is not None:
+            why = f"{FLAG_NAMES['exchange_topk_density']} (the top-k exchange's residual follows its format)"
+        elif self.error_feedback:
+            why = f"{FLAG_NAMES['exchange_error_feedback']} (the residual follows the format)"
+        if why is not None:
+            raise NotSupportedYet(f"{_name('auto_overlap')} with {why} is not supported yet; drop one of the two.")
+        if self.outer_step_delay:
+            raise ConfigError(
+                f"{_name('outer_step_delay')} {self.outer_step_delay}: {FLAG_NAMES['auto_overlap']} chooses the "
+                f"delay; drop {FLAG_NAMES['outer_step_delay']}.")
+        if self.exchange_dtype not in self.allowed_formats:
+            raise ConfigError(
+                f"{_name('auto_formats')}: the run starts in {FLAG_NAMES['exchange_dtype']} "
+                f"{self.exchange_dtype}, which is not among {self.auto_formats}; add it, or start in one of them.")
+        if self.local_sgd_sync_interval // self.fragments < 2:
+            raise ConfigError(
+                f"{_name('auto_overlap')}: {FLAG_NAMES['local_sgd_sync_interval']} "
+                f"{self.local_sgd_sync_interval} / {FLAG_NAMES['fragments']} {self.fragments} leaves no room "
+                "for a delay (tau < H/F); drop the flag or sync less often.")
+
+    @property
     def merge_alpha(self) -> float:
         """The lerp merge's alpha in effect: ``outer_merge_alpha``, or 0.5 when it is None."""
         return 0.5 if self.outer_merge_alpha is None else float(self.outer_merge_alpha)
@@ -492,7 +578,7 @@ class LocalSGDConfig:
         rule = self.outer_merge_rule
         _require(rule in (None, "lerp", "keep_local"), "outer_merge_rule",
                  f"must be 'lerp', 'keep_local' or None (got {rule!r}).")
-        if rule is not None and tau == 0:
+        if rule is not None and tau == 0 and not self.auto_overlap:
             raise ConfigError(
                 f"{_name('outer_merge_rule')}: the merge only follows a delayed outer step; add "
                 f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
@@ -501,7 +587,7 @@ class LocalSGDConfig:
                 f"{_name('outer_merge_alpha')}: alpha is the lerp rule's; keep_local keeps the local "
                 f"steps whole. Drop one of {FLAG_NAMES['outer_merge_alpha']} and "
                 f"{FLAG_NAMES['outer_merge_rule']} keep_local.")
-        if alpha is not None and tau == 0:
+        if alpha is not None and tau == 0 and not self.auto_overlap:
             raise ConfigError(
                 f"{_name('outer_merge_alpha')}: the merge only follows a delayed outer step; add "
                 f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
@@ -591,4 +677,9 @@ def check_combination(local: LocalSGDConfig, gta: GTAConfig) -> None:
             f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['exchange_dtype']} "
             f"{local.exchange_dtype}: GTA's sign consensus and masks need the fp32 exchange; use "
             f"the linear reducer with a quantized exchange, or GTA with fp32."
+        )
+    if gta.reducer == "gta" and local.auto_overlap and local.allowed_formats != ("fp32",):
+        raise ConfigError(
+            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['auto_formats']} {local.auto_formats}: GTA's sign "
+            "consensus and masks need the fp32 exchange; drop the formats other than fp32."
         )

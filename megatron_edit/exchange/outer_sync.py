@@ -96,14 +96,7 @@ class OuterSync:
         """The quantized exchange's protocol (None: fp32 exchange)."""
         self.sparse: Optional[SparseExchange] = None
         """The sparse (top-k) exchange's protocol (None: dense)."""
-        exchanged = self.num_workers > 1 or getattr(sync_group, "dynamic", False)  # torchft: W may change
-        if config.exchange_topk_density is not None and exchanged:
-            self.sparse = SparseExchange(sync_group, config.exchange_topk_density, config.exchange_topk_chunk,
-                                         config.exchange_dtype, config.error_feedback)
-        elif config.exchange_dtype != "fp32" and exchanged:
-            self.quantized = QuantizedExchange(
-                sync_group, config.exchange_dtype, config.exchange_block_size, config.error_feedback
-            )
+        self.use_config(config)
         self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
         self.ewma_by_worker: Dict[int, penalty.EWMAStats] = {}
         """Over a group whose workers change (torchft): each worker's statistics under its replica
@@ -113,6 +106,21 @@ class OuterSync:
         """Asked once per sync, after every exchange of it is in and before any outer step:
         whether to apply it (the torchft backend's commit); None: always. A sync not applied
         leaves the main params with the worker's local progress."""
+
+    def use_config(self, config: LocalSGDConfig) -> None:
+        """Exchange by ``config`` from the next sync on (its format; ``auto_overlap`` changes it
+        between syncs): the quantized or sparse exchange's protocol, or none for fp32."""
+        assert getattr(self, "_sync", None) is None, "an exchange is in flight"
+        self.config = config
+        self.quantized, self.sparse = None, None
+        exchanged = self.num_workers > 1 or getattr(self.sync_group, "dynamic", False)  # torchft: W may change
+        if config.exchange_topk_density is not None and exchanged:
+            self.sparse = SparseExchange(self.sync_group, config.exchange_topk_density, config.exchange_topk_chunk,
+                                         config.exchange_dtype, config.error_feedback)
+        elif config.exchange_dtype != "fp32" and exchanged:
+            self.quantized = QuantizedExchange(
+                self.sync_group, config.exchange_dtype, config.exchange_block_size, config.error_feedback
+            )
 
     @property
     def num_workers(self) -> int:

@@ -7,6 +7,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..algorithm.overlap_plan import FORMAT_BITS
+
 
 @dataclass
 class SyncReport:
@@ -67,6 +69,9 @@ class SyncReport:
     """Delayed outer step: host seconds this rank spent in the exchange's waits when it was
     applied (about 0 when it had finished behind the ``delay`` inner steps). Gloo blocks the
     host there; with NCCL ``Work.wait`` only orders the streams, so this is a lower bound."""
+    auto_overlap: bool = False
+    """The delay and format were chosen by ``LocalSGDConfig.auto_overlap``: the scalars carry
+    the settings in force at every sync (delay 0 too) and the exposed wait."""
     committed: bool = True
     """False: the sync was exchanged but not applied (the torchft backend: a worker of it
     failed, or none had trained); the workers keep their local progress."""
@@ -101,9 +106,12 @@ class SyncReport:
             out["local-sgd/skipped-sync"] = float(self.skipped_sync)
             out["local-sgd/worker-steps-min"] = float(self.worker_steps.min())
             out["local-sgd/worker-steps-max"] = float(self.worker_steps.max())
-        if self.delay:
+        if self.delay or self.auto_overlap:
             out["local-sgd/outer-step-delay"] = float(self.delay)
-            out["local-sgd/exposed-wait-seconds"] = self.exposed_wait_seconds
+            # without a delay the sync's whole time is exposed
+            out["local-sgd/exposed-wait-seconds"] = self.exposed_wait_seconds if self.delay else self.seconds
+        if self.auto_overlap:
+            out["local-sgd/exchange-bits"] = float(FORMAT_BITS[self.exchange_dtype])
         if self.fragment is not None:
             out["local-sgd/fragment"] = float(self.fragment)
         if self.worker_idle is not None:

@@ -53,6 +53,7 @@ from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
 from .async_plan import AsyncPlan, SyncPoint
+from .auto_overlap import AutoOverlap
 from .controller_state import ControllerState
 from .delayed import DelayedOuterStep
 from .fragments import SyncShards, partition_groups, split_layers
@@ -76,8 +77,14 @@ class LocalSGD(ControllerState):
         schedule_group: Optional[dist.ProcessGroup] = None,
     ):
         """``schedule_group``: every rank of every worker (default: the world group); A-EDiT
-        agrees on its schedule over it once per sync."""
+        agrees on its schedule over it once per sync (and ``auto_overlap`` on its measurements)."""
+        self.auto: Optional[AutoOverlap] = None
+        """Settings from the measured link (``auto_overlap``; :mod:`.auto_overlap`), or None."""
+        if local_sgd_config.auto_overlap:
+            self.auto = AutoOverlap(self, local_sgd_config)
+            local_sgd_config = self.auto.initial_config()
         self.config = local_sgd_config
+        """The settings in force (with ``auto_overlap``: the delay and format it chose)."""
         self.outer_config = outer_optim_config
         self.gta_config = gta_config or GTAConfig()
         self.schedule_group = schedule_group
@@ -131,6 +138,9 @@ class LocalSGD(ControllerState):
                 f"holds {self.sync_group.size} ranks (parallel_state.initialize_model_parallel("
                 "num_distributed_optimizer_instances=...)): give both the same number of workers."
             )
+        if self.auto is not None and self.num_workers == 1:
+            raise RuntimeError("megatron_edit: --local-sgd-auto-overlap with one EDiT worker: nothing is "
+                               "exchanged, so there is nothing to hide; drop the flag.")
         self.arrivals = self._arrivals(inter) if self.num_workers > 1 else None
         self.async_plan = AsyncPlan(self.config, self.sync_group, schedule_group)
         """A-EDiT's schedule (unused by synchronous EDiT)."""
@@ -163,6 +173,17 @@ class LocalSGD(ControllerState):
         if self.ft is not None:  # a sync is applied only where torchft commits it; join the others
             self.sync.commit_gate = self.ft.commit
             self.ft.join()
+
+    def apply_settings(self, delay: int, exchange_dtype: str) -> None:
+        """``auto_overlap``: put this delay and exchange format in force from the next sync on;
+        only between syncs, with nothing in flight (every worker at the same step)."""
+        if self.sync.in_progress or (self.delayed is not None and self.delayed.in_flight):
+            raise RuntimeError("megatron_edit: the delay and format change only with no exchange in flight")
+        if (delay, exchange_dtype) == (self.config.outer_step_delay, self.config.exchange_dtype):
+            return
+        self.config = self.auto.config_for(delay, exchange_dtype)
+        self.sync.use_config(self.config)
+        self.delayed = DelayedOuterStep(self) if delay else None
 
     def _arrivals(self, inter) -> Arrivals:
         """The sync group's arrival checks, in the job's store (see :mod:`..exchange.arrival`)."""
@@ -310,6 +331,8 @@ class LocalSGD(ControllerState):
                 "LocalSGD.finished after each step; Megatron-LM stops by itself)."
             )
         self.flush()  # a layer-wise sync must be complete before main params change again
+        if self.auto is not None:  # after a sync: agree on the measurements, maybe new settings
+            self.auto.after_sync()
         warm = self.steps_done >= self.config.local_sgd_warmup_steps
         if not self.outer_state.captured and warm:
             self.capture_anchor()
@@ -341,6 +364,8 @@ class LocalSGD(ControllerState):
         """After the optimizer step: count it, and schedule the layer-wise sync if due."""
         self._in_step = False
         self.steps_done += 1
+        if self.auto is not None:
+            self.auto.step_ended()
         self.global_progress += self._step_progress
         self._snap_progress()  # step-end: the sync ran inside this step
         if self.config.use_async and self.steps_done == self.config.local_sgd_warmup_steps:
@@ -355,7 +380,8 @@ class LocalSGD(ControllerState):
             self.sync.mark_pending()
             if self.ft is not None:  # the commit gates every group's outer step: no overlap yet
                 self.flush()
-            if self.finished or (not self.config.use_async and self.steps_done == self.last_step):
+            if self.finished or (not self.config.use_async and self.steps_done == self.last_step) or (
+                    self.auto is not None and self.auto.blocking):  # auto overlap: a timed sync
                 self.complete_now()
             elif self.fsdp is not None:  # the step prefetched its first bucket before the sync
                 self.fsdp.drop_stale_gathers()
@@ -447,6 +473,8 @@ class LocalSGD(ControllerState):
                 synced = range(c.fragments) if report.fragment is None else (report.fragment,)
                 for f in synced:
                     self._identical_after[f] = report.step
+        if self.auto is not None:
+            self.auto.sync_done(report)
         self.reports.append(report)
         if self.config.is_debug:
             logger.info("rank %d: %s", dist.get_rank(), report)

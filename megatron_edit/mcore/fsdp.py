@@ -111,6 +111,7 @@ def _check_local_sgd_options(local_cfg: LocalSGDConfig) -> None:
         ("outer_step_delay", c.outer_step_delay),
         ("fragments", c.fragments > 1),
         ("exchange_dtype", c.exchange_dtype != "fp32"),
+        ("auto_overlap", c.auto_overlap),
     ]
     for field, on in not_yet:
         if on:

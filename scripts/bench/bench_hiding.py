@@ -81,6 +81,10 @@ def parse_args():
     parser.add_argument("--suffix", default=os.environ.get("BENCH_SUFFIX", ""),
                         help="appended to the output names (e.g. _1proc)")
     parser.add_argument("--label", default=None, help="what the link is (default: from netns_cluster.sh)")
+    parser.add_argument("--auto", action="store_true",
+                        help="--local-sgd-auto-overlap against a grid of fixed (tau, F, format) settings")
+    parser.add_argument("--auto-formats", default="fp32,int8,int4",
+                        help="--local-sgd-auto-formats of the auto run, and the grid's formats")
     args = bc.parse_args(parser)
     if "NETNS_WORKER" in os.environ:  # netns_cluster.sh: one torchrun node per worker
         args.workers = int(os.environ["GROUP_WORLD_SIZE"])
@@ -96,8 +100,28 @@ def parse_args():
     return args
 
 
+def auto_modes(args):
+    """--auto: the bound, the auto run (the run's F = 1, the formats allowed), and the fixed
+    settings it chooses among: each format layer-wise, with tau = 1, 2, H/2, and with 4
+    fragments and tau = 1 (a setting F = 1 cannot reach)."""
+    h = args.interval
+    formats = args.auto_formats.split(",")
+    out = {"bound": dict(local_sgd_sync_interval=10**6),
+           "EDiT auto": dict(local_sgd_sync_interval=h, local_sgd_auto_overlap=True,
+                             local_sgd_auto_formats=args.auto_formats)}
+    for fmt in formats:
+        base = dict(local_sgd_sync_interval=h, local_sgd_exchange_dtype=fmt)
+        out[f"{fmt} layer-wise"] = base
+        for tau in sorted({1, 2, h // 2}):
+            out[f"{fmt} delay {tau}"] = dict(base, local_sgd_outer_step_delay=tau)
+        out[f"{fmt} F=4 delay 1"] = dict(base, local_sgd_outer_step_delay=1, local_sgd_fragments=4)
+    return out
+
+
 def modes(args):
     """name -> EDiT flags (None: synchronous), in the order of the report."""
+    if args.auto:
+        return auto_modes(args)
     h, tau = args.interval, args.tau
     out = {
         "bound": dict(local_sgd_sync_interval=10**6),
@@ -176,6 +200,10 @@ def run(args, name, flags, train_ds, intervals):
         gathers_at += [i + 1] * (len(GATHERS) - n_gathers)
         reports += [r for c in controllers for r in c.drain_reports()]
     reports += bc.flush(ddp, controllers)
+    auto = controllers[0].auto if controllers and getattr(controllers[0], "auto", None) is not None else None
+    decisions = [dict(step=st, delay=ch.outer_step_delay, format=ch.exchange_dtype, fragments=ch.fragments,
+                      predicted_exposed=ch.exposed_s / ch.fragments, step_s=m.step_s, exchange_s=m.exchange_s)
+                 for st, ch, m in auto.decisions] if auto else []
     in_flight = any(getattr(c, "sync_in_progress", False) for c in controllers)
     identical = bc.replicas_identical(args, ddp) if edit and not name.startswith("bound") else None
     shard_numels = [b.grad_data.numel() // bc.layout(args)["worker_size"] for buf in ddp.buffers for b in buf.buckets]
@@ -213,7 +241,8 @@ def run(args, name, flags, train_ds, intervals):
         exposed_wait_max=wait.max(dim=0).values.tolist() if wait is not None else [],
         edit_seconds=seconds.mean(dim=0).tolist() if seconds is not None else [],
         payload_bytes=[r.payload_bytes for r in measured], shard_numels=shard_numels,
-        identical=identical, left_in_flight=in_flight, gathers=gathers,
+        identical=identical, left_in_flight=in_flight, gathers=gathers, decisions=decisions,
+        formats=[r.exchange_dtype for r in measured],
     )
 
 
@@ -332,6 +361,28 @@ def main():
     dist.destroy_process_group()
 
 
+def auto_summary(results, stats) -> str:
+    """--auto: what the auto run chose (rank 0's decisions, each repetition), its tokens/s
+    against the best fixed setting of the grid, and its predicted exposed wait per sync against
+    the measured one (delayed: SyncReport.exposed_wait_seconds; no delay: the time in EDiT code)."""
+    fixed = {n: s for n, s in stats.items() if not n.startswith("bound") and n != "EDiT auto"}
+    best = max(fixed, key=lambda n: fixed[n]["tokens_per_s"])
+    auto = stats["EDiT auto"]
+    lines = [f"auto: {auto['tokens_per_s'] / fixed[best]['tokens_per_s']:.2f} of the best fixed setting's "
+             f"tokens/s ({best}: {fixed[best]['ratio']:.2f} of the bound; auto {auto['ratio']:.2f})"]
+    for i, r in enumerate(results["EDiT auto"]):
+        chosen = "; ".join(f"after step {d['step']}: delay {d['delay']}, {d['format']} (step {d['step_s'] * 1e3:.1f} ms, "
+                           + ", ".join(f"{f} {x * 1e3:.1f}" for f, x in d["exchange_s"].items())
+                           + f" ms; predicted exposed {d['predicted_exposed'] * 1e3:.1f} ms)"
+                           for d in r["decisions"])
+        delayed = any(r["delay"])
+        measured = median(r["exposed_wait"] if delayed else r["edit_seconds"], 0.0)
+        lines.append(f"auto repetition {i}: {chosen or 'no decision'}; in the window: formats "
+                     f"{sorted(set(r['formats']))}, delays {sorted(set(r['delay']))}, measured exposed "
+                     f"{measured * 1e3:.1f} ms per sync")
+    return "\n".join(lines)
+
+
 def report(args, results, alone):
     h = args.interval
     ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
@@ -425,6 +476,8 @@ def report(args, results, alone):
         "layer-wise: steps s and s+1 above its ordinary step, as bench_overlap)."
         + ("\nPROBLEMS: " + "; ".join(problems) if problems else "")
     )
+    if args.auto and "EDiT auto" in stats:
+        summary += "\n" + auto_summary(results, stats)
     text, ctext = bc.table(headers, rows), bc.table(cheaders, crows)
     print(f"\nhiding the exchange: tokens/s against the no-communication bound\n{text}\n\n"
           f"cost per sync\n{ctext}\n{summary}")

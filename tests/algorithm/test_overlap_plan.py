@@ -6,8 +6,12 @@ import pytest
 
 from megatron_edit.algorithm.overlap_plan import (
     Choice,
+    Measurement,
+    agreed,
     bound_fraction,
     choose,
+    exposure_grew,
+    scale_to_formats,
     exchange_bytes,
     exchange_seconds,
     exposed_seconds,
@@ -116,3 +120,57 @@ def test_plan_from_the_model_size_and_the_link():
     times, ch = plan(137_250, 2, 27e6, 0.043, 8, ["fp32"])
     assert times["fp32"] == pytest.approx(549_000 * 8 / 27e6)
     assert ch.hidden and ch.fragments * ch.outer_step_delay * 0.043 >= 1.2 * times["fp32"]
+
+
+# --- the runtime's choice (auto_overlap): the run's own F, agreed measurements ---------------
+
+def test_the_runs_own_fragments_only():
+    """With F fixed (the runtime keeps the run's F), the choice never changes it: the fewest
+    fragments that would hide it are not taken; a delay of H/F or more is never chosen."""
+    # t = 1 s, H = 8: fp32 C = 5 s needs tau = 6 with F = 1 (> H/2), hidden with F = 2 (tau 3)
+    free = choose(1.0, {"fp32": 5.0}, 8)
+    assert (free.fragments, free.outer_step_delay, free.hidden) == (2, 3, True)
+    kept = choose(1.0, {"fp32": 5.0}, 8, fragments=(1,))
+    assert (kept.fragments, kept.outer_step_delay, kept.hidden) == (1, 4, False)  # the cap H/2: fastest
+    four = choose(1.0, {"fp32": 5.0}, 8, fragments=(4,))  # tau = ceil(1.2 * 5 / 4) = 2 >= H/F = 2
+    assert (four.fragments, four.outer_step_delay, four.hidden) == (4, 1, False)
+    quick = choose(1.0, {"fp32": 0.1}, 8, fragments=(4,))  # hidden by the forward pass: no delay
+    assert (quick.fragments, quick.outer_step_delay, quick.hidden) == (4, 0, True)
+    with pytest.raises(ValueError, match="must divide the sync interval 8"):
+        choose(1.0, {"fp32": 5.0}, 8, fragments=(3,))
+
+
+def test_a_format_not_allowed_is_never_chosen():
+    """int4 would hide the exchange; with fp32 and int8 allowed only, the fastest of those."""
+    times = {"fp32": 8.0, "int8": 4.0, "int4": 0.2}
+    assert choose(1.0, times, 8, ("fp32", "int8", "int4"), fragments=(1,)).exchange_dtype == "int4"
+    only = choose(1.0, times, 8, ("fp32", "int8"), fragments=(1,))
+    assert (only.exchange_dtype, only.outer_step_delay, only.hidden) == ("int8", 4, False)
+
+
+def test_formats_scale_with_their_bytes():
+    times = scale_to_formats(0.4, "fp32", 1024, ("fp32", "int8", "int4"), 256)
+    assert times["fp32"] == 0.4
+    assert times["int8"] == pytest.approx(0.4 * (1024 + 16) / 4096)
+    assert times["int4"] == pytest.approx(0.4 * (512 + 16) / 4096)
+    # measured in int8: fp32 is the inverse ratio
+    assert scale_to_formats(times["int8"], "int8", 1024, ("fp32",), 256)["fp32"] == pytest.approx(0.4)
+
+
+def test_agreement_takes_the_fastest_step_and_the_slowest_exchange():
+    """Each rank packs its numbers; the elementwise MAX over ranks (what the all-reduce does)
+    gives every rank the same measurement: the smallest step, the largest exchange per format
+    and the largest exposed wait."""
+    formats = ("fp32", "int8")
+    ranks = [Measurement(0.10, {"fp32": 0.30, "int8": 0.08}, 0.0), Measurement(0.13, {"fp32": 0.10, "int8": 0.09}, 0.2)]
+    maxed = [max(col) for col in zip(*(m.pack(formats) for m in ranks))]
+    agreed_m = agreed(maxed, formats)
+    assert agreed_m == Measurement(0.10, {"fp32": 0.30, "int8": 0.09}, 0.2)
+    assert agreed(ranks[0].pack(formats), formats) == ranks[0]
+
+
+def test_the_exposed_wait_grew():
+    assert not exposure_grew(0.04, 0.0, 0.1)  # under half a step: noise
+    assert exposure_grew(0.06, 0.0, 0.1)
+    assert not exposure_grew(0.9, 0.7, 0.1)  # half a step more, but not 1.5 times
+    assert exposure_grew(1.2, 0.7, 0.1)

@@ -161,16 +161,22 @@ def _train(ddp, opt, ctl, first, last, saves=None, snapshots=(), faults=(), loss
 
 
 def train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=None, saves=None, snapshots=(),
-              bucket_size=3000, faults=(), tp=1, pp=1, with_canonical=False):
+              bucket_size=3000, faults=(), tp=1, pp=1, with_canonical=False, measurements=None):
     """One training run: optionally resume from ``load=(path, metadata, step)``, train to
     ``steps``, return the final state, snapshots, losses and the sync reports. ``local_sgd``
-    None: plain Megatron (megatron_edit's load fixes only)."""
+    None: plain Megatron (megatron_edit's load fixes only). ``measurements``: with
+    ``auto_overlap``, {rank: (step s, {format: exchange s}, exposed s)}, what each rank's
+    :class:`AutoOverlap` measures at every sync (instead of its clocks)."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  num_distributed_optimizer_instances=instances)
     ddp, opt, ctl = _setup(local_sgd, instances, bucket_size=bucket_size, tp=tp, pp=pp)
+    if measurements is not None:
+        from megatron_edit.algorithm.overlap_plan import Measurement
+
+        ctl.auto.measure = lambda: Measurement(*measurements[rank])
     if local_sgd is None:
         me.patch_megatron_load_fixes()
     first = 1
@@ -185,7 +191,9 @@ def train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=None, 
     dp = ps.get_data_parallel_world_size()
     out = dict(final=_state(ddp, opt, ctl), loaded=loaded, snapshots=snaps, losses=losses,
                reports=ctl.drain_reports() if ctl else [], worker=ps.get_data_parallel_rank() // (dp // instances),
-               last_stage=ps.is_pipeline_last_stage())
+               last_stage=ps.is_pipeline_last_stage(),
+               decisions=[(step, ch.outer_step_delay, ch.exchange_dtype, m.step_s, dict(m.exchange_s))
+                          for step, ch, m in ctl.auto.decisions] if ctl and ctl.auto else None)
     me.unpatch_megatron_for_local_sgd()
     me.unpatch_megatron_load_fixes()
     return out

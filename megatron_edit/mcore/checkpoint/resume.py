@@ -181,6 +181,12 @@ class ResumePlan:
             return str(e)
         self.saved = record
         c, layout = self.controller, self.layout
+        if getattr(c, "auto", None) is not None:  # auto overlap: continue with the settings in force
+            saved_config = record.get("config") or {}
+            refused = c.auto.resume(int(saved_config.get("outer_step_delay") or 0),
+                                    saved_config.get("exchange_dtype") or "fp32")
+            if refused:
+                return refused
         tp, pp = parallel_sizes(self.optimizer)
         now = dict(num_workers=layout.num_workers, worker_size=layout.worker_size, tensor_parallel=tp,
                    pipeline_parallel=pp)

@@ -1,0 +1,194 @@
+"""Settings from the measured link (``LocalSGDConfig.auto_overlap``): the delay tau and the
+exchange format chosen while the job runs, for one :class:`~megatron_edit.mcore.controller.LocalSGD`.
+
+What is measured, on every rank:
+
+* the inner step's time: the median time between optimizer steps since the last sync;
+* the whole exchange's time: the first :data:`MEASURE_SYNCS` syncs (and one again at each
+  re-decision) run *blocking* with no delay (a layer-wise sync completes right after the
+  optimizer step, not in the next forward pass), and the time this rank spent in the sync is
+  the exchange's, in the format in force; the other formats' times are scaled by their bytes
+  (:func:`~megatron_edit.algorithm.overlap_plan.scale_to_formats`). With a delay in force, a
+  sync that exposes a wait tells more: the exchange took tau steps plus that wait;
+* the wait each sync exposed (not hidden behind compute).
+
+Agreement: right after each sync (at the next optimizer step, after the sync has completed and
+with nothing in flight, the same logical time on every rank), one all-reduce of MAX over every
+rank of every worker (the controller's ``schedule_group``) of those few numbers gives every rank
+the same measurements: the fastest step, the slowest exchange and the largest exposed wait
+(:func:`~megatron_edit.algorithm.overlap_plan.agreed`). Every rank then applies the same rule
+(:func:`~megatron_edit.algorithm.overlap_plan.choose`, the run's own H and F), so every worker
+takes the same settings at the same step. The all-reduce aligns the workers once per sync,
+one step after it; synchronous EDiT's exchange aligns them there anyway up to one step.
+
+When: the first decision after :data:`MEASURE_SYNCS` blocking syncs; then every ``auto_every``
+syncs, or sooner when a sync's exposed wait grew past the prediction
+(:func:`~megatron_edit.algorithm.overlap_plan.exposure_grew`), one blocking sync re-measures and
+the rule decides again. A change is applied between two syncs, with nothing in flight
+(:meth:`LocalSGD.apply_settings`), logged on one line (rank 0) with the measurements that led
+to it, and every sync's report carries the settings in force (``local-sgd/outer-step-delay``,
+``local-sgd/exchange-bits``, ``local-sgd/exposed-wait-seconds`` in TensorBoard).
+
+Checkpoints record the settings in force (the run record's config); a resume continues with
+them (:meth:`AutoOverlap.resume`) and measures again: a run saved before its first decision
+starts measuring from scratch, a later one re-decides within ``auto_every`` syncs, or at the
+first sync that exposes a wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..algorithm import overlap_plan
+from ..algorithm.overlap_plan import Choice, Measurement
+from ..config import LocalSGDConfig
+
+logger = logging.getLogger(__name__)
+
+MEASURE_SYNCS = 2
+"""Blocking syncs measured before the first decision (the first one also pays one-time set-up)."""
+
+class AutoOverlap:
+    """Measures, agrees and decides the delay and format of one controller's syncs."""
+
+    def __init__(self, controller, user_config: LocalSGDConfig):
+        self.controller = controller
+        self.user = user_config
+        """The run's own settings (``auto_overlap`` on); the controller's ``config`` is the
+        settings in force (:meth:`config_for`)."""
+        self.formats: Tuple[str, ...] = user_config.allowed_formats
+        self.clock: Callable[[], float] = time.perf_counter
+        self.measure: Callable[[], Measurement] = self._measure
+        """This rank's measurement at a sync (replaceable in tests)."""
+        self.blocking = True
+        """The next sync runs blocking with no delay, and is timed."""
+        self._to_measure = MEASURE_SYNCS
+        self._since_decision = 0
+        self._predicted: Optional[float] = None
+        """Exposed wait per sync the last decision predicted (None: none yet this run)."""
+        self._last_end: Optional[float] = None
+        self._step_times: List[float] = []
+        self._report = None
+        self._local_exchange: Optional[dict] = None
+        self.decisions: List[Tuple[int, Choice, Measurement]] = []
+        """(step after which it was taken, the choice, the agreed measurement), in order."""
+
+    # ------------------------------------------------------------------ settings
+    def config_for(self, delay: int, dtype: str) -> LocalSGDConfig:
+        """The settings in force: the run's, with this delay and format (and no automation)."""
+        u = self.user
+        return dataclasses.replace(
+            u, auto_overlap=False, auto_formats=None, auto_every=20, outer_step_delay=delay, exchange_dtype=dtype,
+            outer_merge_alpha=u.outer_merge_alpha if delay else None,
+            outer_merge_rule=u.outer_merge_rule if delay else None,
+            exchange_block_size=u.exchange_block_size if dtype in ("fp8", "int8", "int4") else 256)
+
+    def initial_config(self) -> LocalSGDConfig:
+        return self.config_for(0, self.user.exchange_dtype)
+
+    def resume(self, delay: int, dtype: str) -> Optional[str]:
+        """A checkpoint's settings in force: continue with them (an error message when this run
+        cannot, or None). Before its first decision the run measures from scratch."""
+        if dtype not in self.formats:
+            return (f"megatron_edit: the checkpoint was saved exchanging in {dtype}, which this run's "
+                    f"--local-sgd-auto-formats ({','.join(self.formats)}) does not allow; add it to the "
+                    "formats, or resume without --local-sgd-auto-overlap.")
+        h, f = self.user.local_sgd_sync_interval, self.user.fragments
+        if delay >= h // f:
+            return (f"megatron_edit: the checkpoint was saved with --local-sgd-outer-step-delay {delay}, which "
+                    f"this run's H/F = {h // f} does not allow (tau < H/F); resume with the saved "
+                    "--local-sgd-sync-interval and --local-sgd-fragments.")
+        self.controller.apply_settings(delay, dtype)
+        fresh = delay == 0 and dtype == self.user.exchange_dtype
+        self.blocking, self._to_measure = fresh, MEASURE_SYNCS if fresh else 0
+        self._since_decision, self._predicted = 0, None
+        self._step_times, self._last_end, self._report = [], None, None
+        return None
+
+    # ------------------------------------------------------------------ measurements
+    def step_ended(self) -> None:
+        now = self.clock()
+        if self._last_end is not None:
+            self._step_times.append(now - self._last_end)
+        self._last_end = now
+
+    def sync_done(self, report) -> None:
+        report.auto_overlap = True
+        if report.committed and not report.skipped_sync:
+            self._report = report
+        if self.blocking and self._last_end is not None:  # the timed exchange is not an inner step's
+            self._last_end = self.clock()
+
+    def _measure(self) -> Measurement:
+        """This rank's measurement of the sync just done (see the module's docstring)."""
+        report, c = self._report, self.controller
+        step_s = statistics.median(self._step_times) if self._step_times else max(report.seconds, 1e-6)
+        exposed = report.exposed_wait_seconds if report.delay else report.seconds
+        measured = None
+        if not report.delay and self.blocking:
+            measured = report.seconds
+        elif report.delay and exposed > 0.5 * step_s:  # the exchange outlasted its tau steps
+            measured = report.delay * step_s + exposed
+        if measured is not None:
+            numel = sum(s.numel for s in c.shards)
+            self._local_exchange = overlap_plan.scale_to_formats(
+                measured, report.exchange_dtype, numel, self.formats, self.user.exchange_block_size)
+        exchange = self._local_exchange or {f: 0.0 for f in self.formats}
+        return Measurement(step_s, exchange, exposed)
+
+    def _agree(self, mine: Measurement) -> Measurement:
+        c = self.controller
+        device = c.shards[0].device if c.shards else torch.device("cpu")
+        numbers = torch.tensor(mine.pack(self.formats), dtype=torch.float64, device=device)
+        dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=c.schedule_group)
+        return overlap_plan.agreed(numbers.tolist(), self.formats)
+
+    # ------------------------------------------------------------------ decisions
+    def after_sync(self) -> None:
+        """At the optimizer step after a sync (nothing in flight): agree on the measurements and
+        decide. Called on every rank of every worker at the same step."""
+        if self._report is None:
+            return
+        c = self.controller
+        assert not c.sync.in_progress and (c.delayed is None or not c.delayed.in_flight), \
+            "auto overlap: settings change with an exchange in flight"
+        mine = self.measure()
+        step = self._report.step
+        was_blocking, self._report = self.blocking, None
+        self._step_times = []
+        m = self._agree(mine)
+        if was_blocking:
+            self._to_measure -= 1
+            if self._to_measure > 0:
+                return
+            return self._decide(step, m)
+        self._since_decision += 1
+        grew = self._predicted is not None and overlap_plan.exposure_grew(m.exposed_s, self._predicted, m.step_s)
+        unknown = self._predicted is None and m.exposed_s > 0.5 * m.step_s  # resumed: nothing predicted
+        if self._since_decision >= self.user.auto_every or grew or unknown:
+            self.blocking, self._to_measure = True, 1  # the next sync re-measures, blocking
+            c.apply_settings(0, c.config.exchange_dtype)
+
+    def _decide(self, step: int, m: Measurement) -> None:
+        u, c = self.user, self.controller
+        choice = overlap_plan.choose(max(m.step_s, 1e-9), m.exchange_s, u.local_sgd_sync_interval, self.formats,
+                                     fragments=(u.fragments,))
+        self.blocking, self._since_decision = False, 0
+        self._predicted = choice.exposed_s / u.fragments
+        self.decisions.append((step, choice, m))
+        c.apply_settings(choice.outer_step_delay, choice.exchange_dtype)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            times = ", ".join(f"{f} {s * 1e3:.1f} ms" for f, s in m.exchange_s.items())
+            logger.info(
+                "megatron_edit: auto overlap after step %d: inner step %.1f ms, exchange %s (slowest rank), "
+                "exposed %.1f ms -> --local-sgd-outer-step-delay %d --local-sgd-exchange-dtype %s "
+                "(%d fragment(s)): predicted exposed %.1f ms per sync, %.2f of the no-communication bound%s",
+                step, m.step_s * 1e3, times, m.exposed_s * 1e3, choice.outer_step_delay, choice.exchange_dtype,
+                u.fragments, self._predicted * 1e3, choice.bound_fraction, "" if choice.hidden else " (not hidden)")

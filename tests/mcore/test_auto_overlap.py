@@ -1,0 +1,168 @@
+"""Settings from the measured link (``auto_overlap``) on real megatron-core (CPU, gloo, 2 workers
+x 2 ranks): every rank takes the same settings when their measurements differ, a change of
+settings mid-run equals a run resumed from that sync with the new settings, and a resume
+continues with the settings in force. The measurements are injected (``train_job``'s
+``measurements``), so the decisions do not depend on this machine's clocks."""
+
+import pytest
+
+from dist import run_ranks
+from megatron_edit.algorithm.overlap_plan import choose
+from megatron_edit.mcore import checkpoint as checkpointing, compat
+
+WORLD = 4
+# W = 0, H = 2, 10 steps: syncs after 2, 4, 6, 8, 10. The first two are measured (blocking);
+# the decision is taken at the step after 4 and in force from the sync after 6 on.
+AUTO = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0, sync_mode="layerwise", auto_overlap=True,
+            auto_formats="fp32,int8")
+# rank -> (inner step s, {format: exchange s}, exposed s). Agreed: the fastest step (0.10 s), the
+# slowest exchange (fp32 0.32 s, int8 0.08 s): fp32 needs a delay of ceil(1.2 x 0.32 / 0.10) = 4
+# steps (more than H/2 = 1), int8 ceil(0.96) = 1: int8 with a delay of 1. Rank 3 alone would
+# take fp32 with a delay of 1 (ceil(1.2 x 0.10 / 0.13) = 1).
+MEASURED = {0: (0.10, {"fp32": 0.30, "int8": 0.08}, 0.0), 1: (0.12, {"fp32": 0.32, "int8": 0.075}, 0.0),
+            2: (0.11, {"fp32": 0.25, "int8": 0.06}, 0.0), 3: (0.13, {"fp32": 0.10, "int8": 0.03}, 0.0)}
+NEEDS_CHECKPOINTS = pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
+                                       reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+STATE = ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step")
+
+
+def test_the_injected_measurements_make_the_choice_the_test_expects():
+    """The premise of the tests below, on the pure rule: agreed, int8 with a delay of 1;
+    rank 3's own numbers alone, fp32 with a delay of 1."""
+    agreed = choose(0.10, {"fp32": 0.32, "int8": 0.08}, 2, ("fp32", "int8"), fragments=(1,))
+    assert (agreed.exchange_dtype, agreed.outer_step_delay) == ("int8", 1)
+    step, exchange, _ = MEASURED[3]
+    alone = choose(step, exchange, 2, ("fp32", "int8"), fragments=(1,))
+    assert (alone.exchange_dtype, alone.outer_step_delay) == ("fp32", 1)
+
+
+@NEEDS_CHECKPOINTS
+@pytest.mark.timeout(500)
+def test_a_change_mid_run_equals_a_run_resumed_with_the_new_settings(tmp_path):
+    """The auto run (measurements differing per rank) decides after the sync at step 4, the
+    same on every rank: int8 with a delay of 1 from the sync at 6 on. It ends bit-identical
+    (parameters, Adam, anchors, outer state, mains, counters) to a run with fp32 and no delay
+    to step 4, saved there and resumed with ``--local-sgd-exchange-dtype int8
+    --local-sgd-outer-step-delay 1``. Saved at step 6 and resumed (still auto), it continues
+    with the settings in force and ends the same."""
+    from checkpoint_runs import DP_RESHARDABLE, _equal, train_job
+
+    at4, at6 = str(tmp_path / "at4"), str(tmp_path / "at6")
+    auto = run_ranks(train_job, WORLD, local_sgd=AUTO, steps=10, measurements=MEASURED,
+                     saves={6: [(at6, DP_RESHARDABLE)]}, timeout=420)
+    for r in auto:
+        assert [d[:3] for d in r["decisions"]] == [(4, 1, "int8")]
+        assert r["decisions"][0][3] == 0.10 and r["decisions"][0][4] == {"fp32": 0.32, "int8": 0.08}
+        assert [(rep.step, rep.delay, rep.exchange_dtype) for rep in r["reports"]] == [
+            (2, 0, "fp32"), (4, 0, "fp32"), (6, 1, "int8"), (8, 1, "int8"), (10, 1, "int8")]
+        scalars = r["reports"][2].scalars()
+        assert scalars["local-sgd/exchange-bits"] == 8 and scalars["local-sgd/outer-step-delay"] == 1
+    fixed = {k: v for k, v in AUTO.items() if not k.startswith("auto_")}
+    run_ranks(train_job, WORLD, local_sgd=fixed, steps=4, saves={4: [(at4, DP_RESHARDABLE)]}, timeout=420)
+    changed = run_ranks(train_job, WORLD, local_sgd=dict(fixed, exchange_dtype="int8", outer_step_delay=1),
+                        steps=10, load=(at4, DP_RESHARDABLE, 4), timeout=420)
+    resumed = run_ranks(train_job, WORLD, local_sgd=AUTO, steps=10, measurements=MEASURED,
+                        load=(at6, DP_RESHARDABLE, 6), timeout=420)
+    for a, b, c in zip(auto, changed, resumed):
+        assert [(rep.step, rep.delay, rep.exchange_dtype) for rep in c["reports"]] == [
+            (8, 1, "int8"), (10, 1, "int8")]
+        assert c["decisions"] == []
+        for key in STATE:
+            _equal(a["final"][key], b["final"][key], key)
+            _equal(a["final"][key], c["final"][key], key)
+
+
+# --- when it measures and decides (a controller stand-in, the agreement an identity) ---------
+
+class _Controller:
+    """What :class:`AutoOverlap` reads of a controller: nothing in flight, the settings in force."""
+
+    def __init__(self, config):
+        from types import SimpleNamespace
+
+        self.sync = SimpleNamespace(in_progress=False)
+        self.delayed = None
+        self.shards = [SimpleNamespace(numel=1024, device="cpu")]
+        self.schedule_group = None
+        self.config = config
+        self.applied = []
+
+    def apply_settings(self, delay, dtype):
+        self.applied.append((delay, dtype))
+        self.config = self.auto.config_for(delay, dtype)
+
+
+def _auto(**local):
+    from megatron_edit.config import LocalSGDConfig
+    from megatron_edit.mcore.auto_overlap import AutoOverlap
+
+    user = LocalSGDConfig(**dict(dict(AUTO, local_sgd_sync_interval=8), **local))
+    ctl = _Controller(None)
+    ctl.auto = AutoOverlap(ctl, user)
+    ctl.config = ctl.auto.initial_config()
+    ctl.auto._agree = lambda mine: mine  # one rank: the agreement is what it measured
+    times = iter(range(10**6))
+    ctl.auto.clock = lambda: 0.1 * next(times)  # every step 0.1 s
+    return ctl
+
+
+def _sync(ctl, step, seconds, exposed=0.0, steps=8):
+    from megatron_edit.exchange.report import SyncReport
+
+    for _ in range(steps):
+        ctl.auto.step_ended()
+    c = ctl.config
+    ctl.auto.sync_done(SyncReport(step=step, mode="layerwise", buckets=1, payload_bytes=0, seconds=seconds,
+                                  workers=2, delay=c.outer_step_delay, exchange_dtype=c.exchange_dtype,
+                                  exposed_wait_seconds=exposed))
+    ctl.auto.after_sync()
+
+
+def test_it_measures_two_blocking_syncs_then_decides_and_re_decides_every_auto_every_syncs():
+    """H = 8, a step of 0.1 s, an fp32 exchange of 0.3 s (int8 0.3 x 1040 / 4096 s): after two
+    blocking syncs, fp32 with tau = ceil(1.2 x 0.3 / 0.1) = 4 (= H/2, the cap). Then, with no
+    exposed wait, the third sync after the decision (auto_every 3) sends the next one
+    blocking, without a delay, and the rule decides again from what it measured: int8 now that
+    the link got slower (2 s in fp32: tau 24 would be needed; int8's 0.51 s takes tau 7 > H/2,
+    so the fastest: int8 with tau 4, not hidden)."""
+    ctl = _auto(auto_formats="fp32,int8", auto_every=3)
+    auto = ctl.auto
+    assert auto.blocking and ctl.config.outer_step_delay == 0
+    _sync(ctl, 8, 0.3)
+    assert auto.blocking and ctl.applied == [] and auto.decisions == []
+    _sync(ctl, 16, 0.3)
+    assert not auto.blocking and ctl.applied == [(4, "fp32")]
+    assert auto.decisions[0][2].step_s == pytest.approx(0.1)
+    for step in (24, 32):
+        _sync(ctl, step, 0.01)
+        assert not auto.blocking and len(ctl.applied) == 1
+    _sync(ctl, 40, 0.01)  # the third: the next sync re-measures
+    assert auto.blocking and ctl.applied[-1] == (0, "fp32")
+    _sync(ctl, 48, 2.0)
+    assert not auto.blocking and ctl.applied[-1] == (4, "int8")
+    assert [(d[0], d[1].exchange_dtype, d[1].outer_step_delay, d[1].hidden) for d in auto.decisions] == [
+        (16, "fp32", 4, True), (48, "int8", 4, False)]
+
+
+def test_a_grown_exposed_wait_re_measures_at_once():
+    """Decided: fp32, tau 4 (predicted exposed 0). A sync that waits 0.2 s (more than half a
+    0.1 s step above the prediction) sends the next one blocking; a wait of 0.04 s does not."""
+    ctl = _auto()
+    _sync(ctl, 8, 0.3)
+    _sync(ctl, 16, 0.3)
+    assert ctl.applied == [(4, "fp32")]
+    _sync(ctl, 24, 0.01, exposed=0.04)
+    assert not ctl.auto.blocking
+    _sync(ctl, 32, 0.01, exposed=0.2)
+    assert ctl.auto.blocking and ctl.applied[-1] == (0, "fp32")
+    # with a delay, an exposed wait measures the exchange: 4 steps + 0.2 s = 0.6 s
+    assert ctl.auto._local_exchange["fp32"] == pytest.approx(0.6)
+
+
+def test_a_resume_continues_with_the_saved_settings():
+    ctl = _auto(auto_formats="fp32,int8")
+    assert ctl.auto.resume(3, "int8") is None
+    assert ctl.applied == [(3, "int8")] and not ctl.auto.blocking
+    assert ctl.auto.resume(0, "fp32") is None and ctl.auto.blocking  # before the first decision: measure
+    assert "does not allow" in ctl.auto.resume(0, "int4")
+    assert "tau < H/F" in ctl.auto.resume(8, "fp32")
