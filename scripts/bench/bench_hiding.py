@@ -17,6 +17,12 @@ The main job's GPT (bench_common, as bench_overlap.py) trains, in one run, in th
   EDiT delay tau    --local-sgd-outer-step-delay tau (default H/2): launched after step s - tau,
                     applied after step s (alpha 0; with --alpha-half also alpha 0.5);
   EDiT F fragments  --local-sgd-fragments F with delay max(1, H/(2F)).
+--auto instead: the bound, the auto run (--local-sgd-auto-overlap, --local-sgd-auto-formats
+--auto-formats, F = 1) and the fixed settings it chooses among (each format layer-wise, tau = 1,
+2, H/2, and 4 fragments with tau = 1); the summary gives the auto run's tokens/s against the best
+of them, its decisions and its predicted against its measured exposed wait
+(scripts/bench/plot_hiding_auto.py: the table and plot over rates). --rate-change STEP:RATE
+slows (or speeds) the link after step STEP of every mode.
 No warmup (local from step 1). Each mode trains (skip + syncs) x H steps; the first `skip`
 intervals are not measured (build, caches, first exchanges); one more step ends each run (its
 last step: a blocking sync of everything, untimed, after which replicas are compared). Modes run
@@ -83,6 +89,10 @@ def parse_args():
     parser.add_argument("--label", default=None, help="what the link is (default: from netns_cluster.sh)")
     parser.add_argument("--auto", action="store_true",
                         help="--local-sgd-auto-overlap against a grid of fixed (tau, F, format) settings")
+    parser.add_argument("--rate-change", default=None, metavar="STEP:RATE",
+                        help="in every mode, change the link's rate to RATE (e.g. 10mbit) after step STEP "
+                             "(netns_cluster.sh: each worker's local rank 0 changes its end's tbf); each mode "
+                             "starts at --rate again")
     parser.add_argument("--auto-formats", default="fp32,int8,int4",
                         help="--local-sgd-auto-formats of the auto run, and the grid's formats")
     args = bc.parse_args(parser)
@@ -98,6 +108,20 @@ def parse_args():
     if args.fragment_delay is None:
         args.fragment_delay = max(1, args.interval // (2 * args.fragments))
     return args
+
+
+def set_rate(rate: str) -> None:
+    """netns_cluster.sh's tbf on this worker's end of the link (local rank 0 only), at ``rate``."""
+    import re
+    import subprocess
+
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
+    bits = int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)])
+    burst = max(66000, bits // 8 // 1000)  # as netns_cluster.sh
+    subprocess.run(["tc", "qdisc", "change", "dev", "edw", "root", "tbf", "rate", rate, "burst", str(burst),
+                    "latency", "100ms"], check=True)
 
 
 def auto_modes(args):
@@ -188,8 +212,14 @@ def run(args, name, flags, train_ds, intervals):
     step_times, step_starts, reports = [], [], []
     GATHERS.clear()
     gathers_at = []  # step index (1-based) of each all-gather
+    change_at, change_to = (int(args.rate_change.split(":")[0]), args.rate_change.split(":")[1]) \
+        if args.rate_change else (None, None)
+    if change_at is not None:
+        set_rate(os.environ["NETNS_RATE"])
     dist.barrier()
     for i in range(steps + 1):
+        if i == change_at:
+            set_rate(change_to)
         t0 = time.perf_counter()
         n_gathers = len(GATHERS)
         bc.train_step(run_args, ddp, optimizer, scheduler, next(it))

@@ -36,6 +36,7 @@ def test_the_injected_measurements_make_the_choice_the_test_expects():
     assert (alone.exchange_dtype, alone.outer_step_delay) == ("fp32", 1)
 
 
+@pytest.mark.one_lane  # the controller's own hooks and the checkpoint path every lane tests otherwise (see conftest)
 @NEEDS_CHECKPOINTS
 @pytest.mark.timeout(500)
 def test_a_change_mid_run_equals_a_run_resumed_with_the_new_settings(tmp_path):
