@@ -212,6 +212,12 @@ def _train(rank, spec, tp, pp):
                pp_rank=ps.get_pipeline_model_parallel_rank(), worker=dp_rank // worker_size,
                ep_rank=ps.get_expert_model_parallel_rank())
     controllers = me.get_local_sgd(optimizer)
+    if controllers and spec.get("measurements"):  # auto_overlap: {rank: (step s, {format: s}, exposed s)}
+        from megatron_edit.algorithm.overlap_plan import Measurement
+
+        numbers = spec["measurements"][rank]
+        for c in controllers:
+            c.auto.measure = lambda: Measurement(*numbers)
     if controllers and spec.get("last_step"):
         me.set_train_iters(optimizer, spec["last_step"])  # as Megatron-LM's --train-iters says it
     for step in range(1, spec["steps"] + 1):
@@ -357,6 +363,11 @@ def simulate_edit(rank, world_size, spec, dp_size):
     stats = penalty.EWMAStats.zeros(n, len(layers))
     anchor, outer_opt, decisions = None, None, []
     tau, alpha, last, flight = cfg.get("outer_step_delay", 0), cfg.get("outer_merge_alpha"), spec.get("last_step"), None
+    # delay_switch=(k, tau'): the delay is tau' from the step after k on (auto_overlap's change at
+    # a sync, nothing in flight), 0 before
+    switch = spec.get("delay_switch")
+    if switch:
+        tau = switch[1]
     alpha = 0.5 if alpha is None else alpha  # LocalSGDConfig.merge_alpha: 0.5 with a delay by default
     if cfg.get("outer_merge_rule") == "keep_local":
         alpha = 0.0
@@ -449,7 +460,7 @@ def simulate_edit(rank, world_size, spec, dp_size):
             opt.step()
             _inject_fault(spec, step, w, list(model.parameters()))
         due = fragment_of(step)
-        if not tau:
+        if not tau or (switch and step <= switch[0]):
             if due is not None:
                 _sync_and_restart(decide_and_reduce(due), None)
             continue

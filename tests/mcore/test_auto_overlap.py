@@ -5,6 +5,7 @@ continues with the settings in force. The measurements are injected (``train_job
 ``measurements``), so the decisions do not depend on this machine's clocks."""
 
 import pytest
+import torch
 
 from dist import run_ranks
 from megatron_edit.algorithm.overlap_plan import choose
@@ -71,6 +72,35 @@ def test_a_change_mid_run_equals_a_run_resumed_with_the_new_settings(tmp_path):
         for key in STATE:
             _equal(a["final"][key], b["final"][key], key)
             _equal(a["final"][key], c["final"][key], key)
+
+
+SIM_ATOL = 2e-4  # as test_delayed_megatron: Megatron's and the simulation's reduction orders differ
+# fp32 only: agreed step 0.10 s, exchange 0.08 s: tau = ceil(1.2 x 0.8) = 1 (rank 3 alone: 1 too).
+MEASURED_FP32 = {0: (0.10, {"fp32": 0.08}, 0.0), 1: (0.12, {"fp32": 0.07}, 0.0), 2: (0.11, {"fp32": 0.05}, 0.0),
+                 3: (0.13, {"fp32": 0.02}, 0.0)}
+
+
+@pytest.mark.one_lane  # as the test above
+@pytest.mark.timeout(400)
+def test_a_delay_chosen_mid_run_matches_the_simulation():
+    """fp32 only, H = 2, --train-iters 10: blocking syncs after 2 and 4 (measured), the delay
+    1 decided at the step after 4; the syncs after 6 and 8 are launched one step earlier and
+    merged (alpha 0.5), the last (10) is blocking. Against the plain-PyTorch simulation with the
+    delay switched on after step 4 (``delay_switch``), and one model on every worker at the end."""
+    from edit_runs import default_spec, megatron_runs, simulate_edit
+
+    local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0, sync_mode="layerwise", auto_overlap=True)
+    outer = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
+    spec = default_spec(steps=10, last_step=10, local_sgd=local, outer=outer, measurements=MEASURED_FP32)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=360)
+    sim = run_ranks(simulate_edit, 1, dict(spec, delay_switch=(4, 1)), WORLD, timeout=120)[0]["params"]
+    for r in results:
+        run = r["runs"][0]
+        assert [(rep.step, rep.delay) for rep in run["reports"]] == [(2, 0), (4, 0), (6, 1), (8, 1), (10, 0)]
+        worst = max((run["params"][k] - sim[run["worker"]][k]).abs().max().item() for k in run["params"])
+        assert worst <= SIM_ATOL, worst
+    a, b = results[0]["runs"][0]["params"], results[2]["runs"][0]["params"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # --- when it measures and decides (a controller stand-in, the agreement an identity) ---------
