@@ -43,8 +43,6 @@ from .quantize import encoded_bytes
 
 # Most precise first: the order in which formats are tried (the config's list of them).
 FORMATS = AUTO_FORMATS
-FORMAT_BITS = {"fp32": 32, "bf16": 16, "fp8": 8, "int8": 8, "int4": 4}
-"""Bits per element of each format (its scales not counted)."""
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 
 

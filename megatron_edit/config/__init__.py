@@ -405,8 +405,7 @@ class LocalSGDConfig:
                  f"must be one of {EXCHANGE_DTYPES} (got {self.exchange_dtype!r}).")
         _require(self.exchange_block_size >= 2 and self.exchange_block_size % 2 == 0, "exchange_block_size",
                  f"must be an even integer >= 2 (got {self.exchange_block_size!r}); 256 is the default.")
-        scaled = {"fp8", "int8", "int4"}.intersection(str(self.auto_formats or "").split(",")) if \
-            self.auto_overlap else ()
+        scaled = self.auto_overlap and any(f in ("fp8", "int8", "int4") for f in self.allowed_formats)
         if self.exchange_block_size != 256 and self.exchange_dtype in ("fp32", "bf16") and not scaled:
             raise ConfigError(
                 f"{_name('exchange_block_size')}: only used by the scaled formats (fp8, int8, "
@@ -516,14 +515,16 @@ class LocalSGDConfig:
         ``exchange_dtype`` alone), most precise first."""
         if self.auto_formats is None:
             return (self.exchange_dtype,)
-        names = [n.strip() for n in self.auto_formats.split(",") if n.strip()]
-        return tuple(f for f in AUTO_FORMATS if f in names)
+        return tuple(f for f in AUTO_FORMATS if f in self._auto_format_names())
+
+    def _auto_format_names(self) -> list:
+        return [n.strip() for n in str(self.auto_formats).split(",")]
 
     def _check_auto(self) -> None:
         """``auto_overlap`` and its settings (``auto_formats``, ``auto_every``)."""
         _require(self.auto_every >= 1, "auto_every", f"must be an integer >= 1 (got {self.auto_every!r}).")
         if self.auto_formats is not None:
-            names = [n.strip() for n in str(self.auto_formats).split(",")]
+            names = self._auto_format_names()
             bad = [n for n in names if n not in AUTO_FORMATS]
             _require(not bad and len(set(names)) == len(names), "auto_formats",
                      f"must be a comma-separated list of distinct formats of {', '.join(AUTO_FORMATS)} "

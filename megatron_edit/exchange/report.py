@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..algorithm.overlap_plan import FORMAT_BITS
+from ..algorithm.quantize import element_bits
 
 
 @dataclass
@@ -111,7 +111,7 @@ class SyncReport:
             # without a delay the sync's whole time is exposed
             out["local-sgd/exposed-wait-seconds"] = self.exposed_wait_seconds if self.delay else self.seconds
         if self.auto_overlap:
-            out["local-sgd/exchange-bits"] = float(FORMAT_BITS[self.exchange_dtype])
+            out["local-sgd/exchange-bits"] = float(element_bits(self.exchange_dtype))
         if self.fragment is not None:
             out["local-sgd/fragment"] = float(self.fragment)
         if self.worker_idle is not None:

@@ -46,7 +46,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..algorithm import overlap_plan
+from ..algorithm import overlap_plan, quantize
 from ..algorithm.overlap_plan import Choice, Measurement
 from ..config import LocalSGDConfig
 
@@ -88,7 +88,7 @@ class AutoOverlap:
             u, auto_overlap=False, auto_formats=None, auto_every=20, outer_step_delay=delay, exchange_dtype=dtype,
             outer_merge_alpha=u.outer_merge_alpha if delay else None,
             outer_merge_rule=u.outer_merge_rule if delay else None,
-            exchange_block_size=u.exchange_block_size if dtype in ("fp8", "int8", "int4") else 256)
+            exchange_block_size=u.exchange_block_size if quantize.has_scales(dtype) else 256)
 
     def initial_config(self) -> LocalSGDConfig:
         return self.config_for(0, self.user.exchange_dtype)
@@ -129,7 +129,7 @@ class AutoOverlap:
     def _measure(self) -> Measurement:
         """This rank's measurement of the sync just done (see the module's docstring)."""
         report, c = self._report, self.controller
-        step_s = statistics.median(self._step_times) if self._step_times else max(report.seconds, 1e-6)
+        step_s = statistics.median(self._step_times)  # H/F >= 2: at least one step since the last sync
         exposed = report.exposed_wait_seconds if report.delay else report.seconds
         measured = None
         if not report.delay and self.blocking:
@@ -178,7 +178,7 @@ class AutoOverlap:
 
     def _decide(self, step: int, m: Measurement) -> None:
         u, c = self.user, self.controller
-        choice = overlap_plan.choose(max(m.step_s, 1e-9), m.exchange_s, u.local_sgd_sync_interval, self.formats,
+        choice = overlap_plan.choose(m.step_s, m.exchange_s, u.local_sgd_sync_interval, self.formats,
                                      fragments=(u.fragments,))
         self.blocking, self._since_decision = False, 0
         self._predicted = choice.exposed_s / u.fragments
