@@ -137,6 +137,7 @@ from .releases import (  # noqa: F401  (the data this module answers from; compa
     FSDP_SUPPORTED,
     MEGATRON_LM_TAGS,
     SIGNATURES,
+    SKIPPED_ITERATION_BASE,
     SUPPORTED,
     TESTED,
     TRAINING_SIGNATURES,
@@ -188,6 +189,17 @@ def call_kwargs(fn, **kwargs) -> dict:
 
 
 # --- process groups ---------------------------------------------------------------------------
+
+
+def skipped_iteration_base(version: Optional[str] = None) -> Optional[int]:
+    """How Megatron-LM's loop reads ``--iterations-to-skip`` on ``version`` (default: the
+    installed release): with ``i`` iterations done, the next is skipped when ``i + base`` is
+    listed (:data:`SKIPPED_ITERATION_BASE`); None on a release not checked."""
+    version = version or megatron_core_version()
+    for versions, base in SKIPPED_ITERATION_BASE:
+        if versions.contains(version):
+            return base
+    return None
 
 
 def inter_instance_group(bucket_group):

@@ -148,6 +148,7 @@ targets)."""
 _LM_TRAINING = "megatron.training.training"
 _LM_INIT = "megatron.training.initialize"
 _LM_ARGS = "megatron.training.arguments"
+_LM_SAMPLERS = "megatron.training.datasets.data_samplers"
 _TRAIN_STEP = ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler",
                "config", "forward_backward_func", "iteration")
 _EVALUATE = ("forward_step_func", "data_iterator", "model", "process_non_loss_data_func",
@@ -205,6 +206,16 @@ TRAINING_SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]]
                               "num_floating_point_operations_so_far", "checkpointing_context",
                               "train_data_iterator")),
     ),
+    # The torchft backend's data shard (megatron_edit.training.replica_data).
+    f"{_LM_TRAINING}:get_train_valid_test_num_samples": ((TRAINING_SUPPORTED, ()),),
+    f"{_LM_SAMPLERS}:MegatronPretrainingSampler": (
+        (TRAINING_SUPPORTED, ("total_samples", "consumed_samples", "micro_batch_size", "data_parallel_rank",
+                              "data_parallel_size", "drop_last")),
+    ),
+    f"{_LM_SAMPLERS}:MegatronPretrainingRandomSampler": (
+        (TRAINING_SUPPORTED, ("dataset", "total_samples", "consumed_samples", "micro_batch_size",
+                              "data_parallel_rank", "data_parallel_size", "data_sharding")),
+    ),
     f"{_LM_TRAINING}:calc_params_l2_norm": ((TRAINING_SUPPORTED, ("model", "force_create_fp32_copy")),),
     f"{_LM_TRAINING}:get_attr_wrapped_model": (
         (TRAINING_SUPPORTED, ("model", "attr", "allow_none", "return_model_obj")),
@@ -215,3 +226,14 @@ TRAINING_SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]]
 """The same for Megatron-LM's ``megatron.training`` (and ``megatron.legacy``), per release of the
 megatron-core it ships with; only the releases in :data:`TRAINING_SUPPORTED`. A range that ends
 early means the function is gone after it."""
+
+
+SKIPPED_ITERATION_BASE: Tuple[Tuple[VersionRange, int], ...] = (
+    (VersionRange("0.16.0", "0.17.0"), 0),
+    (_V19, 1),
+)
+"""How Megatron-LM's ``train`` reads ``--iterations-to-skip``, per release checked: with
+``iteration`` iterations completed, the next one is skipped when ``iteration + base`` is in the
+list (0.16: 0-based, ``iteration in args.iterations_to_skip``; 0.19: 1-based). Releases not
+listed (0.17, 0.18) are not checked: the torchft backend's route through Megatron-LM, which
+skips iterations to follow a heal (:mod:`megatron_edit.training.follow_heals`), refuses them."""

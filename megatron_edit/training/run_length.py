@@ -12,8 +12,9 @@ scheduler are built and a checkpoint is loaded (``setup_model_and_optimizer``):
   skipped iteration runs no optimizer step, and EDiT counts optimizer steps.
 
 The last step is this worker's optimizer steps so far plus the iterations still to run that are
-not skipped: ``steps_done + |{i in [iteration, train_iters) : i not skipped}|`` (Megatron skips
-iteration i when ``i`` completed iterations lie behind it).
+not skipped: ``steps_done + |{i in [iteration, train_iters) : i + base not skipped}|`` (with ``i``
+iterations completed Megatron skips the next when ``i + base`` is listed: base 0 up to 0.16, 1
+from 0.19, :func:`megatron_edit.mcore.compat.skipped_iteration_base`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Optional
 
+from ..mcore import compat
 from ..mcore.runtime import LocalSGDRuntime
 
 logger = logging.getLogger(__name__)
@@ -32,12 +34,12 @@ def _get_args():
     return get_args()
 
 
-def last_step(steps_done: int, iteration: int, train_iters: int, skipped: Iterable[int] = ()) -> int:
+def last_step(steps_done: int, iteration: int, train_iters: int, skipped: Iterable[int] = (), base: int = 0) -> int:
     """The optimizer step the run ends at: ``steps_done`` taken, Megatron's loop at
     ``iteration`` (completed iterations) running to ``train_iters``, the iterations ``skipped``
-    running no optimizer step."""
+    (read with ``base``, see the module) running no optimizer step."""
     skip = set(skipped or ())
-    return steps_done + sum(1 for i in range(iteration, train_iters) if i not in skip)
+    return steps_done + sum(1 for i in range(iteration, train_iters) if i + base not in skip)
 
 
 class RunLength:
@@ -72,12 +74,17 @@ class RunLength:
                 "built (neither --train-iters nor --train-samples?): EDiT cannot place the run's last "
                 "sync.")
         skipped = list(getattr(args, "iterations_to_skip", None) or ())
+        base = compat.skipped_iteration_base() if skipped else 0
+        if base is None:
+            raise RuntimeError(
+                f"megatron_edit: --iterations-to-skip with --use-local-sgd is not checked on megatron-core "
+                f"{compat.megatron_core_version()} (checked: 0.16.x, 0.19.x); EDiT could not place the run's last sync.")
         for controller in controllers:
-            end = last_step(controller.steps_done, args.iteration, args.train_iters, skipped)
+            end = last_step(controller.steps_done, args.iteration, args.train_iters, skipped, base)
             controller.set_train_iters(end)
         if getattr(args, "rank", 0) == 0 and controllers and controllers[0].last_step != args.train_iters:
             logger.info(
                 "megatron_edit: the run ends with a sync after optimizer step %d (Megatron's iteration "
                 "%d; %d optimizer step(s) done, %d iteration(s) skipped)", controllers[0].last_step,
                 args.train_iters, controllers[0].steps_done,
-                sum(1 for i in set(skipped) if args.iteration <= i < args.train_iters))
+                sum(1 for i in set(skipped) if args.iteration <= i - base < args.train_iters))

@@ -57,12 +57,14 @@ from typing import Callable, Dict, List, Optional
 
 from ..config import ConfigError, NotSupportedYet
 from ..mcore import compat
-from ..mcore.wrap_registry import Patch, PatchRegistry
+from ..mcore.wrap_registry import REPLACE, Patch, PatchRegistry
 from ..mcore.runtime import LocalSGDRuntime
 from ..mcore.session import SESSION, current_runtime
 from .flags import with_local_sgd_args
+from .follow_heals import FollowHeals
 from .global_budget import GlobalBudget
 from .metrics import SyncMetrics, training_log_fields
+from .replica_data import ReplicaData
 from .run_length import RunLength
 from .validation import validate_local_sgd_args
 from .worker_local import add_worker_local_patches
@@ -74,6 +76,7 @@ _ARGS = "megatron.training.arguments"
 _INIT = "megatron.training.initialize"
 _TRAINING = "megatron.training.training"
 _DATASETS_UTILS = "megatron.core.datasets.utils"
+_SAMPLERS = "megatron.training.datasets.data_samplers"
 HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
 """The compiled dataset index helpers; ``compile_helpers`` builds them with ``make``."""
 
@@ -273,27 +276,45 @@ def add_training_patches(
 def add_global_budget_patches(
     registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
 ) -> List[str]:
-    """Declare the :class:`GlobalBudget` patches (A-EDiT in Megatron-LM's training loop);
-    returns their ids. Applied on both routes: the fork in ``patches/`` does not do this."""
+    """Declare the patches on Megatron-LM's loop: :class:`GlobalBudget` (A-EDiT), :class:`RunLength`
+    (synchronous EDiT's last sync), and, over the torchft backend, :class:`FollowHeals` (the
+    loop counter follows a heal) and :class:`ReplicaData` (each worker's own data); returns their
+    ids. Applied on both routes: the fork in ``patches/`` does not do this."""
     budget = GlobalBudget(runtime_ref)
+    heals = FollowHeals(runtime_ref)
+    data = ReplicaData(runtime_ref)
     def patch(pid, name, wrap, description):
         return compat_patch(pid, f"{_TRAINING}:{name}", wrap, description)
 
+    def sampler_patch(pid, name, description):
+        # A class: replaced by a subclass (ReplicaData checks its parameters against compat's table).
+        target = f"{_SAMPLERS}:{name}"
+        return Patch(pid, target, lambda original: data.wrap_sampler(original, compat.params(target)),
+                     compat.release_range(target), (), description, REPLACE)
+
     patches = [
         # One patch per target (the registry restores each original exactly): the run's length
-        # (synchronous EDiT's last sync: --train-samples, less --iterations-to-skip) and A-EDiT's
-        # loop cap both wrap setup_model_and_optimizer.
+        # (synchronous EDiT's last sync: --train-samples, less --iterations-to-skip), torchft's
+        # heal at start-up and A-EDiT's loop cap all wrap setup_model_and_optimizer.
         patch("edit-last-step", "setup_model_and_optimizer",
               lambda original: RunLength(runtime_ref).wrap_setup_model_and_optimizer(
-                  budget.wrap_setup_model_and_optimizer(original)),
+                  heals.wrap_setup_model_and_optimizer(budget.wrap_setup_model_and_optimizer(original))),
               "EDiT: the run's last sync at Megatron's last optimizer step (--train-iters or "
-              "--train-samples, less --iterations-to-skip); A-EDiT: the loop may run to "
-              "--train-iters x workers (data sets built for that)"),
+              "--train-samples, less --iterations-to-skip); torchft: the loop starts at the step a heal "
+              "put the worker at; A-EDiT: the loop may run to --train-iters x workers (data sets built for that)"),
         patch("a-edit-common-iteration", "train", budget.wrap_train,
               "A-EDiT: train returns --train-iters, the common iteration, on every worker"),
-        patch("a-edit-save-exit-at-sync", "checkpoint_and_decide_exit", budget.wrap_checkpoint_and_decide_exit,
+        patch("a-edit-save-exit-at-sync", "checkpoint_and_decide_exit",
+              lambda original: heals.wrap_checkpoint_and_decide_exit(budget.wrap_checkpoint_and_decide_exit(original)),
               "A-EDiT: --save-interval / --exit-interval in global progress, at a sync; every "
-              "worker leaves the loop right after the final sync"),
+              "worker leaves the loop right after the final sync; torchft: a worker healed k steps "
+              "ahead skips its next k iterations"),
+        patch("ft-data-sizes", "get_train_valid_test_num_samples", data.wrap_num_samples,
+              "torchft: the data sets built for every worker's slice (x workers)"),
+        sampler_patch("ft-data-sampler", "MegatronPretrainingSampler",
+                      "torchft: each worker reads its own slice (data-parallel rank w D + d of W D)"),
+        sampler_patch("ft-data-random-sampler", "MegatronPretrainingRandomSampler",
+                      "torchft: each worker reads its own slice (--dataloader-type cyclic)"),
     ]
     for patch in patches:
         registry.add(patch)

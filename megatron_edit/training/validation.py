@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from types import SimpleNamespace
 
 from ..arguments import check_flags_need_local_sgd, configs_from_args
 from ..config import ConfigError, NotSupportedYet
+from ..exchange.fault_tolerant import START_GATE_ENV, supervised_workers
 from ..mcore import compat
 from ..mcore.checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
 from ..mcore.wrap_registry import VersionRange
@@ -35,9 +37,7 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
     local = configs[0]
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     if local.sync_backend == "torchft":
-        raise NotSupportedYet(
-            "--local-sgd-sync-backend torchft is not supported yet on the Megatron-LM route (pretrain_gpt.py, "
-            "scripts/train_gpt_edit.py); the megatron-core API (megatron_edit.patch_megatron_for_local_sgd) runs it.")
+        _check_torchft_route(local, args)
     # First: Megatron's validate_args turns --use-distributed-optimizer off for these (0.18+).
     if get("optimizer", "adam") not in ("adam", "sgd") or get("use_layer_wise_distributed_optimizer"):
         raise NotSupportedYet(
@@ -83,13 +83,50 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
     _check_megatron_lm_options(local, args)
     if get("rank", 0) != 0:
         return
-    if get("num_distributed_optimizer_instances", 1) == 1:
+    if get("num_distributed_optimizer_instances", 1) == 1 and local.sync_backend == "torch":
         logger.warning(
             "megatron_edit: --use-local-sgd with --num-distributed-optimizer-instances 1 is one "
             "worker: ordinary synchronous training plus an outer optimizer, nothing is saved. "
             "Set it to the number of workers (e.g. nodes, or the data-parallel size)."
         )
     _warn_if_edit_never_acts(local, get("train_iters"))
+
+
+def _check_torchft_route(local, args: argparse.Namespace) -> None:
+    """``--local-sgd-sync-backend torchft`` through Megatron-LM: each worker's job is one worker
+    (:mod:`megatron_edit.training.replica_data` gives it its own data, and
+    :mod:`megatron_edit.training.follow_heals` keeps Megatron's loop counter with a heal)."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    version = compat.megatron_core_version()
+    if compat.skipped_iteration_base(version) is None:
+        raise NotSupportedYet(
+            f"--local-sgd-sync-backend torchft through Megatron-LM is not supported yet on megatron-core {version} "
+            "(checked: 0.16.x, 0.19.x: how the loop skips iterations, which a healed worker's loop does to keep "
+            "the others' iteration); the megatron-core API runs it.")
+    instances = get("num_distributed_optimizer_instances", 1)
+    if instances != 1:
+        raise ConfigError(
+            f"--num-distributed-optimizer-instances {instances} with --local-sgd-sync-backend torchft: each job "
+            "is one worker; pass 1 and start one job per worker (python -m megatron_edit.supervise).")
+    if supervised_workers(os.environ.get(START_GATE_ENV)) is None:
+        raise ConfigError(
+            "--local-sgd-sync-backend torchft through Megatron-LM needs the run's number of workers, to give each "
+            "worker its own slice of the data: start the jobs with python -m megatron_edit.supervise --workers N "
+            "(or its --serve mode on several nodes), which tells every job.")
+    if local.use_async:
+        raise NotSupportedYet(
+            "--local-sgd-async with --local-sgd-sync-backend torchft through Megatron-LM is not supported yet "
+            "(A-EDiT's loop cap and a heal's iteration are not reconciled); the megatron-core API runs it.")
+    if get("num_experts"):
+        raise NotSupportedYet(
+            "--num-experts with --local-sgd-sync-backend torchft is not supported yet: a MoE model has a second "
+            "(expert) optimizer, and the torchft backend runs one EDiT optimizer per process.")
+    if get("hybrid_context_parallel") or get("dataloader_type", "single") not in ("single", "cyclic"):
+        flag = ("--hybrid-context-parallel" if get("hybrid_context_parallel")
+                else f"--dataloader-type {get('dataloader_type')}")
+        raise NotSupportedYet(
+            f"{flag} with --local-sgd-sync-backend torchft is not supported yet: each worker's job must read its "
+            "own slice of the data, which megatron_edit gives Megatron's single and cyclic samplers only.")
 
 
 def _warn_if_edit_never_acts(local, train_iters) -> None:

@@ -35,6 +35,8 @@ def test_last_step_counts_optimizer_steps():
     assert rl.last_step(0, 0, 12) == 12
     assert rl.last_step(0, 0, 12, [3, 5, 40]) == 10  # iterations 4 and 6 take no optimizer step
     assert rl.last_step(7, 8, 12, [3, 9]) == 10  # resumed: one skipped before, one still ahead
+    assert rl.last_step(0, 0, 12, [12], base=1) == 11  # 0.19 counts from 1: the last iteration
+    assert rl.last_step(0, 0, 12, [0], base=1) == 12  # ... and 0 names none
 
 
 def test_train_samples_sets_the_last_step_once_megatron_knows_the_iterations(monkeypatch):
@@ -53,13 +55,23 @@ def test_train_samples_sets_the_last_step_once_megatron_knows_the_iterations(mon
     assert controller.last_step == 12
 
 
-def test_iterations_to_skip_end_the_run_at_its_last_optimizer_step(monkeypatch):
-    """--train-iters 12 with iterations 2 and 9 skipped, resumed after 6 iterations (5 optimizer
-    steps): the run ends after optimizer step 10, not 12 (which it never reaches)."""
-    args = SimpleNamespace(train_iters=12, iteration=6, iterations_to_skip=[2, 9], rank=0)
+@pytest.mark.parametrize("base, skipped, end", [(0, [2, 12], 11), (1, [2, 12], 10)], ids=["0.16", "0.19"])
+def test_iterations_to_skip_end_the_run_at_its_last_optimizer_step(monkeypatch, base, skipped, end):
+    """--train-iters 12 with --iterations-to-skip 2 12, resumed after 6 iterations (5 optimizer
+    steps): the run ends after optimizer step 11 on 0.16 (it reads the list 0-based: 12 names
+    no iteration of the run), 10 on 0.19 (1-based: 12 is its last iteration)."""
+    monkeypatch.setattr(rl.compat, "skipped_iteration_base", lambda: base)
+    args = SimpleNamespace(train_iters=12, iteration=6, iterations_to_skip=skipped, rank=0)
     controllers = [_Controller(steps_done=5), _Controller(steps_done=5)]  # MoE: dense and expert
     _wrapped(controllers, monkeypatch, args, lambda: None)()
-    assert [c.last_step for c in controllers] == [10, 10]
+    assert [c.last_step for c in controllers] == [end, end]
+
+
+def test_iterations_to_skip_on_a_release_not_checked_is_refused(monkeypatch):
+    monkeypatch.setattr(rl.compat, "skipped_iteration_base", lambda: None)
+    args = SimpleNamespace(train_iters=12, iteration=0, iterations_to_skip=[3], rank=0)
+    with pytest.raises(RuntimeError, match="--iterations-to-skip with --use-local-sgd is not checked"):
+        _wrapped([_Controller()], monkeypatch, args, lambda: None)()
 
 
 def test_a_edit_is_left_to_its_global_budget(monkeypatch):

@@ -1,0 +1,297 @@
+"""The torchft sync backend through Megatron-LM's pretrain_gpt.py (``megatron_edit.launch``, one
+torchrun job per worker under ``python -m megatron_edit.supervise``): each worker reads its own
+slice of the data (megatron_edit.training.replica_data) and Megatron's loop counter follows a
+heal (megatron_edit.training.follow_heals).
+
+The decisions without the checkout; end to end with it (MEGATRON_LM_DIR, see
+tests/training/test_megatron_lm.py; skipped with that message otherwise).
+"""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_edit.training import follow_heals as fh
+from megatron_edit.training import replica_data as rd
+from megatron_edit.config import ConfigError, NotSupportedYet
+from megatron_edit.exchange.fault_tolerant import START_GATE_ENV
+from megatron_edit.mcore import compat
+from megatron_edit.training.validation import validate_local_sgd_args
+from test_megatron_lm import (CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, TINY, _env, _field, _lines,
+                              _megatron_like_args, _torchrun)
+
+HAVE_TORCHFT = importlib.util.find_spec("torchft") is not None
+
+
+
+# ================================================================ without the checkout
+@pytest.mark.parametrize("base", [0, 1], ids=["0.16", "0.19"])
+def test_the_loop_counter_arithmetic(base):
+    skipped = [3 + base, 5 + base]  # the 4th and 6th iterations take no optimizer step
+    assert [fh.optimizer_steps(n, skipped, base) for n in range(8)] == [0, 1, 2, 3, 3, 4, 4, 5]
+    assert [fh.iteration_for(s, skipped, base) for s in range(6)] == [0, 1, 2, 3, 5, 7]
+    # After 4 iterations, 3 more to skip: positions 4 and 6 (5 is skipped already) and 7.
+    assert fh.skips_for(3, 4, skipped, base) == [4 + base, 6 + base, 7 + base]
+    for n in range(8):  # what is added makes the loop take no step for `lag` iterations
+        for lag in range(3):
+            added = skipped + fh.skips_for(lag, n, skipped, base)
+            end = fh.iteration_for(fh.optimizer_steps(n, skipped, base) + 1, added, base)
+            assert fh.optimizer_steps(end - 1, added, base) == fh.optimizer_steps(n, skipped, base)
+            assert end - n == 1 + lag + sum(1 for s in skipped if n + base <= s < end - 1 + base)
+
+
+class _Controller:
+    def __init__(self, steps_done):
+        self.steps_done = steps_done
+        self.ft = object()
+        self.config = SimpleNamespace(replica_id=1)
+
+
+def _heals(controllers, monkeypatch, args):
+    monkeypatch.setattr(fh, "_get_args", lambda: args)
+    monkeypatch.setattr(fh.compat, "skipped_iteration_base", lambda: 0)
+    runtime = SimpleNamespace(controllers={object(): c for c in controllers})
+    return fh.FollowHeals(lambda: runtime)
+
+
+def test_a_fresh_job_that_healed_at_start_up_starts_its_loop_at_the_peers_step(monkeypatch):
+    args = SimpleNamespace(iteration=0, iterations_to_skip=[], rank=0)
+    controller = _Controller(steps_done=8)  # it healed into the others' sync after step 8
+    heals = _heals([controller], monkeypatch, args)
+    assert heals.wrap_setup_model_and_optimizer(lambda: "built")() == "built"
+    assert args.iteration == 8 and args.iterations_to_skip == []
+    heals.wrap_setup_model_and_optimizer(lambda: None)()  # level: nothing moves
+    assert args.iteration == 8
+
+
+def test_a_checkpoint_whose_edit_state_is_behind_its_iteration_is_named(monkeypatch):
+    args = SimpleNamespace(iteration=12, iterations_to_skip=[], rank=0)
+    heals = _heals([_Controller(steps_done=8)], monkeypatch, args)
+    with pytest.raises(RuntimeError, match="EDiT state is at optimizer step 8, behind Megatron's iteration 12"):
+        heals.wrap_setup_model_and_optimizer(lambda: None)()
+
+
+def test_a_worker_healed_ahead_mid_run_skips_as_many_iterations(monkeypatch):
+    args = SimpleNamespace(iteration=0, iterations_to_skip=[9], rank=0)
+    controller = _Controller(steps_done=5)
+    heals = _heals([controller], monkeypatch, args)
+    calls = []
+    decide = heals.wrap_checkpoint_and_decide_exit(lambda *a: calls.append(a[3]) or False)
+    assert decide("model", "opt", "sched", 5, 0.0, None, None) is False
+    assert args.iterations_to_skip == [9]  # level
+    controller.steps_done = 5 + 4  # healed into the others' sync 4 steps ahead
+    decide("model", "opt", "sched", 5, 0.0, None, None)
+    assert args.iterations_to_skip == [9, 5, 6, 7, 8] and calls == [5, 5]
+    # Megatron then runs iterations 6-9 as skips (8 is already one): at iteration 10 it is level.
+    assert fh.optimizer_steps(10, args.iterations_to_skip, 0) == 5
+
+
+def test_each_worker_reads_the_slice_of_its_data_parallel_ranks_in_the_torch_backends_layout():
+    # Worker 1 of 3, rank 1 of 2: data-parallel rank 3 of 6, from 3 x its own 40 samples.
+    assert rd.replica_slice(1, 2, 40, 1, 3) == (3, 6, 120)
+    with pytest.raises(ValueError, match="worker 3 is not one of 3"):
+        rd.replica_slice(0, 2, 0, 3, 3)
+
+
+def test_the_samplers_and_data_sizes_are_sharded_over_the_supervisors_workers(monkeypatch):
+    class Sampler:
+        def __init__(self, total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
+                     data_parallel_size, drop_last=True):
+            self.seen = (total_samples, consumed_samples, data_parallel_rank, data_parallel_size, drop_last)
+
+    params = ("total_samples", "consumed_samples", "micro_batch_size", "data_parallel_rank", "data_parallel_size",
+              "drop_last")
+    local = SimpleNamespace(sync_backend="torchft", replica_id=1)
+    runtime = SimpleNamespace(configs=SimpleNamespace(local=local))
+    data = rd.ReplicaData(lambda: runtime)
+    monkeypatch.setenv(rd.START_GATE_ENV, "127.0.0.1:1234:2:600")
+    sharded = data.wrap_sampler(Sampler, params)
+    assert issubclass(sharded, Sampler) and sharded.__name__ == "Sampler"
+    s = sharded(total_samples=800, consumed_samples=16, micro_batch_size=2, data_parallel_rank=1,
+                data_parallel_size=2)
+    assert s.seen == (800, 32, 3, 4, True)
+    assert data.wrap_num_samples(lambda: (400, 8, None))() == (800, 16, None)
+    local.sync_backend = "torch"  # the torch backend: untouched
+    assert sharded(800, 16, 2, 1, 2).seen == (800, 16, 1, 2, True)
+    with pytest.raises(RuntimeError, match="takes .* not .* as checked for this release"):
+        data.wrap_sampler(Sampler, params[:-1])
+
+
+FT = ("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "1", "--local-sgd-lighthouse",
+      "http://127.0.0.1:29510")
+
+
+@pytest.mark.skipif(not HAVE_TORCHFT, reason="needs the torchft extra (pip install megatron_edit[ft])")
+@pytest.mark.parametrize("argv, options, supervised, error, match", [
+    ((), {}, True, None, None),
+    ((), dict(num_distributed_optimizer_instances=2), True, ConfigError,
+     "--num-distributed-optimizer-instances 2 with --local-sgd-sync-backend torchft: each job is one worker"),
+    ((), {}, False, ConfigError, "needs the run's number of workers.*python -m megatron_edit.supervise"),
+    (("--local-sgd-async",), dict(train_iters=100), True, NotSupportedYet, "--local-sgd-async with"),
+    ((), dict(num_experts=8), True, NotSupportedYet, "--num-experts with --local-sgd-sync-backend torchft"),
+    ((), dict(dataloader_type="external"), True, NotSupportedYet, "--dataloader-type external with"),
+    ((), dict(hybrid_context_parallel=True), True, NotSupportedYet, "--hybrid-context-parallel with"),
+], ids=["ok", "instances", "no-supervisor", "async", "moe", "external-data", "hybrid-cp"])
+def test_the_torchft_route_through_megatron_lm_refuses_what_it_cannot_run(monkeypatch, argv, options, supervised,
+                                                                        error, match):
+    if compat.skipped_iteration_base() is None:  # 0.17 / 0.18: the route is refused first, whatever else
+        error, match = NotSupportedYet, "not supported yet on megatron-core"
+    if supervised:
+        monkeypatch.setenv(START_GATE_ENV, "127.0.0.1:1234:2:600")
+    else:
+        monkeypatch.delenv(START_GATE_ENV, raising=False)
+    args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4", *FT, *argv,
+                               **{"num_distributed_optimizer_instances": 1, "data_parallel_size": 2, **options})
+    if error is None:
+        validate_local_sgd_args(args)
+    else:
+        with pytest.raises(error, match=match):
+            validate_local_sgd_args(args)
+
+
+# ================================================================ end to end (needs the checkout)
+H, ITERS = 4, 16
+EDIT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--use-local-sgd",
+        "--local-sgd-sync-interval", str(H), "--local-sgd-warmup-steps", "0"]
+needs_checkout = pytest.mark.skipif(
+    not HAVE_CHECKOUT or not HAVE_TORCHFT,
+    reason=HOW_TO_RUN if not HAVE_CHECKOUT else "needs the torchft extra (pip install megatron_edit[ft])")
+
+
+def _supervised(workdir, extra, script=None, timeout=600):
+    """``python -m megatron_edit.supervise --workers 2`` running pretrain_gpt.py (or ``script``)
+    through the launcher, 2 ranks per job, each job's output in ``workdir/w<id>.log`` (appended by
+    a relaunch). Returns (exit code, the supervisor's output)."""
+    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "megatron_edit.launch", "--cpu", str(script or CHECKOUT / "pretrain_gpt.py"), *TINY, *EDIT,
+           "--global-batch-size", "4", "--train-iters", str(ITERS), "--local-sgd-sync-backend", "torchft",
+           "--local-sgd-replica-id", "{replica_id}", *extra]
+    shell = " ".join(f"'{part}'" for part in job) + " >> w{replica_id}.log 2>&1"
+    cmd = [sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--max-relaunches", "1",
+           "--", "bash", "-c", shell]
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out
+
+
+def _log(workdir, worker):
+    return (workdir / f"w{worker}.log").read_text()
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchft_through_megatron_lm_equals_the_torch_backend(tmp_path):
+    """2 workers x 2 ranks, H = 4, 16 iterations: the torch backend (one job, 2 distributed-optimizer
+    instances, global batch 8) and the torchft backend (a job per worker, global batch 4 each, the
+    data sharded over both) log the same losses, gradient norms and syncs on worker 1 (the torch
+    backend's logging rank, its last, is in worker 1)."""
+    torch_log = _torchrun(CHECKOUT / "pretrain_gpt.py",
+                          TINY + EDIT + ["--num-distributed-optimizer-instances", "2", "--global-batch-size", "8",
+                                         "--train-iters", str(ITERS)], tmp_path)
+    code, out = _supervised(tmp_path, [])
+    assert code == 0, out[-3000:] + _log(tmp_path, 1)[-5000:]
+    reference, ft = _lines(torch_log), _lines(_log(tmp_path, 1))
+    assert sorted(ft) == sorted(reference) == list(range(1, ITERS + 1)), _log(tmp_path, 1)[-3000:]
+    for i in reference:
+        for name in ("lm loss", "grad norm", "learning rate"):
+            a, b = _field(reference[i], name), _field(ft[i], name)
+            assert a is not None and b == pytest.approx(a, rel=1e-5), (i, name, reference[i], ft[i])
+
+    def syncs(lines):  # (step, workers, steps since the last) of each sync; the torch backend's
+        # layer-wise sync shows on the line of the iteration whose forward pass completes it
+        return [tuple(_field(lines[i], f"local sgd {name}") for name in ("last sync step", "workers",
+                                                                          "steps since last sync"))
+                for i in sorted(lines) if (_field(lines[i], "local sgd syncs") or 0) > 0]
+
+    assert syncs(ft) == syncs(reference) == [(s, 2, H) for s in range(H, ITERS + 1, H)]
+    # Worker 0 read other data than worker 1 (its own slice).
+    assert _field(_lines(_log(tmp_path, 0))[1], "lm loss") != _field(ft[1], "lm loss")
+
+
+KILL_ONCE = """
+import os, runpy, signal, sys, time
+import megatron.training.training as training
+import megatron_edit.mcore.fault_tolerant as ft
+
+worker = int(sys.argv[sys.argv.index("--local-sgd-replica-id") + 1])
+
+
+def wait_for(*names):
+    end = time.monotonic() + 300
+    while not all(os.path.exists(n) for n in names):
+        assert time.monotonic() < end, names
+        time.sleep(0.05)
+
+
+original_step = training.train_step
+
+
+def train_step(*args, **kwargs):
+    # Worker 1's first job dies, whole, when 6 iterations are done; worker 0 goes to its sync
+    # after step 8 once the relaunched job's torchft Manager is up (it joins that sync).
+    if worker == 1 and kwargs.get("iteration") == 6 and not os.path.exists("killed"):
+        open("killed", "w").close()
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    if worker == 0 and kwargs.get("iteration") == 7:
+        wait_for("killed", "manager_up")
+    return original_step(*args, **kwargs)
+
+
+original_gate = ft.start_gate
+
+
+def start_gate(*args, **kwargs):  # after this rank's Manager is up, before its first quorum
+    original_gate(*args, **kwargs)
+    if worker == 1 and os.path.exists("killed"):
+        open("manager_up", "w").close()
+
+
+training.train_step = train_step
+ft.start_gate = start_gate
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_worker_killed_mid_run_is_relaunched_heals_and_its_loop_goes_on_from_the_peers_iteration(tmp_path):
+    """Worker 1's job is SIGKILLed (every process of it) when 6 iterations are done and
+    relaunched; worker 0 goes to its sync after step 8 once the new job's Manager is up (so the
+    new job joins that sync), and heals it there at start-up: its loop starts at iteration 9
+    (not 1), with worker 0's learning rate, and both end at iteration 16 with the final sync, 2
+    workers in it; worker 0 lost no step."""
+    checkout = tmp_path / "Megatron-LM"  # the checkout's files, linked, next to the script
+    checkout.mkdir()
+    for name in ("megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
+        (checkout / name).symlink_to(CHECKOUT / name)
+    script = checkout / "kill_once.py"
+    script.write_text(KILL_ONCE.format(script=str(checkout / "pretrain_gpt.py")))
+    code, out = _supervised(tmp_path, [], script=script)
+    survivor, relaunched = _log(tmp_path, 0), _log(tmp_path, 1)
+    assert code == 0, out[-3000:] + relaunched[-5000:]
+    assert "worker 1 exited with code" in out and "relaunching it as a fresh job" in out, out[-3000:]
+    assert sorted(_lines(survivor)) == list(range(1, ITERS + 1)), survivor[-3000:]
+    second = relaunched[relaunched.rindex("megatron_edit: patched megatron-core"):]
+    assert "healed from a live peer into optimizer step 8: Megatron's loop starts at iteration 8" in second, second[-5000:]
+    lines = _lines(second)
+    assert sorted(lines) == list(range(9, ITERS + 1)), second[-3000:]
+    ahead = _lines(survivor)
+    for i in lines:
+        assert _field(lines[i], "learning rate") == _field(ahead[i], "learning rate"), (i, lines[i], ahead[i])
+    for log in (_lines(survivor), lines):
+        assert _field(log[ITERS], "local sgd last sync step") == ITERS
+        assert _field(log[ITERS], "local sgd workers") == 2
