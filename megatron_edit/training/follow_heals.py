@@ -69,6 +69,8 @@ class FollowHeals:
 
     def __init__(self, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]):
         self.runtime_ref = runtime_ref
+        self.added: set = set()
+        """The entries of ``--iterations-to-skip`` added here (each stands for a step the peers took)."""
 
     def controllers(self) -> list:
         """This rank's EDiT objects on the torchft backend (none otherwise)."""
@@ -137,15 +139,21 @@ class FollowHeals:
 
     def catch_up(self, args, iteration: int, controllers) -> List[int]:
         """After ``iteration`` iterations: skip as many of the next ones as a heal put the
-        controller ahead of the loop (returns the entries added to ``--iterations-to-skip``)."""
+        controller ahead of the loop (returns the entries added to ``--iterations-to-skip``).
+        An iteration skipped here stands for a step the peers took (the loop is level when its
+        iterations less the user's own skips are the controller's steps); one the user listed
+        takes no step anywhere."""
         base = self._base()
         if args.iterations_to_skip is None:
             args.iterations_to_skip = []
-        lag = self._steps(controllers) - optimizer_steps(iteration, args.iterations_to_skip, base)
+        own = [s for s in args.iterations_to_skip if s not in self.added]
+        pending = sum(1 for s in self.added if s >= iteration + base)
+        lag = self._steps(controllers) - optimizer_steps(iteration, own, base) - pending
         if lag <= 0:
             return []
         added = skips_for(lag, iteration, args.iterations_to_skip, base)
         args.iterations_to_skip.extend(added)
+        self.added.update(added)
         if getattr(args, "rank", 0) == 0:
             logger.warning(
                 "megatron_edit: worker %s healed from a live peer %d optimizer step(s) ahead of its own: Megatron "

@@ -87,8 +87,15 @@ def test_a_worker_healed_ahead_mid_run_skips_as_many_iterations(monkeypatch):
     controller.steps_done = 5 + 4  # healed into the others' sync 4 steps ahead
     decide("model", "opt", "sched", 5, 0.0, None, None)
     assert args.iterations_to_skip == [9, 5, 6, 7, 8] and calls == [5, 5]
-    # Megatron then runs iterations 6-9 as skips (8 is already one): at iteration 10 it is level.
-    assert fh.optimizer_steps(10, args.iterations_to_skip, 0) == 5
+    # Megatron then skips iterations 5-8 (0-based positions), takes no step at 9 (the user's
+    # skip) and steps at 10: the controller is then at step 10, level with the loop's 11
+    # iterations less the user's one skip. Nothing more is skipped.
+    controller.steps_done = 10
+    decide("model", "opt", "sched", 11, 0.0, None, None)
+    assert args.iterations_to_skip == [9, 5, 6, 7, 8]
+    controller.steps_done = 11 + 3  # another heal, 3 ahead: the next three after 12 (not 9 again)
+    decide("model", "opt", "sched", 12, 0.0, None, None)
+    assert args.iterations_to_skip == [9, 5, 6, 7, 8, 12, 13, 14]
 
 
 def test_each_worker_reads_the_slice_of_its_data_parallel_ranks_in_the_torch_backends_layout():
@@ -163,17 +170,18 @@ needs_checkout = pytest.mark.skipif(
     reason=HOW_TO_RUN if not HAVE_CHECKOUT else "needs the torchft extra (pip install megatron_edit[ft])")
 
 
-def _supervised(workdir, extra, script=None, timeout=600):
-    """``python -m megatron_edit.supervise --workers 2`` running pretrain_gpt.py (or ``script``)
-    through the launcher, 2 ranks per job, each job's output in ``workdir/w<id>.log`` (appended by
-    a relaunch). Returns (exit code, the supervisor's output)."""
-    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+def _supervised(workdir, extra, script=None, supervisor=(), workers=2, ranks=2, timeout=600):
+    """``python -m megatron_edit.supervise --workers <workers>`` running pretrain_gpt.py (or
+    ``script``) through the launcher, ``ranks`` ranks per job (global batch 2 per rank), each job's
+    output in ``workdir/w<id>.log`` (appended by a relaunch). Returns (exit code, the supervisor's
+    output)."""
+    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
            "-m", "megatron_edit.launch", "--cpu", str(script or CHECKOUT / "pretrain_gpt.py"), *TINY, *EDIT,
-           "--global-batch-size", "4", "--train-iters", str(ITERS), "--local-sgd-sync-backend", "torchft",
+           "--global-batch-size", str(2 * ranks), "--train-iters", str(ITERS), "--local-sgd-sync-backend", "torchft",
            "--local-sgd-replica-id", "{replica_id}", *extra]
     shell = " ".join(f"'{part}'" for part in job) + " >> w{replica_id}.log 2>&1"
-    cmd = [sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--max-relaunches", "1",
-           "--", "bash", "-c", shell]
+    cmd = [sys.executable, "-m", "megatron_edit.supervise", "--workers", str(workers), "--max-relaunches", "1",
+           *supervisor, "--", "bash", "-c", shell]
     env = {k: v for k, v in _env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -295,3 +303,74 @@ def test_a_worker_killed_mid_run_is_relaunched_heals_and_its_loop_goes_on_from_t
     for log in (_lines(survivor), lines):
         assert _field(log[ITERS], "local sgd last sync step") == ITERS
         assert _field(log[ITERS], "local sgd workers") == 2
+
+
+MISS_A_SYNC = """
+import os, runpy, sys, time
+import megatron.training.training as training
+
+worker = int(sys.argv[sys.argv.index("--local-sgd-replica-id") + 1])
+
+
+def wait_for(name):
+    end = time.monotonic() + 300
+    while not os.path.exists(name):
+        assert time.monotonic() < end, name
+        time.sleep(0.05)
+
+
+original_step = training.train_step
+
+
+def train_step(*args, **kwargs):
+    # Worker 2 stalls before its 8th step until worker 0 is past its sync after step 8 (which
+    # commits without it: 2 of the 3 heartbeating workers are a quorum after the Lighthouse's
+    # join timeout); workers 0 and 1 go to their sync after step 12 once worker 2 is on its way
+    # to its own after step 8, which torchft pairs with theirs.
+    iteration = kwargs.get("iteration")
+    if worker == 2 and iteration == 7:
+        wait_for("past_8")
+        open("stalled", "w").close()
+    if worker == 0 and iteration == 8:
+        open("past_8", "w").close()
+    if worker in (0, 1) and iteration == 11:
+        wait_for("stalled")
+    return original_step(*args, **kwargs)
+
+
+training.train_step = train_step
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_live_worker_that_missed_a_sync_heals_at_the_next_and_skips_as_many_iterations(tmp_path):
+    """3 workers x 1 rank. Worker 2 stalls (alive, heartbeating) before its 8th step until the
+    others' sync after step 8 has gone on without it; its own sync after step 8 then meets
+    theirs after step 12, it heals 4 steps ahead and Megatron skips its iterations 9-12: it logs
+    1-8 and 13-16, with worker 0's learning rate, and ends with the others at the final sync
+    after step 16 (3 workers in it). (With 2 workers a live straggler holds the other's quorum:
+    torchft's Lighthouse forms one only with more than half of the heartbeating workers.)"""
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    for name in ("megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
+        (checkout / name).symlink_to(CHECKOUT / name)
+    script = checkout / "miss_a_sync.py"
+    script.write_text(MISS_A_SYNC.format(script=str(checkout / "pretrain_gpt.py")))
+    code, out = _supervised(tmp_path, [], script=script, supervisor=["--join-timeout-ms", "5000"], workers=3,
+                            ranks=1)
+    first, behind = _log(tmp_path, 0), _log(tmp_path, 2)
+    assert code == 0, out[-3000:] + behind[-5000:]
+    assert ("worker 2 healed from a live peer 4 optimizer step(s) ahead of its own: Megatron skips its next 4 "
+            "iteration(s) (9 .. 12)") in behind, behind[-5000:]
+    ahead, lines = _lines(first), _lines(behind)
+    assert sorted(ahead) == list(range(1, ITERS + 1)), first[-3000:]
+    assert sorted(lines) == [*range(1, 9), *range(13, ITERS + 1)], behind[-3000:]
+    for i in range(13, ITERS + 1):
+        assert _field(lines[i], "learning rate") == _field(ahead[i], "learning rate"), (i, lines[i], ahead[i])
+    assert _field(ahead[8], "local sgd workers") == 2  # the others' sync after step 8: without worker 2
+    for log in (ahead, lines):
+        assert _field(log[ITERS], "local sgd last sync step") == ITERS
+        assert _field(log[ITERS], "local sgd workers") == 3
