@@ -18,6 +18,10 @@
 #   DEVICE          gpu | cpu (cpu: gloo, fp32, for trying the flags out)   [gpu]
 #   PYTHON          the interpreter; gpu: transformer-engine is looked for   [python]
 #                   in it, and without it the local-layer flags are added
+#   SYNC_BACKEND    torch (all workers one job) | torchft (a job per worker,  [torch]
+#                   under python -m megatron_edit.supervise; each job gets
+#                   GLOBAL_BATCH / WORKERS, warmup 0, and {replica_id} in
+#                   its id and checkpoint folder)
 #
 # Why these EDiT settings (arXiv 2412.07210; starting points, not tuned on GPUs here):
 # * One worker per node (WORKERS = nodes): Megatron's distributed-optimizer instances are
@@ -64,15 +68,25 @@ if [ "$SIZE" != tiny ]; then
                --untie-embeddings-and-output-weights --disable-bias-linear)
 fi
 
+SYNC_BACKEND=${SYNC_BACKEND:-torch}
+case "$SYNC_BACKEND" in
+  torch) JOB_BATCH=${GLOBAL_BATCH:-$GBS}; INSTANCES=${WORKERS:?set WORKERS (EDiT workers)}; JOB_CKPT=${CKPT_DIR:-} ;;
+  # A job per worker: its share of the global batch, one distributed-optimizer instance, no
+  # warmup (warmup all-reduces gradients across workers, which separate jobs cannot).
+  torchft) JOB_BATCH=$(( ${GLOBAL_BATCH:-$GBS} / ${WORKERS:?set WORKERS (EDiT workers)} )); INSTANCES=1; W=0
+           JOB_CKPT=${CKPT_DIR:+$CKPT_DIR/worker{replica_id}} ;;
+  *) echo "unknown SYNC_BACKEND=$SYNC_BACKEND (torch, torchft)" >&2; exit 2 ;;
+esac
+
 TRAIN_ARGS=(
-  --train-iters "${TRAIN_ITERS:-$ITERS}" --global-batch-size "${GLOBAL_BATCH:-$GBS}"
+  --train-iters "${TRAIN_ITERS:-$ITERS}" --global-batch-size "$JOB_BATCH"
   --micro-batch-size "${MICRO_BATCH:-$MBS}" --lr "${LR:-$LR_}" --min-lr "${MIN_LR:-$MIN_LR_}"
   --lr-decay-style cosine --lr-warmup-iters "${LR_WARMUP:-$(( ${EDIT_WARMUP:-$W} > 1 ? ${EDIT_WARMUP:-$W} : 2 ))}"
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
   --log-interval "${LOG_INTERVAL:-$([ "$SIZE" = tiny ] && echo 1 || echo 10)}"
   --eval-interval 1000 --eval-iters "$([ "$SIZE" = tiny ] && echo 0 || echo 10)"
 )
-[ -n "${CKPT_DIR:-}" ] && TRAIN_ARGS+=(--save "$CKPT_DIR" --load "$CKPT_DIR"
+[ -n "$JOB_CKPT" ] && TRAIN_ARGS+=(--save "$JOB_CKPT" --load "$JOB_CKPT"
                                        --save-interval "${SAVE_INTERVAL:-1024}" --ckpt-format torch_dist)
 [ -n "${TB_DIR:-}" ] && TRAIN_ARGS+=(--tensorboard-dir "$TB_DIR" --log-timers-to-tensorboard)
 
@@ -85,11 +99,12 @@ fi
 
 EDIT_ARGS=(
   --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
-  --num-distributed-optimizer-instances "${WORKERS:?set WORKERS (EDiT workers)}"
+  --num-distributed-optimizer-instances "$INSTANCES"
   --use-local-sgd --local-sgd-sync-interval "${EDIT_H:-$H}" --local-sgd-warmup-steps "${EDIT_WARMUP:-$W}"
   --outer-optimizer sgd --outer-optimizer-lr "${OUTER_LR:-0.7}"
   --outer-optimizer-momentum "${OUTER_MOMENTUM:-0.9}" --outer-optimizer-nesterov
 )
+[ "$SYNC_BACKEND" = torchft ] && EDIT_ARGS+=(--local-sgd-sync-backend torchft --local-sgd-replica-id "{replica_id}")
 if [ "${EDIT_PENALTY:-$([ "$SIZE" = tiny ] && echo 0 || echo 1)}" = 1 ]; then
   EDIT_ARGS+=(--local-sgd-skip-anomaly --local-sgd-pseudo-gradnorm-reduce
               --local-sgd-clip-pseudo-grad "${EDIT_CLIP:-10}")
