@@ -115,6 +115,10 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     from urllib.parse import urlparse
 
     import torch.distributed as dist
+
+    # torchft's Lighthouse (here) and Managers (the jobs inherit it): no INFO line per quorum,
+    # unless RUST_LOG says otherwise.
+    os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
 
     from .exchange.fault_tolerant import START_GATE_ENV, start_gate_value
