@@ -36,6 +36,9 @@ def parse_args():
     parser.add_argument("--dtypes", nargs="*", default=["bf16", "fp8", "int8", "int4"],
                         help="quantized exchange formats to run at H=--dtype-interval")
     parser.add_argument("--dtype-interval", type=int, default=16)
+    parser.add_argument("--megatron-fsdp", action="store_true",
+                        help="also Megatron-FSDP (HSDP: a worker is an instance) synchronous and EDiT at "
+                             "H=--dtype-interval; results in comm_fsdp.md (megatron-core 0.16.x)")
     return bc.parse_args(parser)
 
 
@@ -48,10 +51,20 @@ def measure(args, run_args, counter, train_ds):
     for step in range(args.bench_steps):
         counter.step = step
         bc.train_step(run_args, ddp, optimizer, scheduler, next(it))
-    reports = bc.flush(ddp, controllers)  # the last layer-wise sync completes here (counted)
+    fsdp = getattr(run_args, "use_megatron_fsdp", False)
+    if fsdp:  # the last sync completes, and no parameter all-gather is left in flight
+        for c in controllers:
+            c.flush()
+        ddp.module.synchronize_param_gather()
+        reports = [r for c in controllers for r in c.drain_reports()]
+    else:
+        reports = bc.flush(ddp, controllers)  # the last layer-wise sync completes here (counted)
     counter.enabled = False
     size = bc.layout(args)["worker_size"]
-    shard_bytes = sum(b.grad_data.numel() * 4 // size for buf in ddp.buffers for b in buf.buckets)
+    if fsdp:  # each rank's fp32 shard of every parameter
+        shard_bytes = sum(p.numel() for p in ddp.parameters()) * 4 // size
+    else:
+        shard_bytes = sum(b.grad_data.numel() * 4 // size for buf in ddp.buffers for b in buf.buckets)
     by_name = {}
     for _, name, nbytes in counter.events:
         by_name.setdefault(name, [0, 0])
@@ -88,10 +101,17 @@ def main():
                                 local_sgd_sync_mode="layerwise", local_sgd_exchange_dtype=dtype,
                                 local_sgd_exchange_error_feedback=True)
         runs.append((f"EDiT H={h} {dtype}+EF", h, False, run_args))
+    if args.megatron_fsdp:
+        h = args.dtype_interval
+        runs.append(("Megatron-FSDP synchronous", None, False,
+                     bc.edit_args(args, use_local_sgd=False, use_megatron_fsdp=True)))
+        runs.append((f"EDiT H={h} Megatron-FSDP", h, False,
+                     bc.edit_args(args, use_local_sgd=True, use_megatron_fsdp=True, local_sgd_sync_interval=h,
+                                  local_sgd_warmup_steps=0, local_sgd_sync_mode="layerwise")))
     results = []
     for name, h, penalty, run_args in runs:
         r = measure(args, run_args, counter, train_ds)
-        r.update(name=name, h=h, penalty=penalty)
+        r.update(name=name, h=h, penalty=penalty, fsdp=getattr(run_args, "use_megatron_fsdp", False))
         results.append(r)
         bc.log0(f"{name:22s} {r['total'] / args.bench_steps:12.1f} B/step  {r['collectives']} collectives "
                 f"{r['by_name']}  syncs {r['syncs']}")
@@ -104,10 +124,13 @@ def main():
 
 def report(args, results):
     n = args.bench_steps
-    base = results[0]["total"] / n
+    base_ddp = results[0]["total"] / n
+    base_fsdp = next((r["total"] / n for r in results if r["fsdp"] and r["h"] is None), None)
     rows = []
-    fp32_at = {r["h"]: r["total"] for r in results if r["h"] and not r["penalty"] and "+EF" not in r["name"]}
+    fp32_at = {r["h"]: r["total"] for r in results
+               if r["h"] and not r["penalty"] and "+EF" not in r["name"] and not r["fsdp"]}
     for r in results:
+        base = base_fsdp if r["fsdp"] else base_ddp  # Megatron-FSDP's rows against its own HSDP
         per_step = r["total"] / n
         quantized = "+EF" in r["name"]
         shard_part = r["shard_bytes"] * r["syncs"] / n if r["h"] else per_step
@@ -122,6 +145,7 @@ def report(args, results):
             "yes" if r["identical"] else "no",
         ]
         rows.append(cells)
+    base = base_ddp
     headers = ["run", "H", "syncs", "collectives/step", "B/step/rank", "of which scalars",
                "x fewer than sync", "(x fewer)/H", "x of fp32 exchange", "= SyncReport bytes",
                "replicas equal at end"]
@@ -141,9 +165,17 @@ def report(args, results):
         "scale per block of at most 256 (each worker's chunk cut into equal blocks), int4 half a byte: 0.254x "
         "and 0.129x of the fp32 exchange asymptotically; small buckets pay a little more for scales and padding."
     )
+    if base_fsdp is not None:
+        notes += ("\nMegatron-FSDP rows (HSDP: a worker is one instance, optim_grads_params inside it, no_shard "
+                  "across): 'x fewer than sync' is against Megatron-FSDP's own synchronous HSDP, whose per-step "
+                  "outer all-reduce of the gradient shards is what EDiT replaces; 'of which scalars' also holds "
+                  "the padding Megatron-FSDP adds to each bucket's shard (its shard is counted from the parameters).")
     text = bc.table(headers, rows)
     print(f"\ncommunication per training step (bytes sent per rank across the sync group)\n{text}\n{notes}")
-    bc.write_result("comm.md", bc.table(headers, rows, markdown=True) + "\n\n" + notes.replace("\n", "  \n") + "\n")
+    name = "comm_fsdp.md" if args.megatron_fsdp else "comm.md"
+    bc.write_result(name, bc.table(headers, rows, markdown=True) + "\n\n" + notes.replace("\n", "  \n") + "\n")
+    if args.megatron_fsdp:
+        return  # the plot is the full run's (comm.png)
 
     plt = bc.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -36,6 +36,9 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["64x2", "128x2", "256x4"], help="hidden x layers")
     parser.add_argument("--layouts", nargs="+", default=["2x2", "4x1"], help="workers x shards per worker")
+    parser.add_argument("--megatron-fsdp", action="store_true",
+                        help="only Megatron-FSDP (HSDP: a worker is an instance), state on the device; results "
+                             "in memory_fsdp.md (megatron-core 0.16.x)")
     return bc.parse_args(parser)
 
 
@@ -51,6 +54,26 @@ def tensor_bytes(tensors) -> int:
 
 def megatron_bytes(ddp, optimizer) -> dict:
     """Per-rank bytes of Megatron's own training state, from the tensors."""
+    if hasattr(ddp, "module") and hasattr(ddp.module, "param_and_grad_buffer"):  # Megatron-FSDP
+        groups = ddp.module.param_and_grad_buffer.parameter_groups
+        data = lambda name: [getattr(getattr(g, name), "data", None) for g in groups if getattr(g, name, None)]  # noqa: E731
+        def held(names):  # each buffer its own allocation; a freed one (an unsharded weight between uses) is 0
+            total = 0
+            for name in names:
+                for t in data(name):
+                    try:
+                        total += t.untyped_storage().nbytes() if t is not None else 0
+                    except RuntimeError:
+                        pass
+            return total
+
+        params = held(("model_weight_buffer", "transpose_weight_buffer", "main_weight_buffer", "hsdp_wbuf"))
+        grads = held(("main_grad_buffer", "hsdp_gbuf"))
+        opt_state = [v.to_local() if hasattr(v, "to_local") else v  # DTensors: this rank's shard
+                     for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+                     for state in opt.optimizer.state.values() for v in state.values()
+                     if torch.is_tensor(v) and v.dim() > 0]
+        return dict(params=params, grads=grads, optimizer=tensor_bytes(opt_state))
     params = sum(b.param_data.numel() * b.param_data.element_size() for b in ddp.buffers if b.param_data is not None)
     grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.buffers)
     opt_state, mains = [], []
@@ -77,13 +100,18 @@ def edit_bytes(controllers, offload: bool) -> dict:
 def measure(args, hidden, layers, offload, train_ds):
     run_args = bc.edit_args(
         args, hidden=hidden, layers=layers, heads=4, use_local_sgd=True, local_sgd_sync_interval=1,
-        local_sgd_warmup_steps=0, local_sgd_cpu_offload=offload,
+        local_sgd_warmup_steps=0, local_sgd_cpu_offload=offload, use_megatron_fsdp=args.megatron_fsdp,
     )
     ddp, optimizer, scheduler, controllers = bc.build(run_args)
     it = bc.batches(run_args, train_ds)
     for _ in range(2):
         bc.train_step(run_args, ddp, optimizer, scheduler, next(it))
-    bc.flush(ddp, controllers)
+    if args.megatron_fsdp:
+        for c in controllers:
+            c.flush()
+        ddp.module.synchronize_param_gather()
+    else:
+        bc.flush(ddp, controllers)
     params = sum(p.numel() for p in ddp.parameters())
     mega = megatron_bytes(ddp, optimizer)
     edit = edit_bytes(controllers, offload)
@@ -110,13 +138,13 @@ def main():
             raise SystemExit(f"layout {layout} needs {workers * shards} processes, not {dist.get_world_size()}")
         for size in args.sizes:
             hidden, layers = map(int, size.split("x"))
-            for offload in (False, True):
+            for offload in (False,) if args.megatron_fsdp else (False, True):
                 r = measure(args, hidden, layers, offload, train_ds)
                 # Buckets pad shards: take the largest rank's figures (the one that bounds memory).
                 r["edit"]["total"] = int(bc.max_over_ranks(r["edit"]["total"]))
                 results.append(r)
     if dist.get_rank() == 0:
-        report(results)
+        report(results, "memory_fsdp" if args.megatron_fsdp else "memory")
     dist.destroy_process_group()
 
 
@@ -127,7 +155,7 @@ def fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
-def report(results):
+def report(results, stem: str = "memory"):
     rows = []
     for r in results:
         m, e, p = r["megatron"], r["edit"], r["params"]
@@ -141,7 +169,7 @@ def report(results):
             f"{full / e['total']:.1f}x",
         ])
     # Projections, same formulas (bf16 params, fp32 grads, fp32 main + Adam 2 moments sharded).
-    for name, p in (("1B (projected)", 1.0e9), ("7B (projected)", 7.0e9)):
+    for name, p in (("1B (projected)", 1.0e9), ("7B (projected)", 7.0e9)) if stem == "memory" else ():
         shards = 8
         mega_total = (2 + 4) * p + (4 + 8) * p / shards
         edit = 8 * p / shards
@@ -167,6 +195,13 @@ def report(results):
     )
     text = bc.table(headers, rows)
     print(f"\nmemory per rank\n{text}\n{notes}")
+    if stem != "memory":
+        notes = notes[:notes.index("\nProjected rows")]  # none for Megatron-FSDP
+        notes += ("\nMegatron-FSDP (HSDP: a worker is one instance, optim_grads_params inside it, no_shard across): "
+                  "Megatron's column is its parameter-group buffers (model weights, fp32 main weights, fp32 "
+                  "gradient shards) and Adam's moments; EDiT's state is sharded like the main weights.")
+        bc.write_result(f"{stem}.md", bc.table(headers, rows, markdown=True) + "\n\n" + notes.replace("\n", "  \n") + "\n")
+        return
     bc.write_result("memory.md", bc.table(headers, rows, markdown=True) + "\n\n" + notes.replace("\n", "  \n") + "\n")
 
     plt = bc.pyplot()
