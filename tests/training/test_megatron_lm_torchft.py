@@ -194,6 +194,19 @@ def _supervised(workdir, extra, script=None, supervisor=(), workers=2, ranks=2, 
     return proc.returncode, out
 
 
+def _script_in_checkout(tmp_path, name, text):
+    """``text`` (a wrapper that runs pretrain_gpt.py, ``{script}`` in it) as ``name`` next to the
+    checkout's files, linked into ``tmp_path/Megatron-LM`` (the launcher takes Megatron-LM's
+    training code from the script's folder)."""
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    for part in ("megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
+        (checkout / part).symlink_to(CHECKOUT / part)
+    script = checkout / name
+    script.write_text(text.format(script=str(checkout / "pretrain_gpt.py")))
+    return script
+
+
 def _log(workdir, worker):
     return (workdir / f"w{worker}.log").read_text()
 
@@ -282,12 +295,7 @@ def test_a_worker_killed_mid_run_is_relaunched_heals_and_its_loop_goes_on_from_t
     new job joins that sync), and heals it there at start-up: its loop starts at iteration 9
     (not 1), with worker 0's learning rate, and both end at iteration 16 with the final sync, 2
     workers in it; worker 0 lost no step."""
-    checkout = tmp_path / "Megatron-LM"  # the checkout's files, linked, next to the script
-    checkout.mkdir()
-    for name in ("megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
-        (checkout / name).symlink_to(CHECKOUT / name)
-    script = checkout / "kill_once.py"
-    script.write_text(KILL_ONCE.format(script=str(checkout / "pretrain_gpt.py")))
+    script = _script_in_checkout(tmp_path, "kill_once.py", KILL_ONCE)
     code, out = _supervised(tmp_path, [], script=script)
     survivor, relaunched = _log(tmp_path, 0), _log(tmp_path, 1)
     assert code == 0, out[-3000:] + relaunched[-5000:]
@@ -353,12 +361,7 @@ def test_a_live_worker_that_missed_a_sync_heals_at_the_next_and_skips_as_many_it
     1-8 and 13-16, with worker 0's learning rate, and ends with the others at the final sync
     after step 16 (3 workers in it). (With 2 workers a live straggler holds the other's quorum:
     torchft's Lighthouse forms one only with more than half of the heartbeating workers.)"""
-    checkout = tmp_path / "Megatron-LM"
-    checkout.mkdir()
-    for name in ("megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
-        (checkout / name).symlink_to(CHECKOUT / name)
-    script = checkout / "miss_a_sync.py"
-    script.write_text(MISS_A_SYNC.format(script=str(checkout / "pretrain_gpt.py")))
+    script = _script_in_checkout(tmp_path, "miss_a_sync.py", MISS_A_SYNC)
     code, out = _supervised(tmp_path, [], script=script, supervisor=["--join-timeout-ms", "5000"], workers=3,
                             ranks=1)
     first, behind = _log(tmp_path, 0), _log(tmp_path, 2)
