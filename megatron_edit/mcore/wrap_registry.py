@@ -192,7 +192,8 @@ class PatchRegistry:
             kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
             original = raw.__func__ if kind else raw
             wrapper = patch.wrap(original)
-            functools.update_wrapper(wrapper, original)
+            if not isinstance(wrapper, type):  # a class (a subclass of the original) names itself
+                functools.update_wrapper(wrapper, original)
             wrapper.__wrapped__ = original
             wrapper._megatron_edit_patch = patch.id
             setattr(owner, attr, kind(wrapper) if kind else wrapper)

@@ -65,15 +65,10 @@ class ReplicaData:
 
         return get_train_valid_test_num_samples
 
-    def wrap_sampler(self, original, params: Tuple[str, ...]):
-        """A subclass of the sampler class ``original`` that reads this worker's slice; its
-        ``__init__`` must take ``params`` (megatron-core's release table)."""
+    def wrap_sampler(self, original):
+        """A subclass of the sampler class ``original`` that reads this worker's slice (the
+        registry checks its parameters against megatron-core's release table first)."""
         signature = inspect.signature(original)
-        if tuple(signature.parameters) != tuple(params):
-            raise RuntimeError(
-                f"megatron_edit: {original.__module__}.{original.__name__} takes {tuple(signature.parameters)}, "
-                f"not {tuple(params)} as checked for this release: the torchft backend cannot give each worker its "
-                "own data with it.")
         data = self
 
         class Sampler(original):

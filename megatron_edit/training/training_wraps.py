@@ -57,7 +57,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..config import ConfigError, NotSupportedYet
 from ..mcore import compat
-from ..mcore.wrap_registry import REPLACE, Patch, PatchRegistry
+from ..mcore.wrap_registry import Patch, PatchRegistry
 from ..mcore.runtime import LocalSGDRuntime
 from ..mcore.session import SESSION, current_runtime
 from .flags import with_local_sgd_args
@@ -286,11 +286,8 @@ def add_global_budget_patches(
     def patch(pid, name, wrap, description):
         return compat_patch(pid, f"{_TRAINING}:{name}", wrap, description)
 
-    def sampler_patch(pid, name, description):
-        # A class: replaced by a subclass (ReplicaData checks its parameters against compat's table).
-        target = f"{_SAMPLERS}:{name}"
-        return Patch(pid, target, lambda original: data.wrap_sampler(original, compat.params(target)),
-                     compat.release_range(target), (), description, REPLACE)
+    def sampler_patch(pid, name, description):  # a class, wrapped by a subclass
+        return compat_patch(pid, f"{_SAMPLERS}:{name}", data.wrap_sampler, description)
 
     patches = [
         # One patch per target (the registry restores each original exactly): the run's length

@@ -117,7 +117,7 @@ def test_the_samplers_and_data_sizes_are_sharded_over_the_supervisors_workers(mo
     runtime = SimpleNamespace(configs=SimpleNamespace(local=local))
     data = rd.ReplicaData(lambda: runtime)
     monkeypatch.setenv(rd.START_GATE_ENV, "127.0.0.1:1234:2:600")
-    sharded = data.wrap_sampler(Sampler, params)
+    sharded = data.wrap_sampler(Sampler)
     assert issubclass(sharded, Sampler) and sharded.__name__ == "Sampler"
     s = sharded(total_samples=800, consumed_samples=16, micro_batch_size=2, data_parallel_rank=1,
                 data_parallel_size=2)
@@ -125,8 +125,28 @@ def test_the_samplers_and_data_sizes_are_sharded_over_the_supervisors_workers(mo
     assert data.wrap_num_samples(lambda: (400, 8, None))() == (800, 16, None)
     local.sync_backend = "torch"  # the torch backend: untouched
     assert sharded(800, 16, 2, 1, 2).seen == (800, 16, 1, 2, True)
-    with pytest.raises(RuntimeError, match="takes .* not .* as checked for this release"):
-        data.wrap_sampler(Sampler, params[:-1])
+    # Through the registry: its parameters checked, marked, and reverted exactly.
+    import types
+
+    from megatron_edit.mcore.wrap_registry import Patch, PatchError, PatchRegistry, VersionRange
+
+    module = types.ModuleType("fake_samplers")
+    module.Sampler = Sampler
+    monkeypatch.setitem(sys.modules, "fake_samplers", module)
+    registry = PatchRegistry()
+    registry.add(Patch("ft-data-sampler", "fake_samplers:Sampler", data.wrap_sampler, VersionRange("0.0.0", "9.0.0"),
+                       params, "test"))
+    assert registry.apply("1.0.0") == ["ft-data-sampler"]
+    assert module.Sampler.__wrapped__ is Sampler and module.Sampler._megatron_edit_patch == "ft-data-sampler"
+    local.sync_backend = "torchft"
+    assert module.Sampler(800, 16, 2, 1, 2).seen == (800, 32, 3, 4, True)
+    registry.revert()
+    assert module.Sampler is Sampler
+    wrong = PatchRegistry()
+    wrong.add(Patch("ft-data-sampler", "fake_samplers:Sampler", data.wrap_sampler, VersionRange("0.0.0", "9.0.0"),
+                    ("total_samples", "consumed", "micro_batch_size"), "test"))  # a release that renamed one
+    with pytest.raises(PatchError):
+        wrong.apply("1.0.0")
 
 
 FT = ("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "1", "--local-sgd-lighthouse",
