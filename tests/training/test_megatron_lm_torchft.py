@@ -262,22 +262,24 @@ def test_torchft_through_megatron_lm_equals_the_torch_backend(tmp_path):
     assert _field(_lines(_log(tmp_path, 0))[1], "lm loss") != _field(ft[1], "lm loss")
 
 
-KILL_ONCE = """
+WRAPPER_HEAD = """
 import os, runpy, signal, sys, time
 import megatron.training.training as training
-import megatron_edit.mcore.fault_tolerant as ft
 
 worker = int(sys.argv[sys.argv.index("--local-sgd-replica-id") + 1])
+original_step = training.train_step
 
 
-def wait_for(*names):
+def wait_for(*names):  # marker files another worker's job writes
     end = time.monotonic() + 300
     while not all(os.path.exists(n) for n in names):
         assert time.monotonic() < end, names
         time.sleep(0.05)
+"""
+"""The start of a wrapper around pretrain_gpt.py (each test adds its train_step, then runs it)."""
 
-
-original_step = training.train_step
+KILL_ONCE = WRAPPER_HEAD + """
+import megatron_edit.mcore.fault_tolerant as ft
 
 
 def train_step(*args, **kwargs):
@@ -333,21 +335,7 @@ def test_a_worker_killed_mid_run_is_relaunched_heals_and_its_loop_goes_on_from_t
         assert _field(log[ITERS], "local sgd workers") == 2
 
 
-MISS_A_SYNC = """
-import os, runpy, sys, time
-import megatron.training.training as training
-
-worker = int(sys.argv[sys.argv.index("--local-sgd-replica-id") + 1])
-
-
-def wait_for(name):
-    end = time.monotonic() + 300
-    while not os.path.exists(name):
-        assert time.monotonic() < end, name
-        time.sleep(0.05)
-
-
-original_step = training.train_step
+MISS_A_SYNC = WRAPPER_HEAD + """
 
 
 def train_step(*args, **kwargs):
