@@ -545,12 +545,17 @@ def build(args, use_local_sgd):
     if args.use_megatron_fsdp:  # HSDP: a worker is an instance, fully sharded inside, replicated across
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-        # gloo has no PREMUL_SUM (gradient_reduce_div_fusion off); fp32 main weights
+        # gloo has no PREMUL_SUM (gradient_reduce_div_fusion off); fp32 main weights. The
+        # communication unit twice a layer (Megatron-FSDP's own rule, which megatron-core 0.16.1
+        # then raises to 1B elements): the prefetch window holds the next layer, not the whole
+        # model, so a layer-wise sync overlaps the next forward pass.
+        layer = sum(p.numel() for p in model.decoder.layers[0].parameters())
         ddp_config = DistributedDataParallelConfig(
             use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
             num_distributed_optimizer_instances=args.workers, outer_dp_sharding_strategy="no_shard",
             overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True,
             gradient_reduce_div_fusion=False, bucket_size=args.bucket_size,
+            suggested_communication_unit_size=2 * layer,
         )
         ddp = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model,
                                        device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -100,7 +100,11 @@ def _build(spec, tp, pp):
 def wrap_megatron_fsdp(model, spec):
     """Megatron-FSDP in HSDP (``spec["instances"]`` instances, outer ``no_shard``), fully sharded
     inside an instance, wired into the model config as Megatron-LM does; on CPU: gloo has no
-    PREMUL_SUM (``gradient_reduce_div_fusion=False``) and the device is given."""
+    PREMUL_SUM (``gradient_reduce_div_fusion=False``) and the device is given. The
+    communication unit is small (``spec["fsdp_unit"]``, 2 elements by default), as for a model
+    of many large layers: the prefetch window holds one bucket (with none given, megatron-core
+    0.16.1 makes it 500M elements, and a model smaller than that is gathered whole at the end of
+    each step, so a layer-wise sync would complete there)."""
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
@@ -114,6 +118,7 @@ def wrap_megatron_fsdp(model, spec):
         grad_reduce_in_fp32=True,
         gradient_reduce_div_fusion=False,
         bucket_size=spec["bucket_size"],
+        suggested_communication_unit_size=spec.get("fsdp_unit", 2),
     )
     fsdp = FullyShardedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
                                     device=torch.device("cpu"))
@@ -256,7 +261,8 @@ def _train(rank, spec, tp, pp):
             out.setdefault("shard_records", {})[step] = dict(
                 anchor=[s.anchor.clone() for s in controllers[0].shards],
                 mains=[s.read_current(torch.empty(s.numel)) for s in controllers[0].shards],
-                residual=[None if s.residual is None else s.residual.clone() for s in controllers[0].shards])
+                residual=[None if s.residual is None else s.residual.clone() for s in controllers[0].shards],
+                pending=[controllers[0].sync._is_pending(s) for s in controllers[0].shards])
         if spec["snapshot_every_step"]:
             ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync too
             out["snapshots"][step] = full_params(ddp)
@@ -285,10 +291,14 @@ def _train(rank, spec, tp, pp):
         out["forward_numels"] = [s.numel for group in c.sync.groups for s in group]
         out["groups_per_sync"] = len(c.group_order)
         # Streaming fragments: the parameter names of each fragment (the simulation syncs them).
-        names = {p: n for n, p in getattr(ddp, "module", ddp).named_parameters()}
-        out["fragment_params"] = [] if spec.get("fsdp") else [
+        if spec.get("fsdp"):  # Megatron-FSDP's buckets hold its raw parameters, named as full_params names them
+            names = {p: n for n, p in ddp.module.raw_param.items()}
+        else:
+            names = {p: n for n, p in getattr(ddp, "module", ddp).named_parameters()}
+        # (a DDP bucket group holds buckets; a Megatron-FSDP group is one bucket of parameters)
+        out["fragment_params"] = [
             sorted(names[p] for g in c.group_order if any(s is c.group_shards[g][0] for s in frag)
-                   for b in g.buckets for p in b.params)
+                   for b in getattr(g, "buckets", (g,)) for p in b.params)
             for frag in c.sync_shards.fragments]
         out["state_bytes"] = c.state_bytes()
         out["sync_group_ranks"] = (
@@ -585,7 +595,7 @@ def async_runs(rank, world_size, spec):
         reports += controller.drain_reports()
     ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync
     reports += controller.drain_reports()
-    out = dict(worker=worker, steps=steps, reports=reports, params=named_params(ddp),
+    out = dict(worker=worker, steps=steps, reports=reports, params=full_params(ddp),
                seconds=_time.monotonic() - t0, finished=controller.finished, progress=progress,
                last_sync=controller.last_sync)
     if controller.ft is not None:

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..config import FLAG_NAMES, ConfigError, GTAConfig, LocalSGDConfig, NotSupportedYet
+from ..config import FLAG_NAMES, ConfigError, LocalSGDConfig, NotSupportedYet
 from ..exchange.shard import BucketShard
 from . import compat
 from .releases import FSDP_SUPPORTED, FSDP_TESTED
@@ -95,30 +95,9 @@ def check_fsdp_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config
     _check_local_sgd_options(local_cfg)
 
 
-def check_fsdp_gta(gta_config: GTAConfig) -> None:
-    """GTA's reducer is not built on Megatron-FSDP yet."""
-    if gta_config.reducer == "gta":
-        raise NotSupportedYet(
-            f"{FLAG_NAMES['reducer']} gta with EDiT on Megatron-FSDP (--use-megatron-fsdp) is not "
-            "supported yet.")
-
-
 def _check_local_sgd_options(local_cfg: LocalSGDConfig) -> None:
     """EDiT's own options not built on Megatron-FSDP yet."""
     c = local_cfg
-    not_yet = [
-        ("use_async", c.use_async),
-        ("outer_step_delay", c.outer_step_delay),
-        ("fragments", c.fragments > 1),
-        ("exchange_dtype", c.exchange_dtype != "fp32"),
-        ("auto_overlap", c.auto_overlap),
-    ]
-    for field, on in not_yet:
-        if on:
-            raise NotSupportedYet(
-                f"{FLAG_NAMES[field]} with EDiT on Megatron-FSDP (--use-megatron-fsdp) is not "
-                "supported yet (checked: the mean and the pseudo-gradient penalty, step-end and "
-                "layer-wise).")
     if c.clip_pseudo_grad is not None and c.sync_mode == "layerwise":
         # A layer's clip factor sums its norm over the worker's shards; in layer-wise mode that
         # collective would run inside Megatron-FSDP's coalesced all-gather of the same group.
@@ -164,6 +143,17 @@ class FSDPModel:
     def pipelines(self) -> Tuple[object, object]:
         """The gradient-reduce and parameter all-gather pipelines of this model."""
         return self.fsdp.grad_reduce_pipeline, self.fsdp.all_gather_pipeline
+
+    @property
+    def prefetches_everything(self) -> bool:
+        """The parameter all-gather's prefetch window holds the whole model: the step's prefetch
+        of the first bucket gathers every bucket, so a layer-wise sync completes at the end of
+        the optimizer step instead of in the next forward pass. megatron-core 0.16.1 makes the
+        window at least 500M elements unless ``suggested_communication_unit_size`` is given."""
+        window = getattr(self.fsdp, "suggested_AG_prefetch_size", None)
+        if window is None:
+            return False
+        return window >= sum(p.numel() for g in self.buffer.parameter_groups for p in g.params)
 
     def group_of(self, bucket_id: int) -> Optional[FSDPBucket]:
         return self.buckets.get(bucket_id)

@@ -21,7 +21,7 @@ from . import compat
 from .async_plan import AsyncPlan, FollowerPlan
 from .checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
 from .controller import LocalSGD
-from .fsdp import check_fsdp_gta, check_fsdp_release
+from .fsdp import check_fsdp_release
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,6 @@ class LocalSGDRuntime:
     def check_fsdp(self, transformer_config, ddp_config) -> None:
         """Before Megatron-FSDP is built: the options EDiT on it refuses."""
         check_megatron_options(self.configs.local, transformer_config, ddp_config)
-        check_fsdp_gta(self.configs.gta)
 
     def on_fsdp_init(self, wrapper) -> None:
         """A Megatron-FSDP model (``FullyShardedDataParallel``) was built while patched."""
@@ -164,6 +163,14 @@ class LocalSGDRuntime:
         if controller.fsdp is not None:
             for pipeline in controller.fsdp.pipelines:
                 self.fsdp_pipelines[pipeline] = controller
+            if controller.config.sync_mode == "layerwise" and controller.fsdp.prefetches_everything \
+                    and torch.distributed.get_rank() == 0:
+                logger.warning(
+                    "megatron_edit: --local-sgd-sync-mode layerwise on Megatron-FSDP: its prefetch "
+                    "window (%d elements) holds the whole model, so each sync completes at the end "
+                    "of the optimizer step, not overlapped with the next forward pass; set "
+                    "--suggested-communication-unit-size (e.g. twice a layer's parameters) for the "
+                    "overlap.", controller.fsdp.fsdp.suggested_AG_prefetch_size)
         if torch.distributed.get_rank() == 0:
             logger.info(
                 "megatron_edit: EDiT on a distributed optimizer with %d buckets, %d workers, "

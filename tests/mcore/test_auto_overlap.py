@@ -10,6 +10,7 @@ import torch
 from dist import run_ranks
 from megatron_edit.algorithm.overlap_plan import choose
 from megatron_edit.mcore import checkpoint as checkpointing, compat
+from megatron_edit.mcore.releases import FSDP_SUPPORTED
 
 WORLD = 4
 # W = 0, H = 2, 10 steps: syncs after 2, 4, 6, 8, 10. The first two are measured (blocking);
@@ -22,6 +23,9 @@ AUTO = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0, sync_mode="laye
 # take fp32 with a delay of 1 (ceil(1.2 x 0.10 / 0.13) = 1).
 MEASURED = {0: (0.10, {"fp32": 0.30, "int8": 0.08}, 0.0), 1: (0.12, {"fp32": 0.32, "int8": 0.075}, 0.0),
             2: (0.11, {"fp32": 0.25, "int8": 0.06}, 0.0), 3: (0.13, {"fp32": 0.10, "int8": 0.03}, 0.0)}
+ON_FSDP_RELEASE = pytest.mark.skipif(
+    not FSDP_SUPPORTED.contains(compat.megatron_core_version()),
+    reason=f"EDiT on Megatron-FSDP is checked on megatron-core {FSDP_SUPPORTED} only (refused elsewhere)")
 NEEDS_CHECKPOINTS = pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                                        reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
 STATE = ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step")
@@ -82,16 +86,18 @@ MEASURED_FP32 = {0: (0.10, {"fp32": 0.08}, 0.0), 1: (0.12, {"fp32": 0.07}, 0.0),
 
 @pytest.mark.one_lane  # as the test above
 @pytest.mark.timeout(400)
-def test_a_delay_chosen_mid_run_matches_the_simulation():
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=ON_FSDP_RELEASE)], ids=["distopt", "megatron_fsdp"])
+def test_a_delay_chosen_mid_run_matches_the_simulation(fsdp):
     """fp32 only, H = 2, --train-iters 10: blocking syncs after 2 and 4 (measured), the delay
     1 decided at the step after 4; the syncs after 6 and 8 are launched one step earlier and
     merged (alpha 0.5), the last (10) is blocking. Against the plain-PyTorch simulation with the
-    delay switched on after step 4 (``delay_switch``), and one model on every worker at the end."""
+    delay switched on after step 4 (``delay_switch``), and one model on every worker at the end;
+    on the distributed optimizer and on Megatron-FSDP in HSDP."""
     from edit_runs import default_spec, megatron_runs, simulate_edit
 
     local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0, sync_mode="layerwise", auto_overlap=True)
     outer = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
-    spec = default_spec(steps=10, last_step=10, local_sgd=local, outer=outer, measurements=MEASURED_FP32)
+    spec = default_spec(steps=10, last_step=10, local_sgd=local, outer=outer, measurements=MEASURED_FP32, fsdp=fsdp)
     results = run_ranks(megatron_runs, WORLD, [spec], timeout=360)
     sim = run_ranks(simulate_edit, 1, dict(spec, delay_switch=(4, 1)), WORLD, timeout=120)[0]["params"]
     for r in results:

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dist import run_ranks
-from edit_runs import default_spec, megatron_runs, simulate_edit
-from megatron_edit.config import ConfigError, GTAConfig, LocalSGDConfig, NotSupportedYet
+from edit_runs import async_runs, default_spec, megatron_runs, simulate_edit
+from megatron_edit.config import ConfigError, LocalSGDConfig, NotSupportedYet
 from megatron_edit.mcore import compat
-from megatron_edit.mcore.fsdp import check_fsdp_gta, check_fsdp_options
+from megatron_edit.mcore.fsdp import check_fsdp_options
 from megatron_edit.mcore.releases import FSDP_SUPPORTED
 
 WORLD = 4
@@ -121,6 +121,17 @@ def test_fsdp_accepts_the_checked_combinations():
         check_fsdp_options(LocalSGDConfig(sync_mode=mode, **penalty), _model(), _fsdp_config(), version="0.16.1")
     clip = LocalSGDConfig(sync_mode="step_end", clip_pseudo_grad=0.5, **penalty)
     check_fsdp_options(clip, _model(), _fsdp_config(), version="0.16.1")
+    for dtype in ("bf16", "fp8", "int8", "int4"):
+        for feedback in (False, True):
+            local = LocalSGDConfig(exchange_dtype=dtype, exchange_error_feedback=feedback)
+            check_fsdp_options(local, _model(), _fsdp_config(), version="0.16.1")
+    check_fsdp_options(LocalSGDConfig(exchange_dtype="int2", exchange_topk_density=0.02), _model(),
+                       _fsdp_config(), version="0.16.1")
+    for mode in ("step_end", "layerwise"):
+        delayed = LocalSGDConfig(sync_mode=mode, local_sgd_sync_interval=8, outer_step_delay=2, fragments=2)
+        check_fsdp_options(delayed, _model(), _fsdp_config(), version="0.16.1")
+        for local in (dict(use_async=True), dict(auto_overlap=True, auto_formats="fp32,int8", local_sgd_sync_interval=8)):
+            check_fsdp_options(LocalSGDConfig(sync_mode=mode, **local), _model(), _fsdp_config(), version="0.16.1")
 
 
 @pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.17.1", "0.19.2"])
@@ -152,20 +163,10 @@ def test_fsdp_refuses_model_parallelism_not_built_yet(model, flag):
 
 
 @pytest.mark.parametrize("local, flag", [
-    (dict(use_async=True), "--local-sgd-async"),
-    (dict(outer_step_delay=1, local_sgd_sync_interval=4), "--local-sgd-outer-step-delay"),
-    (dict(fragments=2, local_sgd_sync_interval=4), "--local-sgd-fragments"),
-    (dict(exchange_dtype="bf16"), "--local-sgd-exchange-dtype"),
     (dict(clip_pseudo_grad=1.0), "--local-sgd-clip-pseudo-grad"),  # layer-wise (the default mode)
 ])
 def test_fsdp_refuses_edit_features_not_built_yet(local, flag):
     _refused(NotSupportedYet, flag, local=LocalSGDConfig(**local))
-
-
-def test_fsdp_refuses_gta():
-    with pytest.raises(NotSupportedYet, match="--local-sgd-reducer"):
-        check_fsdp_gta(GTAConfig(reducer="gta"))
-    check_fsdp_gta(GTAConfig())
 
 
 def test_checkpoints_of_edit_on_megatron_fsdp_are_refused():
@@ -236,3 +237,179 @@ def test_penalty_on_megatron_fsdp_equals_the_distributed_optimizer():
     weights = results[0]["runs"][1]["reports"][0].weights
     assert (weights - 0.5).abs().max() > 0.05, "weights are not sharp enough to test weighting"
     assert exclusions > 0 and clipped > 0, (exclusions, clipped)
+
+
+# ------------------------------------------------- GTA and the exchange's formats on Megatron-FSDP
+
+FORMATS = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)  # syncs after steps 3 and 5
+
+
+@ON_FSDP_RELEASE
+@pytest.mark.timeout(600)
+def test_gta_and_the_bf16_exchange_on_megatron_fsdp_equal_the_distributed_optimizer():
+    """What is element-wise does not depend on how the model is cut into shards, so Megatron-FSDP
+    gives the distributed optimizer's numbers: GTA's sign consensus and normalized mean of the
+    agreeing entries, and the bf16 exchange with error feedback, in both sync modes, to 1e-6;
+    the replicas identical after every sync."""
+    gta = dict(reducer="gta", consensus_method="sum")
+    bf16 = dict(FORMATS, exchange_dtype="bf16", exchange_error_feedback=True)
+    specs = [
+        default_spec(steps=5, local_sgd=dict(FORMATS, sync_mode="step_end"), outer=OUTER, gta=gta),
+        default_spec(steps=5, local_sgd=dict(FORMATS, sync_mode="step_end"), outer=OUTER, gta=gta, fsdp=True,
+                     snapshot_every_step=True),
+        default_spec(steps=5, local_sgd=dict(FORMATS, sync_mode="layerwise"), outer=OUTER, gta=gta, fsdp=True),
+        default_spec(steps=5, local_sgd=dict(bf16, sync_mode="step_end"), outer=OUTER),
+        default_spec(steps=5, local_sgd=dict(bf16, sync_mode="step_end"), outer=OUTER, fsdp=True,
+                     snapshot_every_step=True),
+        default_spec(steps=5, local_sgd=dict(bf16, sync_mode="layerwise"), outer=OUTER, fsdp=True),
+    ]
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
+    for r in results:
+        runs = r["runs"]
+        for ddp, fsdp_runs in ((runs[0], runs[1:3]), (runs[3], runs[4:6])):
+            for run in fsdp_runs:
+                assert [rep.step for rep in run["reports"]] == [3, 5]
+                assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
+                assert _max_difference(run["params"], ddp["params"]) <= 1e-6
+        assert runs[4]["reports"][0].quantization_error is not None
+    # the GTA run and the bf16 run differ from each other: each reducer did something of its own
+    assert _max_difference(results[0]["runs"][1]["params"], results[0]["runs"][4]["params"]) > 1e-6
+    for i in (1, 4):  # worker 0 is ranks 0-1, worker 1 ranks 2-3
+        first, other = results[0]["runs"][i]["snapshots"], results[2]["runs"][i]["snapshots"]
+        for step in (3, 5):
+            assert _equal(first[step], other[step]), f"run {i}: replicas differ after the sync at {step}"
+        assert not _equal(first[4], other[4]), f"run {i}: workers should differ between syncs"
+
+
+@ON_FSDP_RELEASE
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_exchange_on_megatron_fsdp_keeps_replicas_identical(dtype):
+    """Block-scaled formats cut each Megatron-FSDP shard into their own blocks (other shards than
+    the distributed optimizer's, so other numbers): with error feedback, the replicas are
+    identical after every sync, layer-wise gives step-end's parameters bit for bit, the bytes per
+    sync are the format's fraction of fp32's, and the model stays within the quantization
+    error of the fp32 exchange's."""
+    quant = dict(FORMATS, exchange_dtype=dtype, exchange_block_size=64, exchange_error_feedback=True)
+    specs = [
+        default_spec(steps=5, local_sgd=dict(quant, sync_mode="layerwise"), outer=OUTER, fsdp=True),
+        default_spec(steps=5, local_sgd=dict(quant, sync_mode="step_end"), outer=OUTER, fsdp=True,
+                     snapshot_every_step=True, record_shards_at_steps=(3, 5)),
+        default_spec(steps=5, local_sgd=dict(FORMATS, sync_mode="step_end"), outer=OUTER, fsdp=True),
+    ]
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
+    low, high = {"int8": (0.25, 0.40), "int4": (0.12, 0.27)}[dtype]
+    for r in results:
+        layerwise, step_end, fp32 = r["runs"]
+        assert [rep.step for rep in layerwise["reports"]] == [3, 5]
+        assert _equal(layerwise["params"], step_end["params"]), "layer-wise vs step-end"
+        ratio = layerwise["reports"][0].payload_bytes / fp32["reports"][0].payload_bytes
+        assert low < ratio < high, ratio  # small shards: block padding weighs more than at scale
+        assert layerwise["reports"][0].quantization_error > 0
+        # error feedback carries what quantization dropped: residuals after a sync are nonzero
+        residuals = [x for x in step_end["shard_records"][5]["residual"] if x is not None]
+        assert residuals and any(x.abs().max() > 0 for x in residuals)
+        difference = _max_difference(step_end["params"], fp32["params"])
+        assert 0 < difference < {"int8": 2e-3, "int4": 2e-2}[dtype], difference
+    first, other = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
+    for step in (3, 5):
+        assert _equal(first[step], other[step]), f"replicas differ after the sync at {step}"
+
+
+# ------------------------------------------ the delayed outer step and fragments on Megatron-FSDP
+
+# W = 1, H = 3, --train-iters 9: the syncs after 4 and 7 launched tau steps before, the last
+# (after 9) blocking. Fragments: H = 4, F = 2: fragment 1 after 3 and 7, fragment 0 after 5,
+# every fragment after 9.
+DELAY = dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=1)
+FRAG = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=1, fragments=2)
+FRAG_STEPS = [(3, 1), (5, 0), (7, 1), (9, None)]
+
+
+@ON_FSDP_RELEASE
+@pytest.mark.timeout(600)
+def test_delay_and_fragments_on_megatron_fsdp():
+    """The delayed outer step (tau = 2, alpha = 0, both modes) on Megatron-FSDP equals it on the
+    distributed optimizer to 1e-6; tau = 1 with the lerp merge and the penalty's weights, and
+    F = 2 fragments (layer-wise and step-end, bit for bit the same; and with tau = 1
+    keep_local), equal the simulation told Megatron-FSDP's fragments; each sync exchanges one
+    fragment in turn, the last every one; right after a fragment's sync its parameters are
+    identical on both workers and the others are not; every run ends with one model."""
+    def spec(local, **kw):
+        return default_spec(steps=9, last_step=9, local_sgd=local, outer=OUTER, **kw)
+
+    specs = [
+        spec(dict(DELAY, outer_step_delay=2, outer_merge_alpha=0.0, sync_mode="layerwise")),
+        spec(dict(DELAY, outer_step_delay=2, outer_merge_alpha=0.0, sync_mode="layerwise"), fsdp=True,
+             snapshot_every_step=True),
+        spec(dict(DELAY, outer_step_delay=2, outer_merge_alpha=0.0, sync_mode="step_end"), fsdp=True),
+        spec(dict(DELAY, outer_step_delay=1, outer_merge_alpha=0.5, sync_mode="step_end",
+                  pseudo_gradnorm_reduce=True), fsdp=True),
+        spec(dict(FRAG, sync_mode="layerwise", pseudo_gradnorm_reduce=True), fsdp=True),
+        spec(dict(FRAG, sync_mode="step_end", pseudo_gradnorm_reduce=True), fsdp=True, snapshot_every_step=True),
+        spec(dict(FRAG, sync_mode="step_end", outer_step_delay=1, outer_merge_rule="keep_local"), fsdp=True),
+    ]
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
+    frags = results[0]["runs"][4]["fragment_params"]
+    assert len(frags) == 2 and all(frags) and not set(frags[0]) & set(frags[1])
+    assert set(frags[0]) | set(frags[1]) == set(results[0]["runs"][4]["params"])
+    sims = [run_ranks(simulate_edit, 1, dict(s, **extra), WORLD, timeout=200)[0]["params"]
+            for s, extra in ((specs[3], {}), (specs[4], dict(fragment_params=frags)),
+                             (specs[6], dict(fragment_params=frags)))]
+    for r in results:
+        ddp, layerwise, step_end, lerp, f_layerwise, f_step_end, f_delayed = r["runs"]
+        for run in (layerwise, step_end):
+            assert [(rep.step, rep.delay) for rep in run["reports"]] == [(4, 2), (7, 2), (9, 0)]
+            assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
+            assert _max_difference(run["params"], ddp["params"]) <= 1e-6
+        assert [(rep.step, rep.delay) for rep in lerp["reports"]] == [(4, 1), (7, 1), (9, 0)]
+        for run in (f_layerwise, f_step_end, f_delayed):
+            assert run["fragment_params"] == frags  # the same fragments on every rank
+            assert [(rep.step, rep.fragment) for rep in run["reports"]] == FRAG_STEPS
+        assert [rep.delay for rep in f_delayed["reports"]] == [1, 1, 1, 0]
+        assert _equal(f_layerwise["params"], f_step_end["params"]), "fragments: layer-wise vs step-end"
+        for run, sim in ((lerp, sims[0]), (f_layerwise, sims[1]), (f_delayed, sims[2])):
+            assert _max_difference(run["params"], sim[run["worker"]]) <= SIM_ATOL
+            assert not run["pending_at_end"] and not run["in_flight_at_end"]
+    # replicas: worker 0 is ranks 0-1, worker 1 ranks 2-3
+    a, b = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
+    for step in range(2, 10):
+        assert _equal(a[step], b[step]) == (step in (4, 7, 9)), f"delay: after step {step}"
+    a, b = results[0]["runs"][5]["snapshots"], results[2]["runs"][5]["snapshots"]
+    for step, fragment in FRAG_STEPS:
+        synced = set(frags[fragment]) if fragment is not None else set(a[step])
+        for name in a[step]:
+            same = torch.equal(a[step][name], b[step][name])
+            assert same == (name in synced), f"fragments: after step {step}: {name} {'equal' if same else 'differs'}"
+    for i in range(len(specs)):
+        assert _equal(results[0]["runs"][i]["params"], results[2]["runs"][i]["params"]), f"run {i} at the end"
+
+
+# ----------------------------------------------------------------------- A-EDiT on Megatron-FSDP
+
+ASYNC = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1,
+             min_total_global_steps=10, use_step_weight=True, step_weight_ratio=0.5)
+
+
+@ON_FSDP_RELEASE
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["step_end", "layerwise"])
+def test_a_edit_on_megatron_fsdp_equals_the_distributed_optimizer(mode):
+    """A-EDiT on a fake clock (worker 0 1 s per step, worker 1 0.25 s; sync every 4 s, the first
+    sync skipped, step weights): on Megatron-FSDP the workers take different numbers of steps
+    with nothing crossing between them, sync at the same steps with the same skip and weights
+    as on the distributed optimizer, end with its parameters to 1e-6 and identical replicas."""
+    spec = default_spec(local_sgd=dict(ASYNC, sync_mode=mode), outer=OUTER, seconds_per_step=[1.0, 0.25],
+                        syncs=3, max_steps=64)
+    ddp = run_ranks(async_runs, WORLD, spec, timeout=280)
+    fsdp = run_ranks(async_runs, WORLD, dict(spec, fsdp=True), timeout=280)
+    for a, b in zip(fsdp, ddp):
+        expected = [3, 7, 11] if a["worker"] == 0 else [3, 19, 35]
+        assert [rep.step for rep in a["reports"]] == [rep.step for rep in b["reports"]] == expected
+        assert [rep.skipped_sync for rep in a["reports"]] == [True, False, False]
+        for x, y in zip(a["reports"], b["reports"]):
+            assert torch.equal(x.worker_steps, y.worker_steps)
+            assert (x.weights is None) == (y.weights is None)  # none at the skipped sync
+            assert x.weights is None or torch.allclose(x.weights, y.weights, atol=1e-6)
+        assert _max_difference(a["params"], b["params"]) <= 1e-6
+    assert _equal(fsdp[0]["params"], fsdp[2]["params"]), "replicas after the last sync"
