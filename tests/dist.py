@@ -207,3 +207,20 @@ def run_ranks(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> lis
         results.close()
         shutil.rmtree(store_dir, ignore_errors=True)
     return [values[rank] for rank in range(world_size)]
+
+
+def run_fsdp_ranks(fn, world_size, *args, **kwargs) -> list:
+    """:func:`run_ranks` for a job that runs Megatron-FSDP on the CPU, run once more when a rank
+    fails: a few such jobs in a hundred here (3 of about 100 on 2026-11-28) have a rank die in gloo (a segmentation fault, an abort
+    after a read error) or raise from a damaged autograd graph, a known defect whose cause is open
+    (docs/concepts/megatron-fsdp.md). The second run's failure is the test's: a failure that
+    repeats (every wrong number, every refusal) is never hidden; each rerun is said as a warning."""
+    import warnings
+
+    try:
+        return run_ranks(fn, world_size, *args, **kwargs)
+    except RankError as first:
+        lines = [line for line in str(first).splitlines() if line.strip()]
+        warnings.warn(f"a Megatron-FSDP job on the CPU failed once (known defect; run again): "
+                      f"{lines[-1][:300] if lines else first!r}")
+        return run_ranks(fn, world_size, *args, **kwargs)

@@ -7,7 +7,7 @@ continues with the settings in force. The measurements are injected (``train_job
 import pytest
 import torch
 
-from dist import run_ranks
+from dist import run_fsdp_ranks, run_ranks
 from megatron_edit.algorithm.overlap_plan import choose
 from megatron_edit.mcore import checkpoint as checkpointing, compat
 from megatron_edit.mcore.releases import FSDP_SUPPORTED
@@ -98,7 +98,7 @@ def test_a_delay_chosen_mid_run_matches_the_simulation(fsdp):
     local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0, sync_mode="layerwise", auto_overlap=True)
     outer = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
     spec = default_spec(steps=10, last_step=10, local_sgd=local, outer=outer, measurements=MEASURED_FP32, fsdp=fsdp)
-    results = run_ranks(megatron_runs, WORLD, [spec], timeout=360)
+    results = (run_fsdp_ranks if fsdp else run_ranks)(megatron_runs, WORLD, [spec], timeout=360)
     sim = run_ranks(simulate_edit, 1, dict(spec, delay_switch=(4, 1)), WORLD, timeout=120)[0]["params"]
     for r in results:
         run = r["runs"][0]
