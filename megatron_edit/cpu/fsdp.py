@@ -12,6 +12,9 @@ Megatron-FSDP is refused there with a message naming the supported releases):
   the adapter's factory wraps. Megatron-FSDP's warning on every rank that it uses the CPU device
   it was given "instead of the current device cuda:0" is dropped there (it is what the adapter
   asks for).
+* S3, ``FullyShardedDataParallel.__init__`` without a device (Megatron-LM's ``get_model`` gives
+  none) takes ``cuda:{current_device()}``; the CPU device is given instead, and
+  ``gradient_reduce_div_fusion`` is turned off (gloo has no ``PREMUL_SUM``).
 * S2, ``mcore_fsdp_adapter`` builds its device meshes with ``DeviceMesh.from_group(...,
   device_type="cuda")``; ``DTensor.from_local`` then moves every main-weight shard to CUDA. The
   name ``DeviceMesh`` in that module is replaced by a stand-in whose ``from_group`` builds a CPU
@@ -78,6 +81,22 @@ class CpuDeviceMesh:
         return DeviceMesh.from_group(*args, **kwargs)
 
 
+def _cpu_device_and_no_div_fusion(original):
+    """S3: ``FullyShardedDataParallel`` built without a device (Megatron-LM's ``get_model``)
+    takes ``cuda:{current_device()}``, the invalid ``"cuda:cpu"`` under the adapter: the CPU
+    device is given instead. And gloo has no ``PREMUL_SUM``: the gradient scale is applied to the
+    buffer before a SUM (``gradient_reduce_div_fusion=False``, the same numbers)."""
+
+    def __init__(self, config, ddp_config, module, *args, **kwargs):
+        if len(args) < 3 and kwargs.get("device") is None:
+            kwargs["device"] = torch.device("cpu")
+        if getattr(ddp_config, "gradient_reduce_div_fusion", False):
+            ddp_config.gradient_reduce_div_fusion = False
+        return original(self, config, ddp_config, module, *args, **kwargs)
+
+    return __init__
+
+
 def declare_fsdp(registry: PatchRegistry) -> None:
     """Add the Megatron-FSDP patches to ``registry`` (the adapter's); they apply on the releases
     of :data:`FSDP_SUPPORTED` only."""
@@ -85,6 +104,10 @@ def declare_fsdp(registry: PatchRegistry) -> None:
         "cpu-fsdp-device-string", f"{_MEGATRON_FSDP}.__init__", _ordinal_device_while_building,
         FSDP_SUPPORTED, ("self", "module", "dist_index", "ddp_config"),
         "Megatron-FSDP on CPU: current_device() is the ordinal 0 while MegatronFSDP is built"))
+    registry.add(Patch(
+        "cpu-fsdp-adapter-device", f"{_ADAPTER}:FullyShardedDataParallel.__init__", _cpu_device_and_no_div_fusion,
+        FSDP_SUPPORTED, ("self", "config", "ddp_config", "module"),
+        "Megatron-FSDP on CPU: built on the CPU device when none is given; no PREMUL_SUM (gloo)"))
     registry.add(Patch.replacing(
         "cpu-fsdp-device-mesh", f"{_ADAPTER}:DeviceMesh", CpuDeviceMesh, FSDP_SUPPORTED,
         "Megatron-FSDP on CPU: its device meshes are CPU meshes"))

@@ -107,12 +107,14 @@ def _build_registry() -> PatchRegistry:
 def prepare_environment() -> None:
     """Environment for a CPU run; call before megatron is imported (``activate`` calls it too).
 
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1``: what Megatron expects of a pre-Blackwell device.
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``: what Megatron expects of a pre-Blackwell device; 8 with
+    ``--use-megatron-fsdp`` on the command line (Megatron-LM asserts more than one for
+    Megatron-FSDP, whose side streams are inert on the CPU).
     ``TORCH_COMPILE_DISABLE=1``: Megatron's fused bias-GeLU / bias-dropout-add are
     ``torch.compile``d and warmed up at start-up; on CPU, compiling them costs each rank seconds
     of its few cores (a 4-rank tiny run: 54 s -> 23 s wall) for no gain. Both only when unset.
     """
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "8" if "--use-megatron-fsdp" in sys.argv else "1")
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     dynamo_config = sys.modules.get("torch._dynamo.config")
     if dynamo_config is not None and os.environ["TORCH_COMPILE_DISABLE"] == "1":

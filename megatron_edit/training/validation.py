@@ -45,10 +45,11 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
             "trains it with its layer-wise optimizer, not the distributed optimizer EDiT attaches "
             "to. Use --optimizer adam or sgd with --use-distributed-optimizer."
         )
-    if get("use_megatron_fsdp") or get("use_custom_fsdp"):
+    if (get("use_megatron_fsdp") or get("use_custom_fsdp")) and (get("save") or get("load")):
         raise NotSupportedYet(
-            "--use-megatron-fsdp with --use-local-sgd through Megatron-LM's training loop is not "
-            "supported yet: EDiT on Megatron-FSDP runs with megatron-core alone "
+            f"--{'save' if get('save') else 'load'} with --use-megatron-fsdp and --use-local-sgd is "
+            "not supported yet: EDiT's state in Megatron-FSDP's checkpoints (fsdp_dtensor) is not "
+            "built; train without --save / --load, or with DDP and --use-distributed-optimizer "
             "(docs/concepts/megatron-fsdp.md).")
     # The same checks the DDP / optimizer patches run, on Megatron's flags.
     model_options = SimpleNamespace(
@@ -56,6 +57,10 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         enable_cuda_graph=get("enable_cuda_graph", False),
         external_cuda_graph=get("external_cuda_graph", False),
         calculate_per_token_loss=get("calculate_per_token_loss", False),
+        tensor_model_parallel_size=get("tensor_model_parallel_size", 1),
+        pipeline_model_parallel_size=get("pipeline_model_parallel_size", 1),
+        context_parallel_size=get("context_parallel_size", 1),
+        num_moe_experts=get("num_experts", None),
     )
     ddp_options = SimpleNamespace(
         use_distributed_optimizer=get("use_distributed_optimizer", False),
@@ -65,6 +70,13 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         # The parameter buffers hold FP8 bytes: refused, naming --fp8-param-gather.
         fp8_param_gather=get("fp8_param_gather", False),
         reuse_grad_buf_for_mxfp8_param_ag=get("reuse_grad_buf_for_mxfp8_param_ag", False),
+        # Megatron-FSDP (megatron_edit.mcore.fsdp's checks; Megatron-LM keeps fp32 main weights)
+        data_parallel_sharding_strategy=get("data_parallel_sharding_strategy", "no_shard"),
+        outer_dp_sharding_strategy=get("outer_dp_sharding_strategy", "no_shard"),
+        num_distributed_optimizer_instances=get("num_distributed_optimizer_instances", 1),
+        preserve_fp32_weights=True,
+        fsdp_double_buffer=get("fsdp_double_buffer", False),
+        nccl_ub=get("nccl_ub", False),
     )
     check_megatron_options(local, model_options, ddp_options)
     # DDP's group for the instances is data x context parallel.

@@ -44,7 +44,7 @@ def test_megatron_fsdp_hsdp_trains_on_cpu_like_ddp_with_the_distributed_optimize
 
 
 def test_fsdp_shims_declared_for_the_checked_release_only():
-    """The two shims are patches of the adapter's registry, for 0.16.1 only (another release
+    """The three shims are patches of the adapter's registry, for 0.16.1 only (another release
     does not get them; EDiT refuses Megatron-FSDP there)."""
     from megatron_edit.cpu.fsdp import declare_fsdp
     from megatron_edit.mcore.wrap_registry import PatchRegistry
@@ -52,10 +52,32 @@ def test_fsdp_shims_declared_for_the_checked_release_only():
     registry = PatchRegistry()
     declare_fsdp(registry)
     ids = {p.id for p in registry.patches}
-    assert ids == {"cpu-fsdp-device-string", "cpu-fsdp-device-mesh"}
+    assert ids == {"cpu-fsdp-device-string", "cpu-fsdp-device-mesh", "cpu-fsdp-adapter-device"}
     assert {p.id for p in registry.applicable("0.16.1")} == ids
     for other in ("0.15.3", "0.16.0", "0.17.1", "0.19.2"):
         assert registry.applicable(other) == []
+
+
+def test_fsdp_built_without_a_device_is_built_on_the_cpu_without_div_fusion():
+    """S3: Megatron-LM's get_model builds FullyShardedDataParallel without a device (it would
+    take "cuda:cpu" under the adapter) and with gradient_reduce_div_fusion on (gloo has no
+    PREMUL_SUM): the CPU device is given and the fusion turned off; a given device is kept."""
+    import types
+
+    import torch
+
+    from megatron_edit.cpu.fsdp import _cpu_device_and_no_div_fusion
+
+    seen = []
+
+    def original(self, config, ddp_config, module, fsdp_unit_modules=None, disable_bucketing=False,
+                 device=None, pg_collection=None):
+        seen.append((device, ddp_config.gradient_reduce_div_fusion))
+
+    init = _cpu_device_and_no_div_fusion(original)
+    init(None, None, types.SimpleNamespace(gradient_reduce_div_fusion=True), None)
+    init(None, None, types.SimpleNamespace(gradient_reduce_div_fusion=False), None, device=torch.device("meta"))
+    assert seen == [(torch.device("cpu"), False), (torch.device("meta"), False)]
 
 
 @ON_FSDP_RELEASE
