@@ -35,6 +35,21 @@ LR = 1e-2
 MICRO_BATCH = 2
 
 
+def _on_fsdp_release():
+    import pytest
+
+    from megatron_edit.mcore import compat
+    from megatron_edit.mcore.releases import FSDP_SUPPORTED
+
+    return pytest.mark.skipif(
+        not FSDP_SUPPORTED.contains(compat.megatron_core_version()),
+        reason=f"EDiT on Megatron-FSDP is checked on megatron-core {FSDP_SUPPORTED} only (refused elsewhere)")
+
+
+ON_FSDP_RELEASE = _on_fsdp_release()
+"""Marks a test of EDiT on Megatron-FSDP (``spec["fsdp"]``): skipped where it is refused."""
+
+
 def default_spec(**overrides) -> dict:
     spec = dict(
         steps=8,

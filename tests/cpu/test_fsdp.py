@@ -8,7 +8,7 @@ megatron-core 0.16.1 only and revert exactly.
 import pytest
 import torch
 
-from dist import run_fsdp_ranks, run_ranks
+from dist import run_fsdp_ranks
 from edit_runs import default_spec, megatron_runs
 from megatron_edit.mcore import compat
 from megatron_edit.mcore.releases import FSDP_SUPPORTED

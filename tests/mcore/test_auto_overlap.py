@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dist import run_fsdp_ranks, run_ranks
+from edit_runs import ON_FSDP_RELEASE
 from megatron_edit.algorithm.overlap_plan import choose
 from megatron_edit.mcore import checkpoint as checkpointing, compat
-from megatron_edit.mcore.releases import FSDP_SUPPORTED
 
 WORLD = 4
 # W = 0, H = 2, 10 steps: syncs after 2, 4, 6, 8, 10. The first two are measured (blocking);
@@ -23,9 +23,6 @@ AUTO = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0, sync_mode="laye
 # take fp32 with a delay of 1 (ceil(1.2 x 0.10 / 0.13) = 1).
 MEASURED = {0: (0.10, {"fp32": 0.30, "int8": 0.08}, 0.0), 1: (0.12, {"fp32": 0.32, "int8": 0.075}, 0.0),
             2: (0.11, {"fp32": 0.25, "int8": 0.06}, 0.0), 3: (0.13, {"fp32": 0.10, "int8": 0.03}, 0.0)}
-ON_FSDP_RELEASE = pytest.mark.skipif(
-    not FSDP_SUPPORTED.contains(compat.megatron_core_version()),
-    reason=f"EDiT on Megatron-FSDP is checked on megatron-core {FSDP_SUPPORTED} only (refused elsewhere)")
 NEEDS_CHECKPOINTS = pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                                        reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
 STATE = ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step")

@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from dist import run_fsdp_ranks, run_ranks
-from edit_runs import default_spec, megatron_runs, simulate_edit
-from megatron_edit.mcore import compat
-from megatron_edit.mcore.releases import FSDP_SUPPORTED
+from edit_runs import ON_FSDP_RELEASE, default_spec, megatron_runs, simulate_edit
 
 WORLD = 4
 EDIT = dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=2)  # syncs after steps 5 and 8
@@ -14,9 +12,6 @@ EDIT = dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=2)  # syncs after 
 # amplifies that float noise to ~1e-5 after 2 steps and ~5e-5 after 8. A real difference in the
 # algorithm is far larger: outer momentum 0.8 instead of 0.9 moves parameters by ~1.3e-2.
 SIM_ATOL = 2e-4
-ON_FSDP_RELEASE = pytest.mark.skipif(
-    not FSDP_SUPPORTED.contains(compat.megatron_core_version()),
-    reason=f"EDiT on Megatron-FSDP is checked on megatron-core {FSDP_SUPPORTED} only (refused elsewhere)")
 OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
 
 

@@ -7,20 +7,14 @@ import pytest
 import torch
 
 from dist import run_fsdp_ranks, run_ranks
-from edit_runs import async_runs, default_spec, megatron_runs, simulate_edit
+from edit_runs import ON_FSDP_RELEASE, async_runs, default_spec, megatron_runs, simulate_edit
 from megatron_edit.config import ConfigError, LocalSGDConfig, NotSupportedYet
-from megatron_edit.mcore import compat
 from megatron_edit.mcore.fsdp import check_fsdp_options
-from megatron_edit.mcore.releases import FSDP_SUPPORTED
 
 WORLD = 4
 EDIT = dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=2)  # syncs after steps 5 and 8
 OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
 SIM_ATOL = 2e-4  # Megatron vs the plain-PyTorch simulation: see test_edit_megatron.py
-ON_FSDP_RELEASE = pytest.mark.skipif(
-    not FSDP_SUPPORTED.contains(compat.megatron_core_version()),
-    reason=f"EDiT on Megatron-FSDP is checked on megatron-core {FSDP_SUPPORTED} only (refused elsewhere)",
-)
 
 
 def _max_difference(a, b):
