@@ -108,6 +108,11 @@ def main():
         runs.append((f"EDiT H={h} Megatron-FSDP", h, False,
                      bc.edit_args(args, use_local_sgd=True, use_megatron_fsdp=True, local_sgd_sync_interval=h,
                                   local_sgd_warmup_steps=0, local_sgd_sync_mode="layerwise")))
+        for dtype in args.dtypes:  # the quantized exchange on Megatron-FSDP's shards
+            runs.append((f"EDiT H={h} Megatron-FSDP {dtype}+EF", h, False,
+                         bc.edit_args(args, use_local_sgd=True, use_megatron_fsdp=True, local_sgd_sync_interval=h,
+                                      local_sgd_warmup_steps=0, local_sgd_sync_mode="layerwise",
+                                      local_sgd_exchange_dtype=dtype, local_sgd_exchange_error_feedback=True)))
     results = []
     for name, h, penalty, run_args in runs:
         r = measure(args, run_args, counter, train_ds)
@@ -127,8 +132,8 @@ def report(args, results):
     base_ddp = results[0]["total"] / n
     base_fsdp = next((r["total"] / n for r in results if r["fsdp"] and r["h"] is None), None)
     rows = []
-    fp32_at = {r["h"]: r["total"] for r in results
-               if r["h"] and not r["penalty"] and "+EF" not in r["name"] and not r["fsdp"]}
+    fp32_at = {(r["h"], r["fsdp"]): r["total"] for r in results  # a quantized row against its path's fp32
+               if r["h"] and not r["penalty"] and "+EF" not in r["name"]}
     for r in results:
         base = base_fsdp if r["fsdp"] else base_ddp  # Megatron-FSDP's rows against its own HSDP
         per_step = r["total"] / n
@@ -136,7 +141,8 @@ def report(args, results):
         shard_part = r["shard_bytes"] * r["syncs"] / n if r["h"] else per_step
         scalars = per_step - shard_part if r["h"] and not quantized else 0.0
         fewer = base / per_step if per_step else float("inf")
-        of_fp32 = f"{r['total'] / fp32_at[r['h']]:.3f}" if quantized and r["h"] in fp32_at else "-"
+        key = (r["h"], r["fsdp"])
+        of_fp32 = f"{r['total'] / fp32_at[key]:.3f}" if quantized and key in fp32_at else "-"
         cells = [
             r["name"], "-" if r["h"] is None else r["h"], r["syncs"], f"{r['collectives'] / n:.3f}",
             f"{per_step:,.0f}", "-" if quantized else f"{scalars:,.1f}", f"{fewer:.3f}",
