@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..config import FLAG_NAMES, ConfigError, LocalSGDConfig, NotSupportedYet
+from ..config import ConfigError, LocalSGDConfig, NotSupportedYet
 from ..exchange.shard import BucketShard
 from . import compat
 from .releases import FSDP_SUPPORTED, FSDP_TESTED
@@ -92,19 +92,6 @@ def check_fsdp_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config
         raise NotSupportedYet(
             "MoE (--num-experts) with EDiT on Megatron-FSDP (--use-megatron-fsdp) and "
             "--use-local-sgd is not supported yet.")
-    _check_local_sgd_options(local_cfg)
-
-
-def _check_local_sgd_options(local_cfg: LocalSGDConfig) -> None:
-    """EDiT's own options not built on Megatron-FSDP yet."""
-    c = local_cfg
-    if c.clip_pseudo_grad is not None and c.sync_mode == "layerwise":
-        # A layer's clip factor sums its norm over the worker's shards; in layer-wise mode that
-        # collective would run inside Megatron-FSDP's coalesced all-gather of the same group.
-        raise NotSupportedYet(
-            f"{FLAG_NAMES['clip_pseudo_grad']} with {FLAG_NAMES['sync_mode']} layerwise and EDiT "
-            f"on Megatron-FSDP (--use-megatron-fsdp) is not supported yet: use "
-            f"{FLAG_NAMES['sync_mode']} step_end.")
 
 
 class FSDPBucket:
@@ -161,7 +148,7 @@ class FSDPModel:
     def layouts(self, optimizer) -> Tuple[ShardLayout, WorkerLayout]:
         """Every main-weight shard of this rank as a :class:`BucketShard` (one per bucket, in
         gather order), and the place of this optimizer among the workers."""
-        shard_group = self.dist_index.get_fsdp_group()
+        shard_group = _own_copy(self.dist_index.get_fsdp_group())
         workers = int(optimizer.ddp_config.num_distributed_optimizer_instances)
         layout = WorkerLayout(
             worker=int(optimizer.distributed_optimizer_instance_id),
@@ -200,6 +187,26 @@ class FSDPModel:
         bucket's pending outer step first). Collectives inside the worker only."""
         self.fsdp.synchronize_param_gather()
         self.fsdp.start_param_sync()
+
+
+def _own_copy(group):
+    """A process group of the same ranks as Megatron-FSDP's ``group``, for EDiT's collectives
+    inside the worker (the per-layer norms' sums). A layer-wise sync completes a bucket inside
+    Megatron-FSDP's coalesced all-gather of ``group``, where a collective on ``group`` itself
+    would be captured into the coalesced batch instead of run (torch's ``_coalescing_manager``).
+    Built once per model, when the controller is built: ``new_group`` is a collective over every
+    rank, so each rank creates every worker's copy, in the order of the worker's first rank."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ranks)
+    mine = None
+    for worker_ranks in sorted({tuple(r) for r in every}):
+        copy = dist.new_group(list(worker_ranks), backend=dist.get_backend(group))
+        if list(worker_ranks) == list(ranks):
+            mine = copy
+    return mine
 
 
 def _bucket_shard(group, layer_of, index_of, index: int) -> BucketShard:
