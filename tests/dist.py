@@ -160,13 +160,36 @@ def _failures(rank, payload, results, procs, store_path, finished=(), grace=10.0
     return "\n".join(lines)
 
 
+# What a rank killed in native code leaves (faulthandler's line, the exit code of SIGSEGV / SIGABRT).
+NATIVE_CRASH = ("Fatal Python error: Segmentation fault", "Fatal Python error: Aborted",
+                "exited with code -11 ", "exited with code -6 ")
+
+
 def run_ranks(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
     ``device="cuda"``: no CPU adapter, NCCL, rank r on GPU r (the GPU lane, tests/cuda).
     Returns the ranks' return values in rank order. Raises :class:`RankError` (with the child's
     traceback) if any rank raises or exits without reporting, or after ``timeout`` seconds.
+
+    Run once more, with a warning carrying the first failure, when and only when a rank died in
+    native code (SIGSEGV / SIGABRT, :data:`NATIVE_CRASH`): the known defect of docs/status.md (a
+    heap corrupted under gloo, about one step in 10,000; seen in CI on 2026-11-28 in a DDP
+    layer-wise test on megatron-core 0.12.3, inside gloo's coalesced all-gather). Any other
+    failure, and a crash that repeats, is raised.
     """
+    import warnings
+
+    try:
+        return _run_ranks_once(fn, world_size, *args, timeout=timeout, device=device, **kwargs)
+    except RankError as error:
+        if not any(mark in str(error) for mark in NATIVE_CRASH):
+            raise
+        warnings.warn(f"a rank died in native code (known defect, run once more): {str(error)[-2000:]}")
+        return _run_ranks_once(fn, world_size, *args, timeout=timeout, device=device, **kwargs)
+
+
+def _run_ranks_once(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> list:
     ctx = _context()
     results = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="megatron_edit_store_")

@@ -101,22 +101,6 @@ def test_fragments_with_the_int8_exchange_and_a_delay_keep_replicas_identical():
         assert all(torch.equal(a[k], b[k]) for k in a), shard
 
 
-def _rerun_once_after_a_segfault(*args, **kwargs):
-    """``run_ranks`` once more when, and only when, a rank was killed by SIGSEGV, with its stacks
-    in a warning. Known defect, cause open: rank 2 of the test below died by SIGSEGV in CI twice
-    (megatron-core 0.16.1 and 0.12.3, inside Megatron's forward pass, a heap corrupted under it;
-    never in 47 runs here); any other failure fails the test."""
-    import warnings
-
-    try:
-        return run_ranks(*args, **kwargs)
-    except RankError as error:
-        if "exited with code -11" not in str(error):
-            raise
-        warnings.warn(f"a rank segfaulted (known defect, rerun once): {error}")
-        return run_ranks(*args, **kwargs)
-
-
 @pytest.mark.one_lane  # an exchange's variant (the int8 one above runs in every lane; see conftest)
 @pytest.mark.timeout(800)
 def test_fragments_with_the_sparse_exchange_and_a_delay_keep_replicas_identical():
@@ -126,7 +110,7 @@ def test_fragments_with_the_sparse_exchange_and_a_delay_keep_replicas_identical(
     replicas are identical."""
     spec = _spec(sync_mode="layerwise", outer_step_delay=1, exchange_dtype="int2", exchange_topk_density=0.02,
                  clip_pseudo_grad=0.05)
-    results = _rerun_once_after_a_segfault(megatron_runs, WORLD, [spec], timeout=360)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=360)
     for r in results:
         reports = r["runs"][0]["reports"]
         assert [(rep.step, rep.fragment) for rep in reports] == STEPS
