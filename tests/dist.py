@@ -165,7 +165,7 @@ NATIVE_CRASH = ("Fatal Python error: Segmentation fault", "Fatal Python error: A
                 "exited with code -11 ", "exited with code -6 ")
 
 
-def run_ranks(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> list:
+def run_ranks(fn, world_size, *args, timeout=120, device="cpu", rerun_any_failure=False, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
     ``device="cuda"``: no CPU adapter, NCCL, rank r on GPU r (the GPU lane, tests/cuda).
@@ -176,14 +176,15 @@ def run_ranks(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> lis
     native code (SIGSEGV / SIGABRT, :data:`NATIVE_CRASH`): the known defect of docs/status.md (a
     heap corrupted under gloo, about one step in 10,000; seen in CI on 2026-11-28 in a DDP
     layer-wise test on megatron-core 0.12.3, inside gloo's coalesced all-gather). Any other
-    failure, and a crash that repeats, is raised.
+    failure, and a crash that repeats, is raised. ``rerun_any_failure``: once more after any
+    rank's failure (:func:`run_fsdp_ranks`).
     """
     import warnings
 
     try:
         return _run_ranks_once(fn, world_size, *args, timeout=timeout, device=device, **kwargs)
     except RankError as error:
-        if not any(mark in str(error) for mark in NATIVE_CRASH):
+        if not rerun_any_failure and not any(mark in str(error) for mark in NATIVE_CRASH):
             raise
         warnings.warn(f"a rank died in native code (known defect, run once more): {str(error)[-2000:]}")
         return _run_ranks_once(fn, world_size, *args, timeout=timeout, device=device, **kwargs)
@@ -238,12 +239,4 @@ def run_fsdp_ranks(fn, world_size, *args, **kwargs) -> list:
     after a read error) or raise from a damaged autograd graph, a known defect whose cause is open
     (docs/concepts/megatron-fsdp.md). The second run's failure is the test's: a failure that
     repeats (every wrong number, every refusal) is never hidden; each rerun is said as a warning."""
-    import warnings
-
-    try:
-        return run_ranks(fn, world_size, *args, **kwargs)
-    except RankError as first:
-        lines = [line for line in str(first).splitlines() if line.strip()]
-        warnings.warn(f"a Megatron-FSDP job on the CPU failed once (known defect; run again): "
-                      f"{lines[-1][:300] if lines else first!r}")
-        return run_ranks(fn, world_size, *args, **kwargs)
+    return run_ranks(fn, world_size, *args, rerun_any_failure=True, **kwargs)
