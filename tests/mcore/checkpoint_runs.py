@@ -484,3 +484,102 @@ def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None,
     out.update(params=named_params(ddp), controllers=states())
     me.unpatch_megatron_for_local_sgd()
     return out
+
+
+# ----------------------------------------------------------------------- Megatron-FSDP (fsdp_dtensor)
+FSDP_DTENSOR = {"distrib_optim_sharding_type": "fsdp_dtensor"}  # Megatron-LM's --ckpt-format fsdp_dtensor
+
+
+def _fsdp_state_dict(ddp, opt, is_loading=False) -> dict:
+    """What Megatron-LM's fsdp_dtensor save / load hands to torch.distributed.checkpoint."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+
+    state = {"model": ddp.state_dict()}
+    state["optimizer"] = opt.sharded_state_dict(state, is_loading=is_loading, metadata=FSDP_DTENSOR)
+    preprocess_state_dict_for_uneven_dtensor(state)
+    return state
+
+
+def fsdp_save(ddp, opt, path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_fsdp_state_dict(ddp, opt), checkpoint_id=path)
+
+
+def fsdp_load(ddp, opt, path, optimizer=True) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if not optimizer:
+        state = {"model": ddp.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        ddp.module.load_state_dict(state["model"])
+        return
+    state = _fsdp_state_dict(ddp, opt, is_loading=True)
+    dcp.load(state, checkpoint_id=path)
+    ddp.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+
+
+def _fsdp_state(ddp, opt, ctl) -> dict:
+    """Everything an exact resume must reproduce on this rank (Megatron-FSDP): the gathered
+    parameters, Adam's state, EDiT's."""
+    from edit_runs import full_params
+
+    adam = {opt._param_name(p): {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
+                                 for k, v in opt.optimizer.state[p].items()}
+            for g in opt.optimizer.param_groups for p in g["params"] if p in opt.optimizer.state}
+    out = dict(params=full_params(ddp), adam=adam)
+    if ctl is not None:
+        outer = ctl.outer_optimizer
+        out.update(
+            steps_done=ctl.steps_done, last_sync_step=ctl._last_sync_step,
+            anchors=[None if s.anchor is None else s.anchor.clone() for s in ctl.shards],
+            outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} if outer else None for s in ctl.shards],
+            mains=[s.read_current(torch.empty(s.numel)) for s in ctl.shards],
+            residuals=[None if s.residual is None else s.residual.clone() for s in ctl.shards],
+            extra=ctl.extra_state())
+    return out
+
+
+def fsdp_train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=None, saves=(), path=None,
+                   snapshots=(), load_optimizer=True):
+    """EDiT on Megatron-FSDP (HSDP, ``instances`` workers over the 4 ranks): optionally resume at
+    step ``load`` from ``path``, train to ``steps`` saving at ``saves`` (``path/step_<n>``);
+    returns the final state and the states at ``snapshots``. ``local_sgd`` None: plain
+    Megatron-FSDP (no EDiT)."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    from edit_runs import MICRO_BATCH, _build, default_spec
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances)
+    if local_sgd is None:
+        me.unpatch_megatron_for_local_sgd()
+    else:
+        me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**OUTER))
+    ddp, opt = _build(default_spec(instances=instances, fsdp=True), 1, 1)
+    controllers = me.get_local_sgd(opt)
+    ctl = controllers[0] if controllers else None
+    if ctl is not None:
+        me.set_train_iters(opt, steps)
+    first, loaded = 1, None
+    if load is not None:
+        fsdp_load(ddp, opt, os.path.join(path, f"step_{load}"), optimizer=load_optimizer)
+        loaded = _fsdp_state(ddp, opt, ctl)
+        first = load + 1
+    batches = make_batches(STEPS, WORLD * MICRO_BATCH)
+    dp_rank = ps.get_data_parallel_rank()
+    out = dict(snapshots={}, losses={})
+    for step in range(first, steps + 1):
+        out["losses"][step] = train_step(ddp, opt, rank_micro_batches(batches[step - 1], dp_rank, WORLD))
+        if step in saves:
+            fsdp_save(ddp, opt, os.path.join(path, f"step_{step}"))
+        if step in snapshots:
+            out["snapshots"][step] = _fsdp_state(ddp, opt, ctl)
+    out.update(final=_fsdp_state(ddp, opt, ctl), loaded=loaded, reports=ctl.drain_reports() if ctl else [],
+               worker=dp_rank // (WORLD // instances))
+    me.unpatch_megatron_for_local_sgd()
+    return out

@@ -36,7 +36,12 @@ from .keys import (
     unalias_from_model,
 )
 from .resume import capture_of
+from .fsdp_dtensor import fsdp_sharded_state_dict, load_fsdp_state, prepare_fsdp_load
+from ..process_state import PROCESS
+from ..releases import FSDP_SUPPORTED
 from .load_fixes import (
+    FSDP_EMPTY_SHARD_BUG,
+    FSDP_LOAD_FIXES,
     refuse_broken_fully_reshardable,
     fix_load_state_dict,
     fix_set_main_param_state,
@@ -59,13 +64,7 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
 
     def controller_of(optimizer):
         runtime = runtime_ref()
-        controller = runtime.controllers.get(optimizer) if runtime is not None else None
-        if controller is not None and getattr(controller, "fsdp", None) is not None:
-            raise NotSupportedYet(
-                "megatron_edit: checkpoints of EDiT on Megatron-FSDP (--use-megatron-fsdp) are not "
-                "supported yet (neither fsdp_dtensor nor torch_dist): train without saving or "
-                "loading the optimizer, or use DDP with --use-distributed-optimizer.")
-        return controller
+        return runtime.controllers.get(optimizer) if runtime is not None else None
 
     def wrap_state_dict(original):
         fixed = fix_state_dict(original)  # megatron-core's own load defects, for every optimizer
@@ -88,6 +87,10 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
             if controller.in_step:
                 raise RuntimeError("megatron_edit: a checkpoint cannot be taken inside an optimizer step.")
             controller.flush()  # a due layer-wise sync completes now, with the same numbers
+            if controller.fsdp is not None:  # Megatron-FSDP: its own format (Megatron refuses others)
+                state = original(*bound.args, **bound.kwargs)
+                return fsdp_sharded_state_dict(self, controller, state, bound.arguments["model_sharded_state_dict"],
+                                               is_loading)
             if not is_loading and self.ddp_config.overlap_param_gather:
                 controller.gather_params_in_worker()
             state = original(*bound.args, **bound.kwargs)
@@ -122,6 +125,8 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
             controller = controller_of(self)
             if controller is None:
                 return fixed(self, state_dict, *args, **kwargs)
+            if controller.fsdp is not None:
+                return load_fsdp_state(self, controller, lambda inner: fixed(self, inner, *args, **kwargs))
             part = state_dict.get("local_sgd") if isinstance(state_dict, dict) else None
             is_checkpoint = isinstance(state_dict, dict) and "param_state" in state_dict
             if is_checkpoint and part is None:
@@ -162,6 +167,23 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
                 return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - named and re-raised
                 raise CheckpointStateError(damaged_message(checkpoint_dir, e)) from e
+
+        return wrapper
+
+    def wrap_dcp_load(original):
+        def wrapper(state_dict, *args, **kwargs):
+            runtime = runtime_ref()
+            if runtime is not None and len(runtime.controllers) and PROCESS.checkpoint_plans:
+                bound = inspect.signature(original).bind(state_dict, *args, **kwargs).arguments
+                reader = bound.get("storage_reader")
+                path = getattr(reader, "path", None) or bound.get("checkpoint_id")
+                if path is None:
+                    raise CheckpointStateError(
+                        "megatron_edit: an EDiT optimizer on Megatron-FSDP reads fsdp_dtensor checkpoints "
+                        "from a folder: give torch.distributed.checkpoint.load a checkpoint_id or a "
+                        "FileSystemReader.")
+                prepare_fsdp_load(state_dict, path)
+            return original(state_dict, *args, **kwargs)
 
         return wrapper
 
@@ -224,6 +246,15 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
                        wrap_set_main_param_state, v, ("self", "model_param", "tensors"),
                        "decode other saved workers' main params; 0.16-0.19 w/o apex/TE, every "
                        "optimizer: copy under no_grad, tolerate a missing per-param Adam step"))
+    # Megatron-FSDP's fsdp_dtensor checkpoints are read by torch.distributed.checkpoint itself
+    # (Megatron-LM 0.16 calls the deprecated load_state_dict; megatron-core users call load).
+    for name, params in (("load", ("state_dict",)), ("load_state_dict", ("state_dict", "storage_reader"))):
+        registry.add(Patch(f"ckpt-dcp-{name.replace('_', '-')}", f"torch.distributed.checkpoint:{name}",
+                           wrap_dcp_load, FSDP_SUPPORTED, params,
+                           "EDiT on Megatron-FSDP: read the EDiT record first and fit the fsdp_dtensor "
+                           "load to the checkpoint; clear errors for what is missing"))
+    for patch_id, method, wrap, params, description in FSDP_LOAD_FIXES:  # plain Megatron-FSDP too
+        registry.add(Patch(patch_id, f"{_DISTOPT}.{method}", wrap, FSDP_EMPTY_SHARD_BUG, params, description))
     dist_load = "megatron.core.dist_checkpointing:load"
     registry.add(Patch("ckpt-dist-checkpointing-load", dist_load, wrap_dist_load, v, compat.params(dist_load),
                        "read the EDiT record first and fit the load to the checkpoint; clear errors "

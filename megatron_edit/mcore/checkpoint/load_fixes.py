@@ -37,6 +37,13 @@ A fifth, :data:`FULLY_RESHARDABLE_PADDING_BUG` (same releases): ``fully_resharda
 padding between buckets in its world tensors but slices them at padded offsets, so state after
 a padded bucket lands in the wrong place (megatron-core's own warning "param range exceeds
 unpadded buffer"). Not fixable from outside: refused with more than one bucket per buffer.
+
+A sixth, Megatron-FSDP's ``fsdp_dtensor`` format (:data:`FSDP_EMPTY_SHARD_BUG`, megatron-core
+0.16.1): torch's Adam keeps no state for a parameter whose shard on this rank is empty (it never
+steps it), so the ranks of an instance list different DTensors, and Megatron-FSDP's
+``preprocess_state_dict_for_uneven_dtensor`` (one all-gather inside the instance per DTensor)
+hangs at the save (or pairs different parameters). Fix: such parameters get the zero state, with
+the step of the others, and the state is listed in the parameters' order on every rank.
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.20.0")
 FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose ``fully_reshardable`` format misplaces state after a padded
 bucket (the world tensors drop the padding between buckets, the parameter offsets do not)."""
+FSDP_EMPTY_SHARD_BUG = VersionRange("0.16.1", "0.16.2")
+"""megatron-core versions whose Megatron-FSDP ``fsdp_dtensor`` save hangs without fix 6 (checked
+where EDiT runs on Megatron-FSDP)."""
 
 
 # --------------------------------------------------------------------------- torch Adam fixes
@@ -64,13 +74,15 @@ def _needs_torch_adam_fixes(optimizer) -> bool:
 
     return (
         not distrib_optimizer.HAVE_APEX_OR_TE
+        and not getattr(optimizer.ddp_config, "use_megatron_fsdp", False)  # torch's own load_state_dict
         and type(optimizer.optimizer) in (torch.optim.Adam, torch.optim.AdamW)
         and TORCH_ADAM_LOAD_BUGS.contains(megatron_core_version())
     )
 
 
-def init_missing_adam_state(optimizer) -> None:
-    """Fix 1: the zero state torch's Adam creates lazily at its first step, created now."""
+def init_missing_adam_state(optimizer, step: float = 0.0) -> None:
+    """Fix 1: the zero state torch's Adam creates lazily at its first step, created now (fix 6:
+    with the ``step`` of the other parameters)."""
     try:
         from torch.optim.optimizer import _get_scalar_dtype
     except ImportError:  # pragma: no cover
@@ -84,7 +96,7 @@ def init_missing_adam_state(optimizer) -> None:
             if group.get("capturable") or group.get("fused"):
                 state["step"] = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device)
             else:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+                state["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype(), device="cpu")
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group.get("amsgrad"):
@@ -141,6 +153,26 @@ def fix_state_dict(original):
     return wrapper
 
 
+def fix_fsdp_dtensor_state(original):
+    """Fix 6 around ``DistributedOptimizer.sharded_param_state_fsdp_dtensor``."""
+
+    def wrapper(self, *args, **kwargs):
+        from megatron.core.optimizer import distrib_optimizer
+
+        if not distrib_optimizer.HAVE_APEX_OR_TE and type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
+            init_missing_adam_state(self, max(steps, default=0.0))
+            # Megatron lists the state in the optimizer state's order: the parameters' order on
+            # every rank (the state created now would come last).
+            state = self.optimizer.state
+            ordered = [(p, state[p]) for g in self.optimizer.param_groups for p in g["params"] if p in state]
+            state.clear()
+            state.update(ordered)
+        return original(self, *args, **kwargs)
+
+    return wrapper
+
+
 def fix_load_state_dict(original):
     """Fixes 2 and 3 around ``DistributedOptimizer.load_state_dict``."""
 
@@ -179,6 +211,12 @@ LOAD_FIXES = (
      "0.16-0.19 w/o apex/TE: copy main params under no_grad; tolerate a missing Adam step (fixes 2, 4)"),
 )
 """(patch id, DistributedOptimizer method, wrap, parameters, description) of each fix."""
+FSDP_LOAD_FIXES = (
+    ("fix-distopt-fsdp-dtensor-state", "sharded_param_state_fsdp_dtensor", fix_fsdp_dtensor_state,
+     ("self", "is_loading"), "0.16.1 Megatron-FSDP w/o apex/TE: Adam state for parameters with an empty "
+     "shard, so the ranks of an instance save the same DTensors (fix 6)"),
+)
+"""The same, for Megatron-FSDP's format (:data:`FSDP_EMPTY_SHARD_BUG`)."""
 
 
 def add_load_fix_patches(registry: PatchRegistry) -> PatchRegistry:
@@ -186,4 +224,6 @@ def add_load_fix_patches(registry: PatchRegistry) -> PatchRegistry:
     the same wraps into theirs: never apply both registries)."""
     for patch_id, method, wrap, params, description in LOAD_FIXES:
         registry.add(Patch(patch_id, f"{_DISTOPT}.{method}", wrap, TORCH_ADAM_LOAD_BUGS, params, description))
+    for patch_id, method, wrap, params, description in FSDP_LOAD_FIXES:
+        registry.add(Patch(patch_id, f"{_DISTOPT}.{method}", wrap, FSDP_EMPTY_SHARD_BUG, params, description))
     return registry

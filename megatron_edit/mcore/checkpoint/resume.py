@@ -150,6 +150,14 @@ class ResumePlan:
     def record_request(self):
         return self.part["record"]
 
+    def decode_mains(self, loaded: dict) -> List[Dict[int, torch.Tensor]]:
+        """Per shard, {saved worker: its main params} of the extra saved workers read."""
+        return decode_mains(self.optimizer, self, loaded)
+
+    def adam_step(self, state_dict: dict) -> int:
+        """The optimizer steps a synchronous checkpoint had done."""
+        return adam_step_of(state_dict)
+
     # ------------------------------------------------------------------ before the load
     def prepare(self, record, saved: dict) -> Optional[str]:
         """Fit the load requests to the checkpoint (``record``: its run record or None;

@@ -115,8 +115,6 @@ from .resume import (
     IN_FLIGHT,
     RESULT_RESIDUAL,
     ResumePlan,
-    decode_mains,
-    adam_step_of,
     launch_prefix,
     load_time_sync,
     merge_residuals,
@@ -222,10 +220,11 @@ def _result_residuals(controller) -> List[torch.Tensor]:
 
 # --------------------------------------------------------------------------- load
 @torch.no_grad()
-def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) -> None:
+def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict, plan=None) -> None:
     """Restore one optimizer's EDiT state after Megatron loaded its inner state (``part``: the
-    loaded EDiT part; ``state_dict``: the rest)."""
-    plan: ResumePlan = part.get("plan")
+    loaded EDiT part; ``state_dict``: the rest; ``plan``: the :class:`ResumePlan`, default the
+    one riding in ``part``)."""
+    plan = plan if plan is not None else part.get("plan")
     if not isinstance(plan, ResumePlan) or not plan.prepared:
         raise CheckpointStateError(
             "megatron_edit: this EDiT optimizer state was loaded without megatron_edit's "
@@ -235,7 +234,7 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
     controller.flush()
     controller.outer_state.synchronize()  # offloaded state: no copy in flight while we write it
     if plan.mode == "synchronous":
-        controller.resume_from_synchronous(adam_step_of(state_dict))
+        controller.resume_from_synchronous(plan.adam_step(state_dict))
         if backend_of(controller) is not None:  # every torchft job loads it: level, none heals
             backend_of(controller).start_from_torch_backend()
         _log_resume(controller, "a checkpoint of synchronous training", "Adam state kept, " + (
@@ -260,7 +259,7 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict) ->
         identical = controller.fragment_slots(plan.identical)
         restart_from_anchor(controller, identical)
         if len(identical) < len(controller.shards):
-            load_time_sync(controller, decode_mains(optimizer, plan, part.get("workers")), record["num_workers"],
+            load_time_sync(controller, plan.decode_mains(part.get("workers")), record["num_workers"],
                            skip=identical, alone_as=plan.source if plan.torchft else None)
     merge_residuals(controller, plan, part)
     extra = (part.get("slice") or {}).get("extra_state") if plan.slice_loaded else None
