@@ -107,6 +107,7 @@ class DelayedOuterStep:
         c = self.controller
         members = self.members(meta)
         meta = dict(meta, skipped=skipped)
+        self.saved_skipped = skipped  # as the run that saved it holds it (its extra_state)
         c.sync.resume_in_flight(meta, [c.shards[i] for i in members], [deltas[i] for i in members],
                                 [launch[i] for i in members])
         self.apply_at = meta["apply_at"]

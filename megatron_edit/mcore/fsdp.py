@@ -61,10 +61,6 @@ def check_fsdp_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config
             f"--data-parallel-sharding-strategy {strategy} with EDiT on Megatron-FSDP "
             "(--use-megatron-fsdp) and --use-local-sgd is not supported yet: use optim_grads_params "
             "(each worker's ranks shard the parameters, gradients and optimizer state).")
-    if ddp_config.num_distributed_optimizer_instances < 2:
-        raise NotSupportedYet(
-            "--num-distributed-optimizer-instances 1 with EDiT on Megatron-FSDP (--use-megatron-fsdp) "
-            "is not supported yet: the workers are HSDP's instances; give the number of workers (>= 2).")
     outer = getattr(ddp_config, "outer_dp_sharding_strategy", "no_shard")
     if outer != "no_shard":
         raise ConfigError(

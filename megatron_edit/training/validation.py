@@ -45,12 +45,12 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
             "trains it with its layer-wise optimizer, not the distributed optimizer EDiT attaches "
             "to. Use --optimizer adam or sgd with --use-distributed-optimizer."
         )
-    if (get("use_megatron_fsdp") or get("use_custom_fsdp")) and (get("save") or get("load")):
+    if (get("use_megatron_fsdp") or get("use_custom_fsdp")) and (get("save") or get("load")) and \
+            get("ckpt_format", "torch_dist") != "fsdp_dtensor":
         raise NotSupportedYet(
-            f"--{'save' if get('save') else 'load'} with --use-megatron-fsdp and --use-local-sgd is "
-            "not supported yet: EDiT's state in Megatron-FSDP's checkpoints (fsdp_dtensor) is not "
-            "built; train without --save / --load, or with DDP and --use-distributed-optimizer "
-            "(docs/concepts/megatron-fsdp.md).")
+            f"--ckpt-format {get('ckpt_format', 'torch_dist')} with --use-megatron-fsdp and --use-local-sgd: "
+            "EDiT's state on Megatron-FSDP is saved in Megatron-FSDP's own format; use --ckpt-format "
+            "fsdp_dtensor (docs/concepts/megatron-fsdp.md).")
     # The same checks the DDP / optimizer patches run, on Megatron's flags.
     model_options = SimpleNamespace(
         cuda_graph_impl=get("cuda_graph_impl", "none") or "none",

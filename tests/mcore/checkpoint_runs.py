@@ -527,9 +527,11 @@ def _fsdp_state(ddp, opt, ctl) -> dict:
     parameters, Adam's state, EDiT's."""
     from edit_runs import full_params
 
-    adam = {opt._param_name(p): {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
-                                 for k, v in opt.optimizer.state[p].items()}
-            for g in opt.optimizer.param_groups for p in g["params"] if p in opt.optimizer.state}
+    # (by position: Megatron's _param_name caches the names of whichever parameters the module
+    # holds at its first call, the raw ones after a forward pass; a parameter with no element in
+    # this rank's shard has no Adam state that means anything)
+    adam = [{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in opt.optimizer.state[p].items()}
+            for g in opt.optimizer.param_groups for p in g["params"] if p.to_local().numel()]
     out = dict(params=full_params(ddp), adam=adam)
     if ctl is not None:
         outer = ctl.outer_optimizer
@@ -544,7 +546,7 @@ def _fsdp_state(ddp, opt, ctl) -> dict:
 
 
 def fsdp_train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=None, saves=(), path=None,
-                   snapshots=(), load_optimizer=True):
+                   snapshots=(), load_optimizer=True, train_iters=True):
     """EDiT on Megatron-FSDP (HSDP, ``instances`` workers over the 4 ranks): optionally resume at
     step ``load`` from ``path``, train to ``steps`` saving at ``saves`` (``path/step_<n>``);
     returns the final state and the states at ``snapshots``. ``local_sgd`` None: plain
@@ -556,14 +558,15 @@ def fsdp_train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=N
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
     ps.initialize_model_parallel(num_distributed_optimizer_instances=instances)
-    if local_sgd is None:
+    if local_sgd is None:  # plain Megatron-FSDP, with megatron_edit's fixes of its checkpoints
         me.unpatch_megatron_for_local_sgd()
+        me.patch_megatron_load_fixes()
     else:
         me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**OUTER))
     ddp, opt = _build(default_spec(instances=instances, fsdp=True), 1, 1)
     controllers = me.get_local_sgd(opt)
     ctl = controllers[0] if controllers else None
-    if ctl is not None:
+    if ctl is not None and train_iters:  # the run's last step known (Megatron-LM's --train-iters)
         me.set_train_iters(opt, steps)
     first, loaded = 1, None
     if load is not None:
@@ -582,4 +585,5 @@ def fsdp_train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=N
     out.update(final=_fsdp_state(ddp, opt, ctl), loaded=loaded, reports=ctl.drain_reports() if ctl else [],
                worker=dp_rank // (WORLD // instances))
     me.unpatch_megatron_for_local_sgd()
+    me.unpatch_megatron_load_fixes()
     return out

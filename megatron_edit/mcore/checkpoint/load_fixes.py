@@ -42,8 +42,10 @@ A sixth, Megatron-FSDP's ``fsdp_dtensor`` format (:data:`FSDP_EMPTY_SHARD_BUG`, 
 0.16.1): torch's Adam keeps no state for a parameter whose shard on this rank is empty (it never
 steps it), so the ranks of an instance list different DTensors, and Megatron-FSDP's
 ``preprocess_state_dict_for_uneven_dtensor`` (one all-gather inside the instance per DTensor)
-hangs at the save (or pairs different parameters). Fix: such parameters get the zero state, with
-the step of the others, and the state is listed in the parameters' order on every rank.
+hangs at the save (or pairs different parameters); and once it has state, the ``step`` of an empty
+shard stays behind the others', while DCP keeps one rank's ``step`` per parameter (a resume then
+read a step count 1 short). Fix: such parameters get the zero state, their ``step`` is the
+others', and the state is listed in the parameters' order on every rank.
 """
 
 from __future__ import annotations
@@ -160,8 +162,14 @@ def fix_fsdp_dtensor_state(original):
         from megatron.core.optimizer import distrib_optimizer
 
         if not distrib_optimizer.HAVE_APEX_OR_TE and type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-            steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
-            init_missing_adam_state(self, max(steps, default=0.0))
+            state = self.optimizer.state
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            steps = [float(state[p]["step"]) for p in params if "step" in state.get(p, {}) and _local_numel(p)]
+            step = max(steps, default=0.0)
+            init_missing_adam_state(self, step)
+            for p in params:  # Adam never steps an empty shard: its step would lag behind (and the
+                if not _local_numel(p) and "step" in state[p]:  # key is the parameter's on every rank)
+                    state[p]["step"] = torch.full_like(state[p]["step"], step)
             # Megatron lists the state in the optimizer state's order: the parameters' order on
             # every rank (the state created now would come last).
             state = self.optimizer.state
@@ -171,6 +179,11 @@ def fix_fsdp_dtensor_state(original):
         return original(self, *args, **kwargs)
 
     return wrapper
+
+
+def _local_numel(param) -> int:
+    local = getattr(param, "_local_tensor", param)
+    return local.numel()
 
 
 def fix_load_state_dict(original):
