@@ -139,7 +139,6 @@ def test_fsdp_refused_on_unchecked_releases(version):
     (dict(data_parallel_sharding_strategy="optim"), "--data-parallel-sharding-strategy", NotSupportedYet),
     (dict(data_parallel_sharding_strategy="no_shard"), "--data-parallel-sharding-strategy", NotSupportedYet),
     (dict(outer_dp_sharding_strategy="optim"), "--outer-dp-sharding-strategy", ConfigError),
-    (dict(num_distributed_optimizer_instances=1), "--num-distributed-optimizer-instances", NotSupportedYet),
     (dict(preserve_fp32_weights=False), "preserve_fp32_weights", NotSupportedYet),
     (dict(fsdp_double_buffer=True), "--fsdp-double-buffer", NotSupportedYet),
 ])
@@ -155,31 +154,6 @@ def test_fsdp_refuses_megatron_fsdp_options(ddp, flag, error):
 ])
 def test_fsdp_refuses_model_parallelism_not_built_yet(model, flag):
     _refused(NotSupportedYet, flag, model=_model(**model))
-
-
-def test_checkpoints_of_edit_on_megatron_fsdp_are_refused():
-    """Saving or loading the optimizer of EDiT on Megatron-FSDP stops with one line (its
-    checkpoints are not built yet), through each checkpoint wrap of the distributed optimizer."""
-    from megatron_edit.mcore.checkpoint import add_checkpoint_patches
-    from megatron_edit.mcore.wrap_registry import PatchRegistry
-
-    class Optimizer:  # stands for a DistributedOptimizer (hashable, as the runtime keys them)
-        pass
-
-    fsdp_optimizer = Optimizer()
-    runtime = types.SimpleNamespace(controllers={fsdp_optimizer: types.SimpleNamespace(fsdp=object())})
-    registry = PatchRegistry()
-    add_checkpoint_patches(registry, lambda: runtime)
-
-    def original(self, *args, **kwargs):
-        return "original"
-
-    for pid, args in (("ckpt-distopt-state-dict", ()), ("ckpt-distopt-sharded-state-dict", ({},)),
-                      ("ckpt-distopt-load-state-dict", ({},))):
-        wrapper = next(p for p in registry.patches if p.id == pid).wrap(original)
-        with pytest.raises(NotSupportedYet, match="Megatron-FSDP") as info:
-            wrapper(fsdp_optimizer, *args)
-        assert "\n" not in str(info.value)
 
 
 # Sharp weights, an anomaly detector that warms up after one sync with a low threshold, and a

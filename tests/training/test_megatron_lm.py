@@ -356,7 +356,7 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
     ids=["ok", "no-distopt", "workers-do-not-divide", "cp-counts-as-data-parallel",
          "layerwise-needs-overlap-param-gather", "step-end-without-overlap", "fp16", "loss-scale",
          "fsdp2", "megatron-fsdp", "megatron-fsdp-no-shard", "megatron-fsdp-one-instance",
-         "megatron-fsdp-tp", "megatron-fsdp-save", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
+         "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
          "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-async",
          "ckpt-format-torch", "ckpt-format-torch-dist", "ckpt-constant-structure", "emerging-optimizer", "sgd",
@@ -982,18 +982,31 @@ def test_megatron_fsdp_through_megatron_lm_trains_what_ddp_does(tmp_path):
     """pretrain_gpt.py --use-megatron-fsdp (HSDP: 2 workers of 2 fully sharded ranks) with
     --use-local-sgd through megatron_edit.launch: every iteration's loss and the syncs (after 8,
     and 12, the run's last step) are those of the same run on DDP + the distributed optimizer.
-    A failed Megatron-FSDP job is run once more (the known CPU defect, tests/dist.py)."""
+    It saves after iteration 10 (--ckpt-format fsdp_dtensor, between syncs); a run resumed
+    there with --load has the first run's losses and its sync after 12. A failed Megatron-FSDP
+    job is run once more (the known CPU defect, tests/dist.py)."""
     if not FSDP_SUPPORTED.contains(compat.megatron_core_version()):
         pytest.skip(f"EDiT on Megatron-FSDP runs on megatron-core {FSDP_SUPPORTED} (refused elsewhere, tested above)")
     common = TINY + EDIT + ["--train-iters", "12"]
     fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
             "--ckpt-format", "fsdp_dtensor"]
-    try:
-        on_fsdp = _torchrun(CHECKOUT / "pretrain_gpt.py", common + fsdp, tmp_path)
-    except AssertionError:
-        on_fsdp = _torchrun(CHECKOUT / "pretrain_gpt.py", common + fsdp, tmp_path)
+    save = ["--save", "ckpt", "--save-interval", "10"]
+
+    def fsdp_run(extra):
+        try:
+            return _torchrun(CHECKOUT / "pretrain_gpt.py", common + fsdp + extra, tmp_path)
+        except AssertionError:
+            if extra is save:
+                shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+            return _torchrun(CHECKOUT / "pretrain_gpt.py", common + fsdp + extra, tmp_path)
+
+    on_fsdp = fsdp_run(save)
+    resumed = fsdp_run(["--load", "ckpt", "--ckpt-step", "10"])
     on_ddp = _torchrun(CHECKOUT / "pretrain_gpt.py", common, tmp_path)
     assert "Megatron-FSDP" in on_fsdp or "megatron_fsdp" in on_fsdp.lower(), on_fsdp[-3000:]
     losses = [{i: _field(line, "lm loss") for i, line in _lines(log).items()} for log in (on_fsdp, on_ddp)]
     assert sorted(losses[0]) == list(range(1, 13)) and losses[0] == losses[1]
     assert _synced_steps(on_fsdp) == _synced_steps(on_ddp) == [8, 12]
+    after = {i: _field(line, "lm loss") for i, line in _lines(resumed).items()}
+    assert sorted(after) == [11, 12] and after[11] == losses[0][11]  # (12: see test_e2e_resume_is_exact)
+    assert _synced_steps(resumed) == [12]

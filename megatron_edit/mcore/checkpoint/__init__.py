@@ -5,6 +5,8 @@ modules (``tests/test_layout.py`` checks it), which are its own business:
 
 * :mod:`.state`: the format (what is written per worker and per rank) and the save and load of
   one optimizer's EDiT state;
+* :mod:`.fsdp_dtensor` / :mod:`.fsdp_load`: the same on Megatron-FSDP, in its ``fsdp_dtensor``
+  checkpoints (torch.distributed.checkpoint), and the load fitted to them;
 * :mod:`.record`: the run record (layout, counters, configuration) and its checks;
 * :mod:`.space`: per-parameter tensors in model space, so another layout can read them;
 * :mod:`.resume`: exact, elastic and synchronous → EDiT resume;
@@ -20,7 +22,7 @@ methods, never its private fields.
 """
 
 from .keys import CheckpointStateError
-from .load_fixes import LOAD_FIXES, TORCH_ADAM_LOAD_BUGS, add_load_fix_patches
+from .load_fixes import FSDP_EMPTY_SHARD_BUG, FSDP_LOAD_FIXES, LOAD_FIXES, TORCH_ADAM_LOAD_BUGS, add_load_fix_patches
 from .checkpoint_wraps import add_checkpoint_patches
 from .record import FORMAT, check_run_record
 from .resume import residual_share
@@ -29,6 +31,8 @@ from .state import NOT_YET, SUPPORTED, SUPPORTED_SHARDING_TYPES
 __all__ = [
     "CheckpointStateError",
     "FORMAT",
+    "FSDP_EMPTY_SHARD_BUG",
+    "FSDP_LOAD_FIXES",
     "LOAD_FIXES",
     "NOT_YET",
     "SUPPORTED",

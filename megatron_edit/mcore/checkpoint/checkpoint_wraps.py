@@ -36,7 +36,8 @@ from .keys import (
     unalias_from_model,
 )
 from .resume import capture_of
-from .fsdp_dtensor import fsdp_sharded_state_dict, load_fsdp_state, prepare_fsdp_load
+from .fsdp_dtensor import fsdp_save_state_dict
+from .fsdp_load import fsdp_load_requests, load_fsdp_state, prepare_fsdp_load
 from ..process_state import PROCESS
 from ..releases import FSDP_SUPPORTED
 from .load_fixes import (
@@ -89,8 +90,9 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
             controller.flush()  # a due layer-wise sync completes now, with the same numbers
             if controller.fsdp is not None:  # Megatron-FSDP: its own format (Megatron refuses others)
                 state = original(*bound.args, **bound.kwargs)
-                return fsdp_sharded_state_dict(self, controller, state, bound.arguments["model_sharded_state_dict"],
-                                               is_loading)
+                if is_loading:
+                    return fsdp_load_requests(self, controller, state)
+                return fsdp_save_state_dict(self, controller, state, bound.arguments["model_sharded_state_dict"])
             if not is_loading and self.ddp_config.overlap_param_gather:
                 controller.gather_params_in_worker()
             state = original(*bound.args, **bound.kwargs)
