@@ -19,7 +19,7 @@ class ProcessState:
     """optimizer -> the dict its checkpoint load puts tensors in instead of setting them, while
     :mod:`megatron_edit.mcore.checkpoint.resume` reads a checkpoint (see ``capture_of``)."""
     checkpoint_plans: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
-    """optimizer -> its :class:`~megatron_edit.mcore.checkpoint.fsdp_dtensor.FSDPResumePlan` between
+    """optimizer -> its :class:`~megatron_edit.mcore.checkpoint.fsdp_load.FSDPResumePlan` between
     ``sharded_state_dict(is_loading=True)`` and ``load_state_dict`` (Megatron-FSDP's DCP load)."""
     built_instance_groups: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     """inter-instance group -> the instance group built from it (megatron-core 0.12.x only; see
