@@ -1,6 +1,6 @@
 """Save and resume EDiT with megatron-core alone (no Megatron-LM): the example README.md points to.
 
-    torchrun --nproc_per_node 4 scripts/example_checkpoint.py [--dir /tmp/edit_ckpt]
+    torchrun --nproc_per_node 4 scripts/example_checkpoint.py [--dir /tmp/edit_ckpt] [--megatron-fsdp]
 
 2 workers x 2 shards (4 processes, CPU over gloo here; on GPUs drop the CPU adapter and use
 NCCL). A tiny GPT trains 10 steps with EDiT (warmup 2, H 3: syncs after steps 5 and 8); at step
@@ -13,6 +13,10 @@ Everything EDiT needs (each worker's own parameters and Adam state, the anchor, 
 momentum, the counters) rides in the optimizer's sharded state dict: no extra call. A new model
 and optimizer then load it (model first, then the optimizer, as Megatron-LM does) and train
 steps 8-10; the losses equal the uninterrupted run's bit for bit, which the script checks.
+
+``--megatron-fsdp``: the same on Megatron-FSDP in HSDP (megatron-core 0.16.1), saved in its own
+format (``fsdp_dtensor``) with torch.distributed.checkpoint, as Megatron-LM's ``--ckpt-format
+fsdp_dtensor`` saves it (docs/concepts/megatron-fsdp.md).
 """
 
 import argparse
@@ -22,13 +26,18 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 SEQ, VOCAB, STEPS, SAVE_AT = 16, 64, 10, 7
 METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}  # Megatron-LM's default format
 
 
-def build(workers=2):
-    """Model in Megatron's DDP and its distributed optimizer (built after the patch)."""
+FSDP_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor"}  # Megatron-FSDP's own format
+
+
+def build(workers=2, fsdp=False):
+    """Model in Megatron's DDP (or Megatron-FSDP in HSDP) and its distributed optimizer (built
+    after the patch)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -42,9 +51,21 @@ def build(workers=2):
                                attention_dropout=0.0, use_cpu_initialization=True)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                                               overlap_param_gather=True, num_distributed_optimizer_instances=workers)
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    if fsdp:  # fully sharded inside a worker, replicated across workers; gloo has no PREMUL_SUM
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        ddp_config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+            num_distributed_optimizer_instances=workers, overlap_grad_reduce=True, overlap_param_gather=True,
+            grad_reduce_in_fp32=True, gradient_reduce_div_fusion=torch.cuda.is_available(),
+            suggested_communication_unit_size=25_000)  # about two layers: a layer-wise sync overlaps
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        ddp = FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=model, device=device)
+    else:
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                                   overlap_param_gather=True,
+                                                   num_distributed_optimizer_instances=workers)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, use_distributed_optimizer=True), [ddp])
@@ -80,10 +101,51 @@ def sharded(ddp, optimizer, is_loading=False):
                                                                           metadata=METADATA)}
 
 
+def fsdp_state(ddp, optimizer, is_loading=False):
+    """Megatron-FSDP: the DTensor state dict torch.distributed.checkpoint saves and loads (the
+    optimizer is given the dict holding the model's, as Megatron-LM gives it)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+
+    state = {"model": ddp.state_dict()}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=FSDP_METADATA)
+    preprocess_state_dict_for_uneven_dtensor(state)  # Megatron-FSDP's own requirement
+    return state
+
+
+def save(ddp, optimizer, path, fsdp):
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(path, exist_ok=True)
+    if fsdp:
+        dist.barrier()  # every rank sees the folder before DCP writes into it
+        dcp.save(fsdp_state(ddp, optimizer), checkpoint_id=path)
+    else:
+        dist_checkpointing.save(sharded(ddp, optimizer), path)
+
+
+def load(ddp, optimizer, path, fsdp):
+    """Model first, then the optimizer, as Megatron-LM does."""
+    from megatron.core import dist_checkpointing
+
+    if fsdp:
+        state = fsdp_state(ddp, optimizer, is_loading=True)
+        dcp.load(state, checkpoint_id=path)  # fitted to the checkpoint by megatron_edit
+        ddp.module.load_state_dict(state["model"])
+    else:
+        state = dist_checkpointing.load(sharded(ddp, optimizer, is_loading=True), path)
+        ddp.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=None, help="checkpoint folder (default: a temporary one)")
+    parser.add_argument("--megatron-fsdp", action="store_true",
+                        help="Megatron-FSDP in HSDP and its fsdp_dtensor checkpoints (megatron-core 0.16.1)")
     args = parser.parse_args()
+    fsdp = args.megatron_fsdp
     # torch's deprecation notices about what megatron-core calls (ShardedTensor in every save and
     # load, all_gather_into_tensor in the parameter gather): nothing to act on here
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -94,7 +156,6 @@ def main():
         adapter.activate()  # megatron-core on CPU (never on a GPU)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     import megatron_edit as me
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(num_distributed_optimizer_instances=2)  # 2 workers x 2 shards
@@ -103,18 +164,15 @@ def main():
         me.OuterOptimizerConfig("sgd", {"lr": 0.8, "momentum": 0.0}),
     )
     path = args.dir or os.path.join(tempfile.gettempdir(), "megatron_edit_example_ckpt")
-    ddp, optimizer = build()
+    ddp, optimizer = build(fsdp=fsdp)
     uninterrupted = {}
     for step in range(1, STEPS + 1):
         uninterrupted[step] = train_step(ddp, optimizer, step)
         if step == SAVE_AT:  # between syncs: each worker's own state is saved as it is
-            os.makedirs(path, exist_ok=True)
-            dist_checkpointing.save(sharded(ddp, optimizer), path)
+            save(ddp, optimizer, path, fsdp)
 
-    ddp, optimizer = build()  # a fresh model and optimizer, as a restarted job would build
-    state = dist_checkpointing.load(sharded(ddp, optimizer, is_loading=True), path)
-    ddp.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    ddp, optimizer = build(fsdp=fsdp)  # a fresh model and optimizer, as a restarted job would build
+    load(ddp, optimizer, path, fsdp)
     (edit,) = me.get_local_sgd(optimizer)
     resumed = {step: train_step(ddp, optimizer, step) for step in range(SAVE_AT + 1, STEPS + 1)}
     same = all(resumed[s] == uninterrupted[s] for s in resumed)

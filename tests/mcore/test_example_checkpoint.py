@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from edit_runs import ON_FSDP_RELEASE
 from megatron_edit.mcore import checkpoint as checkpointing, compat
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,10 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
-def test_the_save_and_resume_example_runs_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=ON_FSDP_RELEASE)], ids=["ddp", "megatron-fsdp"])
+def test_the_save_and_resume_example_runs_and_resumes_exactly(tmp_path, fsdp):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", "localhost:0", str(ROOT / "scripts" / "example_checkpoint.py"),
-               "--dir", str(tmp_path / "ckpt")]
+               "--dir", str(tmp_path / "ckpt")] + (["--megatron-fsdp"] if fsdp else [])
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
