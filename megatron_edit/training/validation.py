@@ -45,12 +45,6 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
             "trains it with its layer-wise optimizer, not the distributed optimizer EDiT attaches "
             "to. Use --optimizer adam or sgd with --use-distributed-optimizer."
         )
-    if (get("use_megatron_fsdp") or get("use_custom_fsdp")) and (get("save") or get("load")) and \
-            get("ckpt_format", "torch_dist") != "fsdp_dtensor":
-        raise NotSupportedYet(
-            f"--ckpt-format {get('ckpt_format', 'torch_dist')} with --use-megatron-fsdp and --use-local-sgd: "
-            "EDiT's state on Megatron-FSDP is saved in Megatron-FSDP's own format; use --ckpt-format "
-            "fsdp_dtensor (docs/concepts/megatron-fsdp.md).")
     # The same checks the DDP / optimizer patches run, on Megatron's flags.
     model_options = SimpleNamespace(
         cuda_graph_impl=get("cuda_graph_impl", "none") or "none",
@@ -78,7 +72,13 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         fsdp_double_buffer=get("fsdp_double_buffer", False),
         nccl_ub=get("nccl_ub", False),
     )
-    check_megatron_options(local, model_options, ddp_options)
+    check_megatron_options(local, model_options, ddp_options)  # (Megatron-FSDP: its release first)
+    if (get("use_megatron_fsdp") or get("use_custom_fsdp")) and (get("save") or get("load")) and \
+            get("ckpt_format", "torch_dist") != "fsdp_dtensor":
+        raise NotSupportedYet(
+            f"--ckpt-format {get('ckpt_format', 'torch_dist')} with --use-megatron-fsdp and --use-local-sgd: "
+            "EDiT's state on Megatron-FSDP is saved in Megatron-FSDP's own format; use --ckpt-format "
+            "fsdp_dtensor (docs/concepts/megatron-fsdp.md).")
     # DDP's group for the instances is data x context parallel.
     check_workers(
         args.data_parallel_size * get("context_parallel_size", 1),

@@ -367,8 +367,7 @@ def test_validation_through_the_package_provider(argv, options, error, match):
         # MoE through Megatron-LM is checked on 0.16.x and 0.19.x (their MoE metrics logging
         # is kept inside the worker); 0.17 / 0.18 refuse --num-experts first, whatever else.
         error, match = NotSupportedYet, "--num-experts with --use-local-sgd on megatron-core"
-    if options.get("use_megatron_fsdp") and not options.get("save") \
-            and not FSDP_SUPPORTED.contains(compat.megatron_core_version()):
+    if options.get("use_megatron_fsdp") and not FSDP_SUPPORTED.contains(compat.megatron_core_version()):
         # EDiT on Megatron-FSDP is checked on 0.16.1: elsewhere the release is refused first.
         error, match = ConfigError, r"\(--use-megatron-fsdp\) is checked with megatron-core"
     args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4",
