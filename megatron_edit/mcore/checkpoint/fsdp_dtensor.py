@@ -40,7 +40,7 @@ Loading is :mod:`.fsdp_load`'s. A megatron-core user calls DCP as Megatron-LM do
     torch.distributed.checkpoint.save(sd, checkpoint_id=path)
     # resume, in a fresh process: the same with is_loading=True, then
     torch.distributed.checkpoint.load(sd, checkpoint_id=path)
-    model.load_state_dict(sd["model"]); opt.load_state_dict(sd["optimizer"])
+    model.module.load_state_dict(sd["model"]); opt.load_state_dict(sd["optimizer"])
 """
 
 from __future__ import annotations
