@@ -154,9 +154,12 @@ def prepare_fsdp_load(state_dict, checkpoint_dir) -> bool:
     raises :class:`CheckpointStateError` on every rank. False when ``state_dict`` holds no plan."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from .guard import _cause
 
     found = []
-    for optimizer, plan in list(PROCESS.checkpoint_plans.items()):
+    for plan in list(PROCESS.checkpoint_plans.values()):
         path = None if plan.prepared else _find(state_dict, plan.opt_dict)
         if path is not None:
             found.append((plan, path))
@@ -166,7 +169,7 @@ def prepare_fsdp_load(state_dict, checkpoint_dir) -> bool:
     try:
         metadata = FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - named below, on every rank
-        metadata, message = {}, f"megatron_edit: checkpoint {checkpoint_dir} has no readable DCP metadata ({e})."
+        metadata, message = {}, f"megatron_edit: checkpoint {checkpoint_dir} has no readable DCP metadata ({_cause(e)})."
     records = {}
     wanted = [(i, path) for i, (_, path) in enumerate(found) if ".".join(path + (LOCAL_KEY, "record")) in metadata]
     if wanted and message is None:
@@ -180,11 +183,9 @@ def prepare_fsdp_load(state_dict, checkpoint_dir) -> bool:
                 for key in path + (LOCAL_KEY,):
                     node = node[key]
                 records[i] = unblob(node["record"])
-        except (Exception, BaseException) as e:  # noqa: BLE001 - CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            message = (f"megatron_edit: the EDiT record of checkpoint {checkpoint_dir} cannot be read ({e}): it "
-                       "is corrupted. Resume from another checkpoint.")
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - garbled bytes, on every rank
+            message = (f"megatron_edit: the EDiT record of checkpoint {checkpoint_dir} cannot be read "
+                       f"({_cause(e)}): it is corrupted. Resume from another checkpoint.")
     for i, (plan, path) in enumerate(found):
         if message:
             plan.prepared = True
