@@ -641,7 +641,7 @@ def _fsdp_supported() -> bool:
 
 
 def test_megatron_fsdp_where_the_job_does_not_run_it_is_one_line(job, monkeypatch, capsys):
-    """--use-megatron-fsdp: on a megatron-core release other than 0.16.1, with MoE, or with the
+    """--use-megatron-fsdp: on a megatron-core release outside 0.16.1-0.19.x, with MoE, or with the
     torchft backend, one line before anything starts (EDiT settings Megatron-FSDP does not run
     are refused when its model is built: test_a_config_error_at_build_is_one_line_in_the_jobs_terms)."""
     if not _fsdp_supported():
@@ -663,9 +663,9 @@ def test_megatron_fsdp_where_the_job_does_not_run_it_is_one_line(job, monkeypatc
 def test_megatron_fsdp_trains_what_ddp_and_the_distributed_optimizer_do(data_dir):
     """--use-megatron-fsdp (HSDP: 2 workers of 2 fully sharded ranks): EDiT ends with the
     validation losses and syncs of DDP + the distributed optimizer on the same flags (fp32 on
-    CPU; megatron-core 0.16.1, the release EDiT on Megatron-FSDP runs on)."""
+    CPU; megatron-core 0.16.1-0.19.x, the releases EDiT on Megatron-FSDP runs on)."""
     if not _fsdp_supported():
-        pytest.skip("EDiT on Megatron-FSDP runs on megatron-core 0.16.1 (this lane: refused, tested above)")
+        pytest.skip("EDiT on Megatron-FSDP runs on megatron-core 0.16.1-0.19.x (this lane: refused, tested above)")
     flags = ["--steps", "8", "--eval-interval", "8", *SHORT]
     code, fsdp = torchrun(data_dir, *flags, "--use-megatron-fsdp")
     # a rank's own last words first (the tail is torchrun's report)

@@ -2,7 +2,7 @@
 
 Megatron-FSDP hard-codes CUDA in two places the rest of the adapter does not cover; both are
 declared here for the releases of :data:`~megatron_edit.mcore.releases.FSDP_SUPPORTED` only
-(0.16.1), where they were checked (on another release they are not applied, and EDiT on
+(0.16.1-0.19.x), where they were checked (on another release they are not applied, and EDiT on
 Megatron-FSDP is refused there with a message naming the supported releases):
 
 * S1, ``MegatronFSDP.__init__`` builds ``torch.device(f"cuda:{torch.cuda.current_device()}")``

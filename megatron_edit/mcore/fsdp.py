@@ -19,7 +19,7 @@ shards (``model_weight_buffer``), which the next forward pass all-gathers; and a
 gathered before a layer-wise sync (the step's prefetch of the first bucket) is dropped and
 gathered again (:meth:`FSDPModel.drop_stale_gathers`).
 
-Checked with megatron-core 0.16.1 only (:data:`~megatron_edit.mcore.releases.FSDP_SUPPORTED`):
+Checked with megatron-core 0.16.1-0.19.x (:data:`~megatron_edit.mcore.releases.FSDP_SUPPORTED`):
 these are Megatron-FSDP internals, not a public API. What is not built yet is refused by
 :func:`check_fsdp_options`, naming the flag.
 """
@@ -72,6 +72,12 @@ def check_fsdp_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config
             "DistributedDataParallelConfig.preserve_fp32_weights=False with EDiT on Megatron-FSDP "
             "(--use-megatron-fsdp) and --use-local-sgd is not supported yet: EDiT exchanges the "
             "fp32 main weights' shards.")
+    main_dtype = _dtype_flag(getattr(ddp_config, "megatron_fsdp_main_params_dtype", "fp32"))  # 0.17+
+    if main_dtype != "fp32":
+        raise NotSupportedYet(
+            f"--megatron-fsdp-main-params-dtype {main_dtype} with EDiT on Megatron-FSDP "
+            "(--use-megatron-fsdp) and --use-local-sgd is not supported yet: EDiT exchanges the "
+            "fp32 main weights' shards; use --megatron-fsdp-main-params-dtype fp32.")
     if getattr(ddp_config, "fsdp_double_buffer", False) or getattr(ddp_config, "nccl_ub", False):
         raise NotSupportedYet(
             "--fsdp-double-buffer / --nccl-ub with EDiT on Megatron-FSDP (--use-megatron-fsdp) and "
@@ -88,6 +94,13 @@ def check_fsdp_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config
         raise NotSupportedYet(
             "MoE (--num-experts) with EDiT on Megatron-FSDP (--use-megatron-fsdp) and "
             "--use-local-sgd is not supported yet.")
+
+
+def _dtype_flag(value) -> str:
+    """Megatron-LM's name of a dtype flag's value: ``fp32`` for ``torch.float32`` (its
+    arguments hold the name until ``validate_args`` maps it), ``auto`` for ``None``."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", None: "auto"}
+    return names.get(value, str(value))
 
 
 class FSDPBucket:
@@ -131,7 +144,7 @@ class FSDPModel:
     def prefetches_everything(self) -> bool:
         """The parameter all-gather's prefetch window holds the whole model: the step's prefetch
         of the first bucket gathers every bucket, so a layer-wise sync completes at the end of
-        the optimizer step instead of in the next forward pass. megatron-core 0.16.1 makes the
+        the optimizer step instead of in the next forward pass. megatron-core 0.16-0.19 make the
         window at least 500M elements unless ``suggested_communication_unit_size`` is given."""
         window = getattr(self.fsdp, "suggested_AG_prefetch_size", None)
         if window is None:

@@ -1,5 +1,5 @@
 """Where EDiT attaches to Megatron-FSDP: registry patches of megatron-core's
-``megatron/core/distributed/fsdp`` (megatron-core 0.16.1 only; see :mod:`megatron_edit.mcore.fsdp`).
+``megatron/core/distributed/fsdp`` (megatron-core 0.16.1-0.19.x only; see :mod:`megatron_edit.mcore.fsdp`).
 
 =====================================  =====================================================
 patch                                  why

@@ -34,12 +34,12 @@ core_v0.19.0's ``package_info`` says 0.19.1)."""
 TESTED = ("0.12.3", "0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2")
 """Releases the multi-rank tests ran against (the newest patch release of each minor)."""
 
-FSDP_SUPPORTED = VersionRange("0.16.1", "0.16.2")
+FSDP_SUPPORTED = VersionRange("0.16.1", "0.20.0")
 """megatron-core releases whose Megatron-FSDP internals (the HSDP gradient reduce, the main-weight
 buffers, the all-gather pipeline) EDiT's Megatron-FSDP path and the CPU adapter's Megatron-FSDP
 shims were checked against; Megatron-FSDP with EDiT is refused on any other release."""
 
-FSDP_TESTED = ("0.16.1",)
+FSDP_TESTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 """The releases of :data:`FSDP_SUPPORTED` the multi-rank tests ran against."""
 
 _V12 = VersionRange("0.12.0", "0.13.0")

@@ -64,11 +64,12 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         # The parameter buffers hold FP8 bytes: refused, naming --fp8-param-gather.
         fp8_param_gather=get("fp8_param_gather", False),
         reuse_grad_buf_for_mxfp8_param_ag=get("reuse_grad_buf_for_mxfp8_param_ag", False),
-        # Megatron-FSDP (megatron_edit.mcore.fsdp's checks; Megatron-LM keeps fp32 main weights)
+        # Megatron-FSDP (megatron_edit.mcore.fsdp's checks; 0.16 keeps fp32 main weights)
         data_parallel_sharding_strategy=get("data_parallel_sharding_strategy", "no_shard"),
         outer_dp_sharding_strategy=get("outer_dp_sharding_strategy", "no_shard"),
         num_distributed_optimizer_instances=get("num_distributed_optimizer_instances", 1),
         preserve_fp32_weights=True,
+        megatron_fsdp_main_params_dtype=get("megatron_fsdp_main_params_dtype", "fp32"),  # 0.17+
         fsdp_double_buffer=get("fsdp_double_buffer", False),
         nccl_ub=get("nccl_ub", False),
     )

@@ -2,7 +2,7 @@
 
 Plain Megatron-FSDP in HSDP (2 instances x 2 shards, outer ``no_shard``, 4 gloo ranks, a real
 tiny GPTModel) trains like megatron DDP + the distributed optimizer; the shims are declared for
-megatron-core 0.16.1 only and revert exactly.
+the releases EDiT on Megatron-FSDP is checked on (0.16.1-0.19.x) only and revert exactly.
 """
 
 import pytest
@@ -44,8 +44,8 @@ def test_megatron_fsdp_hsdp_trains_on_cpu_like_ddp_with_the_distributed_optimize
 
 
 def test_fsdp_shims_declared_for_the_checked_release_only():
-    """The three shims are patches of the adapter's registry, for 0.16.1 only (another release
-    does not get them; EDiT refuses Megatron-FSDP there)."""
+    """The three shims are patches of the adapter's registry, for the checked releases only
+    (0.16.1-0.19.x; another release does not get them, and EDiT refuses Megatron-FSDP there)."""
     from megatron_edit.cpu.fsdp import declare_fsdp
     from megatron_edit.mcore.wrap_registry import PatchRegistry
 
@@ -53,8 +53,9 @@ def test_fsdp_shims_declared_for_the_checked_release_only():
     declare_fsdp(registry)
     ids = {p.id for p in registry.patches}
     assert ids == {"cpu-fsdp-device-string", "cpu-fsdp-device-mesh", "cpu-fsdp-adapter-device"}
-    assert {p.id for p in registry.applicable("0.16.1")} == ids
-    for other in ("0.15.3", "0.16.0", "0.17.1", "0.19.2"):
+    for checked in ("0.16.1", "0.17.1", "0.18.2", "0.19.2"):
+        assert {p.id for p in registry.applicable(checked)} == ids
+    for other in ("0.15.3", "0.16.0", "0.20.0"):
         assert registry.applicable(other) == []
 
 

@@ -56,6 +56,7 @@ def test_exact_resume_on_megatron_fsdp(tmp_path, local, saves, steps):
         assert any(r is not None for r in whole[0]["final"]["residuals"])
 
 
+@pytest.mark.one_lane  # the checkpoint path the exact-resume test checks in every lane
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 def test_elastic_resume_on_megatron_fsdp_takes_the_distributed_optimizers_outer_step(tmp_path):
@@ -76,6 +77,7 @@ def test_elastic_resume_on_megatron_fsdp_takes_the_distributed_optimizers_outer_
         assert all(torch.isfinite(torch.tensor(list(f["losses"].values()))))
 
 
+@pytest.mark.one_lane  # the checkpoint path the exact-resume test checks in every lane
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 def test_edit_resumes_a_plain_megatron_fsdp_checkpoint_as_the_distributed_optimizer_does(tmp_path):
@@ -136,6 +138,7 @@ def _refusal_job(rank, world, path, case):
     return None
 
 
+@pytest.mark.one_lane  # the checkpoint path the exact-resume test checks in every lane
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 def test_refusals_of_fsdp_dtensor_checkpoints(tmp_path):

@@ -129,10 +129,10 @@ def test_fsdp_accepts_the_checked_combinations():
             check_fsdp_options(LocalSGDConfig(sync_mode=mode, **local), _model(), _fsdp_config(), version="0.16.1")
 
 
-@pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.17.1", "0.19.2"])
+@pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.20.0"])
 def test_fsdp_refused_on_unchecked_releases(version):
     message = _refused(ConfigError, "--use-megatron-fsdp", version=version)
-    assert version in message and "0.16.1" in message
+    assert version in message and "0.16.1, 0.17.1, 0.18.2, 0.19.2" in message
 
 
 @pytest.mark.parametrize("ddp, flag, error", [
@@ -141,6 +141,8 @@ def test_fsdp_refused_on_unchecked_releases(version):
     (dict(outer_dp_sharding_strategy="optim"), "--outer-dp-sharding-strategy", ConfigError),
     (dict(preserve_fp32_weights=False), "preserve_fp32_weights", NotSupportedYet),
     (dict(fsdp_double_buffer=True), "--fsdp-double-buffer", NotSupportedYet),
+    (dict(megatron_fsdp_main_params_dtype=torch.bfloat16), "--megatron-fsdp-main-params-dtype bf16", NotSupportedYet),
+    (dict(megatron_fsdp_main_params_dtype=None), "--megatron-fsdp-main-params-dtype auto", NotSupportedYet),
 ])
 def test_fsdp_refuses_megatron_fsdp_options(ddp, flag, error):
     _refused(error, flag, ddp=_fsdp_config(**ddp))
@@ -169,6 +171,7 @@ PENALTY = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1, pseudo_gradn
 PENALTY_ATOL = 1e-4
 
 
+@pytest.mark.one_lane  # a variant on the path the equivalence test above checks in every lane
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 def test_penalty_on_megatron_fsdp_equals_the_distributed_optimizer():
@@ -213,6 +216,7 @@ def test_penalty_on_megatron_fsdp_equals_the_distributed_optimizer():
 FORMATS = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)  # syncs after steps 3 and 5
 
 
+@pytest.mark.one_lane  # a variant on the path the equivalence test above checks in every lane
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 def test_gta_and_the_bf16_exchange_on_megatron_fsdp_equal_the_distributed_optimizer():
@@ -250,6 +254,7 @@ def test_gta_and_the_bf16_exchange_on_megatron_fsdp_equal_the_distributed_optimi
         assert not _equal(first[4], other[4]), f"run {i}: workers should differ between syncs"
 
 
+@pytest.mark.one_lane  # a variant on the path the equivalence test above checks in every lane
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -295,6 +300,7 @@ FRAG = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=1, fragments=2)
 FRAG_STEPS = [(3, 1), (5, 0), (7, 1), (9, None)]
 
 
+@pytest.mark.one_lane  # a variant on the path the equivalence test above checks in every lane
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 def test_delay_and_fragments_on_megatron_fsdp():
@@ -360,6 +366,7 @@ ASYNC = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2,
              min_total_global_steps=10, use_step_weight=True, step_weight_ratio=0.5)
 
 
+@pytest.mark.one_lane  # a variant on the path the equivalence test above checks in every lane
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["step_end", "layerwise"])

@@ -319,6 +319,9 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
         ((), dict(FSDP, save="ckpt", ckpt_format="fsdp_dtensor"), None, None),
         ((), dict(FSDP, load="ckpt", ckpt_format="torch_dist"), NotSupportedYet,
          "--ckpt-format torch_dist with --use-megatron-fsdp and --use-local-sgd"),
+        # 0.17+: Megatron-FSDP's main weights in another dtype (the arguments hold the name)
+        ((), dict(FSDP, megatron_fsdp_main_params_dtype="bf16"), NotSupportedYet,
+         "--megatron-fsdp-main-params-dtype bf16 with EDiT on Megatron-FSDP"),
         ((), dict(num_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2), None, None),
         ((), dict(num_experts=8, moe_router_enable_expert_bias=True), NotSupportedYet, "--moe-router-enable-expert-bias"),
         ((), dict(num_experts=8, expert_model_parallel_size=2, tensor_model_parallel_size=2,
@@ -356,7 +359,7 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
     ids=["ok", "no-distopt", "workers-do-not-divide", "cp-counts-as-data-parallel",
          "layerwise-needs-overlap-param-gather", "step-end-without-overlap", "fp16", "loss-scale",
          "fsdp2", "megatron-fsdp", "megatron-fsdp-no-shard", "megatron-fsdp-one-instance",
-         "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
+         "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "megatron-fsdp-bf16-main-params", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
          "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-async",
          "ckpt-format-torch", "ckpt-format-torch-dist", "ckpt-constant-structure", "emerging-optimizer", "sgd",
@@ -368,7 +371,7 @@ def test_validation_through_the_package_provider(argv, options, error, match):
         # is kept inside the worker); 0.17 / 0.18 refuse --num-experts first, whatever else.
         error, match = NotSupportedYet, "--num-experts with --use-local-sgd on megatron-core"
     if options.get("use_megatron_fsdp") and not FSDP_SUPPORTED.contains(compat.megatron_core_version()):
-        # EDiT on Megatron-FSDP is checked on 0.16.1: elsewhere the release is refused first.
+        # EDiT on Megatron-FSDP is checked on 0.16.1-0.19.x: elsewhere the release is refused first.
         error, match = ConfigError, r"\(--use-megatron-fsdp\) is checked with megatron-core"
     args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4",
                                "--local-sgd-warmup-steps", "4", *argv, **options)

@@ -39,7 +39,7 @@ a padded bucket lands in the wrong place (megatron-core's own warning "param ran
 unpadded buffer"). Not fixable from outside: refused with more than one bucket per buffer.
 
 A sixth, Megatron-FSDP's ``fsdp_dtensor`` format (:data:`FSDP_EMPTY_SHARD_BUG`, megatron-core
-0.16.1): torch's Adam keeps no state for a parameter whose shard on this rank is empty (it never
+0.16.1-0.19.x; 0.19 sorts the DTensor keys, which does not help when a rank lacks one): torch's Adam keeps no state for a parameter whose shard on this rank is empty (it never
 steps it), so the ranks of an instance list different DTensors, and Megatron-FSDP's
 ``preprocess_state_dict_for_uneven_dtensor`` (one all-gather inside the instance per DTensor)
 hangs at the save (or pairs different parameters); and once it has state, the ``step`` of an empty
@@ -63,7 +63,7 @@ TORCH_ADAM_LOAD_BUGS = VersionRange("0.16.0", "0.20.0")
 FULLY_RESHARDABLE_PADDING_BUG = VersionRange("0.16.0", "0.20.0")
 """megatron-core versions whose ``fully_reshardable`` format misplaces state after a padded
 bucket (the world tensors drop the padding between buckets, the parameter offsets do not)."""
-FSDP_EMPTY_SHARD_BUG = VersionRange("0.16.1", "0.16.2")
+FSDP_EMPTY_SHARD_BUG = VersionRange("0.16.1", "0.20.0")
 """megatron-core versions whose Megatron-FSDP ``fsdp_dtensor`` save hangs without fix 6 (checked
 where EDiT runs on Megatron-FSDP)."""
 
@@ -226,7 +226,7 @@ LOAD_FIXES = (
 """(patch id, DistributedOptimizer method, wrap, parameters, description) of each fix."""
 FSDP_LOAD_FIXES = (
     ("fix-distopt-fsdp-dtensor-state", "sharded_param_state_fsdp_dtensor", fix_fsdp_dtensor_state,
-     ("self", "is_loading"), "0.16.1 Megatron-FSDP w/o apex/TE: Adam state for parameters with an empty "
+     ("self", "is_loading"), "0.16.1-0.19 Megatron-FSDP w/o apex/TE: Adam state for parameters with an empty "
      "shard, so the ranks of an instance save the same DTensors (fix 6)"),
 )
 """The same, for Megatron-FSDP's format (:data:`FSDP_EMPTY_SHARD_BUG`)."""
