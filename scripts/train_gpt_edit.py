@@ -286,9 +286,10 @@ def _check_megatron_fsdp(args: argparse.Namespace, parser: Rank0ArgumentParser) 
     version = compat.megatron_core_version()
     if not FSDP_SUPPORTED.contains(version):
         parser.fail(f"--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core {FSDP_SUPPORTED} "
-                    f"(installed: {version}); install megatron-core 0.16.1 or drop the flag.")
-    if args.num_experts:
-        parser.fail("--use-megatron-fsdp with --num-experts is not supported yet: drop one of the two.")
+                    f"(installed: {version}); install megatron-core 0.16.1 (or 0.17-0.19) or drop the flag.")
+    if args.num_experts and args.expert_model_parallel_size > 1:
+        parser.fail("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported yet: use "
+                    "--expert-model-parallel-size 1 (the experts then sit in each worker's Megatron-FSDP shards).")
     if args.local_sgd_sync_backend == "torchft" and args.mode != "baseline":
         parser.fail("--use-megatron-fsdp with --local-sgd-sync-backend torchft is not supported yet: EDiT on "
                     "Megatron-FSDP exchanges across its HSDP instances in one job; use the torch backend.")

@@ -641,14 +641,15 @@ def _fsdp_supported() -> bool:
 
 
 def test_megatron_fsdp_where_the_job_does_not_run_it_is_one_line(job, monkeypatch, capsys):
-    """--use-megatron-fsdp: on a megatron-core release outside 0.16.1-0.19.x, with MoE, or with the
+    """--use-megatron-fsdp: on a megatron-core release outside 0.16.1-0.19.x, with expert parallelism, or with the
     torchft backend, one line before anything starts (EDiT settings Megatron-FSDP does not run
     are refused when its model is built: test_a_config_error_at_build_is_one_line_in_the_jobs_terms)."""
     if not _fsdp_supported():
         text = _refusal(job, monkeypatch, capsys, ["--use-megatron-fsdp"])
         assert text.count("\n") == 1 and "--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core" in text
         return
-    for argv, fragment in ((["--num-experts", "4"], "--use-megatron-fsdp with --num-experts is not supported yet"),
+    for argv, fragment in ((["--num-experts", "4", "--expert-model-parallel-size", "2"],
+                            "--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported yet"),
                            (["--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "0"],
                             "--use-megatron-fsdp with --local-sgd-sync-backend torchft is not supported yet")):
         text = _refusal(job, monkeypatch, capsys, ["--use-megatron-fsdp", *argv])
@@ -660,13 +661,15 @@ def test_megatron_fsdp_where_the_job_does_not_run_it_is_one_line(job, monkeypatc
 # gloo (a read error) mid-run; the failure message now carries the ranks' own error lines.
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_megatron_fsdp_trains_what_ddp_and_the_distributed_optimizer_do(data_dir):
+@pytest.mark.parametrize("model", [[], ["--num-experts", "4"]], ids=["dense", "moe"])
+def test_megatron_fsdp_trains_what_ddp_and_the_distributed_optimizer_do(data_dir, model):
     """--use-megatron-fsdp (HSDP: 2 workers of 2 fully sharded ranks): EDiT ends with the
     validation losses and syncs of DDP + the distributed optimizer on the same flags (fp32 on
-    CPU; megatron-core 0.16.1-0.19.x, the releases EDiT on Megatron-FSDP runs on)."""
+    CPU; megatron-core 0.16.1-0.19.x, the releases EDiT on Megatron-FSDP runs on); dense and MoE
+    (4 experts, expert parallelism 1)."""
     if not _fsdp_supported():
         pytest.skip("EDiT on Megatron-FSDP runs on megatron-core 0.16.1-0.19.x (this lane: refused, tested above)")
-    flags = ["--steps", "8", "--eval-interval", "8", *SHORT]
+    flags = ["--steps", "8", "--eval-interval", "8", *SHORT, *model]
     code, fsdp = torchrun(data_dir, *flags, "--use-megatron-fsdp")
     # a rank's own last words first (the tail is torchrun's report)
     assert code == 0, "\n".join(line for line in fsdp.splitlines() if re.search(

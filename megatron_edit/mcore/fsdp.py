@@ -90,10 +90,12 @@ def check_fsdp_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config
             raise NotSupportedYet(
                 f"{flag} > 1 with EDiT on Megatron-FSDP (--use-megatron-fsdp) and --use-local-sgd "
                 "is not supported yet.")
-    if getattr(c, "num_moe_experts", None):
+    if getattr(c, "num_moe_experts", None) and (getattr(c, "expert_model_parallel_size", 1) or 1) > 1:
+        # (expert parallelism 1: the experts are parameters of the worker's buckets like any other)
         raise NotSupportedYet(
-            "MoE (--num-experts) with EDiT on Megatron-FSDP (--use-megatron-fsdp) and "
-            "--use-local-sgd is not supported yet.")
+            "--expert-model-parallel-size > 1 with EDiT on Megatron-FSDP (--use-megatron-fsdp) and "
+            "--use-local-sgd is not supported yet: use --expert-model-parallel-size 1, or DDP with "
+            "--use-distributed-optimizer.")
 
 
 def _dtype_flag(value) -> str:

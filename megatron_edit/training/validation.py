@@ -55,6 +55,7 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         pipeline_model_parallel_size=get("pipeline_model_parallel_size", 1),
         context_parallel_size=get("context_parallel_size", 1),
         num_moe_experts=get("num_experts", None),
+        expert_model_parallel_size=get("expert_model_parallel_size", 1),
     )
     ddp_options = SimpleNamespace(
         use_distributed_optimizer=get("use_distributed_optimizer", False),

@@ -95,7 +95,7 @@ def _fsdp_config(**overrides):
 
 def _model(**overrides):
     fields = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                  num_moe_experts=None)
+                  num_moe_experts=None, expert_model_parallel_size=1)
     fields.update(overrides)
     return types.SimpleNamespace(**fields)
 
@@ -122,6 +122,7 @@ def test_fsdp_accepts_the_checked_combinations():
             check_fsdp_options(local, _model(), _fsdp_config(), version="0.16.1")
     check_fsdp_options(LocalSGDConfig(exchange_dtype="int2", exchange_topk_density=0.02), _model(),
                        _fsdp_config(), version="0.16.1")
+    check_fsdp_options(LocalSGDConfig(), _model(num_moe_experts=4), _fsdp_config(), version="0.16.1")
     for mode in ("step_end", "layerwise"):
         delayed = LocalSGDConfig(sync_mode=mode, local_sgd_sync_interval=8, outer_step_delay=2, fragments=2)
         check_fsdp_options(delayed, _model(), _fsdp_config(), version="0.16.1")
@@ -152,7 +153,7 @@ def test_fsdp_refuses_megatron_fsdp_options(ddp, flag, error):
     (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size"),
     (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
     (dict(context_parallel_size=2), "--context-parallel-size"),
-    (dict(num_moe_experts=4), "--num-experts"),
+    (dict(num_moe_experts=4, expert_model_parallel_size=2), "--expert-model-parallel-size > 1"),
 ])
 def test_fsdp_refuses_model_parallelism_not_built_yet(model, flag):
     _refused(NotSupportedYet, flag, model=_model(**model))
@@ -389,3 +390,41 @@ def test_a_edit_on_megatron_fsdp_equals_the_distributed_optimizer(mode):
             assert x.weights is None or torch.allclose(x.weights, y.weights, atol=1e-6)
         assert _max_difference(a["params"], b["params"]) <= 1e-6
     assert _equal(fsdp[0]["params"], fsdp[2]["params"]), "replicas after the last sync"
+
+
+# ---------------------------------------------------------------- MoE on Megatron-FSDP
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+           add_bias_linear=False)  # as tests/mcore/test_moe.py
+MOE_EDIT = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)  # syncs after steps 3 and 5
+
+
+@ON_FSDP_RELEASE
+@pytest.mark.timeout(600)
+def test_moe_on_megatron_fsdp_equals_the_distributed_optimizer():
+    """A mixture-of-experts GPT (4 experts, top-2, expert parallelism 1: the experts are
+    parameters of each worker's Megatron-FSDP buckets), 2 workers x 2 shards: EDiT on
+    Megatron-FSDP, step-end and layer-wise, equals EDiT on DDP + distributed optimizer to 1e-6
+    and the plain-PyTorch simulation; the same layers (each layer's experts one layer of the
+    penalty's); replicas identical after each sync and different between."""
+    specs = [default_spec(steps=6, model=MOE, local_sgd=dict(MOE_EDIT, sync_mode="step_end"), outer=OUTER)]
+    specs += [default_spec(steps=6, model=MOE, local_sgd=dict(MOE_EDIT, sync_mode=mode), outer=OUTER, fsdp=True,
+                           snapshot_every_step=True) for mode in ("step_end", "layerwise")]
+    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560)
+    (sim,) = run_ranks(simulate_edit, 1, specs[0], WORLD, timeout=200)
+    for r in results:
+        ddp, step_end, layerwise = r["runs"]
+        assert any(".experts." in k for k in ddp["params"])
+        for run in (step_end, layerwise):
+            assert [rep.step for rep in run["reports"]] == [3, 5]
+            assert run["reports"][0].layer_names == ddp["reports"][0].layer_names
+            assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
+            assert _max_difference(run["params"], ddp["params"]) <= 1e-6
+            assert _max_difference(run["params"], sim["params"][run["worker"]]) <= SIM_ATOL
+    assert "decoder.layers.0.mlp.experts" in results[0]["runs"][1]["reports"][0].layer_names
+    first, other = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
+    for step in range(1, 7):
+        experts_same = all(torch.equal(first[step][k], other[step][k]) for k in first[step] if ".experts." in k)
+        assert _equal(first[step], other[step]) == (step == 1 or step in (3, 5)), step
+        if step not in (1, 3, 5):
+            assert not experts_same, f"experts identical after local step {step}"

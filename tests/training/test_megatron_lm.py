@@ -322,6 +322,7 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
         # 0.17+: Megatron-FSDP's main weights in another dtype (the arguments hold the name)
         ((), dict(FSDP, megatron_fsdp_main_params_dtype="bf16"), NotSupportedYet,
          "--megatron-fsdp-main-params-dtype bf16 with EDiT on Megatron-FSDP"),
+        ((), dict(FSDP, num_experts=8, moe_token_dispatcher_type="alltoall"), None, None),
         ((), dict(num_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2), None, None),
         ((), dict(num_experts=8, moe_router_enable_expert_bias=True), NotSupportedYet, "--moe-router-enable-expert-bias"),
         ((), dict(num_experts=8, expert_model_parallel_size=2, tensor_model_parallel_size=2,
@@ -359,7 +360,7 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
     ids=["ok", "no-distopt", "workers-do-not-divide", "cp-counts-as-data-parallel",
          "layerwise-needs-overlap-param-gather", "step-end-without-overlap", "fp16", "loss-scale",
          "fsdp2", "megatron-fsdp", "megatron-fsdp-no-shard", "megatron-fsdp-one-instance",
-         "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "megatron-fsdp-bf16-main-params", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
+         "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "megatron-fsdp-bf16-main-params", "megatron-fsdp-moe", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
          "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-async",
          "ckpt-format-torch", "ckpt-format-torch-dist", "ckpt-constant-structure", "emerging-optimizer", "sgd",
@@ -980,16 +981,21 @@ MOE = ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "
 @needs_checkout
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_megatron_fsdp_through_megatron_lm_trains_what_ddp_does(tmp_path):
+@pytest.mark.parametrize("model", [[], [("1" if a == "2" and MOE[i - 1] == "--expert-model-parallel-size" else a)
+                                         for i, a in enumerate(MOE)]], ids=["dense", "moe"])
+def test_megatron_fsdp_through_megatron_lm_trains_what_ddp_does(tmp_path, model):
     """pretrain_gpt.py --use-megatron-fsdp (HSDP: 2 workers of 2 fully sharded ranks) with
     --use-local-sgd through megatron_edit.launch: every iteration's loss and the syncs (after 8,
     and 12, the run's last step) are those of the same run on DDP + the distributed optimizer.
     It saves after iteration 10 (--ckpt-format fsdp_dtensor, between syncs); a run resumed
     there with --load has the first run's losses and its sync after 12. A failed Megatron-FSDP
-    job is run once more (the known CPU defect, tests/dist.py)."""
+    job is run once more (the known CPU defect, tests/dist.py). Dense, and MoE (4 experts,
+    expert parallelism 1: the experts in each worker's Megatron-FSDP shards)."""
     if not FSDP_SUPPORTED.contains(compat.megatron_core_version()):
         pytest.skip(f"EDiT on Megatron-FSDP runs on megatron-core {FSDP_SUPPORTED} (refused elsewhere, tested above)")
-    common = TINY + EDIT + ["--train-iters", "12"]
+    if model and LINE not in MOE_LINES:
+        pytest.skip(f"MoE with --use-local-sgd through Megatron-LM runs on {MOE_LINES} (refused elsewhere, tested above)")
+    common = TINY + EDIT + ["--train-iters", "12"] + model
     fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
             "--ckpt-format", "fsdp_dtensor"]
     save = ["--save", "ckpt", "--save-interval", "10"]
