@@ -281,15 +281,15 @@ def _check_megatron_fsdp(args: argparse.Namespace, parser: Rank0ArgumentParser) 
     """--use-megatron-fsdp: what this job does not run with it. The EDiT settings Megatron-FSDP
     does not run are refused when its model is built (megatron_edit.mcore.fsdp, one line)."""
     from megatron_edit.mcore import compat
-    from megatron_edit.mcore.releases import FSDP_SUPPORTED
+    from megatron_edit.mcore.releases import FSDP_EXPERT_PARALLEL, FSDP_SUPPORTED
 
     version = compat.megatron_core_version()
     if not FSDP_SUPPORTED.contains(version):
         parser.fail(f"--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core {FSDP_SUPPORTED} "
                     f"(installed: {version}); install megatron-core 0.16.1 (or 0.17-0.19) or drop the flag.")
-    if args.num_experts and args.expert_model_parallel_size > 1:
-        parser.fail("--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported yet: use "
-                    "--expert-model-parallel-size 1 (the experts then sit in each worker's Megatron-FSDP shards).")
+    if args.num_experts and args.expert_model_parallel_size > 1 and not FSDP_EXPERT_PARALLEL.contains(version):
+        parser.fail(f"--use-megatron-fsdp with --expert-model-parallel-size > 1 on megatron-core {version}: its "
+                    "HSDP has no expert parallelism (0.17+ has); use --expert-model-parallel-size 1.")
     if args.local_sgd_sync_backend == "torchft" and args.mode != "baseline":
         parser.fail("--use-megatron-fsdp with --local-sgd-sync-backend torchft is not supported yet: EDiT on "
                     "Megatron-FSDP exchanges across its HSDP instances in one job; use the torch backend.")

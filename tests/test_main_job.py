@@ -648,12 +648,17 @@ def test_megatron_fsdp_where_the_job_does_not_run_it_is_one_line(job, monkeypatc
         text = _refusal(job, monkeypatch, capsys, ["--use-megatron-fsdp"])
         assert text.count("\n") == 1 and "--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core" in text
         return
-    for argv, fragment in ((["--num-experts", "4", "--expert-model-parallel-size", "2"],
-                            "--use-megatron-fsdp with --expert-model-parallel-size > 1 is not supported yet"),
-                           (["--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "0"],
-                            "--use-megatron-fsdp with --local-sgd-sync-backend torchft is not supported yet")):
-        text = _refusal(job, monkeypatch, capsys, ["--use-megatron-fsdp", *argv])
-        assert text.count("\n") == 1 and fragment in text, text
+    from megatron_edit.mcore import compat
+    from megatron_edit.mcore.releases import FSDP_EXPERT_PARALLEL
+
+    if not FSDP_EXPERT_PARALLEL.contains(compat.megatron_core_version()):
+        text = _refusal(job, monkeypatch, capsys, ["--use-megatron-fsdp", "--num-experts", "4",
+                                                   "--expert-model-parallel-size", "2"])
+        assert text.count("\n") == 1 and "its HSDP has no expert parallelism (0.17+ has)" in text, text
+    text = _refusal(job, monkeypatch, capsys, ["--use-megatron-fsdp", "--local-sgd-sync-backend", "torchft",
+                                               "--local-sgd-replica-id", "0"])
+    assert text.count("\n") == 1, text
+    assert "--use-megatron-fsdp with --local-sgd-sync-backend torchft is not supported yet" in text, text
 
 
 # slow (not in CI) until the cause of an intermittent abort is known: in 3 of about 20 runs here
@@ -661,14 +666,20 @@ def test_megatron_fsdp_where_the_job_does_not_run_it_is_one_line(job, monkeypatc
 # gloo (a read error) mid-run; the failure message now carries the ranks' own error lines.
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model", [[], ["--num-experts", "4"]], ids=["dense", "moe"])
+@pytest.mark.parametrize("model", [[], ["--num-experts", "4"], ["--num-experts", "4", "--expert-model-parallel-size", "2"]],
+                         ids=["dense", "moe", "moe-ep2"])
 def test_megatron_fsdp_trains_what_ddp_and_the_distributed_optimizer_do(data_dir, model):
     """--use-megatron-fsdp (HSDP: 2 workers of 2 fully sharded ranks): EDiT ends with the
     validation losses and syncs of DDP + the distributed optimizer on the same flags (fp32 on
     CPU; megatron-core 0.16.1-0.19.x, the releases EDiT on Megatron-FSDP runs on); dense and MoE
-    (4 experts, expert parallelism 1)."""
+    (4 experts, expert parallelism 1, and 2 where Megatron-FSDP's HSDP has it)."""
     if not _fsdp_supported():
         pytest.skip("EDiT on Megatron-FSDP runs on megatron-core 0.16.1-0.19.x (this lane: refused, tested above)")
+    from megatron_edit.mcore import compat
+    from megatron_edit.mcore.releases import FSDP_EXPERT_PARALLEL
+
+    if "--expert-model-parallel-size" in model and not FSDP_EXPERT_PARALLEL.contains(compat.megatron_core_version()):
+        pytest.skip(f"Megatron-FSDP's HSDP has expert parallelism on megatron-core {FSDP_EXPERT_PARALLEL} (refused above)")
     flags = ["--steps", "8", "--eval-interval", "8", *SHORT, *model]
     code, fsdp = torchrun(data_dir, *flags, "--use-megatron-fsdp")
     # a rank's own last words first (the tail is torchrun's report)

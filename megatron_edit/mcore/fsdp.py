@@ -33,7 +33,7 @@ import torch
 from ..config import ConfigError, LocalSGDConfig, NotSupportedYet
 from ..exchange.shard import BucketShard
 from . import compat
-from .releases import FSDP_SUPPORTED, FSDP_TESTED
+from .releases import FSDP_EXPERT_PARALLEL, FSDP_SUPPORTED, FSDP_TESTED
 from .shards import ShardLayout, layer_key
 from .worker_layout import WorkerLayout
 
@@ -90,12 +90,15 @@ def check_fsdp_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config
             raise NotSupportedYet(
                 f"{flag} > 1 with EDiT on Megatron-FSDP (--use-megatron-fsdp) and --use-local-sgd "
                 "is not supported yet.")
-    if getattr(c, "num_moe_experts", None) and (getattr(c, "expert_model_parallel_size", 1) or 1) > 1:
-        # (expert parallelism 1: the experts are parameters of the worker's buckets like any other)
-        raise NotSupportedYet(
-            "--expert-model-parallel-size > 1 with EDiT on Megatron-FSDP (--use-megatron-fsdp) and "
-            "--use-local-sgd is not supported yet: use --expert-model-parallel-size 1, or DDP with "
-            "--use-distributed-optimizer.")
+    ep = getattr(c, "expert_model_parallel_size", 1) or 1
+    version = version or compat.megatron_core_version()
+    hsdp = (getattr(ddp_config, "num_distributed_optimizer_instances", 1) or 1) > 1
+    if getattr(c, "num_moe_experts", None) and ep > 1 and hsdp and not FSDP_EXPERT_PARALLEL.contains(version):
+        raise ConfigError(
+            f"--expert-model-parallel-size {ep} with Megatron-FSDP in HSDP (--use-megatron-fsdp, "
+            f"--num-distributed-optimizer-instances > 1) on megatron-core {version}: its HSDP builds no "
+            "expert mesh, so expert parameters would be sharded and reduced as dense ones; use "
+            "megatron-core 0.17+ or --expert-model-parallel-size 1.")
 
 
 def _dtype_flag(value) -> str:

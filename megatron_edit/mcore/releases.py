@@ -42,6 +42,12 @@ shims were checked against; Megatron-FSDP with EDiT is refused on any other rele
 FSDP_TESTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 """The releases of :data:`FSDP_SUPPORTED` the multi-rank tests ran against."""
 
+FSDP_EXPERT_PARALLEL = VersionRange("0.17.0", "0.20.0")
+"""megatron-core releases whose Megatron-FSDP in HSDP builds an expert device mesh (expert
+parameters sharded over the worker's expert data-parallel ranks); 0.16's HSDP builds none, and
+shards and reduces expert parameters as dense ones (plain HSDP with expert parallelism then
+trains another model than DDP)."""
+
 _V12 = VersionRange("0.12.0", "0.13.0")
 _V13_14 = VersionRange("0.13.0", "0.15.0")
 _V12_15 = VersionRange("0.12.0", "0.16.0")

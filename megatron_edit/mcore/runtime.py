@@ -101,8 +101,9 @@ class LocalSGDRuntime:
     def check_fsdp(self, transformer_config, ddp_config) -> None:
         """Before Megatron-FSDP is built: the options EDiT on it refuses."""
         check_megatron_options(self.configs.local, transformer_config, ddp_config)
-        if getattr(transformer_config, "num_moe_experts", None):  # (expert parallelism 1 only)
-            check_moe_options(self.configs.local, transformer_config, expert_parallel=False)
+        if getattr(transformer_config, "num_moe_experts", None):
+            ep = getattr(transformer_config, "expert_model_parallel_size", 1) or 1
+            check_moe_options(self.configs.local, transformer_config, expert_parallel=ep > 1)
 
     def on_fsdp_init(self, wrapper) -> None:
         """A Megatron-FSDP model (``FullyShardedDataParallel``) was built while patched."""

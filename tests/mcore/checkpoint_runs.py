@@ -498,6 +498,11 @@ def _fsdp_state_dict(ddp, opt, is_loading=False) -> dict:
 
     state = {"model": ddp.state_dict()}
     state["optimizer"] = opt.sharded_state_dict(state, is_loading=is_loading, metadata=FSDP_DTENSOR)
+    experts = ddp.config.num_moe_experts
+    if experts:  # local expert numbers -> global ones (the same tensors), as Megatron-LM does
+        from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+
+        state["model"] = handle_experts_in_state_dict(dict(state["model"]), experts)
     preprocess_state_dict_for_uneven_dtensor(state)
     return state
 
@@ -516,9 +521,10 @@ def fsdp_load(ddp, opt, path, optimizer=True) -> None:
         dcp.load(state, checkpoint_id=path)
         ddp.module.load_state_dict(state["model"])
         return
+    model = ddp.state_dict()  # the local names of the tensors DCP loads into
     state = _fsdp_state_dict(ddp, opt, is_loading=True)
     dcp.load(state, checkpoint_id=path)
-    ddp.module.load_state_dict(state["model"])
+    ddp.module.load_state_dict(model if ddp.config.num_moe_experts else state["model"])
     opt.load_state_dict(state["optimizer"])
 
 
@@ -546,24 +552,25 @@ def _fsdp_state(ddp, opt, ctl) -> dict:
 
 
 def fsdp_train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=None, saves=(), path=None,
-                   snapshots=(), load_optimizer=True, train_iters=True):
+                   snapshots=(), load_optimizer=True, train_iters=True, model=None, ep=1):
     """EDiT on Megatron-FSDP (HSDP, ``instances`` workers over the 4 ranks): optionally resume at
     step ``load`` from ``path``, train to ``steps`` saving at ``saves`` (``path/step_<n>``);
     returns the final state and the states at ``snapshots``. ``local_sgd`` None: plain
-    Megatron-FSDP (no EDiT)."""
+    Megatron-FSDP (no EDiT). ``model``: the GPT's options (MoE), ``ep`` its expert parallelism."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps
 
     from edit_runs import MICRO_BATCH, _build, default_spec
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances,
+                                 **(dict(expert_model_parallel_size=ep) if ep > 1 else {}))
     if local_sgd is None:  # plain Megatron-FSDP, with megatron_edit's fixes of its checkpoints
         me.unpatch_megatron_for_local_sgd()
         me.patch_megatron_load_fixes()
     else:
         me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**OUTER))
-    ddp, opt = _build(default_spec(instances=instances, fsdp=True), 1, 1)
+    ddp, opt = _build(default_spec(instances=instances, fsdp=True, **(dict(model=model) if model else {})), 1, 1)
     controllers = me.get_local_sgd(opt)
     ctl = controllers[0] if controllers else None
     if ctl is not None and train_iters:  # the run's last step known (Megatron-LM's --train-iters)

@@ -153,10 +153,18 @@ def test_fsdp_refuses_megatron_fsdp_options(ddp, flag, error):
     (dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size"),
     (dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size"),
     (dict(context_parallel_size=2), "--context-parallel-size"),
-    (dict(num_moe_experts=4, expert_model_parallel_size=2), "--expert-model-parallel-size > 1"),
 ])
 def test_fsdp_refuses_model_parallelism_not_built_yet(model, flag):
     _refused(NotSupportedYet, flag, model=_model(**model))
+
+
+def test_fsdp_expert_parallelism_refused_where_megatron_fsdps_hsdp_has_no_expert_mesh():
+    moe = _model(num_moe_experts=4, expert_model_parallel_size=2)
+    message = _refused(ConfigError, "--expert-model-parallel-size 2 with Megatron-FSDP in HSDP", model=moe)
+    assert "0.16.1" in message and "megatron-core 0.17+" in message
+    for version in ("0.17.1", "0.18.2", "0.19.2"):
+        check_fsdp_options(LocalSGDConfig(), moe, _fsdp_config(), version=version)
+    check_fsdp_options(LocalSGDConfig(), moe, _fsdp_config(num_distributed_optimizer_instances=1), version="0.16.1")
 
 
 # Sharp weights, an anomaly detector that warms up after one sync with a low threshold, and a
@@ -397,31 +405,59 @@ def test_a_edit_on_megatron_fsdp_equals_the_distributed_optimizer(mode):
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
            add_bias_linear=False)  # as tests/mcore/test_moe.py
 MOE_EDIT = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)  # syncs after steps 3 and 5
+MOE_PENALTY = dict(MOE_EDIT, pseudo_gradnorm_reduce=True, clip_pseudo_grad=0.05)
+
+
+def _on_expert_parallel_fsdp():
+    from megatron_edit.mcore import compat
+    from megatron_edit.mcore.releases import FSDP_EXPERT_PARALLEL
+
+    return pytest.mark.skipif(not FSDP_EXPERT_PARALLEL.contains(compat.megatron_core_version()),
+                              reason=f"Megatron-FSDP's HSDP has expert parallelism on megatron-core "
+                                     f"{FSDP_EXPERT_PARALLEL} (refused elsewhere: the test above)")
 
 
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
-def test_moe_on_megatron_fsdp_equals_the_distributed_optimizer():
-    """A mixture-of-experts GPT (4 experts, top-2, expert parallelism 1: the experts are
-    parameters of each worker's Megatron-FSDP buckets), 2 workers x 2 shards: EDiT on
+# expert parallelism 1 in the default lane (0.16.1), 2 in the newest (0.19.2: 0.16 refuses it)
+@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.one_lane), pytest.param(2, marks=_on_expert_parallel_fsdp())])
+def test_moe_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
+    """A mixture-of-experts GPT (4 experts, top-2), expert parallelism 1 (the experts are
+    parameters of each worker's Megatron-FSDP buckets) and 2 (0.17+: Megatron-FSDP's expert
+    mesh shards them over the worker's expert data-parallel ranks), 2 workers x 2 shards: EDiT on
     Megatron-FSDP, step-end and layer-wise, equals EDiT on DDP + distributed optimizer to 1e-6
-    and the plain-PyTorch simulation; the same layers (each layer's experts one layer of the
-    penalty's); replicas identical after each sync and different between."""
+    and the plain-PyTorch simulation; with the penalty (layer-wise) the same layers (each layer's
+    experts one layer), weights and model; replicas identical after each sync, different
+    between."""
+    from gpt_utils import global_param_name
+
     specs = [default_spec(steps=6, model=MOE, local_sgd=dict(MOE_EDIT, sync_mode="step_end"), outer=OUTER)]
     specs += [default_spec(steps=6, model=MOE, local_sgd=dict(MOE_EDIT, sync_mode=mode), outer=OUTER, fsdp=True,
                            snapshot_every_step=True) for mode in ("step_end", "layerwise")]
-    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560)
+    specs += [default_spec(steps=6, model=MOE, local_sgd=dict(MOE_PENALTY, sync_mode="layerwise"), outer=OUTER,
+                           fsdp=fsdp) for fsdp in (False, True)]
+    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560, ep=ep)
     (sim,) = run_ranks(simulate_edit, 1, specs[0], WORLD, timeout=200)
     for r in results:
-        ddp, step_end, layerwise = r["runs"]
+        ddp, step_end, layerwise, ddp_penalty, penalty = r["runs"]
         assert any(".experts." in k for k in ddp["params"])
         for run in (step_end, layerwise):
             assert [rep.step for rep in run["reports"]] == [3, 5]
-            assert run["reports"][0].layer_names == ddp["reports"][0].layer_names
             assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
             assert _max_difference(run["params"], ddp["params"]) <= 1e-6
-            assert _max_difference(run["params"], sim["params"][run["worker"]]) <= SIM_ATOL
-    assert "decoder.layers.0.mlp.experts" in results[0]["runs"][1]["reports"][0].layer_names
+            expected = sim["params"][run["worker"]]
+            worst = max((run["params"][k] - expected[global_param_name(k, 4 // ep, run["ep_rank"])]).abs().max().item()
+                        for k in run["params"])
+            assert worst <= SIM_ATOL, worst
+        # DDP has one controller per optimizer (dense, then the experts' with ep > 1); Megatron-FSDP one
+        layers = [n for c in ddp_penalty["per_controller"] for n in c["layer_names"]]
+        assert sorted(penalty["reports"][0].layer_names) == sorted(layers)
+        assert "decoder.layers.0.mlp.experts" in layers
+        by_name = {n: w for c in ddp_penalty["per_controller"] for rep in c["reports"][:1]
+                   for n, w in zip(rep.layer_names, rep.weights.T)}
+        for n, w in zip(penalty["reports"][0].layer_names, penalty["reports"][0].weights.T):
+            assert torch.allclose(w, by_name[n], atol=1e-5), n
+        assert _max_difference(penalty["params"], ddp_penalty["params"]) <= 1e-5
     first, other = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
     for step in range(1, 7):
         experts_same = all(torch.equal(first[step][k], other[step][k]) for k in first[step] if ".experts." in k)

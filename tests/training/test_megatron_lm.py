@@ -27,7 +27,7 @@ import pytest
 from megatron_edit import launch
 from megatron_edit.mcore import compat
 from megatron_edit.mcore.compat import megatron_core_version
-from megatron_edit.mcore.releases import FSDP_SUPPORTED
+from megatron_edit.mcore.releases import FSDP_EXPERT_PARALLEL, FSDP_SUPPORTED
 from megatron_edit.config import ConfigError, NotSupportedYet
 from megatron_edit.training.flags import add_local_sgd_args, with_local_sgd_args
 from megatron_edit.training.metrics import SyncMetrics, merge_reports, training_log_fields
@@ -982,7 +982,7 @@ MOE = ("--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model", [[], [("1" if a == "2" and MOE[i - 1] == "--expert-model-parallel-size" else a)
-                                         for i, a in enumerate(MOE)]], ids=["dense", "moe"])
+                                         for i, a in enumerate(MOE)], MOE], ids=["dense", "moe", "moe-ep2"])
 def test_megatron_fsdp_through_megatron_lm_trains_what_ddp_does(tmp_path, model):
     """pretrain_gpt.py --use-megatron-fsdp (HSDP: 2 workers of 2 fully sharded ranks) with
     --use-local-sgd through megatron_edit.launch: every iteration's loss and the syncs (after 8,
@@ -990,11 +990,14 @@ def test_megatron_fsdp_through_megatron_lm_trains_what_ddp_does(tmp_path, model)
     It saves after iteration 10 (--ckpt-format fsdp_dtensor, between syncs); a run resumed
     there with --load has the first run's losses and its sync after 12. A failed Megatron-FSDP
     job is run once more (the known CPU defect, tests/dist.py). Dense, and MoE (4 experts,
-    expert parallelism 1: the experts in each worker's Megatron-FSDP shards)."""
+    expert parallelism 1: the experts in each worker's Megatron-FSDP shards; and 2, on the
+    releases whose Megatron-FSDP HSDP has an expert mesh)."""
     if not FSDP_SUPPORTED.contains(compat.megatron_core_version()):
         pytest.skip(f"EDiT on Megatron-FSDP runs on megatron-core {FSDP_SUPPORTED} (refused elsewhere, tested above)")
     if model and LINE not in MOE_LINES:
         pytest.skip(f"MoE with --use-local-sgd through Megatron-LM runs on {MOE_LINES} (refused elsewhere, tested above)")
+    if model is MOE and not FSDP_EXPERT_PARALLEL.contains(compat.megatron_core_version()):
+        pytest.skip(f"Megatron-FSDP's HSDP has expert parallelism on megatron-core {FSDP_EXPERT_PARALLEL} (refused elsewhere)")
     common = TINY + EDIT + ["--train-iters", "12"] + model
     fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
             "--ckpt-format", "fsdp_dtensor"]
