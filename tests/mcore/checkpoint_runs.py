@@ -490,14 +490,16 @@ def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None,
 FSDP_DTENSOR = {"distrib_optim_sharding_type": "fsdp_dtensor"}  # Megatron-LM's --ckpt-format fsdp_dtensor
 
 
-def _fsdp_state_dict(ddp, opt, is_loading=False) -> dict:
-    """What Megatron-LM's fsdp_dtensor save / load hands to torch.distributed.checkpoint."""
+def _fsdp_state_dict(ddp, opt, is_loading=False, optimizer=True) -> dict:
+    """What Megatron-LM's fsdp_dtensor save / load hands to torch.distributed.checkpoint
+    (``optimizer=False``: the model alone, as with --no-load-optim)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
         preprocess_state_dict_for_uneven_dtensor,
     )
 
     state = {"model": ddp.state_dict()}
-    state["optimizer"] = opt.sharded_state_dict(state, is_loading=is_loading, metadata=FSDP_DTENSOR)
+    if optimizer:
+        state["optimizer"] = opt.sharded_state_dict(state, is_loading=is_loading, metadata=FSDP_DTENSOR)
     experts = ddp.config.num_moe_experts
     if experts:  # local expert numbers -> global ones (the same tensors), as Megatron-LM does
         from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
@@ -516,16 +518,12 @@ def fsdp_save(ddp, opt, path) -> None:
 def fsdp_load(ddp, opt, path, optimizer=True) -> None:
     import torch.distributed.checkpoint as dcp
 
-    if not optimizer:
-        state = {"model": ddp.state_dict()}
-        dcp.load(state, checkpoint_id=path)
-        ddp.module.load_state_dict(state["model"])
-        return
     model = ddp.state_dict()  # the local names of the tensors DCP loads into
-    state = _fsdp_state_dict(ddp, opt, is_loading=True)
+    state = _fsdp_state_dict(ddp, opt, is_loading=True, optimizer=optimizer)
     dcp.load(state, checkpoint_id=path)
     ddp.module.load_state_dict(model if ddp.config.num_moe_experts else state["model"])
-    opt.load_state_dict(state["optimizer"])
+    if optimizer:
+        opt.load_state_dict(state["optimizer"])
 
 
 def _fsdp_state(ddp, opt, ctl) -> dict:

@@ -191,3 +191,25 @@ def test_refusals_of_fsdp_dtensor_checkpoints(tmp_path):
     assert all(m and "CheckpointStateError" in m and "incomplete or corrupted" in m and "local_sgd.anchor." in m
                for m in damaged)
     assert len(set(damaged)) == 1  # the same line on every rank
+
+
+@pytest.mark.one_lane  # the checkpoint path the exact-resume test checks in every lane
+@ON_FSDP_RELEASE
+@pytest.mark.timeout(600)
+def test_model_only_load_on_megatron_fsdp_restarts_edit_from_worker_0(tmp_path):
+    """``--no-load-optim`` / ``--finetune``-style load (the model alone) of a checkpoint taken
+    between syncs (step 6): every worker gets worker 0's model, its fp32 main weights included,
+    and EDiT starts afresh (no anchor, the warmup again), so after the two synchronous steps the
+    workers are identical."""
+    path = str(tmp_path / "ckpt")
+    whole = run_fsdp_ranks(fsdp_train_job, WORLD, steps=8, saves=(6,), path=path, snapshots=(6,), timeout=400)
+    resumed = run_fsdp_ranks(fsdp_train_job, WORLD, steps=8, load=6, path=path, load_optimizer=False, timeout=400)
+    worker0 = whole[0]["snapshots"][6]
+    assert _max_difference(worker0["params"], whole[2]["snapshots"][6]["params"]) > 1e-4  # between syncs
+    for rank, r in enumerate(resumed):
+        loaded = r["loaded"]
+        _equal(loaded["params"], worker0["params"], "model-only load: worker 0's model")
+        # the main weights follow the loaded model: those of worker 0's rank with the same shard
+        _equal(loaded["mains"], whole[rank % 2]["snapshots"][6]["mains"], "main weights")
+        assert loaded["steps_done"] == 0 and loaded["anchors"] == [None] * len(loaded["anchors"])
+    _equal(resumed[0]["final"]["params"], resumed[2]["final"]["params"], "after the warmup again")
