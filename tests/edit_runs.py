@@ -50,6 +50,25 @@ ON_FSDP_RELEASE = _on_fsdp_release()
 """Marks a test of EDiT on Megatron-FSDP (``spec["fsdp"]``): skipped where it is refused."""
 
 
+def _on_expert_parallel_fsdp():
+    import pytest
+
+    from megatron_edit.mcore import compat
+    from megatron_edit.mcore.releases import FSDP_EXPERT_PARALLEL
+
+    return pytest.mark.skipif(
+        not FSDP_EXPERT_PARALLEL.contains(compat.megatron_core_version()),
+        reason=f"Megatron-FSDP's HSDP has expert parallelism on megatron-core {FSDP_EXPERT_PARALLEL} "
+               "(refused elsewhere)")
+
+
+ON_EXPERT_PARALLEL_FSDP = _on_expert_parallel_fsdp()
+"""Marks a test of EDiT on Megatron-FSDP with expert parallelism > 1: skipped where it is refused."""
+
+FSDP_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+"""The MoE GPT of the Megatron-FSDP tests (as tests/mcore/test_moe.py's: 4 experts, top-2)."""
+
+
 def default_spec(**overrides) -> dict:
     spec = dict(
         steps=8,

@@ -9,7 +9,7 @@ import torch
 
 from checkpoint_runs import DP_RESHARDABLE, EDIT, STEPS, _equal, fsdp_train_job, train_job
 from dist import run_fsdp_ranks, run_ranks
-from edit_runs import ON_FSDP_RELEASE
+from edit_runs import FSDP_MOE, ON_EXPERT_PARALLEL_FSDP, ON_FSDP_RELEASE
 
 WORLD = 4
 _STATE = ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_sync_step", "residuals", "extra")
@@ -56,30 +56,18 @@ def test_exact_resume_on_megatron_fsdp(tmp_path, local, saves, steps):
         assert any(r is not None for r in whole[0]["final"]["residuals"])
 
 
-MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False)
-
-
-def _on_expert_parallel_fsdp():
-    from megatron_edit.mcore import compat
-    from megatron_edit.mcore.releases import FSDP_EXPERT_PARALLEL
-
-    return pytest.mark.skipif(not FSDP_EXPERT_PARALLEL.contains(compat.megatron_core_version()),
-                              reason=f"Megatron-FSDP's HSDP has expert parallelism on megatron-core "
-                                     f"{FSDP_EXPERT_PARALLEL} (refused elsewhere)")
-
-
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.one_lane),
-                                pytest.param(2, marks=_on_expert_parallel_fsdp())])
+                                pytest.param(2, marks=ON_EXPERT_PARALLEL_FSDP)])
 def test_moe_exact_resume_on_megatron_fsdp(tmp_path, ep):
     """A MoE GPT (4 experts; expert parallelism 1, and 2 where Megatron-FSDP's HSDP has it)
     saved between syncs (step 6) and resumed in fresh processes: every rank's parameters, Adam
     state, anchor, outer state and counters bit for bit those of the run without the stop."""
     path = str(tmp_path / "ckpt")
     whole = run_fsdp_ranks(fsdp_train_job, WORLD, steps=STEPS, saves=(6,), path=path, snapshots=(6,),
-                           model=MOE, ep=ep, timeout=400)
-    resumed = run_fsdp_ranks(fsdp_train_job, WORLD, steps=STEPS, load=6, path=path, model=MOE, ep=ep, timeout=400)
+                           model=FSDP_MOE, ep=ep, timeout=400)
+    resumed = run_fsdp_ranks(fsdp_train_job, WORLD, steps=STEPS, load=6, path=path, model=FSDP_MOE, ep=ep, timeout=400)
     for a, b in zip(whole, resumed):
         assert any(".experts." in k for k in a["final"]["params"])
         for key in _STATE:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist import run_fsdp_ranks, run_ranks
-from edit_runs import ON_FSDP_RELEASE, async_runs, default_spec, megatron_runs, simulate_edit
+from edit_runs import FSDP_MOE, ON_EXPERT_PARALLEL_FSDP, ON_FSDP_RELEASE, async_runs, default_spec, megatron_runs, simulate_edit
 from megatron_edit.config import ConfigError, LocalSGDConfig, NotSupportedYet
 from megatron_edit.mcore.fsdp import check_fsdp_options
 
@@ -402,25 +402,14 @@ def test_a_edit_on_megatron_fsdp_equals_the_distributed_optimizer(mode):
 
 # ---------------------------------------------------------------- MoE on Megatron-FSDP
 
-MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
-           add_bias_linear=False)  # as tests/mcore/test_moe.py
 MOE_EDIT = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1)  # syncs after steps 3 and 5
 MOE_PENALTY = dict(MOE_EDIT, pseudo_gradnorm_reduce=True, clip_pseudo_grad=0.05)
-
-
-def _on_expert_parallel_fsdp():
-    from megatron_edit.mcore import compat
-    from megatron_edit.mcore.releases import FSDP_EXPERT_PARALLEL
-
-    return pytest.mark.skipif(not FSDP_EXPERT_PARALLEL.contains(compat.megatron_core_version()),
-                              reason=f"Megatron-FSDP's HSDP has expert parallelism on megatron-core "
-                                     f"{FSDP_EXPERT_PARALLEL} (refused elsewhere: the test above)")
 
 
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 # expert parallelism 1 in the default lane (0.16.1), 2 in the newest (0.19.2: 0.16 refuses it)
-@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.one_lane), pytest.param(2, marks=_on_expert_parallel_fsdp())])
+@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.one_lane), pytest.param(2, marks=ON_EXPERT_PARALLEL_FSDP)])
 def test_moe_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
     """A mixture-of-experts GPT (4 experts, top-2), expert parallelism 1 (the experts are
     parameters of each worker's Megatron-FSDP buckets) and 2 (0.17+: Megatron-FSDP's expert
@@ -431,10 +420,10 @@ def test_moe_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
     between."""
     from gpt_utils import global_param_name
 
-    specs = [default_spec(steps=6, model=MOE, local_sgd=dict(MOE_EDIT, sync_mode="step_end"), outer=OUTER)]
-    specs += [default_spec(steps=6, model=MOE, local_sgd=dict(MOE_EDIT, sync_mode=mode), outer=OUTER, fsdp=True,
+    specs = [default_spec(steps=6, model=FSDP_MOE, local_sgd=dict(MOE_EDIT, sync_mode="step_end"), outer=OUTER)]
+    specs += [default_spec(steps=6, model=FSDP_MOE, local_sgd=dict(MOE_EDIT, sync_mode=mode), outer=OUTER, fsdp=True,
                            snapshot_every_step=True) for mode in ("step_end", "layerwise")]
-    specs += [default_spec(steps=6, model=MOE, local_sgd=dict(MOE_PENALTY, sync_mode="layerwise"), outer=OUTER,
+    specs += [default_spec(steps=6, model=FSDP_MOE, local_sgd=dict(MOE_PENALTY, sync_mode="layerwise"), outer=OUTER,
                            fsdp=fsdp) for fsdp in (False, True)]
     results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560, ep=ep)
     (sim,) = run_ranks(simulate_edit, 1, specs[0], WORLD, timeout=200)
