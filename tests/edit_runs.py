@@ -394,16 +394,22 @@ def simulate_edit(rank, world_size, spec, dp_size):
     batches = make_batches(spec["steps"], dp_size * MICRO_BATCH, seed=spec["data_seed"])
     per_worker = batches.shape[1] // n
     names = [name for name, _ in models[0].named_parameters()]
-    key = {name: layer_key(name) for name in names}
-    if spec.get("fragment_params"):  # a layer in several fragments: one layer per fragment
-        frag_of = {name: f for f, members in enumerate(spec["fragment_params"]) for name in members}
-        spread = {}
-        for name in names:
-            spread.setdefault(key[name], set()).add(frag_of[name])
-        key = {name: key[name] if len(spread[key[name]]) == 1 else f"{key[name]}@fragment{frag_of[name]}"
-               for name in names}
-    layers = sorted(set(key.values()))
-    layer_index = [layers.index(key[name]) for name in names]
+
+    def cut(fragment_params):
+        """(layers, each parameter's layer index): a layer in several fragments is one layer per
+        fragment."""
+        key = {name: layer_key(name) for name in names}
+        if fragment_params:
+            frag_of = {name: f for f, members in enumerate(fragment_params) for name in members}
+            spread = {}
+            for name in names:
+                spread.setdefault(key[name], set()).add(frag_of[name])
+            key = {name: key[name] if len(spread[key[name]]) == 1 else f"{key[name]}@fragment{frag_of[name]}"
+                   for name in names}
+        layers = sorted(set(key.values()))
+        return layers, [layers.index(key[name]) for name in names]
+
+    layers, layer_index = cut(spec.get("fragment_params"))
     stats = penalty.EWMAStats.zeros(n, len(layers))
     anchor, outer_opt, decisions = None, None, []
     tau, alpha, last, flight = cfg.get("outer_step_delay", 0), cfg.get("outer_merge_alpha"), spec.get("last_step"), None
@@ -420,6 +426,10 @@ def simulate_edit(rank, world_size, spec, dp_size):
     frags = spec.get("fragment_params")
     period = interval // len(frags) if frags else interval
     everything = set(names)
+    # fragment_switch=(k, fragment_params'): those fragments from the step after k on
+    # (auto_overlap's change of F at a sync, nothing in flight); a layer cut anew starts its
+    # statistics afresh
+    fswitch = spec.get("fragment_switch")
 
     def fragment_of(step):
         """The parameter names synchronised after ``step`` (None: no sync there)."""
@@ -494,6 +504,11 @@ def simulate_edit(rank, world_size, spec, dp_size):
                     p.copy_(a if not merge_alpha else merge_alpha * p + (1 - merge_alpha) * a)
 
     for step in range(1, spec["steps"] + 1):
+        if fswitch and step == fswitch[0] + 1:
+            frags = fswitch[1] if len(fswitch[1]) > 1 else None
+            period = interval // len(frags) if frags else interval
+            old_layers, (layers, layer_index) = layers, cut(frags)
+            stats = stats.relabel(old_layers, layers)
         if anchor is None and step - 1 >= warmup:
             anchor = [p.detach().clone() for p in models[0].parameters()]
             outer_opt = outer_cls(anchor, **outer_kwargs)

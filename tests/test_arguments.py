@@ -305,16 +305,18 @@ LOCAL_FLAG_CASES = {
     # (test_auto_overlap_flags_reach_their_fields sets them together).
     "auto_overlap": (["--local-sgd-auto-overlap"], ConfigError),
     "auto_formats": (["--local-sgd-auto-formats", "fp32,int8"], ConfigError),
+    "auto_fragments": (["--local-sgd-auto-fragments", "1,2"], ConfigError),
     "auto_every": (["--local-sgd-auto-every", "5"], ConfigError),
 }
 
 
 def test_auto_overlap_flags_reach_their_fields():
     args = _parser().parse_args(["--use-local-sgd", "--local-sgd-sync-interval", "8", "--local-sgd-auto-overlap",
-                                 "--local-sgd-auto-formats", "fp32,int8,int4", "--local-sgd-auto-every", "5"])
+                                 "--local-sgd-auto-formats", "fp32,int8,int4", "--local-sgd-auto-every", "5",
+                                 "--local-sgd-auto-fragments", "1,2,4"])
     local = configs_from_args(args)[0]
     assert (local.auto_overlap, local.auto_formats, local.auto_every) == (True, "fp32,int8,int4", 5)
-    assert local.allowed_formats == ("fp32", "int8", "int4")
+    assert local.allowed_formats == ("fp32", "int8", "int4") and local.allowed_fragments == (1, 2, 4)
 
 
 NEEDS = {

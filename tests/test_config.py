@@ -55,6 +55,7 @@ FLAGS = {
     "min_replicas": "--local-sgd-min-replicas",
     "auto_overlap": "--local-sgd-auto-overlap",
     "auto_formats": "--local-sgd-auto-formats",
+    "auto_fragments": "--local-sgd-auto-fragments",
     "auto_every": "--local-sgd-auto-every",
     "outer_optim_class": "--outer-optimizer",
     "outer_optim_kwargs": "--outer-optimizer-lr",
@@ -596,6 +597,9 @@ def test_auto_overlap_settings():
     # a merge for the delay it may choose; a block size for the scaled formats it may choose
     LocalSGDConfig(**AUTO, outer_merge_alpha=0.0)
     LocalSGDConfig(**AUTO, auto_formats="fp32,int8", exchange_block_size=64)
+    assert LocalSGDConfig(**AUTO).allowed_fragments == (1,)
+    assert LocalSGDConfig(**AUTO, fragments=2).allowed_fragments == (2,)
+    assert LocalSGDConfig(**AUTO, auto_fragments="4, 1,2").allowed_fragments == (1, 2, 4)  # fewest first
 
 
 @pytest.mark.parametrize("kwargs, exc, field_name, match", [
@@ -605,6 +609,13 @@ def test_auto_overlap_settings():
     (dict(AUTO, auto_formats="fp32,int9"), ConfigError, "auto_formats", "comma-separated list"),
     (dict(AUTO, auto_formats="fp32,fp32"), ConfigError, "auto_formats", "distinct"),
     (dict(AUTO, auto_formats="int8,int4"), ConfigError, "auto_formats", "starts in --local-sgd-exchange-dtype fp32"),
+    (dict(auto_fragments="1,2", local_sgd_sync_interval=8), ConfigError, "auto_fragments", "only used by"),
+    (dict(AUTO, auto_fragments="1,x"), ConfigError, "auto_fragments", "distinct integers >= 1"),
+    (dict(AUTO, auto_fragments="1,1"), ConfigError, "auto_fragments", "distinct integers >= 1"),
+    (dict(AUTO, auto_fragments="1,0"), ConfigError, "auto_fragments", "distinct integers >= 1"),
+    (dict(AUTO, auto_fragments="1,3"), ConfigError, "auto_fragments", "3 must divide --local-sgd-sync-interval 8"),
+    (dict(AUTO, auto_fragments="1,8"), ConfigError, "auto_fragments", "8 must divide"),
+    (dict(AUTO, auto_fragments="2,4"), ConfigError, "auto_fragments", "starts with --local-sgd-fragments 1"),
     (dict(AUTO, outer_step_delay=2), ConfigError, "outer_step_delay", "chooses the delay"),
     (dict(AUTO, local_sgd_sync_interval=4, fragments=4), ConfigError, "auto_overlap", "no room for a delay"),
     (dict(AUTO, use_async=True), NotSupportedYet, "auto_overlap", "--local-sgd-async"),

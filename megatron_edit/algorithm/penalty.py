@@ -64,6 +64,18 @@ class EWMAStats:
         return EWMAStats(*(t.index_select(0, pick) for t in (self.mean, self.var, self.count, self.rel_mean,
                                                               self.rel_var)))
 
+    def relabel(self, old_layers: Sequence[str], new_layers: Sequence[str]) -> "EWMAStats":
+        """The statistics for ``new_layers`` (columns): a layer also in ``old_layers`` keeps its
+        column, any other starts afresh (count 0, in its warmup again). A copy."""
+        out = EWMAStats.zeros(self.mean.shape[0], len(new_layers))
+        where = {name: i for i, name in enumerate(old_layers)}
+        for j, name in enumerate(new_layers):
+            if name in where:
+                for dst, src in zip((out.mean, out.var, out.count, out.rel_mean, out.rel_var),
+                                    (self.mean, self.var, self.count, self.rel_mean, self.rel_var)):
+                    dst[:, j] = src[:, where[name]]
+        return out
+
     @classmethod
     def stack(cls, rows: Sequence["EWMAStats"]) -> "EWMAStats":
         """One [W, L] statistics of ``rows`` ([1, L] each), in order."""

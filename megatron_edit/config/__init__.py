@@ -295,7 +295,8 @@ class LocalSGDConfig:
 
     auto_overlap: bool = flag(
         "--local-sgd-auto-overlap", False,
-        help="Choose the delay (and, with --local-sgd-auto-formats, the exchange format) from the "
+        help="Choose the delay (with --local-sgd-auto-formats also the exchange format, with "
+             "--local-sgd-auto-fragments the fragments) from the "
              "measured step and exchange times while the job runs (synchronous EDiT, torch backend).")
     """Settings from the measured link (:mod:`megatron_edit.mcore.auto_overlap`): the first syncs
     (and one sync every ``auto_every``) run blocking and are timed; at each sync every rank's
@@ -303,9 +304,10 @@ class LocalSGDConfig:
     all-reduce of a few numbers over every rank, right after the sync), and the rule of
     :func:`megatron_edit.algorithm.overlap_plan.choose` sets ``outer_step_delay`` tau (the
     smallest that covers the exchange with a 1.2 margin, tau < H/F) and the format, only at a
-    sync with nothing in flight, the same on every worker. H and the fragments F stay the
-    user's (F splits the per-layer state; ``python -m megatron_edit.plan`` says which F to
-    start with). The run starts blocking, in ``exchange_dtype``. Synchronous EDiT over the
+    sync with nothing in flight, the same on every worker; with ``auto_fragments`` also the
+    fragments F (the fewest that let a delay hide the exchange). H stays the user's (it changes
+    the algorithm, not only the schedule). The run starts blocking, in ``exchange_dtype`` with
+    ``fragments``. Synchronous EDiT over the
     torch backend; not with error feedback, the top-k exchange or GTA (their state follows the
     format)."""
 
@@ -318,6 +320,18 @@ class LocalSGDConfig:
     choose; it takes the most precise one whose exchange it can hide. Must include
     ``exchange_dtype`` (the format the run starts with). None: ``exchange_dtype`` only (the
     delay alone is chosen)."""
+
+    auto_fragments: Optional[str] = flag(
+        "--local-sgd-auto-fragments", None, type=str, show_default=False,
+        help="Numbers of fragments --local-sgd-auto-overlap may choose, comma-separated; it takes "
+             "the fewest that let a delay hide the exchange (e.g. 1,2,4; each divides "
+             "--local-sgd-sync-interval; default: --local-sgd-fragments only).")
+    """Comma-separated numbers of streaming fragments F that ``auto_overlap`` may choose; it
+    takes the fewest for which a delay tau < H/F covers the exchange. Each must divide
+    ``local_sgd_sync_interval`` with H/F >= 2, and the list must include ``fragments`` (the F
+    the run starts with). A change of F re-cuts the per-layer state: a layer that a fragment
+    boundary cuts differently under the new F (``<layer>@fragment<f>``) starts its penalty
+    statistics afresh. None: ``fragments`` only (F stays the user's)."""
 
     auto_every: int = flag(
         "--local-sgd-auto-every", 20,
@@ -520,8 +534,19 @@ class LocalSGDConfig:
     def _auto_format_names(self) -> list:
         return [n.strip() for n in str(self.auto_formats).split(",")]
 
+    @property
+    def allowed_fragments(self) -> tuple:
+        """The numbers of fragments ``auto_overlap`` may choose (``auto_fragments``, else
+        ``fragments`` alone), fewest first."""
+        if self.auto_fragments is None:
+            return (self.fragments,)
+        return tuple(sorted(int(n) for n in self._auto_fragment_names()))
+
+    def _auto_fragment_names(self) -> list:
+        return [n.strip() for n in str(self.auto_fragments).split(",")]
+
     def _check_auto(self) -> None:
-        """``auto_overlap`` and its settings (``auto_formats``, ``auto_every``)."""
+        """``auto_overlap`` and its settings (``auto_formats``, ``auto_fragments``, ``auto_every``)."""
         _require(self.auto_every >= 1, "auto_every", f"must be an integer >= 1 (got {self.auto_every!r}).")
         if self.auto_formats is not None:
             names = self._auto_format_names()
@@ -529,8 +554,18 @@ class LocalSGDConfig:
             _require(not bad and len(set(names)) == len(names), "auto_formats",
                      f"must be a comma-separated list of distinct formats of {', '.join(AUTO_FORMATS)} "
                      f"(got {self.auto_formats!r}).")
+        if self.auto_fragments is not None:
+            names, h = self._auto_fragment_names(), self.local_sgd_sync_interval
+            numbers = [int(n) for n in names if n.isdigit() and int(n) >= 1]
+            _require(len(numbers) == len(names) == len(set(numbers)), "auto_fragments", f"must be a comma-separated list of distinct integers >= 1 "
+                                           f"(got {self.auto_fragments!r}).")
+            bad = [int(n) for n in names if h % int(n) or h // int(n) < 2]
+            _require(not bad, "auto_fragments",
+                     f"{bad[0] if bad else ''} must divide {FLAG_NAMES['local_sgd_sync_interval']} {h} and leave "
+                     "H/F >= 2 (room for a delay tau < H/F); give divisors of H up to H/2.")
         if not self.auto_overlap:
-            given = [f for f, default in (("auto_formats", None), ("auto_every", 20)) if getattr(self, f) != default]
+            given = [f for f, default in (("auto_formats", None), ("auto_fragments", None), ("auto_every", 20))
+                     if getattr(self, f) != default]
             if given:
                 raise ConfigError(f"{_name(given[0])}: only used by {FLAG_NAMES['auto_overlap']}; add it "
                                   "or drop the flag.")
@@ -554,6 +589,10 @@ class LocalSGDConfig:
             raise ConfigError(
                 f"{_name('auto_formats')}: the run starts in {FLAG_NAMES['exchange_dtype']} "
                 f"{self.exchange_dtype}, which is not among {self.auto_formats}; add it, or start in one of them.")
+        if self.fragments not in self.allowed_fragments:
+            raise ConfigError(
+                f"{_name('auto_fragments')}: the run starts with {FLAG_NAMES['fragments']} {self.fragments}, "
+                f"which is not among {self.auto_fragments}; add it, or start with one of them.")
         if self.local_sgd_sync_interval // self.fragments < 2:
             raise ConfigError(
                 f"{_name('auto_overlap')}: {FLAG_NAMES['local_sgd_sync_interval']} "

@@ -86,10 +86,7 @@ class OuterSync:
         self.gta_config = gta_config
         self.outer = outer_state
         self.on_done = on_done
-        self.layer_shards: List[List[BucketShard]] = [[] for _ in self.layer_names]
-        for shard in self.shards:
-            for layer in shard.bucket_layers:
-                self.layer_shards[layer].append(shard)
+        self._index_layers()
         self._penalty = config.skip_anomaly or config.pseudo_gradnorm_reduce
         self._gta = gta_config.reducer == "gta"
         self.quantized: Optional[QuantizedExchange] = None
@@ -106,6 +103,23 @@ class OuterSync:
         """Asked once per sync, after every exchange of it is in and before any outer step:
         whether to apply it (the torchft backend's commit); None: always. A sync not applied
         leaves the main params with the worker's local progress."""
+
+    def relabel_layers(self, layer_names: Sequence[str]) -> None:
+        """The shards' layers were cut anew (``auto_overlap`` changed the number of fragments,
+        between syncs): per-layer lists and the penalty's statistics follow the new names (a
+        layer cut differently starts its statistics afresh)."""
+        assert self._sync is None, "an exchange is in flight"
+        assert not self.ewma_by_worker, "relabel_layers: per-replica statistics (torchft) are not relabelled"
+        self.ewma = self.ewma.relabel(self.layer_names, layer_names)
+        self.layer_names = list(layer_names)
+        self._index_layers()
+
+    def _index_layers(self) -> None:
+        self.layer_shards: List[List[BucketShard]] = [[] for _ in self.layer_names]
+        """Layer index -> the shards holding a parameter of it."""
+        for shard in self.shards:
+            for layer in shard.bucket_layers:
+                self.layer_shards[layer].append(shard)
 
     def use_config(self, config: LocalSGDConfig) -> None:
         """Exchange by ``config`` from the next sync on (its format; ``auto_overlap`` changes it

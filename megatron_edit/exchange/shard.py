@@ -108,6 +108,12 @@ class BucketShard:
         # Built once here (not at each sync): a host -> device copy would wait for the device.
         self._norm_index = torch.tensor([r[2] for r in counted], dtype=torch.long, device=self.device)
 
+    def relayer(self, segments: List[Segment], bucket_layers: Set[int]) -> None:
+        """Take new layer indices (the same ranges; the layers were cut anew between syncs) and
+        what is derived from them; tensors and EDiT state stay."""
+        self.segments, self.bucket_layers = list(segments), set(bucket_layers)
+        self.__post_init__()
+
     def main_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """Views of ``flat`` (shard-length) at each main's range."""
         return [flat[s:e] for s, e in self.local_ranges]

@@ -1,5 +1,5 @@
-"""Settings from the measured link (``LocalSGDConfig.auto_overlap``): the delay tau and the
-exchange format chosen while the job runs, for one :class:`~megatron_edit.mcore.controller.LocalSGD`.
+"""Settings from the measured link (``LocalSGDConfig.auto_overlap``): the delay tau, the
+exchange format and the fragments F chosen while the job runs, for one :class:`~megatron_edit.mcore.controller.LocalSGD`.
 
 What is measured, on every rank:
 
@@ -8,7 +8,8 @@ What is measured, on every rank:
   re-decision) run *blocking* with no delay (a layer-wise sync completes right after the
   optimizer step, not in the next forward pass), and the time this rank spent in the sync is
   the exchange's, in the format in force; the other formats' times are scaled by their bytes
-  (:func:`~megatron_edit.algorithm.overlap_plan.scale_to_formats`). With a delay in force, a
+  (:func:`~megatron_edit.algorithm.overlap_plan.scale_to_formats`); a fragment's exchange
+  counts for the whole model's in proportion to its elements. With a delay in force, a
   sync that exposes a wait tells more: the exchange took tau steps plus that wait;
 * the wait each sync exposed (not hidden behind compute).
 
@@ -17,7 +18,8 @@ with nothing in flight, the same logical time on every rank), one all-reduce of 
 rank of every worker (the controller's ``schedule_group``) of those few numbers gives every rank
 the same measurements: the fastest step, the slowest exchange and the largest exposed wait
 (:func:`~megatron_edit.algorithm.overlap_plan.agreed`). Every rank then applies the same rule
-(:func:`~megatron_edit.algorithm.overlap_plan.choose`, the run's own H and F), so every worker
+(:func:`~megatron_edit.algorithm.overlap_plan.choose`, the run's own H, the allowed formats
+and numbers of fragments), so every worker
 takes the same settings at the same step. The all-reduce aligns the workers once per sync,
 one step after it; synchronous EDiT's exchange aligns them there anyway up to one step.
 
@@ -64,6 +66,8 @@ class AutoOverlap:
         """The run's own settings (``auto_overlap`` on); the controller's ``config`` is the
         settings in force (:meth:`config_for`)."""
         self.formats: Tuple[str, ...] = user_config.allowed_formats
+        self.fragments: Tuple[int, ...] = user_config.allowed_fragments
+        """The numbers of fragments it may choose (fewest first)."""
         self.clock: Callable[[], float] = time.perf_counter
         self.measure: Callable[[], Measurement] = self._measure
         """This rank's measurement at a sync (replaceable in tests)."""
@@ -81,11 +85,13 @@ class AutoOverlap:
         """(step after which it was taken, the choice, the agreed measurement), in order."""
 
     # ------------------------------------------------------------------ settings
-    def config_for(self, delay: int, dtype: str) -> LocalSGDConfig:
-        """The settings in force: the run's, with this delay and format (and no automation)."""
+    def config_for(self, delay: int, dtype: str, fragments: Optional[int] = None) -> LocalSGDConfig:
+        """The settings in force: the run's, with this delay, format and number of fragments
+        (None: the run's own), and no automation."""
         u = self.user
         return dataclasses.replace(
-            u, auto_overlap=False, auto_formats=None, auto_every=20, outer_step_delay=delay, exchange_dtype=dtype,
+            u, auto_overlap=False, auto_formats=None, auto_fragments=None, auto_every=20, outer_step_delay=delay,
+            exchange_dtype=dtype, fragments=u.fragments if fragments is None else fragments,
             outer_merge_alpha=u.outer_merge_alpha if delay else None,
             outer_merge_rule=u.outer_merge_rule if delay else None,
             exchange_block_size=u.exchange_block_size if quantize.has_scales(dtype) else 256)
@@ -93,20 +99,26 @@ class AutoOverlap:
     def initial_config(self) -> LocalSGDConfig:
         return self.config_for(0, self.user.exchange_dtype)
 
-    def resume(self, delay: int, dtype: str) -> Optional[str]:
+    def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
         """A checkpoint's settings in force: continue with them (an error message when this run
-        cannot, or None). Before its first decision the run measures from scratch."""
+        cannot, or None). Before its first decision the run measures from scratch.
+        ``fragments``: the checkpoint's number of fragments (None: the run's own)."""
+        f = self.user.fragments if fragments is None else fragments
+        if f not in self.fragments:
+            return (f"megatron_edit: the checkpoint was saved with --local-sgd-fragments {f}, which this run's "
+                    f"--local-sgd-auto-fragments ({','.join(map(str, self.fragments))}) does not allow; add it, "
+                    f"or resume with --local-sgd-fragments {f} alone.")
         if dtype not in self.formats:
             return (f"megatron_edit: the checkpoint was saved exchanging in {dtype}, which this run's "
                     f"--local-sgd-auto-formats ({','.join(self.formats)}) does not allow; add it to the "
                     "formats, or resume without --local-sgd-auto-overlap.")
-        h, f = self.user.local_sgd_sync_interval, self.user.fragments
+        h = self.user.local_sgd_sync_interval
         if delay >= h // f:
             return (f"megatron_edit: the checkpoint was saved with --local-sgd-outer-step-delay {delay}, which "
                     f"this run's H/F = {h // f} does not allow (tau < H/F); resume with the saved "
                     "--local-sgd-sync-interval and --local-sgd-fragments.")
-        self.controller.apply_settings(delay, dtype)
-        fresh = delay == 0 and dtype == self.user.exchange_dtype
+        self.controller.apply_settings(delay, dtype, f)
+        fresh = delay == 0 and dtype == self.user.exchange_dtype and f == self.user.fragments
         self.blocking, self._to_measure = fresh, MEASURE_SYNCS if fresh else 0
         self._since_decision, self._predicted = 0, None
         self._step_times, self._last_end, self._report = [], None, None
@@ -138,6 +150,9 @@ class AutoOverlap:
             measured = report.delay * step_s + exposed
         if measured is not None:
             numel = sum(s.numel for s in c.shards)
+            if report.fragment is not None:  # one fragment's exchange: the whole model's is that per element
+                part = sum(s.numel for s in c.sync_shards.fragments[report.fragment])
+                measured *= numel / max(part, 1)
             self._local_exchange = overlap_plan.scale_to_formats(
                 measured, report.exchange_dtype, numel, self.formats, self.user.exchange_block_size)
         exchange = self._local_exchange or {f: 0.0 for f in self.formats}
@@ -179,16 +194,16 @@ class AutoOverlap:
     def _decide(self, step: int, m: Measurement) -> None:
         u, c = self.user, self.controller
         choice = overlap_plan.choose(m.step_s, m.exchange_s, u.local_sgd_sync_interval, self.formats,
-                                     fragments=(u.fragments,))
+                                     fragments=self.fragments)
         self.blocking, self._since_decision = False, 0
-        self._predicted = choice.exposed_s / u.fragments
+        self._predicted = choice.exposed_s / choice.fragments  # per sync: one fragment's
         self.decisions.append((step, choice, m))
-        c.apply_settings(choice.outer_step_delay, choice.exchange_dtype)
+        c.apply_settings(choice.outer_step_delay, choice.exchange_dtype, choice.fragments)
         if not dist.is_initialized() or dist.get_rank() == 0:
             times = ", ".join(f"{f} {s * 1e3:.1f} ms" for f, s in m.exchange_s.items())
             logger.info(
                 "megatron_edit: auto overlap after step %d: inner step %.1f ms, exchange %s (slowest rank), "
                 "exposed %.1f ms -> --local-sgd-outer-step-delay %d --local-sgd-exchange-dtype %s "
-                "(%d fragment(s)): predicted exposed %.1f ms per sync, %.2f of the no-communication bound%s",
+                "--local-sgd-fragments %d: predicted exposed %.1f ms per sync, %.2f of the no-communication bound%s",
                 step, m.step_s * 1e3, times, m.exposed_s * 1e3, choice.outer_step_delay, choice.exchange_dtype,
-                u.fragments, self._predicted * 1e3, choice.bound_fraction, "" if choice.hidden else " (not hidden)")
+                choice.fragments, self._predicted * 1e3, choice.bound_fraction, "" if choice.hidden else " (not hidden)")

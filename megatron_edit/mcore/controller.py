@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..algorithm import schedule
-from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
+from ..config import FLAG_NAMES, GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from ..exchange.arrival import Arrivals, short_timeout_warning
 from ..exchange.groups import SyncGroup, WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
@@ -56,10 +56,10 @@ from .async_plan import AsyncPlan, SyncPoint
 from .auto_overlap import AutoOverlap
 from .controller_state import ControllerState
 from .delayed import DelayedOuterStep
-from .fragments import SyncShards, partition_groups, split_layers
+from .fragments import SyncShards, frozen_layout, group_sizes, partition_sizes, recut, split_layers
 from .fsdp import fsdp_model_of
 from .process_state import PROCESS
-from .shards import build_layout
+from .shards import ShardLayout, build_layout
 from .worker_layout import WorkerLayout
 
 logger = logging.getLogger(__name__)
@@ -146,9 +146,19 @@ class LocalSGD(ControllerState):
         """A-EDiT's schedule (unused by synchronous EDiT)."""
         self.worker_groups = WorkerGroups(shard_group=self.layout.shard_group, tp_group=self.layout.tp_group)
         parts = None  # streaming fragments: a layer in two of them is two layers for the decisions
-        if self.config.fragments > 1 and buckets.group_order:
-            parts = partition_groups(buckets, self.config.fragments, self.worker_groups)
-            buckets = split_layers(buckets, parts)
+        allowed = self.auto.fragments if self.auto is not None else (self.config.fragments,)
+        self._recut: Optional[Tuple[ShardLayout, List[float]]] = None
+        """``auto_overlap`` choosing the fragments: the layout before any cut and the bucket
+        groups' sizes, what a change of F cuts from (:meth:`_use_fragments`); else None."""
+        if max(allowed) > 1 and buckets.group_order:
+            sizes = group_sizes(buckets, self.worker_groups)
+            if len(allowed) > 1:
+                for f in allowed:  # every choice must be possible: refused now, not mid-run
+                    partition_sizes(sizes, f, FLAG_NAMES["auto_fragments"])
+                self._recut = (frozen_layout(buckets), sizes)
+            if self.config.fragments > 1:
+                parts = partition_sizes(sizes, self.config.fragments)
+                buckets = split_layers(buckets, parts)
         self.shards = buckets.shards
         self.group_order = buckets.group_order
         self.group_shards = buckets.group_shards
@@ -174,16 +184,37 @@ class LocalSGD(ControllerState):
             self.sync.commit_gate = self.ft.commit
             self.ft.join()
 
-    def apply_settings(self, delay: int, exchange_dtype: str) -> None:
-        """``auto_overlap``: put this delay and exchange format in force from the next sync on;
-        only between syncs, with nothing in flight (every worker at the same step)."""
+    def apply_settings(self, delay: int, exchange_dtype: str, fragments: Optional[int] = None) -> None:
+        """``auto_overlap``: put this delay, exchange format and number of fragments (None: the
+        one in force) in force from the next sync on; only between syncs, with nothing in flight
+        (every worker at the same step)."""
         if self.sync.in_progress or (self.delayed is not None and self.delayed.in_flight):
             raise RuntimeError("megatron_edit: the delay and format change only with no exchange in flight")
-        if (delay, exchange_dtype) == (self.config.outer_step_delay, self.config.exchange_dtype):
+        c = self.config
+        fragments = c.fragments if fragments is None else fragments
+        if (delay, exchange_dtype, fragments) == (c.outer_step_delay, c.exchange_dtype, c.fragments):
             return
-        self.config = self.auto.config_for(delay, exchange_dtype)
+        self.config = self.auto.config_for(delay, exchange_dtype, fragments)
         self.sync.use_config(self.config)
+        if fragments != c.fragments:
+            self._use_fragments(fragments)
+        self.sync_shards.config = self.config
         self.delayed = DelayedOuterStep(self) if delay else None
+
+    def _use_fragments(self, count: int) -> None:
+        """Cut the shards into ``count`` fragments from now on (``auto_overlap``; between syncs):
+        the fragments' schedule is a run's with ``count`` from the start (fragment f after
+        W + kH + f H/F). Each shard keeps its anchor and outer state; a layer cut differently
+        starts the penalty's statistics afresh. A fragment is identical on every worker when
+        every old one was (right after a sync of the whole model)."""
+        unsplit, sizes = self._recut
+        parts = None if count == 1 else partition_sizes(sizes, count, FLAG_NAMES["auto_fragments"])
+        self.layer_names = recut(self.shards, unsplit, parts)
+        self.sync.relabel_layers(self.layer_names)
+        old = self.sync_shards
+        self.sync_shards = SyncShards(self.sync.groups, self.config, parts)
+        all_identical = len(self.identical_fragments) == len(old.fragments)
+        self.mark_identical(range(count) if all_identical else (), only=True)
 
     def _arrivals(self, inter) -> Arrivals:
         """The sync group's arrival checks, in the job's store (see :mod:`..exchange.arrival`)."""

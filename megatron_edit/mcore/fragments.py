@@ -36,20 +36,55 @@ from .shards import ShardLayout
 BUCKET_SIZE = "DistributedDataParallelConfig.bucket_size"
 
 
-def partition_groups(layout: ShardLayout, count: int, worker_groups=None) -> List[List[int]]:
-    """The fragments as lists of indices into ``layout.group_order``, of about equal size."""
+def group_sizes(layout: ShardLayout, worker_groups=None) -> List[float]:
+    """Elements of each bucket group (in ``layout.group_order``) summed over the worker's
+    model-shard and tensor-parallel groups: the same list on every rank of the worker (one small
+    all-reduce when ``worker_groups`` is given; every rank of the worker calls it together)."""
     groups = [layout.group_shards[g] for g in layout.group_order]
     sizes = torch.tensor([float(sum(s.numel for s in g)) for g in groups], dtype=torch.float64,
                          device=groups[0][0].device)
     if worker_groups is not None:
         sizes = worker_groups.sum(sizes)
+    return sizes.cpu().tolist()
+
+
+def partition_sizes(sizes: Sequence[float], count: int, flag: str = FLAG_NAMES["fragments"]) -> List[List[int]]:
+    """The fragments as lists of group indices, of about equal size (a ConfigError naming
+    ``flag`` when the model has too few bucket groups)."""
     try:
-        return math_fragments.partition(sizes.cpu().tolist(), count)
+        return math_fragments.partition(sizes, count)
     except math_fragments.FragmentError as e:
         raise ConfigError(
-            f"fragments ({FLAG_NAMES['fragments']}): {e} on this rank's distributed optimizer; use "
-            f"fewer fragments, or smaller buckets ({BUCKET_SIZE}) so that the model has more "
-            "bucket groups.") from e
+            f"fragments ({flag}): {e} on this rank's distributed optimizer; use fewer fragments, or "
+            f"smaller buckets ({BUCKET_SIZE}) so that the model has more bucket groups.") from e
+
+
+def partition_groups(layout: ShardLayout, count: int, worker_groups=None) -> List[List[int]]:
+    """The fragments as lists of indices into ``layout.group_order``, of about equal size."""
+    return partition_sizes(group_sizes(layout, worker_groups), count)
+
+
+def recut(shards: Sequence[BucketShard], unsplit: ShardLayout, parts: Optional[Sequence[Sequence[int]]]) -> List[str]:
+    """Cut the layers of ``shards`` (the controller's, in ``unsplit.shards``' order) for the
+    fragments ``parts`` (None: one fragment), in place: each shard keeps its tensors and EDiT
+    state (anchor, residuals; the outer optimizer's state follows the anchor) and takes the
+    segments and layer indices :func:`split_layers` gives. ``unsplit``: the layout before any
+    cut (its shards' segments untouched). Returns the new layer names."""
+    layout = unsplit if parts is None else split_layers(unsplit, parts)
+    assert len(layout.shards) == len(shards), "recut: another optimizer's shards"
+    for shard, cut in zip(shards, layout.shards):
+        shard.relayer(cut.segments, cut.bucket_layers)
+    return list(layout.layer_names)
+
+
+def frozen_layout(layout: ShardLayout) -> ShardLayout:
+    """A copy of ``layout`` whose shards are copies (the same tensors; their segments are not
+    changed later by :func:`recut`): what a change of the number of fragments cuts from."""
+    copy = {id(s): dataclasses.replace(s, segments=list(s.segments), bucket_layers=set(s.bucket_layers))
+            for s in layout.shards}
+    return ShardLayout(shards=[copy[id(s)] for s in layout.shards], group_order=list(layout.group_order),
+                       group_shards={g: [copy[id(s)] for s in v] for g, v in layout.group_shards.items()},
+                       layer_names=list(layout.layer_names))
 
 
 def split_layers(layout: ShardLayout, parts: Sequence[Sequence[int]]) -> ShardLayout:

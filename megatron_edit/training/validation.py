@@ -217,12 +217,13 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             "hashes at all. Drop the flag (synchronous EDiT can check at multiples of "
             "--local-sgd-sync-interval)."
         )
-    if interval is not None and local.fragments > 1:
+    if interval is not None and max(local.allowed_fragments) > 1:
+        given = (f"--local-sgd-fragments {local.fragments}" if local.fragments > 1
+                 else f"--local-sgd-auto-fragments {local.auto_fragments}")
         raise ConfigError(
-            f"--check-weight-hash-across-dp-replicas-interval={interval} with --local-sgd-fragments "
-            f"{local.fragments}: each sync makes one fragment identical on every worker, never the "
-            "whole model (until the run's last step), so Megatron's check could never pass. Drop "
-            "the flag, or --local-sgd-fragments.")
+            f"--check-weight-hash-across-dp-replicas-interval={interval} with {given}: each sync makes "
+            "one fragment identical on every worker, never the whole model (until the run's last "
+            f"step), so Megatron's check could never pass. Drop the flag, or {given.split()[0]}.")
     if interval is not None and local.auto_overlap and (
             local.outer_merge_rule == "keep_local" or local.merge_alpha > 0):
         raise ConfigError(

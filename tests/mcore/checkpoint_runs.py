@@ -142,7 +142,7 @@ def _train(ddp, opt, ctl, first, last, saves=None, snapshots=(), faults=(), loss
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    batches = make_batches(STEPS, WORLD * MICRO_BATCH)  # always cut for 4 data-parallel ranks
+    batches = make_batches(max(STEPS, last), WORLD * MICRO_BATCH)  # always cut for 4 data-parallel ranks
     per_rank = WORLD // dp
     out = {}
     for step in range(first, last + 1):

@@ -106,6 +106,84 @@ def test_a_delay_chosen_mid_run_matches_the_simulation(fsdp):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+# 21 steps drift further than 10: a run with 2 fragments and a delay of 2 from the start differs
+# from the simulation by 3.6e-4 after 21 steps (measured); the switch with the fragments swapped, or
+# the delay without the fragments, by 2e-2 or more.
+SIM_ATOL_21 = 1e-3
+# H = 6, fp32, fragments 1 or 2: agreed step 0.10 s, exchange 0.30 s. One fragment would need a
+# delay of ceil(1.2 x 3) = 4 > H/2 (the cap); two need ceil(1.2 x 1.5) = 2 < H/F = 3. Rank 3 alone
+# would take one fragment with a delay of 1.
+MEASURED_F = {0: (0.10, {"fp32": 0.30}, 0.0), 1: (0.12, {"fp32": 0.28}, 0.0), 2: (0.11, {"fp32": 0.25}, 0.0),
+              3: (0.13, {"fp32": 0.10}, 0.0)}
+
+
+def test_the_injected_measurements_make_two_fragments_the_choice():
+    """The premise of the test below: agreed, 2 fragments with a delay of 2; rank 3 alone, 1
+    fragment with a delay of 1; one fragment alone cannot hide the agreed exchange."""
+    agreed = choose(0.10, {"fp32": 0.30}, 6, ("fp32",), fragments=(1, 2))
+    assert (agreed.fragments, agreed.outer_step_delay, agreed.hidden) == (2, 2, True)
+    step, exchange, _ = MEASURED_F[3]
+    assert (choose(step, exchange, 6, ("fp32",), fragments=(1, 2)).fragments,
+            choose(step, exchange, 6, ("fp32",), fragments=(1, 2)).outer_step_delay) == (1, 1)
+    assert not choose(0.10, {"fp32": 0.30}, 6, ("fp32",), fragments=(1,)).hidden
+
+
+@pytest.mark.one_lane  # as the tests above
+@pytest.mark.timeout(500)
+def test_fragments_chosen_mid_run_match_the_simulation():
+    """--local-sgd-auto-fragments 1,2, H = 6, --train-iters 21, the penalty's gradnorm weights
+    on: blocking syncs of the whole model after 6 and 12 (measured); at the step after 12 every
+    rank takes 2 fragments with a delay of 2, so fragment 1 syncs after 15 and fragment 0 after
+    18 (each launched 2 steps earlier), and the run ends with a blocking sync of everything.
+    Against the plain-PyTorch simulation that switches to the run's two fragments (and the
+    layers they cut) and the delay after step 12; one model on every worker at the end."""
+    from edit_runs import default_spec, megatron_runs, simulate_edit
+
+    local = dict(local_sgd_sync_interval=6, local_sgd_warmup_steps=0, sync_mode="layerwise", auto_overlap=True,
+                 auto_fragments="1,2", pseudo_gradnorm_reduce=True)
+    outer = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
+    spec = default_spec(steps=21, last_step=21, local_sgd=local, outer=outer, measurements=MEASURED_F,
+                        bucket_size=3000)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=420)
+    run = results[0]["runs"][0]
+    assert len(run["fragment_params"]) == 2
+    sim = run_ranks(simulate_edit, 1, dict(spec, delay_switch=(12, 2), fragment_switch=(12, run["fragment_params"])),
+                    WORLD, timeout=120)[0]["params"]
+    for r in results:
+        run = r["runs"][0]
+        assert [(rep.step, rep.delay, rep.fragment) for rep in run["reports"]] == [
+            (6, 0, None), (12, 0, None), (15, 2, 1), (18, 2, 0), (21, 0, None)]
+        worst = max((run["params"][k] - sim[run["worker"]][k]).abs().max().item() for k in run["params"])
+        assert worst <= SIM_ATOL_21, worst
+    a, b = results[0]["runs"][0]["params"], results[2]["runs"][0]["params"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.one_lane  # as the tests above
+@NEEDS_CHECKPOINTS
+@pytest.mark.timeout(500)
+def test_a_resume_after_a_change_of_fragments_continues_with_them(tmp_path):
+    """The run of the test above (without --train-iters, with the anomaly detector on), saved
+    after step 18 (2 fragments, a delay of 2, nothing in flight) and resumed: it cuts its layers
+    for the saved 2 fragments before their statistics load, and ends bit-identical."""
+    from checkpoint_runs import DP_RESHARDABLE, _equal, train_job
+
+    local = dict(local_sgd_sync_interval=6, local_sgd_warmup_steps=0, sync_mode="layerwise", auto_overlap=True,
+                 auto_fragments="1,2", pseudo_gradnorm_reduce=True, skip_anomaly=True, ewma_warmup_steps=1)
+    at18 = str(tmp_path / "at18")
+    auto = run_ranks(train_job, WORLD, local_sgd=local, steps=21, measurements=MEASURED_F,
+                     saves={18: [(at18, DP_RESHARDABLE)]}, timeout=420)
+    resumed = run_ranks(train_job, WORLD, local_sgd=local, steps=21, measurements=MEASURED_F,
+                        load=(at18, DP_RESHARDABLE, 18), timeout=420)
+    for a, c in zip(auto, resumed):
+        assert [(rep.step, rep.delay, rep.fragment) for rep in a["reports"]] == [
+            (6, 0, None), (12, 0, None), (15, 2, 1), (18, 2, 0), (21, 2, 1)]
+        assert [(rep.step, rep.delay, rep.fragment) for rep in c["reports"]] == [(21, 2, 1)]
+        assert c["decisions"] == []
+        for key in STATE:
+            _equal(a["final"][key], c["final"][key], key)
+
+
 # --- when it measures and decides (a controller stand-in, the agreement an identity) ---------
 
 class _Controller:
@@ -121,9 +199,9 @@ class _Controller:
         self.config = config
         self.applied = []
 
-    def apply_settings(self, delay, dtype):
-        self.applied.append((delay, dtype))
-        self.config = self.auto.config_for(delay, dtype)
+    def apply_settings(self, delay, dtype, fragments=None):
+        self.applied.append((delay, dtype) if fragments in (None, self.config.fragments) else (delay, dtype, fragments))
+        self.config = self.auto.config_for(delay, dtype, fragments)
 
 
 def _auto(**local):
@@ -140,7 +218,7 @@ def _auto(**local):
     return ctl
 
 
-def _sync(ctl, step, seconds, exposed=0.0, steps=8):
+def _sync(ctl, step, seconds, exposed=0.0, steps=8, fragment=None):
     from megatron_edit.exchange.report import SyncReport
 
     for _ in range(steps):
@@ -148,7 +226,7 @@ def _sync(ctl, step, seconds, exposed=0.0, steps=8):
     c = ctl.config
     ctl.auto.sync_done(SyncReport(step=step, mode="layerwise", buckets=1, payload_bytes=0, seconds=seconds,
                                   workers=2, delay=c.outer_step_delay, exchange_dtype=c.exchange_dtype,
-                                  exposed_wait_seconds=exposed))
+                                  exposed_wait_seconds=exposed, fragment=fragment))
     ctl.auto.after_sync()
 
 
@@ -200,3 +278,41 @@ def test_a_resume_continues_with_the_saved_settings():
     assert ctl.auto.resume(0, "fp32") is None and ctl.auto.blocking  # before the first decision: measure
     assert "does not allow" in ctl.auto.resume(0, "int4")
     assert "tau < H/F" in ctl.auto.resume(8, "fp32")
+
+
+def test_it_chooses_the_fewest_fragments_that_hide_the_exchange_and_scales_a_fragment_s_time():
+    """--local-sgd-auto-fragments 1,2,4, H = 8, the run starting with 2 fragments: a blocking
+    sync of fragment 1 (a quarter of the elements) taking 0.1 s measures the whole model's
+    exchange at 0.4 s. One fragment would need a delay of ceil(1.2 x 4) = 5 > H/2; two need 3
+    (< H/F = 4): 2 fragments with a delay of 3. At 0.15 s (0.6 s for the model) two would
+    need 4, and four cannot either (tau < 2): in fp32 alone, the fastest setting, not hidden."""
+    from types import SimpleNamespace
+
+    ctl = _auto(auto_fragments="1,2,4", fragments=2)
+    ctl.shards = [SimpleNamespace(numel=1024, device="cpu")]
+    ctl.sync_shards = SimpleNamespace(fragments=[[SimpleNamespace(numel=768)], [SimpleNamespace(numel=256)]])
+    assert ctl.config.fragments == 2 and ctl.auto.fragments == (1, 2, 4)
+    _sync(ctl, 4, 0.1, steps=4, fragment=1)
+    _sync(ctl, 8, 0.1, steps=4, fragment=1)
+    assert ctl.auto._local_exchange["fp32"] == pytest.approx(0.4)
+    assert ctl.applied == [(3, "fp32")] and ctl.config.fragments == 2  # 2 fragments: as in force
+    ctl = _auto(auto_fragments="1,2,4")
+    ctl.sync_shards = SimpleNamespace(fragments=[[SimpleNamespace(numel=1024)]])
+    _sync(ctl, 8, 0.4)
+    _sync(ctl, 16, 0.4)
+    assert ctl.applied == [(3, "fp32", 2)] and ctl.config.fragments == 2
+    choice = ctl.auto.decisions[0][1]
+    assert (choice.fragments, choice.outer_step_delay, choice.hidden) == (2, 3, True)
+    assert ctl.auto._predicted == 0.0
+    ctl = _auto(auto_fragments="1,2,4", auto_formats="fp32")
+    _sync(ctl, 8, 0.6)
+    _sync(ctl, 16, 0.6)
+    assert not ctl.auto.decisions[0][1].hidden
+
+
+def test_a_resume_continues_with_the_saved_fragments():
+    ctl = _auto(auto_fragments="1,2")
+    assert ctl.auto.resume(2, "fp32", 2) is None
+    assert ctl.applied == [(2, "fp32", 2)] and not ctl.auto.blocking
+    assert "--local-sgd-auto-fragments (1,2) does not allow" in ctl.auto.resume(1, "fp32", 4)
+    assert "tau < H/F" in ctl.auto.resume(4, "fp32", 2)

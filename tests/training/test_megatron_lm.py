@@ -343,6 +343,9 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
          ConfigError, "--save-interval"),
         ((), dict(check_weight_hash_across_dp_replicas_interval=4, load="ckpt", save_interval=8,
                   exit_interval=8), None, None),
+        (("--local-sgd-auto-overlap", "--local-sgd-auto-fragments", "1,2"),
+         dict(check_weight_hash_across_dp_replicas_interval=4), ConfigError,
+         "with --local-sgd-auto-fragments 1,2: each sync makes one fragment"),
         # The interval is a multiple of H: the message must not ask for one.
         (("--local-sgd-async",), dict(check_weight_hash_across_dp_replicas_interval=4, train_iters=20),
          ConfigError, "A-EDiT cannot check replica hashes at all"),
@@ -362,7 +365,7 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
          "fsdp2", "megatron-fsdp", "megatron-fsdp-no-shard", "megatron-fsdp-one-instance",
          "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "megatron-fsdp-bf16-main-params", "megatron-fsdp-moe", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
-         "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-async",
+         "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-auto-fragments", "hash-check-async",
          "ckpt-format-torch", "ckpt-format-torch-dist", "ckpt-constant-structure", "emerging-optimizer", "sgd",
          "optimizer-cuda-graph", "gtp-remat"],
 )

@@ -192,7 +192,8 @@ class ResumePlan:
         if getattr(c, "auto", None) is not None:  # auto overlap: continue with the settings in force
             saved_config = record.get("config") or {}
             refused = c.auto.resume(int(saved_config.get("outer_step_delay") or 0),
-                                    saved_config.get("exchange_dtype") or "fp32")
+                                    saved_config.get("exchange_dtype") or "fp32",
+                                    int(saved_config.get("fragments") or 1))
             if refused:
                 return refused
         tp, pp = parallel_sizes(self.optimizer)
