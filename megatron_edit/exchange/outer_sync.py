@@ -509,6 +509,7 @@ class OuterSync:
             mode=self.config.sync_mode,
             buckets=len(sync.members),
             fragment=sync.fragment,
+            fragments=self.config.fragments,
             payload_bytes=self.sync_group.counters.payload_bytes - sync.bytes_at_start,
             seconds=sync.seconds,
             workers=self.num_workers,

@@ -65,13 +65,16 @@ class SyncReport:
     fragment: Optional[int] = None
     """Streaming fragments (``LocalSGDConfig.fragments``): the fragment this sync exchanged;
     None: every shard (no fragments, or the run's last sync)."""
+    fragments: int = 1
+    """The number of fragments F in force (``LocalSGDConfig.fragments``; ``auto_overlap`` may
+    change it between syncs)."""
     exposed_wait_seconds: float = 0.0
     """Delayed outer step: host seconds this rank spent in the exchange's waits when it was
     applied (about 0 when it had finished behind the ``delay`` inner steps). Gloo blocks the
     host there; with NCCL ``Work.wait`` only orders the streams, so this is a lower bound."""
     auto_overlap: bool = False
-    """The delay and format were chosen by ``LocalSGDConfig.auto_overlap``: the scalars carry
-    the settings in force at every sync (delay 0 too) and the exposed wait."""
+    """The delay, format and fragments were chosen by ``LocalSGDConfig.auto_overlap``: the
+    scalars carry the settings in force at every sync (delay 0 too) and the exposed wait."""
     committed: bool = True
     """False: the sync was exchanged but not applied (the torchft backend: a worker of it
     failed, or none had trained); the workers keep their local progress."""
@@ -112,6 +115,7 @@ class SyncReport:
             out["local-sgd/exposed-wait-seconds"] = self.exposed_wait_seconds if self.delay else self.seconds
         if self.auto_overlap:
             out["local-sgd/exchange-bits"] = float(element_bits(self.exchange_dtype))
+            out["local-sgd/fragments"] = float(self.fragments)
         if self.fragment is not None:
             out["local-sgd/fragment"] = float(self.fragment)
         if self.worker_idle is not None:

@@ -157,7 +157,7 @@ class LocalSGD(ControllerState):
                     partition_sizes(sizes, f, FLAG_NAMES["auto_fragments"])
                 self._recut = (frozen_layout(buckets), sizes)
             if self.config.fragments > 1:
-                parts = partition_sizes(sizes, self.config.fragments)
+                parts = partition_sizes(sizes, self.config.fragments, FLAG_NAMES["fragments"])
                 buckets = split_layers(buckets, parts)
         self.shards = buckets.shards
         self.group_order = buckets.group_order

@@ -48,20 +48,15 @@ def group_sizes(layout: ShardLayout, worker_groups=None) -> List[float]:
     return sizes.cpu().tolist()
 
 
-def partition_sizes(sizes: Sequence[float], count: int, flag: str = FLAG_NAMES["fragments"]) -> List[List[int]]:
+def partition_sizes(sizes: Sequence[float], count: int, flag_name: str) -> List[List[int]]:
     """The fragments as lists of group indices, of about equal size (a ConfigError naming
-    ``flag`` when the model has too few bucket groups)."""
+    ``flag_name`` when the model has too few bucket groups)."""
     try:
         return math_fragments.partition(sizes, count)
     except math_fragments.FragmentError as e:
         raise ConfigError(
-            f"fragments ({flag}): {e} on this rank's distributed optimizer; use fewer fragments, or "
+            f"fragments ({flag_name}): {e} on this rank's distributed optimizer; use fewer fragments, or "
             f"smaller buckets ({BUCKET_SIZE}) so that the model has more bucket groups.") from e
-
-
-def partition_groups(layout: ShardLayout, count: int, worker_groups=None) -> List[List[int]]:
-    """The fragments as lists of indices into ``layout.group_order``, of about equal size."""
-    return partition_sizes(group_sizes(layout, worker_groups), count)
 
 
 def recut(shards: Sequence[BucketShard], unsplit: ShardLayout, parts: Optional[Sequence[Sequence[int]]]) -> List[str]:

@@ -18,10 +18,13 @@ The main job's GPT (bench_common, as bench_overlap.py) trains, in one run, in th
                     applied after step s (alpha 0; with --alpha-half also alpha 0.5);
   EDiT F fragments  --local-sgd-fragments F with delay max(1, H/(2F)).
 --auto instead: the bound, the auto run (--local-sgd-auto-overlap, --local-sgd-auto-formats
---auto-formats, F = 1) and the fixed settings it chooses among (each format layer-wise, tau = 1,
-2, H/2, and 4 fragments with tau = 1); the summary gives the auto run's tokens/s against the best
-of them, its decisions and its predicted against its measured exposed wait
-(scripts/bench/plot_hiding_auto.py: the table and plot over rates). --rate-change STEP:RATE
+--auto-formats, --local-sgd-auto-fragments --auto-fragments, starting with F = 1) and the fixed
+settings it chooses among (each format layer-wise, tau = 1, 2, H/2; with 2 fragments tau = 1 ..
+H/2 - 1; with 4 fragments tau = 1); the summary gives the auto run's tokens/s and validation loss
+against the best of them, its decisions and its predicted against its measured exposed wait
+(scripts/bench/plot_hiding_auto.py: the table and plot over rates). Every mode's validation loss
+is taken after its last step (a blocking sync of everything: one model on every worker), on
+--eval-samples held-out samples. --rate-change STEP:RATE
 slows (or speeds) the link after step STEP of every mode.
 No warmup (local from step 1). Each mode trains (skip + syncs) x H steps; the first `skip`
 intervals are not measured (build, caches, first exchanges); one more step ends each run (its
@@ -95,6 +98,8 @@ def parse_args():
                              "starts at --rate again")
     parser.add_argument("--auto-formats", default="fp32,int8,int4",
                         help="--local-sgd-auto-formats of the auto run, and the grid's formats")
+    parser.add_argument("--auto-fragments", default="1,2",
+                        help="--local-sgd-auto-fragments of the auto run (it starts with 1)")
     args = bc.parse_args(parser)
     if "NETNS_WORKER" in os.environ:  # netns_cluster.sh: one torchrun node per worker
         args.workers = int(os.environ["GROUP_WORLD_SIZE"])
@@ -125,19 +130,21 @@ def set_rate(rate: str) -> None:
 
 
 def auto_modes(args):
-    """--auto: the bound, the auto run (the run's F = 1, the formats allowed), and the fixed
-    settings it chooses among: each format layer-wise, with tau = 1, 2, H/2, and with 4
-    fragments and tau = 1 (a setting F = 1 cannot reach)."""
+    """--auto: the bound, the auto run (starting with F = 1; the formats and fragments
+    allowed), and the fixed settings it chooses among: each format layer-wise, with tau = 1, 2,
+    H/2, with 2 fragments and tau = 1 .. H/2 - 1, and with 4 fragments and tau = 1."""
     h = args.interval
     formats = args.auto_formats.split(",")
     out = {"bound": dict(local_sgd_sync_interval=10**6),
            "EDiT auto": dict(local_sgd_sync_interval=h, local_sgd_auto_overlap=True,
-                             local_sgd_auto_formats=args.auto_formats)}
+                             local_sgd_auto_formats=args.auto_formats, local_sgd_auto_fragments=args.auto_fragments)}
     for fmt in formats:
         base = dict(local_sgd_sync_interval=h, local_sgd_exchange_dtype=fmt)
         out[f"{fmt} layer-wise"] = base
         for tau in sorted({1, 2, h // 2}):
             out[f"{fmt} delay {tau}"] = dict(base, local_sgd_outer_step_delay=tau)
+        for tau in range(1, h // 2):
+            out[f"{fmt} F=2 delay {tau}"] = dict(base, local_sgd_outer_step_delay=tau, local_sgd_fragments=2)
         out[f"{fmt} F=4 delay 1"] = dict(base, local_sgd_outer_step_delay=1, local_sgd_fragments=4)
     return out
 
@@ -193,7 +200,16 @@ def instrument_gathers() -> None:
         setattr(cls, attr, timed)
 
 
-def run(args, name, flags, train_ds, intervals):
+def validation_loss(args, ddp, valid_ds) -> float:
+    """The held-out samples' loss, shared over every rank (one model on every worker: after the
+    run's last, blocking, sync)."""
+    losses = bc.job.validation_losses(args, ddp, valid_ds, dist.get_rank(), dist.get_world_size())
+    total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def run(args, name, flags, train_ds, intervals, valid_ds=None):
     """Train (skip + intervals) x H steps, then one more (untimed: the run's last step, a
     blocking sync of everything, so that replicas can be compared and nothing is in flight);
     every rank's step times and sync reports."""
@@ -231,6 +247,7 @@ def run(args, name, flags, train_ds, intervals):
         reports += [r for c in controllers for r in c.drain_reports()]
     reports += bc.flush(ddp, controllers)
     auto = controllers[0].auto if controllers and getattr(controllers[0], "auto", None) is not None else None
+    loss = validation_loss(run_args, ddp, valid_ds) if valid_ds is not None else None
     decisions = [dict(step=st, delay=ch.outer_step_delay, format=ch.exchange_dtype, fragments=ch.fragments,
                       predicted_exposed=ch.exposed_s / ch.fragments, step_s=m.step_s, exchange_s=m.exchange_s)
                  for st, ch, m in auto.decisions] if auto else []
@@ -272,7 +289,7 @@ def run(args, name, flags, train_ds, intervals):
         edit_seconds=seconds.mean(dim=0).tolist() if seconds is not None else [],
         payload_bytes=[r.payload_bytes for r in measured], shard_numels=shard_numels,
         identical=identical, left_in_flight=in_flight, gathers=gathers, decisions=decisions,
-        formats=[r.exchange_dtype for r in measured],
+        formats=[r.exchange_dtype for r in measured], fragments=[r.fragments for r in measured], loss=loss,
     )
 
 
@@ -339,6 +356,8 @@ def analyse(args, r, bound_interval=None):
     out["exposed_wait"] = median(r["exposed_wait"], 0.0)
     out["exposed_wait_max"] = max(r["exposed_wait_max"]) if r["exposed_wait_max"] else 0.0
     out["edit_seconds"] = median(r["edit_seconds"], 0.0)
+    if r.get("loss") is not None:
+        out["loss"] = r["loss"]
     if bound_interval is not None:
         out["extra_vs_bound"] = out["interval"] - bound_interval
     return out
@@ -355,7 +374,8 @@ def main():
             raise SystemExit(f"--modes: unknown {sorted(unknown)}; known: {list(all_modes)}")
         all_modes = {k: v for k, v in all_modes.items() if k == "bound" or k in args.modes}
     longest = args.skip_syncs + max(args.syncs, args.sync_syncs)
-    train_ds, _ = bc.setup(args, train_samples=(longest * h + 8) * 8 * args.micro_batch_size)
+    train_ds, valid_ds = bc.setup(args, train_samples=(longest * h + 8) * 8 * args.micro_batch_size)
+    valid_ds = valid_ds if args.auto else None
     lay = bc.layout(args)
     bc.log0(f"hiding benchmark: {args.label}; {args.workers} workers x {lay['worker_size']} ranks, H={h}, "
             f"tau={args.tau}, load {bc.load_average()}")
@@ -378,7 +398,7 @@ def main():
         for name in order[k:] + order[:k]:
             flags = all_modes[name]
             intervals = args.sync_syncs if flags is None else args.syncs
-            r = run(args, name, flags, train_ds, intervals)
+            r = run(args, name, flags, train_ds, intervals, valid_ds)
             results[name].append(r)
             if alone_before is None:
                 alone_before = exchange_alone(r["shard_numels"])
@@ -400,15 +420,20 @@ def auto_summary(results, stats) -> str:
     auto = stats["EDiT auto"]
     lines = [f"auto: {auto['tokens_per_s'] / fixed[best]['tokens_per_s']:.2f} of the best fixed setting's "
              f"tokens/s ({best}: {fixed[best]['ratio']:.2f} of the bound; auto {auto['ratio']:.2f})"]
+    if auto.get("loss") is not None and fixed[best].get("loss") is not None:
+        lines.append(f"validation loss after the run: auto {auto['loss']:.4f}, {best} {fixed[best]['loss']:.4f} "
+                     f"({(auto['loss'] / fixed[best]['loss'] - 1) * 100:+.2f}%)")
     for i, r in enumerate(results["EDiT auto"]):
-        chosen = "; ".join(f"after step {d['step']}: delay {d['delay']}, {d['format']} (step {d['step_s'] * 1e3:.1f} ms, "
+        chosen = "; ".join(f"after step {d['step']}: delay {d['delay']}, {d['format']}, F={d['fragments']} "
+                           f"(step {d['step_s'] * 1e3:.1f} ms, "
                            + ", ".join(f"{f} {x * 1e3:.1f}" for f, x in d["exchange_s"].items())
                            + f" ms; predicted exposed {d['predicted_exposed'] * 1e3:.1f} ms)"
                            for d in r["decisions"])
         delayed = any(r["delay"])
         measured = median(r["exposed_wait"] if delayed else r["edit_seconds"], 0.0)
         lines.append(f"auto repetition {i}: {chosen or 'no decision'}; in the window: formats "
-                     f"{sorted(set(r['formats']))}, delays {sorted(set(r['delay']))}, measured exposed "
+                     f"{sorted(set(r['formats']))}, delays {sorted(set(r['delay']))}, fragments "
+                     f"{sorted(set(r['fragments']))}, measured exposed "
                      f"{measured * 1e3:.1f} ms per sync")
     return "\n".join(lines)
 

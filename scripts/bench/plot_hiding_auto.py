@@ -14,9 +14,11 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # megatron_edit's step-time model
 DEFAULT = ["_auto_10mbit", "_auto_20mbit", "_auto_27mbit", "_auto_50mbit", "_auto_100mbit", "_auto_27to10mbit"]
 
 
@@ -34,9 +36,49 @@ def summary(suffix: str) -> dict:
     return dict(rate=suffix.replace("_auto_", "").replace("to", " -> ").replace("mbit", " Mbit/s"),
                 alone_ms=data["alone"][0] * 1e3, auto=auto["ratio"], best=best, best_ratio=fixed[best]["ratio"],
                 of_best=auto["tokens_per_s"] / fixed[best]["tokens_per_s"],
-                chose=", ".join(f"{d['format']} tau {d['delay']} (after step {d['step']})" for d in run["decisions"]),
+                chose=", ".join(f"{d['format']} tau {d['delay']} F={d.get('fragments', 1)} (after step {d['step']})"
+                                for d in run["decisions"]),
+                loss=(auto["loss"] / fixed[best]["loss"] - 1) * 100 if "loss" in auto and "loss" in fixed[best]
+                else float("nan"),
+                repeats=len(data["runs"]["EDiT auto"]),
+                rank=1 + sum(f["tokens_per_s"] > auto["tokens_per_s"] for f in fixed.values()), grid=len(fixed),
+                of_best_all=[a / b for a, b in zip(auto["tokens_per_s_all"], fixed[best]["tokens_per_s_all"])],
                 predicted_ms=run["decisions"][-1]["predicted_exposed"] * 1e3 if run["decisions"] else float("nan"),
                 measured_ms=measured * 1e3, load=f"{min(loads):.0f}-{max(loads):.0f}")
+
+
+def mode_setting(name: str):
+    """(format, tau, F) of a grid mode's name ("int8 F=2 delay 3", "fp32 layer-wise")."""
+    parts = name.split()
+    fragments = int(parts[1][2:]) if parts[1].startswith("F=") else 1
+    tau = int(parts[-1]) if parts[-2] == "delay" else 0
+    return parts[0], tau, fragments
+
+
+def prediction_rows(suffix: str) -> list:
+    """The step-time model's exposed wait per sync (megatron_edit.algorithm.overlap_plan, from
+    the exchange alone scaled to each format's bytes and the mode's own ordinary step) against
+    the measured one, for every grid mode whose wait is not hidden (measured or predicted above
+    a tenth of a step): (mode, predicted ms, measured ms, steps of the measured). The model
+    counts the link only, not a sync's work on the CPU (the arrival check and the norms'
+    all-gather, the codec, the outer step), which a delay does not hide."""
+    from megatron_edit.algorithm import overlap_plan
+
+    with open(os.path.join(RESULTS, f"hiding{suffix}.json")) as f:
+        data = json.load(f)
+    numel = sum(data["runs"]["bound"][0]["shard_numels"])
+    rows = []
+    for name, st in data["stats"].items():
+        if name.startswith("bound") or name == "EDiT auto" or "base" not in st:
+            continue
+        fmt, tau, frags = mode_setting(name)
+        exchange = overlap_plan.scale_to_formats(data["alone"][0], "fp32", numel, [fmt])[fmt]
+        t = st["base"]
+        predicted = overlap_plan.exposed_seconds(exchange, t, tau, frags) / frags
+        measured = st.get("exposed_wait", 0.0) if tau else st.get("lw_extra", 0.0)
+        if max(predicted, measured) > 0.1 * t:
+            rows.append((name, predicted * 1e3, measured * 1e3, measured / t))
+    return rows
 
 
 def main() -> None:
@@ -44,12 +86,27 @@ def main() -> None:
     parser.add_argument("--suffixes", nargs="*", default=DEFAULT)
     args = parser.parse_args()
     rows = [summary(s) for s in args.suffixes]
-    lines = ["| link | exchange alone ms | auto chose | auto vs bound | best fixed (vs bound) | auto / best fixed "
-             "| exposed per sync: predicted / measured ms | load |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| link | exchange alone ms | auto chose (repetition 0) | auto vs bound | best fixed (vs bound) "
+             "| auto / best fixed [per repetition] | auto's place in the grid | loss: auto vs best fixed "
+             "| exposed per sync: predicted / measured ms | load |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        each = ", ".join(f"{x:.2f}" for x in r["of_best_all"])
         lines.append(f"| {r['rate']} | {r['alone_ms']:.0f} | {r['chose']} | {r['auto']:.2f} | {r['best']} "
-                     f"({r['best_ratio']:.2f}) | **{r['of_best']:.2f}** | {r['predicted_ms']:.1f} / "
-                     f"{r['measured_ms']:.1f} | {r['load']} |")
+                     f"({r['best_ratio']:.2f}) | **{r['of_best']:.2f}** [{each}] | {r['rank']} of {r['grid'] + 1} "
+                     f"| {r['loss']:+.2f}% | "
+                     f"{r['predicted_ms']:.1f} / {r['measured_ms']:.1f} | {r['load']} |")
+    lines += ["", "The model's exposed wait per sync against the measured one, grid modes not hidden "
+              "(more than a tenth of a step either way):", "",
+              "| link | mode | predicted ms | measured ms | measured in steps | error |", "|---|---|---|---|---|---|"]
+    errors = []
+    for suffix, r in zip(args.suffixes, rows):
+        for name, pred, meas, steps in prediction_rows(suffix):
+            err = (pred - meas) / meas if meas > 0 else float("inf")
+            errors.append(abs(err))
+            lines.append(f"| {r['rate']} | {name} | {pred:.0f} | {meas:.0f} | {steps:.1f} | {err * 100:+.0f}% |")
+    if errors:
+        lines.append(f"\n{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15%; median error "
+                     f"{statistics.median(errors) * 100:.0f}%.")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(RESULTS, "hiding_auto_summary.md"), "w") as f:
         f.write(text)
@@ -73,7 +130,8 @@ def main() -> None:
     ax.set_ylabel("tokens/s vs no-communication bound")
     ax.set_ylim(0, 1.45)
     ax.set_title("--local-sgd-auto-overlap against a grid of fixed (tau, F, format), 2 workers x 2 ranks, H=8\n"
-                 "network namespaces, one repetition per mode, machine load "
+                 f"network namespaces, {'/'.join(sorted({str(r['repeats']) for r in rows}))} repetition(s) per mode, "
+                 "machine load "
                  f"{min(float(r['load'].split('-')[0]) for r in rows):.0f}-"
                  f"{max(float(r['load'].split('-')[1]) for r in rows):.0f}", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")

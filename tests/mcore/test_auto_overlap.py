@@ -153,6 +153,7 @@ def test_fragments_chosen_mid_run_match_the_simulation():
         run = r["runs"][0]
         assert [(rep.step, rep.delay, rep.fragment) for rep in run["reports"]] == [
             (6, 0, None), (12, 0, None), (15, 2, 1), (18, 2, 0), (21, 0, None)]
+        assert [rep.scalars()["local-sgd/fragments"] for rep in run["reports"]] == [1, 1, 2, 2, 2]
         worst = max((run["params"][k] - sim[run["worker"]][k]).abs().max().item() for k in run["params"])
         assert worst <= SIM_ATOL_21, worst
     a, b = results[0]["runs"][0]["params"], results[2]["runs"][0]["params"]
