@@ -557,8 +557,8 @@ class LocalSGDConfig:
         if self.auto_fragments is not None:
             names, h = self._auto_fragment_names(), self.local_sgd_sync_interval
             numbers = [int(n) for n in names if n.isdigit() and int(n) >= 1]
-            _require(len(numbers) == len(names) == len(set(numbers)), "auto_fragments", f"must be a comma-separated list of distinct integers >= 1 "
-                                           f"(got {self.auto_fragments!r}).")
+            _require(len(numbers) == len(names) == len(set(numbers)), "auto_fragments",
+                     f"must be a comma-separated list of distinct integers >= 1 (got {self.auto_fragments!r}).")
             bad = [int(n) for n in names if h % int(n) or h // int(n) < 2]
             _require(not bad, "auto_fragments",
                      f"{bad[0] if bad else ''} must divide {FLAG_NAMES['local_sgd_sync_interval']} {h} and leave "
