@@ -127,6 +127,7 @@ def test_fake_clock_schedule_skip_and_step_weights_are_exact_and_identical_every
     _assert_params_equal(results[0]["params"], results[2]["params"], "replicas after the last sync")
 
 
+@pytest.mark.one_lane  # a variant of what this file checks in every lane (CI time; see conftest)
 @pytest.mark.timeout(300)
 def test_a_edit_with_the_sparse_exchange_keeps_the_schedule_and_replicas():
     """The fake-clock schedule above with the top-k exchange (2%, int2, error feedback by
@@ -185,6 +186,7 @@ def test_a_budget_shorter_than_one_interval_is_one_final_sync():
     _assert_params_equal(results[0]["params"], results[2]["params"], "replicas after the final sync")
 
 
+@pytest.mark.one_lane  # a variant of what this file checks in every lane (CI time; see conftest)
 @pytest.mark.timeout(240)
 def test_slower_worker_real_clock_plans_from_measured_speeds_and_ends_together():
     """Real clock, worker 1 sleeps 0.1 s per step, a budget of 2 x 60 worker-steps: no

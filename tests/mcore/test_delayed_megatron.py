@@ -65,6 +65,7 @@ def test_delayed_outer_step_matches_the_simulation_in_both_modes():
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.one_lane  # a variant of what this file checks in every lane (CI time; see conftest)
 @pytest.mark.timeout(400)
 def test_a_delayed_run_whose_last_step_is_a_sync_step_ends_with_one_model():
     """W = 1, H = 3, tau = 2, --train-iters 10: the run's last step is on the grid (10 = W + 3H).

@@ -53,6 +53,7 @@ def test_gta_sync_equals_reference_reduction_on_the_same_inputs(consensus):
     assert changed > 0
 
 
+@pytest.mark.one_lane  # a variant of what this file checks in every lane (CI time; see conftest)
 @pytest.mark.timeout(240)
 def test_gta_random_density_keeps_replicas_identical_and_sends_what_it_says():
     """2 workers x 2 shards, rescaled-random sparsification at density 0.3 (the case where the

@@ -175,6 +175,7 @@ def test_moe_nothing_crosses_workers_between_syncs():
         assert phases["step 4"].count("all_gather") == len(run["per_controller"])
 
 
+@pytest.mark.one_lane  # a variant of what this file checks in every lane (CI time; see conftest)
 @pytest.mark.timeout(300)
 def test_moe_expert_parallel_quantized_exchange_and_cpu_offload():
     """EP=2: the int8 exchange with error feedback and cpu_offload take the expert shards like
@@ -203,6 +204,7 @@ def test_moe_expert_parallel_quantized_exchange_and_cpu_offload():
             assert all(torch.equal(a[k], b[k]) for k in a), f"replicas differ after sync step {step}"
 
 
+@pytest.mark.one_lane  # a variant of what this file checks in every lane (CI time; see conftest)
 @pytest.mark.timeout(300)
 def test_moe_expert_parallel_sparse_exchange():
     """EP=2: the top-k exchange (2%, int2, error feedback by default) takes the expert shards
@@ -396,6 +398,7 @@ def test_moe_expert_parallel_elastic_resume_to_one_worker(tmp_path):
         assert all(torch.isfinite(p).all() for p in r["params"].values())
 
 
+@pytest.mark.one_lane  # a variant of what this file checks in every lane (CI time; see conftest)
 @pytest.mark.timeout(400)
 def test_moe_expert_parallel_with_a_delayed_outer_step_matches_the_simulation():
     """EP=2 with the delayed outer step (tau 1, alpha 0.5; H=3 so the delay fits): the dense and
