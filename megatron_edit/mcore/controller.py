@@ -266,8 +266,8 @@ class LocalSGD(ControllerState):
         if isinstance(train_iters, bool) or not isinstance(train_iters, int) or train_iters < 1:
             raise ValueError(f"megatron_edit: set_train_iters needs a number of optimizer steps >= 1 "
                              f"(got {train_iters!r}).")
-        if self.config.use_async:  # torchft: the run's workers (each job is one)
-            self.budget_steps = train_iters * (self.async_plan.budget_workers if self.ft else self.num_workers)
+        if self.config.use_async:
+            self.budget_steps = train_iters * self.budget_workers
             return
         if train_iters < self.steps_done:
             raise ValueError(
@@ -275,6 +275,13 @@ class LocalSGD(ControllerState):
                 "optimizer steps already; give the whole run's length (a resumed run counts the steps "
                 "before the checkpoint too).")
         self.last_step = train_iters
+
+    @property
+    def budget_workers(self) -> int:
+        """A-EDiT: the workers whose steps the budget and global progress count: the run's over
+        the torchft backend (each job is one worker; the supervisor's count, or what a heal
+        brought), else this world's."""
+        return self.async_plan.budget_workers if self.ft else self.num_workers
 
     @property
     def finished(self) -> bool:

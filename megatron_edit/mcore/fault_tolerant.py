@@ -180,6 +180,7 @@ class TorchftBackend:
             last_step=c.last_step,
             ewma=self._ledger(),
             plan=c.async_plan.dynamic_state() if c.config.use_async else None,
+            budget_steps=c.async_plan.budget_steps if c.config.use_async else None,
             global_progress=c.global_progress,
         )
 
@@ -212,6 +213,11 @@ class TorchftBackend:
         c._last_sync_step = int(state["last_sync_step"])
         if c.last_step is None and state["last_step"] is not None:  # the run's length, until it is told
             c.last_step = int(state["last_step"])
+        if c.config.use_async and c.async_plan.budget_steps is None and state["budget_steps"] is not None:
+            # A-EDiT's budget, until it is told: a fresh job joins (and plans its first interval
+            # with the others) while its optimizer is built, before Megatron-LM tells it the
+            # run's length; planned without the budget it would overrun it.
+            c.async_plan.budget_steps = int(state["budget_steps"])
         self._set_ledger(state["ewma"])
 
     # ------------------------------------------------------------------ checkpoints

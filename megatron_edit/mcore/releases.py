@@ -23,7 +23,8 @@ TRAINING_SUPPORTED = VersionRange("0.16.0", "0.20.0")
 """megatron-core releases whose matching Megatron-LM training code (``megatron.training``, tag
 ``core_v<version>``; since 0.17 also shipped in the megatron-core wheel) the training patches
 were written against. End to end (``pretrain_gpt.py``) at tags core_v0.16.1 and core_v0.19.0;
-0.17.1 and 0.18.2 through the wheels' own ``megatron.training`` (signatures, flags, validation)."""
+0.17.1 and 0.18.2 through the wheels' own ``megatron.training`` (signatures, flags, validation)
+and, for the torchft backend's route, end to end at core_v0.17.1 and core_v0.18.2 too."""
 
 MEGATRON_LM_TAGS = {"0.16": "core_v0.16.1", "0.17": "core_v0.17.1", "0.18": "core_v0.18.2",
                     "0.19": "core_v0.19.0"}
@@ -236,10 +237,11 @@ early means the function is gone after it."""
 
 SKIPPED_ITERATION_BASE: Tuple[Tuple[VersionRange, int], ...] = (
     (VersionRange("0.16.0", "0.17.0"), 0),
-    (_V19, 1),
+    (VersionRange("0.17.0", "0.20.0"), 1),
 )
 """How Megatron-LM's ``train`` reads ``--iterations-to-skip``, per release checked: with
 ``iteration`` iterations completed, the next one is skipped when ``iteration + base`` is in the
-list (0.16: 0-based, ``iteration in args.iterations_to_skip``; 0.19: 1-based). Releases not
-listed (0.17, 0.18) are not checked: the torchft backend's route through Megatron-LM, which
-skips iterations to follow a heal (:mod:`megatron_edit.training.follow_heals`), refuses them."""
+list (core_v0.16.1: 0-based, ``iteration in args.iterations_to_skip``; core_v0.17.0 to
+core_v0.19.0: 1-based, ``(iteration + 1) in args.iterations_to_skip``). A release not listed is
+refused by the torchft backend's route through Megatron-LM, which skips iterations to follow a
+heal (:mod:`megatron_edit.training.follow_heals`)."""

@@ -17,8 +17,12 @@ numbering, the evaluation interval and the batch-size ramp read. So:
   peers' iterations. The learning-rate schedule jumps with the heal already
   (``sched-step-global-progress``).
 
-Megatron counts ``--iterations-to-skip`` 0-based up to 0.16 and 1-based from 0.19
-(:func:`megatron_edit.mcore.compat.skipped_iteration_base`); releases between are refused.
+Megatron counts ``--iterations-to-skip`` 0-based up to 0.16 and 1-based from 0.17
+(:func:`megatron_edit.mcore.compat.skipped_iteration_base`).
+
+A-EDiT (``--local-sgd-async``) is left to the global budget: its workers' step counts differ by
+design, and a heal (which gives a worker the peer's count) changes neither where its loop ends
+(at the final sync) nor its schedule (global progress).
 """
 
 from __future__ import annotations
@@ -73,11 +77,15 @@ class FollowHeals:
         """The entries of ``--iterations-to-skip`` added here (each stands for a step the peers took)."""
 
     def controllers(self) -> list:
-        """This rank's EDiT objects on the torchft backend (none otherwise)."""
+        """This rank's synchronous EDiT objects on the torchft backend (none otherwise). A-EDiT's
+        workers are at their own step counts by design: its loop counter is the global budget's
+        (:mod:`megatron_edit.training.global_budget`, which starts the loop at the controller's
+        step, healed or not, and ends it at the final sync)."""
         runtime = self.runtime_ref()
         if runtime is None:
             return []
-        return [c for c in runtime.controllers.values() if getattr(c, "ft", None) is not None]
+        return [c for c in runtime.controllers.values()
+                if getattr(c, "ft", None) is not None and not c.config.use_async]
 
     @staticmethod
     def _steps(controllers) -> int:
@@ -92,7 +100,7 @@ class FollowHeals:
         if base is None:  # validate_local_sgd_args refuses these releases first
             raise RuntimeError(
                 f"megatron_edit: --local-sgd-sync-backend torchft through Megatron-LM is not checked on megatron-core "
-                f"{compat.megatron_core_version()} (checked: 0.16.x, 0.19.x).")
+                f"{compat.megatron_core_version()} (checked: 0.16.x-0.19.x).")
         return base
 
     # ----------------------------------------------------------------- start-up

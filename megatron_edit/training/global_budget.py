@@ -106,15 +106,23 @@ class GlobalBudget:
         self._progress_at_last_sync = controller.global_progress
         # Resumed from a checkpoint (labelled with global progress): each worker's loop goes on
         # from its own step count, which the EDiT state restored (a fast worker had taken more).
-        args.iteration = getattr(controller, "steps_done", args.iteration)
-        cap = self.train_iters * controller.num_workers
+        # Over torchft, a fresh job that healed from a live peer while its optimizer was built
+        # goes on from the peer's count.
+        before, args.iteration = args.iteration, getattr(controller, "steps_done", args.iteration)
+        healed = getattr(getattr(controller, "ft", None), "healed_sync_step", None) is not None
+        if healed and args.iteration != before and getattr(args, "rank", 0) == 0:
+            logger.warning(
+                "megatron_edit: worker %s healed from a live peer into optimizer step %d: Megatron's loop starts at "
+                "iteration %d (not %d); its data position is its own.",
+                controller.config.replica_id, controller.steps_done, args.iteration, before)
+        cap = self.train_iters * controller.budget_workers
         args.train_iters = args.iteration if controller.finished else args.iteration + cap
         if getattr(args, "rank", 0) == 0:
             logger.info(
                 "megatron_edit: A-EDiT shares %d x %d worker-steps by speed: the training loop may "
                 "run to iteration %d on a fast worker and ends on every worker at the final sync; "
                 "the training data set is built for that many iterations",
-                self.train_iters, controller.num_workers, args.train_iters,
+                self.train_iters, controller.budget_workers, args.train_iters,
             )
 
     # ----------------------------------------------------------------- the end

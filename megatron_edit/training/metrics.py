@@ -160,4 +160,4 @@ def global_progress_field(controller) -> str:
     budget = getattr(controller, "budget_steps", None)
     if not controller.config.use_async or budget is None:
         return ""
-    return f" global iteration: {controller.global_progress:.2f}/{budget // controller.num_workers} |"
+    return f" global iteration: {controller.global_progress:.2f}/{budget // controller.budget_workers} |"

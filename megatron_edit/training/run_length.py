@@ -78,7 +78,7 @@ class RunLength:
         if base is None:
             raise RuntimeError(
                 f"megatron_edit: --iterations-to-skip with --use-local-sgd is not checked on megatron-core "
-                f"{compat.megatron_core_version()} (checked: 0.16.x, 0.19.x); EDiT could not place the run's last sync.")
+                f"{compat.megatron_core_version()} (checked: 0.16.x-0.19.x); EDiT could not place the run's last sync.")
         for controller in controllers:
             end = last_step(controller.steps_done, args.iteration, args.train_iters, skipped, base)
             controller.set_train_iters(end)

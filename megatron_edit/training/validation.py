@@ -115,7 +115,7 @@ def _check_torchft_route(local, args: argparse.Namespace) -> None:
     if compat.skipped_iteration_base(version) is None:
         raise NotSupportedYet(
             f"--local-sgd-sync-backend torchft through Megatron-LM is not supported yet on megatron-core {version} "
-            "(checked: 0.16.x, 0.19.x: how the loop skips iterations, which a healed worker's loop does to keep "
+            "(checked: 0.16.x-0.19.x: how the loop skips iterations, which a healed worker's loop does to keep "
             "the others' iteration); the megatron-core API runs it.")
     instances = get("num_distributed_optimizer_instances", 1)
     if instances != 1:
@@ -127,10 +127,6 @@ def _check_torchft_route(local, args: argparse.Namespace) -> None:
             "--local-sgd-sync-backend torchft through Megatron-LM needs the run's number of workers, to give each "
             "worker its own slice of the data: start the jobs with python -m megatron_edit.supervise --workers N "
             "(or its --serve mode on several nodes), which tells every job.")
-    if local.use_async:
-        raise NotSupportedYet(
-            "--local-sgd-async with --local-sgd-sync-backend torchft through Megatron-LM is not supported yet "
-            "(A-EDiT's loop cap and a heal's iteration are not reconciled); the megatron-core API runs it.")
     if get("num_experts"):
         raise NotSupportedYet(
             "--num-experts with --local-sgd-sync-backend torchft is not supported yet: a MoE model has a second "

@@ -130,21 +130,23 @@ def test_the_injected_measurements_make_two_fragments_the_choice():
 
 @pytest.mark.one_lane  # as the tests above
 @pytest.mark.timeout(500)
-def test_fragments_chosen_mid_run_match_the_simulation():
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=ON_FSDP_RELEASE)], ids=["distopt", "megatron_fsdp"])
+def test_fragments_chosen_mid_run_match_the_simulation(fsdp):
     """--local-sgd-auto-fragments 1,2, H = 6, --train-iters 21, the penalty's gradnorm weights
     on: blocking syncs of the whole model after 6 and 12 (measured); at the step after 12 every
     rank takes 2 fragments with a delay of 2, so fragment 1 syncs after 15 and fragment 0 after
     18 (each launched 2 steps earlier), and the run ends with a blocking sync of everything.
     Against the plain-PyTorch simulation that switches to the run's two fragments (and the
-    layers they cut) and the delay after step 12; one model on every worker at the end."""
+    layers they cut) and the delay after step 12; one model on every worker at the end; on the
+    distributed optimizer and on Megatron-FSDP in HSDP (whose shards are re-cut the same way)."""
     from edit_runs import default_spec, megatron_runs, simulate_edit
 
     local = dict(local_sgd_sync_interval=6, local_sgd_warmup_steps=0, sync_mode="layerwise", auto_overlap=True,
                  auto_fragments="1,2", pseudo_gradnorm_reduce=True)
     outer = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
     spec = default_spec(steps=21, last_step=21, local_sgd=local, outer=outer, measurements=MEASURED_F,
-                        bucket_size=3000)
-    results = run_ranks(megatron_runs, WORLD, [spec], timeout=420)
+                        bucket_size=3000, fsdp=fsdp)
+    results = (run_fsdp_ranks if fsdp else run_ranks)(megatron_runs, WORLD, [spec], timeout=420)
     run = results[0]["runs"][0]
     assert len(run["fragment_params"]) == 2
     sim = run_ranks(simulate_edit, 1, dict(spec, delay_switch=(12, 2), fragment_switch=(12, run["fragment_params"])),

@@ -51,7 +51,7 @@ def test_save_and_exit_intervals_are_accepted_with_a_edit():
 class _Controller:
     def __init__(self, workers=2):
         self.config = SimpleNamespace(use_async=True)
-        self.num_workers = workers
+        self.budget_workers = workers
         self.global_progress = 0.0
         self.finished = False
         self.last_sync = None

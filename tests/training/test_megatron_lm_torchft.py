@@ -8,7 +8,9 @@ tests/training/test_megatron_lm.py; skipped with that message otherwise).
 """
 
 import importlib.util
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,11 +47,40 @@ def test_the_loop_counter_arithmetic(base):
             assert end - n == 1 + lag + sum(1 for s in skipped if n + base <= s < end - 1 + base)
 
 
+def _train_source():
+    """The installed (0.17+ wheels ship it) or checked-out Megatron-LM ``train``'s source, or None."""
+    import inspect
+
+    if CHECKOUT is not None and (CHECKOUT / "megatron" / "training" / "training.py").is_file():
+        return (CHECKOUT / "megatron" / "training" / "training.py").read_text()
+    try:
+        from megatron.training import training
+    except Exception:  # megatron-core <= 0.16 ships no megatron.training, and no checkout was given
+        return None
+    return inspect.getsource(training)
+
+
+@pytest.mark.skipif(_train_source() is None, reason=HOW_TO_RUN + " (megatron-core <= 0.16 ships no megatron.training)")
+def test_the_release_table_reads_iterations_to_skip_as_this_megatron_lm_loop_does():
+    """``SKIPPED_ITERATION_BASE`` against the loop's own test (runs in the newest lane: the
+    0.19.2 wheel ships ``megatron.training``; 0.17.1 and 0.18.2 were checked the same way)."""
+    source, base = _train_source(), compat.skipped_iteration_base()
+    expected = {0: "if iteration in args.iterations_to_skip:", 1: "if (iteration + 1) in args.iterations_to_skip:"}
+    assert base in expected, f"megatron-core {compat.megatron_core_version()} has no base in SKIPPED_ITERATION_BASE"
+    assert expected[base] in source and expected[1 - base] not in source
+
+
+@pytest.mark.parametrize("version, base", [("0.15.3", None), ("0.16.1", 0), ("0.17.1", 1), ("0.18.2", 1),
+                                           ("0.19.2", 1), ("0.20.0", None)])
+def test_the_releases_whose_skipped_iterations_are_known(version, base):
+    assert compat.skipped_iteration_base(version) == base
+
+
 class _Controller:
     def __init__(self, steps_done):
         self.steps_done = steps_done
         self.ft = object()
-        self.config = SimpleNamespace(replica_id=1)
+        self.config = SimpleNamespace(replica_id=1, use_async=False)
 
 
 def _heals(controllers, monkeypatch, args):
@@ -96,6 +127,33 @@ def test_a_worker_healed_ahead_mid_run_skips_as_many_iterations(monkeypatch):
     controller.steps_done = 11 + 3  # another heal, 3 ahead: the next three after 12 (not 9 again)
     decide("model", "opt", "sched", 12, 0.0, None, None)
     assert args.iterations_to_skip == [9, 5, 6, 7, 8, 12, 13, 14]
+
+
+def test_a_edit_workers_loop_counters_are_left_to_the_global_budget(monkeypatch, caplog):
+    """A-EDiT over torchft: the workers' step counts differ by design; a heal does not make the
+    loop skip iterations, and the start-up's iteration is the global budget's (the controller's
+    step, its loop cap the budget's T x the run's workers, not the job's one)."""
+    from megatron_edit.training import global_budget as gb
+
+    controller = _Controller(steps_done=8)
+    controller.config = SimpleNamespace(replica_id=1, use_async=True)
+    controller.budget_workers, controller.finished, controller.global_progress = 3, False, 6.0
+    controller.ft = SimpleNamespace(healed_sync_step=8)  # it healed into the others' sync after step 8
+    args = SimpleNamespace(iteration=0, iterations_to_skip=[], rank=0, train_iters=20)
+    heals = _heals([controller], monkeypatch, args)
+    monkeypatch.setattr(gb, "_get_args", lambda: args)
+    runtime = SimpleNamespace(controllers={object(): controller})
+    setup = heals.wrap_setup_model_and_optimizer(gb.GlobalBudget(lambda: runtime).wrap_setup_model_and_optimizer(
+        lambda: "built"))
+    with caplog.at_level(logging.WARNING):
+        assert setup() == "built"
+    assert args.iteration == 8 and args.train_iters == 8 + 20 * 3 and args.iterations_to_skip == []
+    assert "worker 1 healed from a live peer into optimizer step 8: Megatron's loop starts at iteration 8 (not 0)" \
+        in caplog.text
+    controller.steps_done = 8 + 4  # healed 4 steps ahead mid-run: nothing skipped
+    decide = heals.wrap_checkpoint_and_decide_exit(lambda *a: False)
+    assert decide("model", "opt", "sched", 9, 0.0, None, None) is False
+    assert heals.controllers() == [] and args.iterations_to_skip == []
 
 
 def test_each_worker_reads_the_slice_of_its_data_parallel_ranks_in_the_torch_backends_layout():
@@ -159,15 +217,13 @@ FT = ("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "1", "--l
     ((), dict(num_distributed_optimizer_instances=2), True, ConfigError,
      "--num-distributed-optimizer-instances 2 with --local-sgd-sync-backend torchft: each job is one worker"),
     ((), {}, False, ConfigError, "needs the run's number of workers.*python -m megatron_edit.supervise"),
-    (("--local-sgd-async",), dict(train_iters=100), True, NotSupportedYet, "--local-sgd-async with"),
+    (("--local-sgd-async",), dict(train_iters=100), True, None, None),
     ((), dict(num_experts=8), True, NotSupportedYet, "--num-experts with --local-sgd-sync-backend torchft"),
     ((), dict(dataloader_type="external"), True, NotSupportedYet, "--dataloader-type external with"),
     ((), dict(hybrid_context_parallel=True), True, NotSupportedYet, "--hybrid-context-parallel with"),
 ], ids=["ok", "instances", "no-supervisor", "async", "moe", "external-data", "hybrid-cp"])
 def test_the_torchft_route_through_megatron_lm_refuses_what_it_cannot_run(monkeypatch, argv, options, supervised,
                                                                         error, match):
-    if compat.skipped_iteration_base() is None:  # 0.17 / 0.18: the route is refused first, whatever else
-        error, match = NotSupportedYet, "not supported yet on megatron-core"
     if supervised:
         monkeypatch.setenv(START_GATE_ENV, "127.0.0.1:1234:2:600")
     else:
@@ -385,3 +441,104 @@ def test_a_live_worker_that_missed_a_sync_heals_at_the_next_and_skips_as_many_it
     for log in (ahead, lines):
         assert _field(log[ITERS], "local sgd last sync step") == ITERS
         assert _field(log[ITERS], "local sgd workers") == 3
+
+
+STRAGGLER = WRAPPER_HEAD + """
+
+
+def train_step(*args, **kwargs):
+    if worker == 1:  # the slow worker: clearly slower even on a loaded machine
+        time.sleep(2.0)
+    return original_step(*args, **kwargs)
+
+
+training.train_step = train_step
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_edit_through_megatron_lm_over_torchft_shares_the_budget_by_speed(tmp_path):
+    """A-EDiT, 2 workers x 1 rank, each its own job, worker 1 2 s a step slower: a budget of
+    16 iterations (32 worker-steps) shared by speed. The fast worker takes more than 16 steps,
+    the slow one fewer, together exactly 32; both end at the same final sync (2 workers in it)
+    with global progress 16 of 16, and each job's loop cap is 16 x 2 (the run's workers, not the
+    job's one)."""
+    script = _script_in_checkout(tmp_path, "straggler.py", STRAGGLER)
+    code, out = _supervised(tmp_path, ["--local-sgd-sync-interval", "2", "--local-sgd-async", "--local-sgd-sync-time",
+                                       "8", "--local-sgd-min-total-global-steps", "0"], script=script, ranks=1)
+    fast_log, slow_log = _log(tmp_path, 0), _log(tmp_path, 1)
+    assert code == 0, out[-3000:] + slow_log[-5000:]
+    fast, slow = _lines(fast_log), _lines(slow_log)
+    assert sorted(fast) == list(range(1, max(fast) + 1)) and sorted(slow) == list(range(1, max(slow) + 1))
+    assert max(fast) > ITERS > max(slow) and max(fast) + max(slow) == 2 * ITERS, (max(fast), max(slow))
+    for log, lines in ((fast_log, fast), (slow_log, slow)):
+        last = lines[max(lines)]
+        assert _field(last, "local sgd workers") == 2 and _field(last, "local sgd syncs") > 0, last
+        assert re.search(rf"global iteration: {ITERS}\.00/{ITERS} \|", last), last
+        caps = {int(m) for m in re.findall(r"\] iteration\s+\d+/\s*(\d+) \|", log)}
+        assert caps <= {2 * ITERS, max(lines)} and 2 * ITERS in caps, caps  # the cap, then the end
+
+
+KILL_A_EDIT = WRAPPER_HEAD + """
+import megatron_edit.mcore.fault_tolerant as ft
+
+
+def train_step(*args, **kwargs):
+    # Worker 1's first job dies, whole, when 3 iterations are done (after A-EDiT's first sync);
+    # worker 0 holds before its 6th step until the relaunched job's Manager is up, so that the
+    # new job joins worker 0's next sync.
+    iteration = kwargs.get("iteration")
+    if worker == 1 and iteration == 3 and not os.path.exists("killed"):
+        open("killed", "w").close()
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    if worker == 0 and iteration == 5:
+        wait_for("killed", "manager_up")
+    time.sleep(0.5)  # both: a loaded machine's pace, so the run outlasts the new job's start
+    return original_step(*args, **kwargs)
+
+
+original_gate = ft.start_gate
+
+
+def start_gate(*args, **kwargs):  # after this rank's Manager is up, before its first quorum
+    original_gate(*args, **kwargs)
+    if worker == 1 and os.path.exists("killed"):
+        open("manager_up", "w").close()
+
+
+training.train_step = train_step
+ft.start_gate = start_gate
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_killed_a_edit_worker_is_relaunched_heals_and_the_budget_is_used_by_the_workers_in_the_run(tmp_path):
+    """A-EDiT, 2 workers x 1 rank: worker 1's job is SIGKILLed when 3 iterations are done and
+    relaunched; worker 0 goes on (it logs every iteration once), and the new job heals from it
+    at start-up into worker 0's step ("Megatron's loop starts at iteration S"), logs from S + 1
+    on, and both end at one final sync with 2 workers in it and global progress 16 of 16: the
+    budget counts the worker-steps applied, not the dead job's unsynced ones."""
+    script = _script_in_checkout(tmp_path, "kill_a_edit.py", KILL_A_EDIT)
+    code, out = _supervised(tmp_path, ["--local-sgd-sync-interval", "2", "--local-sgd-async", "--local-sgd-sync-time",
+                                       "4", "--local-sgd-min-total-global-steps", "0"], script=script, ranks=1)
+    survivor, relaunched = _log(tmp_path, 0), _log(tmp_path, 1)
+    assert code == 0, out[-3000:] + relaunched[-5000:]
+    assert "worker 1 exited with code" in out and "relaunching it as a fresh job" in out, out[-3000:]
+    ahead = _lines(survivor)
+    assert sorted(ahead) == list(range(1, max(ahead) + 1)), survivor[-3000:]
+    second = relaunched[relaunched.rindex("megatron_edit: patched megatron-core"):]
+    healed = re.search(r"worker 1 healed from a live peer into optimizer step (\d+): Megatron's loop starts at "
+                       r"iteration (\d+) \(not 0\)", second)
+    assert healed and healed.group(1) == healed.group(2), second[-5000:]
+    lines = _lines(second)
+    assert sorted(lines) == list(range(int(healed.group(1)) + 1, max(lines) + 1)), second[-3000:]
+    for log in (ahead, lines):
+        last = log[max(log)]
+        assert _field(last, "local sgd workers") == 2 and _field(last, "local sgd syncs") > 0, last
+        assert re.search(rf"global iteration: {ITERS}\.00/{ITERS} \|", last), last
