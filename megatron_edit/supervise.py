@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from typing import List, NoReturn, Optional
+from urllib.parse import urlparse
 
 PLACEHOLDER = "{replica_id}"
 
@@ -63,6 +64,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --serve: also write that environment to this file, as export lines")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then one worker's job, with {replica_id}")
     return p
+
+
+def served_address(bind: str, address: str) -> str:
+    """The Lighthouse's address the workers are told: torchft's own (``address``, with this
+    host's name) with ``--bind``'s host where that names one (not 0.0.0.0 / ::): a host name
+    that resolves to a loopback address, as in many containers, is unreachable from other nodes,
+    and a Lighthouse bound to one address is not reachable at another."""
+    host = bind.rsplit(":", 1)[0].strip("[]") if ":" in bind else bind
+    if host in ("", "0.0.0.0", "::"):
+        return address
+    parsed = urlparse(address)
+    return parsed._replace(netloc=f"[{host}]:{parsed.port}" if ":" in host else f"{host}:{parsed.port}").geturl()
 
 
 def _fail(line: str) -> NoReturn:
@@ -112,7 +125,6 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     """Run ``args.command`` (one worker's job, with ``{replica_id}``) as ``args.workers`` jobs
     (``args``: this module's flags, see :func:`_parser`); ``prog`` begins its lines."""
     from datetime import timedelta
-    from urllib.parse import urlparse
 
     import torch.distributed as dist
 
@@ -121,14 +133,17 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
 
-    from .exchange.fault_tolerant import START_GATE_ENV, start_gate_value
+    from .exchange.fault_tolerant import START_GATE_ENV, is_loopback, start_gate_value
 
     lighthouse = LighthouseServer(bind=args.bind, min_replicas=1, join_timeout_ms=args.join_timeout_ms,
                                   heartbeat_timeout_ms=args.heartbeat_timeout_ms)
-    address = lighthouse.address()
-    # The start gate's store listens on every interface; the workers reach it by the name the
-    # Lighthouse's address gives this host.
+    address = served_address(args.bind, lighthouse.address())
+    # The start gate's store listens on every interface; the workers reach it at the host the
+    # Lighthouse's address names.
     host = urlparse(address).hostname or "127.0.0.1"
+    if getattr(args, "serve", False) and is_loopback(host):
+        print(f"{prog}: warning: --serve tells the workers {address}, a loopback address of this host: jobs on other "
+              "nodes cannot reach it; give --bind <this host's address>:<port>.", file=sys.stderr, flush=True)
     gate = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     run_env = {"TORCHFT_LIGHTHOUSE": address,
                START_GATE_ENV: start_gate_value(host, gate.port, args.workers, args.start_timeout_s)}

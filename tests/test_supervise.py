@@ -4,6 +4,8 @@ input is one line. The worker jobs here are tiny scripts (the torchft training i
 in tests/mcore/test_torchft_megatron.py)."""
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +171,39 @@ def test_serve_gives_jobs_started_elsewhere_the_lighthouse_and_the_start_gate(tm
     result = subprocess.run([sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--serve", "--",
                              "echo", "{replica_id}"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "--serve runs no job" in result.stderr
+
+
+@pytest.mark.parametrize("bind, told", [
+    ("10.201.0.1:29510", "http://10.201.0.1:4321"), ("127.0.0.1:0", "http://127.0.0.1:4321"),
+    ("0.0.0.0:29510", "http://node7:4321"), ("[::]:29510", "http://node7:4321"),
+    ("[fd00::1]:29510", "http://[fd00::1]:4321"),
+])
+def test_the_workers_are_told_the_lighthouse_at_the_bound_address(bind, told):
+    """torchft's Lighthouse names this host by its host name, which may resolve to a loopback
+    address (containers) or to another interface than the one --bind names: a bound address is
+    what the workers are told."""
+    from megatron_edit.supervise import served_address
+
+    assert served_address(bind, "http://node7:4321") == told
+
+
+TWO_NODES = Path(__file__).resolve().parents[1] / "scripts" / "dev" / "ft_two_nodes.sh"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (network namespaces)")
+def test_two_nodes_train_together_and_a_dead_node_heals_over_the_link(tmp_path):
+    """scripts/dev/ft_two_nodes.sh: the supervisor's --serve and worker 0 on node a, worker 1 on
+    node b (network namespaces joined by one link, nothing else reachable); every process of node
+    b is SIGKILLed mid-run and worker 1 started again there: worker 0 goes on alone, the new job
+    heals from it over the link, and both end with the same validation loss."""
+    result = subprocess.run(["bash", str(TWO_NODES), "--out", str(tmp_path), "--steps", "1500", "--kill-after", "35",
+                             "--python", sys.executable], capture_output=True, text=True, timeout=560)
+    w0, w1 = (tmp_path / "w0.log").read_text(), (tmp_path / "w1.log").read_text()
+    assert result.returncode == 0, result.stdout + result.stderr + w0[-3000:] + w1[-3000:]
+    assert "http://10.201.0.1:29510" in (tmp_path / "run.env").read_text()
+    assert "(1 workers)" in w0  # it went on without node b
+    assert re.search(r"worker 1 rank 0 joined a running job: healed from a live worker to step \d+", w1), w1[-3000:]
+    loss = [re.findall(r"validation after step 1500: worker \d ([0-9.]+)", log)[-1] for log in (w0, w1)]
+    assert loss[0] == loss[1], loss

@@ -200,3 +200,26 @@ def test_the_supervisors_workers_come_from_the_gate():
     assert supervised_workers(start_gate_value("host", 5, 3, 600.0)) == 3 and supervised_workers(None) is None
     with pytest.raises(RuntimeError, match=f"{START_GATE_ENV}='nonsense' is not host:port:workers:timeout_s"):
         supervised_workers("nonsense")
+
+
+# ------------------------------------------------ what a worker advertises (several nodes)
+
+def test_a_worker_advertises_its_address_on_the_route_to_the_lighthouse(monkeypatch):
+    """torchft advertises socket.gethostname() and torchrun --standalone sets MASTER_ADDR=localhost:
+    neither reaches a worker on another node. The Manager's host and the heal server's become this
+    machine's address on its route to the Lighthouse; the job's store address too where it is a
+    loopback one (a job over several nodes keeps its head's)."""
+    from megatron_edit.exchange import fault_tolerant as ft
+
+    assert ft.route_address("http://127.0.0.1:29510") == "127.0.0.1"
+    assert ft.is_loopback("localhost") and ft.is_loopback("127.0.0.1") and not ft.is_loopback("10.201.0.2")
+    assert ft.advertised_addresses("http://127.0.0.1:1", "localhost") == ("127.0.0.1", "127.0.0.1")
+    monkeypatch.setattr(ft, "route_address", lambda address: "10.201.0.2")
+    assert ft.advertised_addresses("http://10.201.0.1:29510", "localhost") == ("10.201.0.2", "10.201.0.2")
+    assert ft.advertised_addresses("http://10.201.0.1:29510", "127.0.0.1") == ("10.201.0.2", "10.201.0.2")
+    assert ft.advertised_addresses("http://10.201.0.1:29510", "10.201.0.7") == ("10.201.0.2", "10.201.0.7")
+    transport = ft._heal_transport("10.201.0.2", ft.timedelta(seconds=5))
+    try:
+        assert transport.metadata().startswith("http://10.201.0.2:")
+    finally:
+        transport.shutdown(wait=False)
