@@ -335,6 +335,36 @@ def main() -> int:
             "worker 0: nothing (no restart, every step once); worker 1: what it trained since its last sync "
             "(at most H = 8 steps), then identical to worker 0" if ok else "NOT as expected", ok)
 
+    if (not wanted or "torchft-node-dies" in wanted) and (os.geteuid() != 0 or not shutil.which("ip")):
+        print("[torchft-node-dies] not run: it needs root and iproute2 (two network namespaces as nodes)", flush=True)
+    elif not wanted or "torchft-node-dies" in wanted:
+        # Two "nodes" (network namespaces joined by one link, scripts/dev/ft_two_nodes.sh): the
+        # supervisor's --serve and worker 0 on node a, worker 1 on node b; every process of node
+        # b SIGKILLed 35 s after the jobs start, worker 1 started again there.
+        d = root / "torchft-node-dies"
+        d.mkdir()
+        steps, start = 1500, time.time()
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "dev" / "ft_two_nodes.sh"), "--out", str(d), "--steps",
+                               str(steps), "--kill-after", "35", "--python", sys.executable],
+                              capture_output=True, text=True, timeout=3 * LIMIT)
+        logs = [(d / f"w{w}.log").read_text() if (d / f"w{w}.log").exists() else "" for w in (0, 1)]
+        alone = re.search(r"worker 0 sync \d+ after step (\d+): .*\(1 workers\)", logs[0])
+        healed = re.search(r"worker 1 rank 0 joined a running job: healed from a live worker to step (\d+)", logs[1])
+        valid = [re.findall(rf"validation after step {steps}: worker \d ([\d.]+)", log)[-1:] for log in logs]
+        checks = dict(exit_0=proc.returncode == 0, survivor_synced_alone=alone is not None, healed=healed is not None,
+                      same_final_model=valid[0] == valid[1] != [])
+        ok = all(checks.values())
+        seen_line = (f"worker 0 synced alone from its sync after step {alone.group(1)} on; worker 1's new job on "
+                     f"node b healed from it over the link at step {healed.group(1)}; final validation loss "
+                     f"{valid[0][0]} on both" if ok else f"failed: {[k for k, v in checks.items() if not v]}; "
+                     f"{first_error(proc.stdout + proc.stderr + logs[1])}")
+        if not ok:
+            print((proc.stdout + proc.stderr + logs[0][-3000:] + logs[1][-3000:])[-8000:], flush=True)
+        row("torchft-node-dies", "--local-sgd-sync-backend torchft on two nodes (network namespaces, "
+            "supervise --serve): every process of worker 1's node SIGKILLed 35 s into 1500 steps", seen_line,
+            time.time() - start - 35, "worker 0: nothing; worker 1: what it trained since its last sync (at most "
+            "H = 4 steps), then identical to worker 0" if ok else "NOT as expected", ok)
+
     table = ["| fault | what the user sees | s to end | lost | holds |", "|---|---|---|---|---|"]
     table += [f"| {fault} | {seen.replace('|', '/')} | {sec} | {lost} | {ok} |" for _, fault, seen, sec, lost, ok in rows]
     text = "\n".join(table)
