@@ -26,7 +26,8 @@ one step after it; synchronous EDiT's exchange aligns them there anyway up to on
 When: the first decision after :data:`MEASURE_SYNCS` blocking syncs; then every ``auto_every``
 syncs, or sooner when a sync's exposed wait grew past the prediction
 (:func:`~megatron_edit.algorithm.overlap_plan.exposure_grew`), one blocking sync re-measures and
-the rule decides again. A change is applied between two syncs, with nothing in flight
+the rule decides again; it takes more fragments only where the setting in force no longer covers
+the exchange (:func:`~megatron_edit.algorithm.overlap_plan.keep_fragments`: hysteresis). A change is applied between two syncs, with nothing in flight
 (:meth:`LocalSGD.apply_settings`), logged on one line (rank 0) with the measurements that led
 to it, and every sync's report carries the settings in force (``local-sgd/outer-step-delay``,
 ``local-sgd/exchange-bits``, ``local-sgd/exposed-wait-seconds`` in TensorBoard).
@@ -195,6 +196,9 @@ class AutoOverlap:
         u, c = self.user, self.controller
         choice = overlap_plan.choose(m.step_s, m.exchange_s, u.local_sgd_sync_interval, self.formats,
                                      fragments=self.fragments)
+        if self.decisions:  # a re-decision: no more fragments while those in force still cover the exchange
+            choice = overlap_plan.keep_fragments(self.decisions[-1][1], choice, m.step_s, m.exchange_s,
+                                                 u.local_sgd_sync_interval)
         self.blocking, self._since_decision = False, 0
         self._predicted = choice.exposed_s / choice.fragments  # per sync: one fragment's
         self.decisions.append((step, choice, m))

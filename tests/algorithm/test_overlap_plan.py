@@ -174,3 +174,24 @@ def test_the_exposed_wait_grew():
     assert exposure_grew(0.06, 0.0, 0.1)
     assert not exposure_grew(0.9, 0.7, 0.1)  # half a step more, but not 1.5 times
     assert exposure_grew(1.2, 0.7, 0.1)
+
+
+def test_a_re_decision_takes_more_fragments_only_where_those_in_force_no_longer_cover_the_exchange():
+    """H = 8, fp32 at about 215 ms: at a 59 ms step one fragment would need a delay of 5 > H/2,
+    so the rule takes 2 with a delay of 3; at 69 ms one fragment with a delay of 4. Measured in
+    a run at 20 Mbit/s, the step moved between those at every re-decision and F flipped. One
+    fragment with a delay of 4 still covers 215 ms at 59 ms a step (4 x 59 = 236 ms, without
+    the 1.2 margin a new choice needs): kept. Fewer fragments are taken at once; where the
+    setting in force no longer covers the exchange, or the format changes, the new choice."""
+    from megatron_edit.algorithm.overlap_plan import keep_fragments
+
+    two = choose(0.059, {"fp32": 0.215}, 8, ("fp32",), fragments=(1, 2))
+    one = choose(0.069, {"fp32": 0.219}, 8, ("fp32",), fragments=(1, 2))
+    assert (two.outer_step_delay, two.fragments) == (3, 2) and (one.outer_step_delay, one.fragments) == (4, 1)
+    kept = keep_fragments(one, two, 0.059, {"fp32": 0.215}, 8)
+    assert (kept.exchange_dtype, kept.outer_step_delay, kept.fragments, kept.hidden) == ("fp32", 4, 1, True)
+    assert keep_fragments(two, one, 0.069, {"fp32": 0.219}, 8) == one  # fewer fragments: at once
+    slower = choose(0.050, {"fp32": 0.215}, 8, ("fp32",), fragments=(1, 2))  # 4 x 50 < 215: not covered
+    assert slower.fragments == 2 and keep_fragments(one, slower, 0.050, {"fp32": 0.215}, 8) == slower
+    int8 = choose(0.059, {"fp32": 0.9, "int8": 0.215}, 8, ("fp32", "int8"), fragments=(1, 2))
+    assert int8.exchange_dtype == "int8" and keep_fragments(one, int8, 0.059, {"fp32": 0.9, "int8": 0.215}, 8) == int8

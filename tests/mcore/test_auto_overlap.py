@@ -202,8 +202,9 @@ class _Controller:
         self.config = config
         self.applied = []
 
-    def apply_settings(self, delay, dtype, fragments=None):
-        self.applied.append((delay, dtype) if fragments in (None, self.config.fragments) else (delay, dtype, fragments))
+    def apply_settings(self, delay, dtype, fragments=None):  # as LocalSGD's: None keeps the F in force
+        fragments = self.config.fragments if fragments is None else fragments
+        self.applied.append((delay, dtype) if fragments == self.config.fragments else (delay, dtype, fragments))
         self.config = self.auto.config_for(delay, dtype, fragments)
 
 
@@ -319,3 +320,21 @@ def test_a_resume_continues_with_the_saved_fragments():
     assert ctl.applied == [(2, "fp32", 2)] and not ctl.auto.blocking
     assert "--local-sgd-auto-fragments (1,2) does not allow" in ctl.auto.resume(1, "fp32", 4)
     assert "tau < H/F" in ctl.auto.resume(4, "fp32", 2)
+
+
+def test_a_re_decision_takes_more_fragments_only_where_those_in_force_no_longer_cover_the_exchange():
+    """--local-sgd-auto-fragments 1,2, H = 8, a step of 0.1 s: a 0.3 s exchange takes 1 fragment
+    with a delay of 4 (the cap). Re-measured at 0.35 s, the rule alone would take 2 fragments
+    with a delay of 3 (1 would need 5); 4 steps still cover 0.35 s, so 1 fragment with a delay
+    of 4 stays. At 0.45 s they no longer do: 2 fragments with a delay of 3."""
+    ctl = _auto(auto_fragments="1,2", auto_every=1, auto_formats="fp32")
+    _sync(ctl, 8, 0.3)
+    _sync(ctl, 16, 0.3)
+    assert ctl.applied == [(4, "fp32")]
+    _sync(ctl, 24, 0.01)  # auto_every 1: the next sync re-measures, blocking
+    assert ctl.auto.blocking and ctl.applied[-1] == (0, "fp32")
+    _sync(ctl, 32, 0.35)
+    assert ctl.applied[-1] == (4, "fp32") and ctl.config.fragments == 1  # kept: not (3, "fp32", 2)
+    _sync(ctl, 40, 0.01)
+    _sync(ctl, 48, 0.45)
+    assert ctl.applied[-1] == (3, "fp32", 2) and ctl.config.fragments == 2
