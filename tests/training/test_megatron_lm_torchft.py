@@ -334,18 +334,23 @@ def wait_for(*names):  # marker files another worker's job writes
 """
 """The start of a wrapper around pretrain_gpt.py (each test adds its train_step, then runs it)."""
 
-KILL_ONCE = WRAPPER_HEAD + """
+def _kill_once(kill_at: int, hold_at: int, pace: float = 0.0) -> str:
+    """A wrapper (see :data:`WRAPPER_HEAD`): worker 1's first job dies, whole, when ``kill_at``
+    iterations are done; worker 0 holds before its iteration ``hold_at`` + 1 until the relaunched
+    job's torchft Manager is up, so that the new job joins worker 0's next sync; ``pace``: seconds
+    every step sleeps on both (a loaded machine's pace, so the run outlasts the new job's start)."""
+    return WRAPPER_HEAD + """
 import megatron_edit.mcore.fault_tolerant as ft
 
 
 def train_step(*args, **kwargs):
-    # Worker 1's first job dies, whole, when 6 iterations are done; worker 0 goes to its sync
-    # after step 8 once the relaunched job's torchft Manager is up (it joins that sync).
-    if worker == 1 and kwargs.get("iteration") == 6 and not os.path.exists("killed"):
+    iteration = kwargs.get("iteration")
+    if worker == 1 and iteration == KILL_AT and not os.path.exists("killed"):
         open("killed", "w").close()
         os.killpg(os.getpgid(0), signal.SIGKILL)
-    if worker == 0 and kwargs.get("iteration") == 7:
+    if worker == 0 and iteration == HOLD_AT:
         wait_for("killed", "manager_up")
+    time.sleep(PACE)
     return original_step(*args, **kwargs)
 
 
@@ -361,7 +366,12 @@ def start_gate(*args, **kwargs):  # after this rank's Manager is up, before its 
 training.train_step = train_step
 ft.start_gate = start_gate
 runpy.run_path({script!r}, run_name="__main__")
-"""
+""".replace("KILL_AT", str(kill_at)).replace("HOLD_AT", str(hold_at)).replace("PACE", repr(pace))
+
+
+# Worker 1 dies when 6 iterations are done; worker 0 goes to its sync after step 8 once the
+# relaunched job is up (it joins that sync).
+KILL_ONCE = _kill_once(6, 7)
 
 
 @needs_checkout
@@ -482,37 +492,9 @@ def test_a_edit_through_megatron_lm_over_torchft_shares_the_budget_by_speed(tmp_
         assert caps <= {2 * ITERS, max(lines)} and 2 * ITERS in caps, caps  # the cap, then the end
 
 
-KILL_A_EDIT = WRAPPER_HEAD + """
-import megatron_edit.mcore.fault_tolerant as ft
-
-
-def train_step(*args, **kwargs):
-    # Worker 1's first job dies, whole, when 3 iterations are done (after A-EDiT's first sync);
-    # worker 0 holds before its 6th step until the relaunched job's Manager is up, so that the
-    # new job joins worker 0's next sync.
-    iteration = kwargs.get("iteration")
-    if worker == 1 and iteration == 3 and not os.path.exists("killed"):
-        open("killed", "w").close()
-        os.killpg(os.getpgid(0), signal.SIGKILL)
-    if worker == 0 and iteration == 5:
-        wait_for("killed", "manager_up")
-    time.sleep(0.5)  # both: a loaded machine's pace, so the run outlasts the new job's start
-    return original_step(*args, **kwargs)
-
-
-original_gate = ft.start_gate
-
-
-def start_gate(*args, **kwargs):  # after this rank's Manager is up, before its first quorum
-    original_gate(*args, **kwargs)
-    if worker == 1 and os.path.exists("killed"):
-        open("manager_up", "w").close()
-
-
-training.train_step = train_step
-ft.start_gate = start_gate
-runpy.run_path({script!r}, run_name="__main__")
-"""
+# A-EDiT: worker 1 dies when 3 iterations are done (after the first sync); worker 0 holds before
+# its 6th step.
+KILL_A_EDIT = _kill_once(3, 5, pace=0.5)
 
 
 @needs_checkout
