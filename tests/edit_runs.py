@@ -321,6 +321,8 @@ def _train(rank, spec, tp, pp):
     if controllers:
         c = controllers[0]
         out["reports"] = c.drain_reports()
+        if c.auto is not None:  # auto_overlap: (the step after which it decided, tau, format) each time
+            out["decisions"] = [(step, ch.outer_step_delay, ch.exchange_dtype) for step, ch, _ in c.auto.decisions]
         out["shard_numels"] = [s.numel for s in c.shards]
         out["forward_numels"] = [s.numel for group in c.sync.groups for s in group]
         out["groups_per_sync"] = len(c.group_order)

@@ -616,7 +616,8 @@ def test_auto_overlap_settings():
     (dict(AUTO, auto_fragments="1,3"), ConfigError, "auto_fragments", "3 must divide --local-sgd-sync-interval 8"),
     (dict(AUTO, auto_fragments="1,8"), ConfigError, "auto_fragments", "8 must divide"),
     (dict(AUTO, auto_fragments="2,4"), ConfigError, "auto_fragments", "starts with --local-sgd-fragments 1"),
-    (dict(AUTO, outer_step_delay=2), ConfigError, "outer_step_delay", "chooses the delay"),
+    (dict(AUTO, outer_step_delay=4, fragments=2, auto_fragments="1,2"), ConfigError, "outer_step_delay",
+     "must be < H/F = 4 with 2 fragments"),
     (dict(AUTO, local_sgd_sync_interval=4, fragments=4), ConfigError, "auto_overlap", "no room for a delay"),
     (dict(AUTO, use_async=True), NotSupportedYet, "auto_overlap", "--local-sgd-async"),
     (dict(AUTO, exchange_dtype="int8", exchange_error_feedback=True), NotSupportedYet, "auto_overlap",
@@ -625,6 +626,18 @@ def test_auto_overlap_settings():
 ])
 def test_auto_overlap_refusals(kwargs, exc, field_name, match):
     assert match in _raises(LocalSGDConfig, exc, field_name, **kwargs)
+
+
+def test_auto_overlap_starts_with_the_given_delay():
+    """--local-sgd-outer-step-delay with --local-sgd-auto-overlap is the delay the run starts
+    with (as the format and the fragments), until its first decision."""
+    from megatron_edit.mcore.auto_overlap import AutoOverlap
+
+    config = LocalSGDConfig(**AUTO, outer_step_delay=3)
+    start = AutoOverlap(None, config).initial_config()
+    assert (start.outer_step_delay, start.exchange_dtype, start.fragments, start.auto_overlap) == (3, "fp32", 1, False)
+    assert start.merge_alpha == 0.5
+    assert AutoOverlap(None, LocalSGDConfig(**AUTO)).initial_config().outer_step_delay == 0
 
 
 def test_auto_overlap_with_gta_keeps_fp32():

@@ -185,7 +185,8 @@ class LocalSGDConfig:
         "--local-sgd-outer-step-delay", 0,
         help="tau: launch each sync's exchange tau steps before its sync step and apply it there, "
              "so the exchange runs behind tau inner steps (0: blocking, as without the flag; "
-             "tau < --local-sgd-sync-interval).")
+             "tau < --local-sgd-sync-interval). With --local-sgd-auto-overlap: the delay the run "
+             "starts with, until its first decision.")
     """tau (Streaming DiLoCo's overlap, torchft's ``fragment_sync_delay``): the exchange of the
     sync due after step s = W + kH is launched after step s - tau with the pseudo-gradient
     ``anchor - theta_{s-tau}``; the worker keeps training; after the inner update of step s the
@@ -196,7 +197,9 @@ class LocalSGDConfig:
     its result, and the resumed run applies it at the same step (the same number of workers,
     delay, merge rule and alpha and fragments only; another is refused). 0: today's blocking
     sync, bit for bit. Needs
-    ``tau < local_sgd_sync_interval`` (one exchange in flight at a time); not with A-EDiT yet."""
+    ``tau < local_sgd_sync_interval`` (one exchange in flight at a time); not with A-EDiT yet.
+    With ``auto_overlap`` the delay its first, measured syncs run with (as ``exchange_dtype`` and
+    ``fragments`` are the format and fragments it starts with); the rule chooses from then on."""
 
     outer_merge_alpha: Optional[float] = flag(
         "--local-sgd-outer-merge-alpha", None,
@@ -298,16 +301,20 @@ class LocalSGDConfig:
         help="Choose the delay (with --local-sgd-auto-formats also the exchange format, with "
              "--local-sgd-auto-fragments the fragments) from the "
              "measured step and exchange times while the job runs (synchronous EDiT, torch backend).")
-    """Settings from the measured link (:mod:`megatron_edit.mcore.auto_overlap`): the first syncs
-    (and one sync every ``auto_every``) run blocking and are timed; at each sync every rank's
+    """Settings from the measured link (:mod:`megatron_edit.mcore.auto_overlap`): the first syncs,
+    and one sync every ``auto_every``, are timed with the settings in force (without a delay they
+    block; a delayed one waits for its exchange right after its launch, its numbers unchanged); at each sync every rank's
     inner step time, exchange time per allowed format and exposed wait are agreed on (one
     all-reduce of a few numbers over every rank, right after the sync), and the rule of
     :func:`megatron_edit.algorithm.overlap_plan.choose` sets ``outer_step_delay`` tau (the
     smallest that covers the exchange with a 1.2 margin, tau < H/F) and the format, only at a
     sync with nothing in flight, the same on every worker; with ``auto_fragments`` also the
     fragments F (the fewest that let a delay hide the exchange). H stays the user's (it changes
-    the algorithm, not only the schedule). The run starts blocking, in ``exchange_dtype`` with
-    ``fragments``. Synchronous EDiT over the
+    the algorithm, not only the schedule). The run starts with ``outer_step_delay`` (0: its first
+    syncs block), in ``exchange_dtype``, with ``fragments``: start with the setting it will
+    likely choose (``python -m megatron_edit.plan``), since the first syncs' algorithm is the
+    start's (in the 20 Mbit/s benchmark two undelayed first syncs cost 7.6% of loss after 416
+    steps against the delay it then chose; started with that delay it equals it bit for bit). Synchronous EDiT over the
     torch backend; not with error feedback, the top-k exchange or GTA (their state follows the
     format)."""
 
@@ -335,8 +342,8 @@ class LocalSGDConfig:
 
     auto_every: int = flag(
         "--local-sgd-auto-every", 20,
-        help="--local-sgd-auto-overlap re-measures (one blocking sync) and re-decides every this "
-             "many syncs, and sooner when the exposed wait grows.")
+        help="--local-sgd-auto-overlap re-measures (one sync timed with the settings in force) and "
+             "re-decides every this many syncs, and sooner when the exposed wait grows.")
     """Syncs between two decisions of ``auto_overlap`` (>= 1); a decision is also taken when a
     sync's exposed wait exceeds the prediction by more than half an inner step and 50%."""
 
@@ -581,10 +588,6 @@ class LocalSGDConfig:
             why = f"{FLAG_NAMES['exchange_error_feedback']} (the residual follows the format)"
         if why is not None:
             raise NotSupportedYet(f"{_name('auto_overlap')} with {why} is not supported yet; drop one of the two.")
-        if self.outer_step_delay:
-            raise ConfigError(
-                f"{_name('outer_step_delay')} {self.outer_step_delay}: {FLAG_NAMES['auto_overlap']} chooses the "
-                f"delay; drop {FLAG_NAMES['outer_step_delay']}.")
         if self.exchange_dtype not in self.allowed_formats:
             raise ConfigError(
                 f"{_name('auto_formats')}: the run starts in {FLAG_NAMES['exchange_dtype']} "

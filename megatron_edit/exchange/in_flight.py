@@ -59,6 +59,9 @@ class SyncInProgress:
     apply (after step ``step``); the flights own every buffer their collectives use until then."""
     exposed_wait: float = 0.0
     """Delayed outer step: host seconds spent waiting for the exchange at its completion."""
+    launch_wait: Optional[float] = None
+    """Delayed outer step, a sync ``auto_overlap`` times: host seconds from the sync's start to
+    the end of its exchange, waited for right after the launch (None: not waited for there)."""
     committed: Optional[bool] = None
     """Whether the sync is applied (``OuterSync.commit_gate``; None: not asked yet)."""
     members: List[BucketShard] = field(default_factory=list)

@@ -327,9 +327,10 @@ class OuterSync:
         return bool(self.shards) and self.outer.compiles(self.shards[0].device)
 
     @torch.no_grad()
-    def _finish_exchange(self, shards: Sequence[BucketShard]) -> None:
+    def _finish_exchange(self, shards: Sequence[BucketShard], exposed: bool = True) -> None:
         """Wait for the exchanges: each shard's Delta becomes the reduced pseudo-gradient (for
-        the plain mean, possibly still the sum: ``divisor``)."""
+        the plain mean, possibly still the sum: ``divisor``). ``exposed``: a delayed sync's wait
+        counts as its exposed wait (not the timed wait at its launch, :meth:`wait_at_launch`)."""
         self.launch(shards)
         t0 = time.perf_counter()
         for state in map(self._sync.of, shards):
@@ -337,8 +338,17 @@ class OuterSync:
                 state.delta = state.reducer.finish(state.flight)
                 state.flight, state.exchanged = None, True
         self._sync.seconds += time.perf_counter() - t0
-        if self._sync.delay:
+        if self._sync.delay and exposed:
             self._sync.exposed_wait += time.perf_counter() - t0
+
+    def wait_at_launch(self) -> None:
+        """A delayed sync that ``auto_overlap`` times: wait for its whole exchange right after
+        the launch and keep the result for the apply, ``delay`` steps later as always. The
+        numbers are the untimed sync's (the result does not depend on when it is waited for;
+        applying early would), only the wait is exposed: the time from the sync's start to the
+        exchange's end is the exchange's (``SyncReport.launch_wait_seconds``)."""
+        self._finish_exchange(self._sync.members, exposed=False)
+        self._sync.launch_wait = self._sync.seconds
 
     # ------------------------------------------------------------------ complete
     @torch.no_grad()
@@ -532,6 +542,7 @@ class OuterSync:
             quantization_error=self._exchange_error(),
             delay=sync.delay,
             exposed_wait_seconds=sync.exposed_wait,
+            launch_wait_seconds=sync.launch_wait,
             committed=sync.committed is not False,
         )
         if self.on_done is not None:

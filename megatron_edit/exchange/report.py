@@ -72,6 +72,10 @@ class SyncReport:
     """Delayed outer step: host seconds this rank spent in the exchange's waits when it was
     applied (about 0 when it had finished behind the ``delay`` inner steps). Gloo blocks the
     host there; with NCCL ``Work.wait`` only orders the streams, so this is a lower bound."""
+    launch_wait_seconds: Optional[float] = None
+    """Delayed outer step, a sync ``LocalSGDConfig.auto_overlap`` times: host seconds from the
+    sync's start to the end of its exchange, waited for right after the launch (the apply stays
+    ``delay`` steps later, with the same numbers); None: not waited for there."""
     auto_overlap: bool = False
     """The delay, format and fragments were chosen by ``LocalSGDConfig.auto_overlap``: the
     scalars carry the settings in force at every sync (delay 0 too) and the exposed wait."""

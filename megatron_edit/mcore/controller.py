@@ -419,7 +419,7 @@ class LocalSGD(ControllerState):
             if self.ft is not None:  # the commit gates every group's outer step: no overlap yet
                 self.flush()
             if self.finished or (not self.config.use_async and self.steps_done == self.last_step) or (
-                    self.auto is not None and self.auto.blocking):  # auto overlap: a timed sync
+                    self.auto is not None and self.auto.timed):  # auto overlap: a timed sync
                 self.complete_now()
             elif self.fsdp is not None:  # the step prefetched its first bucket before the sync
                 self.fsdp.drop_stale_gathers()

@@ -65,6 +65,9 @@ class DelayedOuterStep:
             return  # the run's last sync is blocking: nothing may be left in flight at the end
         c._start_sync(target, c.sync_shards.due(target, None), delay=self.delay)
         c.sync.launch(c.sync.members)  # in group order: the forward order
+        if c.auto is not None and c.auto.timed:  # auto overlap times this sync: its exchange now
+            c.sync.wait_at_launch()
+            c.auto.waited()
         self.apply_at = c.steps_done + self.delay  # target (a torchft worker that healed: the others')
 
     def after_inner_update(self, step: int) -> None:

@@ -22,7 +22,10 @@ The main job's GPT (bench_common, as bench_overlap.py) trains, in one run, in th
 settings it chooses among (each format layer-wise, tau = 1, 2, H/2; with 2 fragments tau = 1 ..
 H/2 - 1; with 4 fragments tau = 1); the summary gives the auto run's tokens/s and validation loss
 against the best of them, its decisions and its predicted against its measured exposed wait
-(scripts/bench/plot_hiding_auto.py: the table and plot over rates). Every mode's validation loss
+(scripts/bench/plot_hiding_auto.py: the table and plot over rates). The auto run starts with
+--auto-start-delay (default H/2); --auto-measured STEP_MS:FP32_MS fixes its measurements, so that
+its decisions and loss are the same on any link (the loss question without the link's noise).
+Every mode's validation loss
 is taken after its last step (a blocking sync of everything: one model on every worker), on
 --eval-samples held-out samples. --rate-change STEP:RATE
 slows (or speeds) the link after step STEP of every mode.
@@ -100,6 +103,13 @@ def parse_args():
                         help="--local-sgd-auto-formats of the auto run, and the grid's formats")
     parser.add_argument("--auto-fragments", default="1,2",
                         help="--local-sgd-auto-fragments of the auto run (it starts with 1)")
+    parser.add_argument("--auto-start-delay", type=int, default=None,
+                        help="--local-sgd-outer-step-delay of the auto run: the delay it starts with, until its "
+                             "first decision (default H/2; 0: its first syncs block)")
+    parser.add_argument("--auto-measured", default=None, metavar="STEP_MS:FP32_MS",
+                        help="the auto run's measurements fixed at these (an inner step, the fp32 exchange; the "
+                             "other formats scaled by their bytes; no exposed wait) instead of its clocks: its "
+                             "decisions, and so its loss, are then the same on any link and machine")
     args = bc.parse_args(parser)
     if "NETNS_WORKER" in os.environ:  # netns_cluster.sh: one torchrun node per worker
         args.workers = int(os.environ["GROUP_WORLD_SIZE"])
@@ -110,9 +120,24 @@ def parse_args():
                       else "network namespaces, unlimited veth" if rate else "loopback (one machine, no limit)")
     if args.tau is None:
         args.tau = args.interval // 2
+    if args.auto_start_delay is None:
+        args.auto_start_delay = args.interval // 2
     if args.fragment_delay is None:
         args.fragment_delay = max(1, args.interval // (2 * args.fragments))
     return args
+
+
+def fix_measurements(auto, spec: str) -> None:
+    """--auto-measured STEP_MS:FP32_MS: the auto run measures these numbers at every sync (the
+    other allowed formats' exchange scaled by their bytes, no exposed wait), whatever its clocks
+    say; what is measured then is the algorithm's choice, not this machine's timing."""
+    from megatron_edit.algorithm import overlap_plan
+
+    step_ms, fp32_ms = (float(x) for x in spec.split(":"))
+    numel = sum(s.numel for s in auto.controller.shards)
+    exchange = overlap_plan.scale_to_formats(fp32_ms / 1e3, "fp32", numel, auto.formats,
+                                             auto.user.exchange_block_size)
+    auto.measure = lambda: overlap_plan.Measurement(step_ms / 1e3, dict(exchange), 0.0)
 
 
 def set_rate(rate: str) -> None:
@@ -137,7 +162,8 @@ def auto_modes(args):
     formats = args.auto_formats.split(",")
     out = {"bound": dict(local_sgd_sync_interval=10**6),
            "EDiT auto": dict(local_sgd_sync_interval=h, local_sgd_auto_overlap=True,
-                             local_sgd_auto_formats=args.auto_formats, local_sgd_auto_fragments=args.auto_fragments)}
+                             local_sgd_auto_formats=args.auto_formats, local_sgd_auto_fragments=args.auto_fragments,
+                             local_sgd_outer_step_delay=args.auto_start_delay)}
     for fmt in formats:
         base = dict(local_sgd_sync_interval=h, local_sgd_exchange_dtype=fmt)
         out[f"{fmt} layer-wise"] = base
@@ -223,6 +249,8 @@ def run(args, name, flags, train_ds, intervals, valid_ds=None):
     ddp, optimizer, scheduler, controllers = bc.build(run_args)
     if controllers:  # off the grid: the run's last sync is outside the measured window
         me.set_train_iters(optimizer, steps + 1)
+    if args.auto_measured and controllers and controllers[0].auto is not None:
+        fix_measurements(controllers[0].auto, args.auto_measured)
     it = bc.batches(run_args, train_ds)
     load = bc.load_average()
     step_times, step_starts, reports = [], [], []

@@ -85,14 +85,17 @@ MEASURED_FP32 = {0: (0.10, {"fp32": 0.08}, 0.0), 1: (0.12, {"fp32": 0.07}, 0.0),
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=ON_FSDP_RELEASE)], ids=["distopt", "megatron_fsdp"])
 def test_a_delay_chosen_mid_run_matches_the_simulation(fsdp):
-    """fp32 only, H = 2, --train-iters 10: blocking syncs after 2 and 4 (measured), the delay
-    1 decided at the step after 4; the syncs after 6 and 8 are launched one step earlier and
-    merged (alpha 0.5), the last (10) is blocking. Against the plain-PyTorch simulation with the
-    delay switched on after step 4 (``delay_switch``), and one model on every worker at the end;
-    on the distributed optimizer and on Megatron-FSDP in HSDP."""
+    """fp32 only, H = 2, --train-iters 10, --local-sgd-auto-every 1: blocking syncs after 2 and 4
+    (measured), the delay 1 decided at the step after 4; the syncs after 6 and 8 are launched one
+    step earlier and merged (alpha 0.5), the last (10) is blocking. The sync after 8 re-measures
+    with the delay in force (its exchange waited for right after its launch, after step 7): the
+    same numbers as an untimed one. Against the plain-PyTorch simulation with the delay switched
+    on after step 4 (``delay_switch``), and one model on every worker at the end; on the
+    distributed optimizer and on Megatron-FSDP in HSDP."""
     from edit_runs import default_spec, megatron_runs, simulate_edit
 
-    local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0, sync_mode="layerwise", auto_overlap=True)
+    local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0, sync_mode="layerwise", auto_overlap=True,
+                 auto_every=1)
     outer = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
     spec = default_spec(steps=10, last_step=10, local_sgd=local, outer=outer, measurements=MEASURED_FP32, fsdp=fsdp)
     results = (run_fsdp_ranks if fsdp else run_ranks)(megatron_runs, WORLD, [spec], timeout=360)
@@ -100,10 +103,40 @@ def test_a_delay_chosen_mid_run_matches_the_simulation(fsdp):
     for r in results:
         run = r["runs"][0]
         assert [(rep.step, rep.delay) for rep in run["reports"]] == [(2, 0), (4, 0), (6, 1), (8, 1), (10, 0)]
+        # the sync after 8 was timed at its launch (a re-measure), the one after 6 not
+        assert [rep.launch_wait_seconds is not None for rep in run["reports"][2:4]] == [False, True]
+        assert [d[0] for d in run["decisions"]] == [4, 8]
         worst = max((run["params"][k] - sim[run["worker"]][k]).abs().max().item() for k in run["params"])
         assert worst <= SIM_ATOL, worst
     a, b = results[0]["runs"][0]["params"], results[2]["runs"][0]["params"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.one_lane  # as the test above
+@pytest.mark.timeout(400)
+def test_a_run_started_with_the_delay_it_chooses_equals_that_fixed_setting_bit_for_bit():
+    """--local-sgd-outer-step-delay 1 with --local-sgd-auto-overlap (H = 2, fp32, --train-iters
+    10, auto_every 1): the first two syncs run with the delay 1, timed at their launch (their
+    exchange waited for right after it), the rule chooses the delay 1 (MEASURED_FP32) after 4
+    and again after 6 and 8 (each time re-measured, the delay kept). Every parameter equals the
+    same run with --local-sgd-outer-step-delay 1 and no automation, bit for bit: measuring
+    changes when a sync waits, never its numbers."""
+    from edit_runs import default_spec, megatron_runs
+
+    local = dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=0, sync_mode="layerwise", outer_step_delay=1)
+    outer = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
+    specs = [default_spec(steps=10, last_step=10, local_sgd=dict(local, auto_overlap=True, auto_every=1), outer=outer,
+                          measurements=MEASURED_FP32),
+             default_spec(steps=10, last_step=10, local_sgd=local, outer=outer)]
+    for r in run_ranks(megatron_runs, WORLD, specs, timeout=360):
+        auto, fixed = r["runs"]
+        assert [(rep.step, rep.delay) for rep in auto["reports"]] == [(2, 1), (4, 1), (6, 1), (8, 1), (10, 0)]
+        assert [(rep.step, rep.delay) for rep in fixed["reports"]] == [(2, 1), (4, 1), (6, 1), (8, 1), (10, 0)]
+        # timed at the launch: the two measured syncs, and each re-measure (auto_every 1)
+        assert [rep.launch_wait_seconds is not None for rep in auto["reports"][:4]] == [True, True, False, True]
+        assert [d[:2] for d in auto["decisions"]] == [(4, 1), (8, 1)]
+        assert auto["losses"] == fixed["losses"]
+        assert all(torch.equal(auto["params"][k], fixed["params"][k]) for k in fixed["params"])
 
 
 # 21 steps drift further than 10: a run with 2 fragments and a delay of 2 from the start differs
@@ -228,58 +261,76 @@ def _sync(ctl, step, seconds, exposed=0.0, steps=8, fragment=None):
     for _ in range(steps):
         ctl.auto.step_ended()
     c = ctl.config
+    # a timed sync with a delay waits for its exchange right after its launch (DelayedOuterStep)
+    waited = seconds if ctl.auto.timed and c.outer_step_delay else None
     ctl.auto.sync_done(SyncReport(step=step, mode="layerwise", buckets=1, payload_bytes=0, seconds=seconds,
                                   workers=2, delay=c.outer_step_delay, exchange_dtype=c.exchange_dtype,
-                                  exposed_wait_seconds=exposed, fragment=fragment))
+                                  exposed_wait_seconds=exposed, fragment=fragment, launch_wait_seconds=waited))
     ctl.auto.after_sync()
 
 
 def test_it_measures_two_blocking_syncs_then_decides_and_re_decides_every_auto_every_syncs():
     """H = 8, a step of 0.1 s, an fp32 exchange of 0.3 s (int8 0.3 x 1040 / 4096 s): after two
     blocking syncs, fp32 with tau = ceil(1.2 x 0.3 / 0.1) = 4 (= H/2, the cap). Then, with no
-    exposed wait, the third sync after the decision (auto_every 3) sends the next one
-    blocking, without a delay, and the rule decides again from what it measured: int8 now that
+    exposed wait, the third sync after the decision (auto_every 3) has the next one timed with
+    the settings in force (tau 4: its exchange waited for right after its launch; the delay is
+    not dropped), and the rule decides again from what it measured: int8 now that
     the link got slower (2 s in fp32: tau 24 would be needed; int8's 0.51 s takes tau 7 > H/2,
     so the fastest: int8 with tau 4, not hidden)."""
     ctl = _auto(auto_formats="fp32,int8", auto_every=3)
     auto = ctl.auto
-    assert auto.blocking and ctl.config.outer_step_delay == 0
+    assert auto.timed and ctl.config.outer_step_delay == 0
     _sync(ctl, 8, 0.3)
-    assert auto.blocking and ctl.applied == [] and auto.decisions == []
+    assert auto.timed and ctl.applied == [] and auto.decisions == []
     _sync(ctl, 16, 0.3)
-    assert not auto.blocking and ctl.applied == [(4, "fp32")]
+    assert not auto.timed and ctl.applied == [(4, "fp32")]
     assert auto.decisions[0][2].step_s == pytest.approx(0.1)
     for step in (24, 32):
         _sync(ctl, step, 0.01)
-        assert not auto.blocking and len(ctl.applied) == 1
-    _sync(ctl, 40, 0.01)  # the third: the next sync re-measures
-    assert auto.blocking and ctl.applied[-1] == (0, "fp32")
+        assert not auto.timed and len(ctl.applied) == 1
+    _sync(ctl, 40, 0.01)  # the third: the next sync re-measures, the settings kept
+    assert auto.timed and ctl.applied == [(4, "fp32")] and ctl.config.outer_step_delay == 4
     _sync(ctl, 48, 2.0)
-    assert not auto.blocking and ctl.applied[-1] == (4, "int8")
+    assert not auto.timed and ctl.applied[-1] == (4, "int8")
     assert [(d[0], d[1].exchange_dtype, d[1].outer_step_delay, d[1].hidden) for d in auto.decisions] == [
         (16, "fp32", 4, True), (48, "int8", 4, False)]
 
 
 def test_a_grown_exposed_wait_re_measures_at_once():
     """Decided: fp32, tau 4 (predicted exposed 0). A sync that waits 0.2 s (more than half a
-    0.1 s step above the prediction) sends the next one blocking; a wait of 0.04 s does not."""
+    0.1 s step above the prediction) has the next one timed (the settings kept); a wait of
+    0.04 s does not."""
     ctl = _auto()
     _sync(ctl, 8, 0.3)
     _sync(ctl, 16, 0.3)
     assert ctl.applied == [(4, "fp32")]
     _sync(ctl, 24, 0.01, exposed=0.04)
-    assert not ctl.auto.blocking
+    assert not ctl.auto.timed
     _sync(ctl, 32, 0.01, exposed=0.2)
-    assert ctl.auto.blocking and ctl.applied[-1] == (0, "fp32")
+    assert ctl.auto.timed and ctl.applied == [(4, "fp32")]
     # with a delay, an exposed wait measures the exchange: 4 steps + 0.2 s = 0.6 s
     assert ctl.auto._local_exchange["fp32"] == pytest.approx(0.6)
+
+
+def test_it_starts_with_the_given_delay_and_times_its_syncs_at_their_launch():
+    """--local-sgd-outer-step-delay 3: the first two syncs run with the delay 3, each timed from
+    its start to its exchange's end, waited for right after its launch (0.3 s): fp32 with tau 4
+    then. A resume into those settings before the first decision measures from scratch."""
+    ctl = _auto(outer_step_delay=3)
+    assert ctl.auto.timed and ctl.config.outer_step_delay == 3 and ctl.config.merge_alpha == 0.5
+    _sync(ctl, 8, 0.3)
+    assert ctl.auto.timed and ctl.applied == []
+    _sync(ctl, 16, 0.3)
+    assert ctl.applied == [(4, "fp32")] and not ctl.auto.timed
+    assert ctl.auto._local_exchange["fp32"] == pytest.approx(0.3)
+    assert ctl.auto.resume(3, "fp32") is None and ctl.auto.timed and ctl.auto._to_measure == 2
 
 
 def test_a_resume_continues_with_the_saved_settings():
     ctl = _auto(auto_formats="fp32,int8")
     assert ctl.auto.resume(3, "int8") is None
-    assert ctl.applied == [(3, "int8")] and not ctl.auto.blocking
-    assert ctl.auto.resume(0, "fp32") is None and ctl.auto.blocking  # before the first decision: measure
+    assert ctl.applied == [(3, "int8")] and not ctl.auto.timed
+    assert ctl.auto.resume(0, "fp32") is None and ctl.auto.timed  # before the first decision: measure
     assert "does not allow" in ctl.auto.resume(0, "int4")
     assert "tau < H/F" in ctl.auto.resume(8, "fp32")
 
@@ -317,7 +368,7 @@ def test_it_chooses_the_fewest_fragments_that_hide_the_exchange_and_scales_a_fra
 def test_a_resume_continues_with_the_saved_fragments():
     ctl = _auto(auto_fragments="1,2")
     assert ctl.auto.resume(2, "fp32", 2) is None
-    assert ctl.applied == [(2, "fp32", 2)] and not ctl.auto.blocking
+    assert ctl.applied == [(2, "fp32", 2)] and not ctl.auto.timed
     assert "--local-sgd-auto-fragments (1,2) does not allow" in ctl.auto.resume(1, "fp32", 4)
     assert "tau < H/F" in ctl.auto.resume(4, "fp32", 2)
 
@@ -331,8 +382,8 @@ def test_a_re_decision_takes_more_fragments_only_where_those_in_force_no_longer_
     _sync(ctl, 8, 0.3)
     _sync(ctl, 16, 0.3)
     assert ctl.applied == [(4, "fp32")]
-    _sync(ctl, 24, 0.01)  # auto_every 1: the next sync re-measures, blocking
-    assert ctl.auto.blocking and ctl.applied[-1] == (0, "fp32")
+    _sync(ctl, 24, 0.01)  # auto_every 1: the next sync re-measures, with the delay of 4 in force
+    assert ctl.auto.timed and ctl.applied == [(4, "fp32")]
     _sync(ctl, 32, 0.35)
     assert ctl.applied[-1] == (4, "fp32") and ctl.config.fragments == 1  # kept: not (3, "fp32", 2)
     _sync(ctl, 40, 0.01)
