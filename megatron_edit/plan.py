@@ -5,6 +5,7 @@
 
 Prints the exchange time of each allowed format, the delay (``--local-sgd-outer-step-delay``),
 fragments (``--local-sgd-fragments``) and format (``--local-sgd-exchange-dtype``) that hide it,
+the flags that let the job choose while it runs starting from them (``--local-sgd-auto-overlap``),
 and the expected fraction of the no-communication bound, from the step-time model of
 :mod:`megatron_edit.algorithm.overlap_plan`. Nothing is started; no GPU or Megatron is needed.
 """
@@ -85,8 +86,14 @@ def main(argv=None) -> int:
         no_delay = bound_fraction(step_s, exposed_seconds(seconds, step_s, 0), h)
         print(f"{fmt:<8}{seconds * 1e3:>13.1f}{seconds / step_s:>10.2f}{no_delay:>10.2f}")
     print("choice: " + choice.line())
-    print(f"flags: --local-sgd-exchange-dtype {choice.exchange_dtype} "
-          f"--local-sgd-outer-step-delay {choice.outer_step_delay} --local-sgd-fragments {choice.fragments}")
+    start = (f"--local-sgd-exchange-dtype {choice.exchange_dtype} "
+             f"--local-sgd-outer-step-delay {choice.outer_step_delay} --local-sgd-fragments {choice.fragments}")
+    print(f"flags: {start}")
+    # The job can choose while it runs (--local-sgd-auto-overlap), best started from this choice:
+    # its first, measured syncs run with the setting it starts with.
+    fragments = sorted(f for f in {1, 2, choice.fragments} if h % f == 0 and h // f >= 2)
+    print(f"or chosen while the job runs, starting there: --local-sgd-auto-overlap --local-sgd-auto-formats "
+          f"{','.join(args.formats)} --local-sgd-auto-fragments {','.join(map(str, fragments))} {start}")
     return 0
 
 

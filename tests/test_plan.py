@@ -19,6 +19,26 @@ def test_prints_the_exchange_time_and_the_flags(capsys):
     assert "of the no-communication bound" in out
 
 
+def test_the_auto_flags_start_from_the_choice_and_are_a_valid_config(capsys):
+    """The printed --local-sgd-auto-overlap line starts where the plan chose (2 fragments, delay
+    3) and is a configuration the package accepts (the fragments allowed include the start)."""
+    from megatron_edit.config import LocalSGDConfig
+
+    assert plan_cli.main(["--params", "137250", "--workers", "2", "--link-mbit", "27", "--step-ms", "43",
+                          "--sync-interval", "8", "--formats", "fp32,int8"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if "--local-sgd-auto-overlap" in l)
+    flags = line.split(": ", 1)[1].split()
+    values = dict(zip(flags[1::2], flags[2::2]))
+    assert flags[0] == "--local-sgd-auto-overlap" and values["--local-sgd-auto-fragments"] == "1,2"
+    assert (values["--local-sgd-outer-step-delay"], values["--local-sgd-fragments"]) == ("3", "2")
+    config = LocalSGDConfig(local_sgd_sync_interval=8, auto_overlap=True, auto_formats=values["--local-sgd-auto-formats"],
+                            auto_fragments=values["--local-sgd-auto-fragments"],
+                            exchange_dtype=values["--local-sgd-exchange-dtype"],
+                            outer_step_delay=int(values["--local-sgd-outer-step-delay"]),
+                            fragments=int(values["--local-sgd-fragments"]))
+    assert config.allowed_fragments == (1, 2) and config.outer_step_delay == 3
+
+
 def test_several_formats_and_scientific_notation(capsys):
     assert plan_cli.main(["--params", "1.3e9", "--workers", "4", "--link-mbit", "1000", "--step-ms", "900",
                           "--sync-interval", "64", "--formats", "fp32,int8,int4"]) == 0
