@@ -31,7 +31,8 @@ def test_the_auto_flags_start_from_the_choice_and_are_a_valid_config(capsys):
     values = dict(zip(flags[1::2], flags[2::2]))
     assert flags[0] == "--local-sgd-auto-overlap" and values["--local-sgd-auto-fragments"] == "1,2"
     assert (values["--local-sgd-outer-step-delay"], values["--local-sgd-fragments"]) == ("3", "2")
-    config = LocalSGDConfig(local_sgd_sync_interval=8, auto_overlap=True, auto_formats=values["--local-sgd-auto-formats"],
+    config = LocalSGDConfig(local_sgd_sync_interval=8, auto_overlap=True,
+                            auto_formats=values["--local-sgd-auto-formats"],
                             auto_fragments=values["--local-sgd-auto-fragments"],
                             exchange_dtype=values["--local-sgd-exchange-dtype"],
                             outer_step_delay=int(values["--local-sgd-outer-step-delay"]),

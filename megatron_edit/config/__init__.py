@@ -303,9 +303,10 @@ class LocalSGDConfig:
              "measured step and exchange times while the job runs (synchronous EDiT, torch backend).")
     """Settings from the measured link (:mod:`megatron_edit.mcore.auto_overlap`): the first syncs,
     and one sync every ``auto_every``, are timed with the settings in force (without a delay they
-    block; a delayed one waits for its exchange right after its launch, its numbers unchanged); at each sync every rank's
-    inner step time, exchange time per allowed format and exposed wait are agreed on (one
-    all-reduce of a few numbers over every rank, right after the sync), and the rule of
+    block; a delayed one waits for its exchange right after its launch, its numbers unchanged);
+    at each sync every rank's inner step time, exchange time per allowed format and exposed
+    wait are agreed on (one all-reduce of a few numbers over every rank, right after the sync),
+    and the rule of
     :func:`megatron_edit.algorithm.overlap_plan.choose` sets ``outer_step_delay`` tau (the
     smallest that covers the exchange with a 1.2 margin, tau < H/F) and the format, only at a
     sync with nothing in flight, the same on every worker; with ``auto_fragments`` also the
@@ -314,9 +315,9 @@ class LocalSGDConfig:
     syncs block), in ``exchange_dtype``, with ``fragments``: start with the setting it will
     likely choose (``python -m megatron_edit.plan``), since the first syncs' algorithm is the
     start's (in the 20 Mbit/s benchmark two undelayed first syncs cost 7.6% of loss after 416
-    steps against the delay it then chose; started with that delay it equals it bit for bit). Synchronous EDiT over the
-    torch backend; not with error feedback, the top-k exchange or GTA (their state follows the
-    format)."""
+    steps against the delay it then chose; started with that delay it equals it bit for bit).
+    Synchronous EDiT over the torch backend; not with error feedback, the top-k exchange or GTA
+    (their state follows the format)."""
 
     auto_formats: Optional[str] = flag(
         "--local-sgd-auto-formats", None, type=str, show_default=False,
