@@ -682,6 +682,13 @@ def describe_edit(controller, args) -> str:
             when += f", each exchange launched {c.outer_step_delay} steps early (merge: {merge})"
     text = (f"{when}, after {c.local_sgd_warmup_steps} synchronous warmup steps, {c.sync_mode} mode; "
             f"outer {outer.optimizer_class.__name__} ({kwargs})")
+    auto = getattr(controller, "auto", None)
+    if auto is not None:  # what is above is where it starts: its first syncs are timed with it
+        from megatron_edit.mcore.auto_overlap import MEASURE_SYNCS
+
+        text += (f"\nauto overlap: the delay, format ({','.join(auto.formats)}) and fragments "
+                 f"({','.join(map(str, auto.fragments))}) chosen from the first {MEASURE_SYNCS} syncs, timed with "
+                 f"the settings above, and again every {auto.user.auto_every} syncs")
     exchange = c.exchange_dtype
     if exchange != "fp32":
         exchange += (f" (a scale per {c.exchange_block_size} values"

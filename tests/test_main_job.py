@@ -456,6 +456,28 @@ def test_a_edit_with_frequent_validation_ends(data_dir, config, workers):
         assert re.search(rf"validation after step \d+: worker {w} \d", out), w
 
 
+@pytest.mark.one_lane
+@pytest.mark.timeout(300)
+def test_the_auto_overlap_says_where_it_starts_and_what_it_decides(data_dir):
+    """--local-sgd-auto-overlap started with --local-sgd-outer-step-delay 1 (H = 4, 16 steps, 2
+    workers x 2 ranks): the description names the start and what is chosen from it; the first
+    two syncs (after 4 and 8) run with the delay 1, each exchange launched one step early; the
+    decision after 8 is one line with its measurements; the run ends with one model on both
+    workers (its last sync blocks)."""
+    code, out = torchrun(data_dir, "--steps", "16", "--local-sgd-warmup-steps", "0", "--local-sgd-sync-interval", "4",
+                         "--lr-warmup-steps", "2", "--log-interval", "1", "--local-sgd-auto-overlap",
+                         "--local-sgd-auto-formats", "fp32,int8", "--local-sgd-outer-step-delay", "1")
+    assert code == 0, out[-4000:]
+    _quiet(out)
+    assert "each exchange launched 1 steps early" in out
+    assert ("auto overlap: the delay, format (fp32,int8) and fragments (1) chosen from the first 2 syncs, "
+            "timed with the settings above, and again every 20 syncs") in out
+    assert len(re.findall(r"megatron_edit: auto overlap after step 8: inner step [\d.]+ ms, exchange fp32 [\d.]+ ms, "
+                          r"int8 [\d.]+ ms \(slowest rank\)", out)) == 1, out[-4000:]
+    (losses, syncs), = _summary(out).values()
+    assert len(losses) == 2 and len(set(losses)) == 1 and syncs == 4, (losses, syncs)
+
+
 PENALTY = ["--steps", "8", "--eval-interval", "4", "--local-sgd-skip-anomaly",
            "--local-sgd-ewma-warmup-steps", "1", "--local-sgd-pseudo-gradnorm-reduce",
            "--local-sgd-clip-pseudo-grad", "0.5"]
