@@ -22,15 +22,20 @@ What is measured, on every rank:
   sync that exposes a wait tells more: the exchange took tau steps plus that wait;
 * the wait each sync exposed (not hidden behind compute).
 
-Agreement: right after each sync (at the next optimizer step, after the sync has completed and
-with nothing in flight, the same logical time on every rank), one all-reduce of MAX over every
-rank of every worker (the controller's ``schedule_group``) of those few numbers gives every rank
-the same measurements: the fastest step, the slowest exchange and the largest exposed wait
-(:func:`~megatron_edit.algorithm.overlap_plan.agreed`). Every rank then applies the same rule
+Agreement: one all-reduce of MAX over every rank of every worker (the controller's
+``schedule_group``) of those few numbers gives every rank the same measurements: the fastest
+step, the slowest exchange and the largest exposed wait
+(:func:`~megatron_edit.algorithm.overlap_plan.agreed`). It is read at the optimizer step after
+a sync (after the sync has completed and with nothing in flight, the same logical time on every
+rank); every rank then applies the same rule
 (:func:`~megatron_edit.algorithm.overlap_plan.choose`, the run's own H, the allowed formats
-and numbers of fragments), so every worker
-takes the same settings at the same step. The all-reduce aligns the workers once per sync,
-one step after it; synchronous EDiT's exchange aligns them there anyway up to one step.
+and numbers of fragments), so every worker takes the same settings at the same step. Where the
+sync was applied inside an optimizer step (a delayed sync, or a step-end one) the all-reduce is
+started asynchronously at the end of that step and read one step later: a delayed sync's
+apply does not bring the workers together, and a blocking all-reduce there was a second
+meeting per interval that paid their skew and the link (8 % of the tokens/s at 10 Mbit/s, its
+decisions fixed). A layer-wise sync without a delay completes in the next forward pass, one
+blocking all-reduce follows it; that sync has just met the other workers.
 
 When: the first decision after :data:`MEASURE_SYNCS` timed syncs; then every ``auto_every``
 syncs, or sooner when a sync's exposed wait grew past the prediction
@@ -91,6 +96,9 @@ class AutoOverlap:
         self._last_end: Optional[float] = None
         self._step_times: List[float] = []
         self._report = None
+        self._agreement = None
+        """The agreement's all-reduce in flight, started at the end of the step that applied a
+        sync (:meth:`step_ended`), read at the next optimizer step (:meth:`after_sync`)."""
         self._local_exchange: Optional[dict] = None
         self.decisions: List[Tuple[int, Choice, Measurement]] = []
         """(step after which it was taken, the choice, the agreed measurement), in order."""
@@ -134,7 +142,7 @@ class AutoOverlap:
         fresh = (delay, dtype, f) == (self.user.outer_step_delay, self.user.exchange_dtype, self.user.fragments)
         self.timed, self._to_measure = fresh, MEASURE_SYNCS if fresh else 0
         self._since_decision, self._predicted = 0, None
-        self._step_times, self._last_end, self._report = [], None, None
+        self._step_times, self._last_end, self._report, self._agreement = [], None, None, None
         return None
 
     # ------------------------------------------------------------------ measurements
@@ -143,6 +151,12 @@ class AutoOverlap:
         if self._last_end is not None:
             self._step_times.append(now - self._last_end)
         self._last_end = now
+        c = self.controller
+        at_end = getattr(c, "last_step", None) is not None and c.steps_done >= c.last_step
+        if self._report is not None and self._agreement is None and not at_end:
+            # A sync was applied in this step: agree on its measurements from now on, read at
+            # the next optimizer step (no decision follows the run's last step).
+            self._agreement = self._start_agreement(self.measure())
 
     def sync_done(self, report) -> None:
         report.auto_overlap = True
@@ -179,12 +193,21 @@ class AutoOverlap:
         exchange = self._local_exchange or {f: 0.0 for f in self.formats}
         return Measurement(step_s, exchange, exposed)
 
-    def _agree(self, mine: Measurement) -> Measurement:
+    def _start_agreement(self, mine: Measurement):
+        """Start the all-reduce of MAX of this rank's numbers over every rank (asynchronous)."""
         c = self.controller
         device = c.shards[0].device if c.shards else torch.device("cpu")
         numbers = torch.tensor(mine.pack(self.formats), dtype=torch.float64, device=device)
-        dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=c.schedule_group)
+        return numbers, dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=c.schedule_group, async_op=True)
+
+    def _finish_agreement(self, pending) -> Measurement:
+        numbers, work = pending
+        work.wait()
         return overlap_plan.agreed(numbers.tolist(), self.formats)
+
+    def _agree(self, mine: Measurement) -> Measurement:
+        """The agreement, blocking (a sync completed outside an optimizer step)."""
+        return self._finish_agreement(self._start_agreement(mine))
 
     # ------------------------------------------------------------------ decisions
     def after_sync(self) -> None:
@@ -195,11 +218,12 @@ class AutoOverlap:
         c = self.controller
         assert not c.sync.in_progress and (c.delayed is None or not c.delayed.in_flight), \
             "auto overlap: settings change with an exchange in flight"
-        mine = self.measure()
+        pending, self._agreement = self._agreement, None
+        mine = self.measure() if pending is None else None
         step = self._report.step
         was_timed, self._report = self.timed, None
         self._step_times = []
-        m = self._agree(mine)
+        m = self._agree(mine) if pending is None else self._finish_agreement(pending)
         if was_timed:
             self._to_measure -= 1
             if self._to_measure > 0:

@@ -296,6 +296,42 @@ def test_it_measures_two_blocking_syncs_then_decides_and_re_decides_every_auto_e
         (16, "fp32", 4, True), (48, "int8", 4, False)]
 
 
+def test_a_sync_applied_in_a_step_is_agreed_on_asynchronously_from_the_end_of_that_step():
+    """A delayed (or step-end) sync is applied inside an optimizer step: its measurements'
+    all-reduce starts at the end of that step (one step of slack for the other workers, whom
+    the apply did not meet) and is read at the next optimizer step, with the same numbers and
+    the same decision as the blocking agreement; none starts after the run's last step."""
+    from megatron_edit.exchange.report import SyncReport
+
+    ctl = _auto(outer_step_delay=3)
+    ctl.steps_done, ctl.last_step = 0, 24
+    started, blocking = [], []
+    ctl.auto._start_agreement = lambda mine: started.append(mine) or ("in flight", mine)
+    ctl.auto._finish_agreement = lambda pending: pending[1]
+    ctl.auto._agree = lambda mine: blocking.append(mine) or mine
+
+    def applied_in_step(step, seconds):
+        for _ in range(7):
+            ctl.auto.step_ended()
+        c = ctl.config
+        ctl.auto.sync_done(SyncReport(step=step, mode="layerwise", buckets=1, payload_bytes=0, seconds=seconds,
+                                      workers=2, delay=c.outer_step_delay, exchange_dtype=c.exchange_dtype,
+                                      launch_wait_seconds=seconds if ctl.auto.timed else None))
+        ctl.steps_done = step
+        ctl.auto.step_ended()  # the end of the step that applied it
+        ctl.auto.after_sync()  # the next optimizer step
+
+    applied_in_step(8, 0.3)
+    applied_in_step(16, 0.3)
+    assert len(started) == 2 and blocking == [] and ctl.applied == [(4, "fp32")]
+    assert started[1].exchange_s["fp32"] == pytest.approx(0.3) and started[1].step_s == pytest.approx(0.1)
+    ctl.auto.sync_done(SyncReport(step=24, mode="layerwise", buckets=1, payload_bytes=0, seconds=0.01, workers=2,
+                                  delay=4, exchange_dtype="fp32"))
+    ctl.steps_done = 24  # the run's last step: nothing follows it
+    ctl.auto.step_ended()
+    assert len(started) == 2 and ctl.auto._agreement is None
+
+
 def test_a_grown_exposed_wait_re_measures_at_once():
     """Decided: fp32, tau 4 (predicted exposed 0). A sync that waits 0.2 s (more than half a
     0.1 s step above the prediction) has the next one timed (the settings kept); a wait of
