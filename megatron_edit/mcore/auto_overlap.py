@@ -151,12 +151,14 @@ class AutoOverlap:
         if self._last_end is not None:
             self._step_times.append(now - self._last_end)
         self._last_end = now
-        c = self.controller
-        at_end = getattr(c, "last_step", None) is not None and c.steps_done >= c.last_step
-        if self._report is not None and self._agreement is None and not at_end:
+        if self._report is not None and self._agreement is None and not self._at_end():
             # A sync was applied in this step: agree on its measurements from now on, read at
             # the next optimizer step (no decision follows the run's last step).
             self._agreement = self._start_agreement(self.measure())
+
+    def _at_end(self) -> bool:
+        c = self.controller
+        return getattr(c, "last_step", None) is not None and c.steps_done >= c.last_step
 
     def sync_done(self, report) -> None:
         report.auto_overlap = True
