@@ -88,14 +88,19 @@ def _int_at_least(minimum: int):
     return parse
 
 
-def _positive_float(text: str) -> float:
+def _positive_float(text: str, zero: bool = False) -> float:
+    """A finite number > 0 (``zero``: >= 0), as an argparse type."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (got {text})")
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if zero else '>'} 0 (got {text})")
     return value
+
+
+def _non_negative_float(text: str) -> float:
+    return _positive_float(text, zero=True)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -154,6 +159,11 @@ def build_parser() -> Rank0ArgumentParser:
     add("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
         help="stop (exit code 1) when a worker's loss or gradient norm is not finite, as "
              "Megatron-LM's flag of the same name")
+    add("--compute-sleep-ms", type=_non_negative_float, default=0.0,
+        help="benchmarks: sleep this long in every training step, after its backward pass (an "
+             "accelerator's compute on a machine without one: jobs that share this machine's cores "
+             "then train as if each worker had devices of its own; a dead worker's compute does not "
+             "go to the others); default 0, off")
     megatron_edit.local_sgd_args_provider(parser)
     parser.set_defaults(**MAIN_JOB_DEFAULTS)
     actions = {a.dest: a for a in parser._actions}
@@ -843,6 +853,8 @@ def train(args, use_local_sgd, datasets):
             forward_step_func=forward_step, data_iterator=iter([next(it)]), model=[ddp], num_microbatches=1,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False,
         )
+        if args.compute_sleep_ms:  # (benchmarks) the device compute this machine has no device for
+            time.sleep(args.compute_sleep_ms / 1e3)
         _, grad_norm, _ = optimizer.step()
         scheduler.step(1)
         loss = worker_mean(out[0]["lm loss"].item(), intra)  # inside the worker only

@@ -61,6 +61,7 @@ REFUSED = [
     (["--steps", "0"], "argument --steps: must be an integer >= 1"),
     (["--steps", "5"], "--lr-warmup-steps 10 must be below --steps 5"),
     (["--lr", "nan"], "argument --lr: must be a finite number > 0"),
+    (["--compute-sleep-ms", "-5"], "argument --compute-sleep-ms: must be a finite number >= 0"),
     (["--hidden", "66"], "--hidden 66 must be a multiple of --heads 4"),
     (["--eval-samples", "4"], "--eval-samples 4 is fewer than one validation batch"),
     (["--outer-optimizer-kwargs", "{lr: 1}"], "argument --outer-optimizer-kwargs: not JSON"),
@@ -205,7 +206,8 @@ def test_the_parameter_count_known_before_torch_is_the_models(job):
                                   ["--local-sgd-async", "--local-sgd-sync-time", "2"],
                                   ["--steps", "16"],  # the first sync is the last step
                                   ["--local-sgd-skip-anomaly", "--local-sgd-ewma-alpha", "0.1"],
-                                  ["--num-experts", "4", "--expert-model-parallel-size", "2"]])
+                                  ["--num-experts", "4", "--expert-model-parallel-size", "2"],
+                                  ["--mode", "baseline", "--compute-sleep-ms", "50"]])  # not an EDiT flag
 def test_good_flags_pass_the_checks(job, argv):
     job.check_args(job.build_parser().parse_args(argv), job.build_parser())
 
@@ -463,10 +465,12 @@ def test_the_auto_overlap_says_where_it_starts_and_what_it_decides(data_dir):
     workers x 2 ranks): the description names the start and what is chosen from it; the first
     two syncs (after 4 and 8) run with the delay 1, each exchange launched one step early; the
     decision after 8 is one line with its measurements; the run ends with one model on both
-    workers (its last sync blocks)."""
+    workers (its last sync blocks). With --compute-sleep-ms 60 (a device's compute, bench_ft.py)
+    every step, and the inner step the auto overlap measures, takes at least that long."""
     code, out = torchrun(data_dir, "--steps", "16", "--local-sgd-warmup-steps", "0", "--local-sgd-sync-interval", "4",
                          "--lr-warmup-steps", "2", "--log-interval", "1", "--local-sgd-auto-overlap",
-                         "--local-sgd-auto-formats", "fp32,int8", "--local-sgd-outer-step-delay", "1")
+                         "--local-sgd-auto-formats", "fp32,int8", "--local-sgd-outer-step-delay", "1",
+                         "--compute-sleep-ms", "60")
     assert code == 0, out[-4000:]
     _quiet(out)
     assert "each exchange launched 1 steps early" in out
@@ -474,6 +478,9 @@ def test_the_auto_overlap_says_where_it_starts_and_what_it_decides(data_dir):
             "timed with the settings above, and again every 20 syncs") in out
     assert len(re.findall(r"megatron_edit: auto overlap after step 8: inner step [\d.]+ ms, exchange fp32 [\d.]+ ms, "
                           r"int8 [\d.]+ ms \(slowest rank\)", out)) == 1, out[-4000:]
+    step_ms = [float(x) for x in re.findall(r"step +\d+ \| worker \d loss [\d.]+ \| lr \S+ \| +([\d.]+) ms", out)]
+    assert len(step_ms) == 16 and min(step_ms) >= 60, step_ms
+    assert float(re.search(r"auto overlap after step 8: inner step ([\d.]+) ms", out).group(1)) >= 60
     (losses, syncs), = _summary(out).values()
     assert len(losses) == 2 and len(set(losses)) == 1 and syncs == 4, (losses, syncs)
 

@@ -25,7 +25,13 @@ logged steps around it, over the no-fault median gap x log interval), a relaunch
 from its kill to its first sync (and Python's imports of that alone, measured apart), and the
 steps lost by the survivors (worker 0's logged steps: each once, none repeated).
 
-Prints a Markdown table with the load average; writes it to scripts/bench/results/ft.md.
+On this CPU machine every worker shares the same cores: a dead worker's CPU time goes to the
+survivors, and a relaunched job's start takes it from them, so both backends pay about a job's
+start per fault. --compute-ms T stands for a device per worker: each step also sleeps T ms (the
+main job's --compute-sleep-ms), so a worker's step time is mostly its own device's and the
+survivors train at their own pace whatever the others do, as on a cluster.
+
+Prints a Markdown table with the load average; writes it to scripts/bench/results/ft.md (--out).
 """
 
 from __future__ import annotations
@@ -209,7 +215,7 @@ def _flags(args, steps=None):
     return ["--workers", str(args.workers), "--nproc-per-node", str(args.workers * args.ranks),
             "--steps", str(steps), "--eval-interval", str(steps), "--lr-warmup-steps", "2",
             "--local-sgd-sync-interval", str(args.h), "--log-interval", str(args.log_interval),
-            "--data-dir", str(args.data_dir)]
+            "--data-dir", str(args.data_dir), "--compute-sleep-ms", f"{args.compute_ms:g}"]
 
 
 def _import_seconds() -> float:
@@ -228,12 +234,18 @@ def main(argv=None) -> int:
     p.add_argument("--log-interval", type=int, default=2)
     p.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults")
     p.add_argument("--save-interval", type=int, default=40, help="the torch backend's checkpoint interval")
+    p.add_argument("--compute-ms", type=float, default=0.0,
+                   help="the main job's --compute-sleep-ms: every step also sleeps this long (a device's "
+                        "compute), so that the workers, sharing this machine's cores, train as on devices of "
+                        "their own (0: CPU-bound, the workers compete for the cores)")
     p.add_argument("--limit", type=float, default=1800.0, help="seconds a run may take")
     p.add_argument("--data-dir", default=os.environ.get("MEGATRON_EDIT_DATA", "data-cache"))
     p.add_argument("--out", default=str(RESULTS / "ft.md"))
     args = p.parse_args(argv)
     if args.workers < 2 or args.steps % args.log_interval or args.save_interval % args.log_interval:
         p.error("--workers >= 2; --steps and --save-interval multiples of --log-interval")
+    if args.compute_ms < 0:
+        p.error(f"--compute-ms {args.compute_ms:g}: a sleep per step, >= 0")
     folder = Path(tempfile.mkdtemp(prefix="bench_ft_"))
     load0 = os.getloadavg()
     runs = {}
@@ -245,11 +257,12 @@ def main(argv=None) -> int:
     imports = _import_seconds()
     load1 = os.getloadavg()
     rate = {k: v["worker_steps"] / v["seconds"] for k, v in runs.items()}
-    ft, tr = runs["torchft, faults"], runs["torch, faults (restart)"]
+    ft = runs["torchft, faults"]
     fmt = lambda xs: ", ".join("-" if x is None else f"{x:.1f}" for x in xs) or "-"  # noqa: E731
     lines = [
         f"`python scripts/bench/bench_ft.py --workers {args.workers} --ranks {args.ranks} --steps {args.steps} "
-        f"--h {args.h} --fault-every {args.fault_every:g} --save-interval {args.save_interval}` "
+        f"--h {args.h} --fault-every {args.fault_every:g} --save-interval {args.save_interval}"
+        f"{f' --compute-ms {args.compute_ms:g}' if args.compute_ms else ''}` "
         f"(load average {load0[0]:.1f} before, {load1[0]:.1f} after; {os.cpu_count()} cores)",
         "",
         "| run | wall s | worker-steps in the model | goodput vs its no-fault run | faults | survivors' stall per fault, s | rejoin: kill to first sync, s |",
