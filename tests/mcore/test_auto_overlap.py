@@ -332,20 +332,31 @@ def test_a_sync_applied_in_a_step_is_agreed_on_asynchronously_from_the_end_of_th
     assert len(started) == 2 and ctl.auto._agreement is None
 
 
-def test_a_grown_exposed_wait_re_measures_at_once():
-    """Decided: fp32, tau 4 (predicted exposed 0). A sync that waits 0.2 s (more than half a
-    0.1 s step above the prediction) has the next one timed (the settings kept); a wait of
-    0.04 s does not."""
+def test_a_grown_exposed_wait_re_decides_at_once_from_what_that_sync_measured():
+    """Decided: fp32, tau 4 (predicted exposed 0). A wait of 0.04 s changes nothing. A sync
+    that waits 0.2 s (more than half a 0.1 s step above the prediction) has measured its
+    exchange: 4 steps + 0.2 s = 0.6 s in fp32 (int8 0.6 x 1040 / 4096 = 0.152 s), and the rule
+    decides again from it at once, without a timed sync: int8, tau ceil(1.2 x 0.152 / 0.1) = 2.
+    Without a delay in force (layer-wise) the next sync is timed first: such a sync's time in
+    EDiT code is not its exchange's."""
     ctl = _auto()
     _sync(ctl, 8, 0.3)
     _sync(ctl, 16, 0.3)
     assert ctl.applied == [(4, "fp32")]
     _sync(ctl, 24, 0.01, exposed=0.04)
-    assert not ctl.auto.timed
+    assert not ctl.auto.timed and len(ctl.auto.decisions) == 1
     _sync(ctl, 32, 0.01, exposed=0.2)
-    assert ctl.auto.timed and ctl.applied == [(4, "fp32")]
-    # with a delay, an exposed wait measures the exchange: 4 steps + 0.2 s = 0.6 s
     assert ctl.auto._local_exchange["fp32"] == pytest.approx(0.6)
+    assert not ctl.auto.timed and ctl.applied == [(4, "fp32"), (2, "int8")]
+    step, choice, m = ctl.auto.decisions[-1]
+    assert step == 32 and m.exposed_s == pytest.approx(0.2) and m.exchange_s["int8"] == pytest.approx(0.6 * 1040 / 4096)
+
+    ctl = _auto(auto_formats="fp32")
+    _sync(ctl, 8, 0.01)
+    _sync(ctl, 16, 0.01)
+    assert ctl.applied == [(0, "fp32")]  # hidden behind a third of a step: no delay
+    _sync(ctl, 24, 0.3)  # undelayed, its time in EDiT code is what is exposed
+    assert ctl.auto.timed and len(ctl.auto.decisions) == 1
 
 
 def test_it_starts_with_the_given_delay_and_times_its_syncs_at_their_launch():
