@@ -206,17 +206,23 @@ class Measurement:
     """The whole exchange's time in each allowed format."""
     exposed_s: float
     """The wait the last sync exposed (not hidden by compute)."""
+    fresh: bool = False
+    """Whether the last sync measured the exchange (``exchange_s`` is from it, not an earlier
+    sync): a timed sync, or a delayed one that waited more than half a step for it."""
 
     def pack(self, formats: Sequence[str]) -> list:
-        """The numbers one all-reduce of MAX agrees on (the step time negated: its minimum)."""
-        return [-self.step_s, self.exposed_s] + [self.exchange_s[f] for f in formats]
+        """The numbers one all-reduce of MAX agrees on (the step time negated: its minimum;
+        ``fresh`` as 0 or 1: whether any rank measured)."""
+        return [-self.step_s, self.exposed_s] + [self.exchange_s[f] for f in formats] + [float(self.fresh)]
 
 
 def agreed(maxed: Sequence[float], formats: Sequence[str]) -> Measurement:
     """The :class:`Measurement` every rank holds after the all-reduce of MAX of
     :meth:`Measurement.pack`: a fast worker's step (the exchange must be hidden behind its
-    steps, or it waits) and the slowest rank's exchange."""
-    return Measurement(-float(maxed[0]), {f: float(v) for f, v in zip(formats, maxed[2:])}, float(maxed[1]))
+    steps, or it waits), the slowest rank's exchange, and whether any rank measured it."""
+    n = len(formats)
+    return Measurement(-float(maxed[0]), {f: float(v) for f, v in zip(formats, maxed[2:2 + n])}, float(maxed[1]),
+                       fresh=bool(maxed[2 + n]))
 
 
 def exposure_grew(exposed_s: float, predicted_s: float, step_s: float) -> bool:

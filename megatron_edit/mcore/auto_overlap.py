@@ -197,7 +197,7 @@ class AutoOverlap:
             self._local_exchange = overlap_plan.scale_to_formats(
                 measured, report.exchange_dtype, numel, self.formats, self.user.exchange_block_size)
         exchange = self._local_exchange or {f: 0.0 for f in self.formats}
-        return Measurement(step_s, exchange, exposed)
+        return Measurement(step_s, exchange, exposed, fresh=measured is not None)
 
     def _start_agreement(self, mine: Measurement):
         """Start the all-reduce of MAX of this rank's numbers over every rank (asynchronous)."""
@@ -238,10 +238,11 @@ class AutoOverlap:
         self._since_decision += 1
         grew = self._predicted is not None and overlap_plan.exposure_grew(m.exposed_s, self._predicted, m.step_s)
         unknown = self._predicted is None and m.exposed_s > 0.5 * m.step_s  # resumed: nothing predicted
-        if (grew or unknown) and delayed:
+        if (grew or unknown) and delayed and m.fresh:
             # A delayed sync that exposed more than half a step measured its exchange: tau steps
             # plus that wait (on the rank that waited most; the agreement's MAX takes it). Decide
             # from it now: a timed sync would wait out a whole exchange the link just slowed.
+            # (No rank measured, each waiting less than half its own step: the next is timed.)
             return self._decide(step, m)
         if self._since_decision >= self.user.auto_every or grew or unknown:
             # The next sync re-measures, with the settings in force: the same numbers, its

@@ -167,6 +167,10 @@ def test_agreement_takes_the_fastest_step_and_the_slowest_exchange():
     agreed_m = agreed(maxed, formats)
     assert agreed_m == Measurement(0.10, {"fp32": 0.30, "int8": 0.09}, 0.2)
     assert agreed(ranks[0].pack(formats), formats) == ranks[0]
+    # whether the exchange was measured by this sync: any rank's
+    ranks[1] = Measurement(0.13, {"fp32": 0.10, "int8": 0.09}, 0.2, fresh=True)
+    maxed = [max(col) for col in zip(*(m.pack(formats) for m in ranks))]
+    assert agreed(maxed, formats).fresh and not agreed(ranks[0].pack(formats), formats).fresh
 
 
 def test_the_exposed_wait_grew():

@@ -351,6 +351,14 @@ def test_a_grown_exposed_wait_re_decides_at_once_from_what_that_sync_measured():
     step, choice, m = ctl.auto.decisions[-1]
     assert step == 32 and m.exposed_s == pytest.approx(0.2) and m.exchange_s["int8"] == pytest.approx(0.6 * 1040 / 4096)
 
+    # grown on the agreed numbers, but no rank measured (each waited less than half of its own
+    # step: its exchange time is the last sync's): the next sync is timed, not decided from stale times
+    from megatron_edit.algorithm.overlap_plan import Measurement
+
+    ctl.auto.measure = lambda: Measurement(0.1, {"fp32": 0.6, "int8": 0.152}, 1.0, fresh=False)
+    _sync(ctl, 40, 0.01, exposed=1.0)
+    assert ctl.auto.timed and len(ctl.auto.decisions) == 2
+
     ctl = _auto(auto_formats="fp32")
     _sync(ctl, 8, 0.01)
     _sync(ctl, 16, 0.01)
