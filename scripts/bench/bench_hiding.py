@@ -151,14 +151,13 @@ def fix_measurements(auto, spec: str) -> None:
 
 def set_rate(rate: str) -> None:
     """netns_cluster.sh's tbf on this worker's end of the link (local rank 0 only), at ``rate``."""
-    import re
     import subprocess
+
+    import tbf
 
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
-    bits = int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)])
-    burst = max(66000, bits // 8 // 1000)  # as netns_cluster.sh
+    burst = tbf.burst_bytes(tbf.rate_bits(rate))
     subprocess.run(["tc", "qdisc", "change", "dev", "edw", "root", "tbf", "rate", rate, "burst", str(burst),
                     "latency", "100ms"], check=True)
 

@@ -20,6 +20,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, os.path.join(HERE, "..", ".."))  # megatron_edit's step-time model
+sys.path.insert(0, HERE)
+import tbf  # noqa: E402  (netns_cluster.sh's token bucket)
 DEFAULT = ["_auto_10mbit", "_auto_20mbit", "_auto_27mbit", "_auto_50mbit", "_auto_100mbit", "_auto_27to10mbit"]
 
 
@@ -67,13 +69,6 @@ def mode_setting(name: str):
     return parts[0], tau, fragments
 
 
-def burst_seconds(rate: str) -> float:
-    """Seconds of link time a full token bucket of scripts/bench/netns_cluster.sh saves: its
-    tbf burst (the rate's bytes per millisecond, at least 66,000) at its rate ("10mbit")."""
-    bits = float(rate.lower().replace("mbit", "")) * 1e6
-    return max(66000, bits / 8 / 1000) / (bits / 8)
-
-
 def prediction_rows(suffix: str, burst: bool = True) -> list:
     """The step-time model's exposed wait per sync (megatron_edit.algorithm.overlap_plan, from
     the exchange alone scaled to each format's bytes and the mode's own ordinary step) against
@@ -94,7 +89,7 @@ def prediction_rows(suffix: str, burst: bool = True) -> list:
     if data.get("rate_change"):
         return []
     numel = sum(data["runs"]["bound"][0]["shard_numels"])
-    full_bucket = burst_seconds(data["rate"]) if burst else 0.0
+    full_bucket = tbf.burst_seconds(data["rate"]) if burst else 0.0
     rows = []
     for name, st in data["stats"].items():
         if name.startswith("bound") or name == "EDiT auto" or "base" not in st:
