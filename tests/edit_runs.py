@@ -347,6 +347,7 @@ def _train(rank, spec, tp, pp):
                                       layer_names=list(o.layer_names)) for o in controllers]
     for c in controllers or ():
         if getattr(c, "ft", None) is not None:  # the torchft backend: this rank's Manager
+            out["manager_step"] = c.sync_group.step  # its committed rounds
             c.ft.close()
     me.unpatch_megatron_for_local_sgd()
     return out

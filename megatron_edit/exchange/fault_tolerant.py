@@ -317,6 +317,43 @@ class FaultTolerantSyncGroup:
         return tensor
 
 
+class CountedView:
+    """A :class:`FaultTolerantSyncGroup` as one of several optimizers of a process sees it (a MoE
+    model's dense and expert optimizers share a rank's Manager): the same group, rounds and
+    collectives, with counters of its own, so that each optimizer's sync reports the bytes of its
+    own exchange (their exchanges interleave within one round)."""
+
+    def __init__(self, group: FaultTolerantSyncGroup):
+        self._group = group
+        self.counters = CommCounters()
+
+    def __getattr__(self, name):  # size, rank, trained, contributors, dynamic, manager, ...
+        return getattr(self._group, name)
+
+    def _counted(self, collective, *args, **kwargs):
+        base = self._group.counters
+        before = (base.collectives, base.payload_bytes)
+        out = collective(*args, **kwargs)
+        self.counters.collectives += base.collectives - before[0]
+        self.counters.payload_bytes += base.payload_bytes - before[1]
+        return out
+
+    def all_reduce_sum(self, *args, **kwargs):
+        return self._counted(self._group.all_reduce_sum, *args, **kwargs)
+
+    def all_to_all(self, *args, **kwargs):
+        return self._counted(self._group.all_to_all, *args, **kwargs)
+
+    def all_gather_into(self, *args, **kwargs):
+        return self._counted(self._group.all_gather_into, *args, **kwargs)
+
+    def all_gather(self, *args, **kwargs):
+        return self._counted(self._group.all_gather, *args, **kwargs)
+
+    def all_reduce_max_everywhere(self, *args, **kwargs):
+        return self._counted(self._group.all_reduce_max_everywhere, *args, **kwargs)
+
+
 START_GATE_ENV = "MEGATRON_EDIT_FT_START_GATE"
 """Set by a supervisor (``python -m megatron_edit.supervise``, the main job) for every worker job
 it starts: ``host:port:workers:timeout_s``, a TCP store of the supervisor where a run's first

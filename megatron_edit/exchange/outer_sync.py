@@ -421,6 +421,19 @@ class OuterSync:
             sync.committed = bool(self.commit_gate())
         return sync.committed
 
+    def finish_exchange(self) -> None:
+        """Wait for every exchange of the sync in progress (nothing without one): a commit gate
+        shared with other optimizers' syncs (torchft: one round per sync for a MoE model's
+        dense and expert optimizers) needs them all in before it decides."""
+        if self._sync is not None and not self._sync.skipped_sync:
+            self._finish_exchange(self._sync.members)
+
+    def decide(self, applied: bool) -> None:
+        """The commit gate's answer for the sync in progress, decided elsewhere (a shared round's
+        commit): asked again, the gate is not (nothing without a sync in progress)."""
+        if self._sync is not None and self._sync.committed is None:
+            self._sync.committed = bool(applied)
+
     # ------------------------------------------------------------------ layer-wise
     def mark_pending(self) -> None:
         """Layer-wise: every shard waits for its group's parameter gather; every group's

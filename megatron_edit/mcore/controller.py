@@ -127,8 +127,8 @@ class LocalSGD(ControllerState):
         if self.config.sync_backend == "torchft":
             from .fault_tolerant import TorchftBackend
 
-            self.ft = TorchftBackend(self)
-            self.sync_group = self.ft.group
+            self.ft = TorchftBackend(self, optimizer)
+            self.sync_group = self.ft.sync_group
         else:
             self.sync_group = SyncGroup(inter)
         if self.ft is None and self.sync_group.size != self.num_workers:
@@ -182,7 +182,7 @@ class LocalSGD(ControllerState):
         self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
         if self.ft is not None:  # a sync is applied only where torchft commits it; join the others
             self.sync.commit_gate = self.ft.commit
-            self.ft.join()
+            self.ft.ready()
 
     def apply_settings(self, delay: int, exchange_dtype: str, fragments: Optional[int] = None) -> None:
         """``auto_overlap``: put this delay, exchange format and number of fragments (None: the
@@ -362,6 +362,8 @@ class LocalSGD(ControllerState):
 
     def begin_step(self) -> None:
         """Before the inner optimizer update of step ``steps_done + 1``."""
+        if self.ft is not None:
+            self.ft.ensure_joined()
         if self.finished:
             raise RuntimeError(
                 "megatron_edit: this A-EDiT run has used its budget and ended with its final sync "
@@ -394,8 +396,7 @@ class LocalSGD(ControllerState):
             return self.delayed.after_inner_update(self.steps_done + 1) if self._in_step else None
         if self._in_step and self.config.sync_mode == "step_end" and self._sync_due(self.steps_done + 1):
             if self._start_sync(self.steps_done + 1):
-                # Megatron's own main -> model copy follows: no need to write the model here.
-                self.sync.complete(self.sync.members, write_model=False)
+                self.complete_at_step_end()
             self._synced_in_step = True
 
     def end_step(self) -> None:
@@ -416,13 +417,17 @@ class LocalSGD(ControllerState):
             assert self._synced_in_step, "step-end sync did not run inside the optimizer step"
         elif self._start_sync(self.steps_done):
             self.sync.mark_pending()
-            if self.ft is not None:  # the commit gates every group's outer step: no overlap yet
-                self.flush()
-            if self.finished or (not self.config.use_async and self.steps_done == self.last_step) or (
-                    self.auto is not None and self.auto.timed):  # auto overlap: a timed sync
-                self.complete_now()
-            elif self.fsdp is not None:  # the step prefetched its first bucket before the sync
-                self.fsdp.drop_stale_gathers()
+            final = self.finished or (not self.config.use_async and self.steps_done == self.last_step) or (
+                self.auto is not None and self.auto.timed)  # auto overlap: a timed sync
+            if self.ft is not None and self.ft.waits_for_others:  # a later optimizer's exchange first
+                self.ft.defer(self.complete_now if final else self.flush)
+            else:
+                if self.ft is not None:  # the commit gates every group's outer step: no overlap yet
+                    self.flush()
+                if final:
+                    self.complete_now()
+                elif self.fsdp is not None:  # the step prefetched its first bucket before the sync
+                    self.fsdp.drop_stale_gathers()
         self._snap_progress()
 
     def _snap_progress(self) -> None:
@@ -439,6 +444,23 @@ class LocalSGD(ControllerState):
         return (
             self.last_sync is not None and self.last_sync.step == self.steps_done and not self._in_step
         )
+
+    def complete_at_step_end(self) -> None:
+        """Complete the sync just begun, between the inner update and Megatron's own main -> model
+        copy (which writes the model). Over torchft, where a later optimizer of this process
+        syncs in the same round (a MoE model's dense optimizer steps before the experts'), the
+        exchange is launched now and the outer step waits for the round's commit, after the
+        experts' exchange: it then writes the model itself and gathers it inside the worker
+        (Megatron has copied and gathered the parameters of before the sync by then)."""
+        if self.ft is not None and self.ft.waits_for_others:
+            self.sync.launch(self.sync.members)
+            self.ft.defer(self._apply_deferred)
+        else:
+            self.sync.complete(self.sync.members, write_model=False)
+
+    def _apply_deferred(self) -> None:
+        self.sync.complete(self.sync.members, write_model=True)
+        self.gather_params_in_worker()
 
     def complete_now(self) -> None:
         """Complete a pending layer-wise sync now and all-gather the parameters inside the worker

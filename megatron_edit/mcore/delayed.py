@@ -78,7 +78,7 @@ class DelayedOuterStep:
             c.sync.complete(c.sync.members, write_model=False, merge_alpha=self.alpha)
             self.apply_at = None
         if self._is_last(step) and c._start_sync(step):
-            c.sync.complete(c.sync.members, write_model=False)  # Megatron's main -> model copy follows
+            c.complete_at_step_end()  # Megatron's main -> model copy follows
 
     def checkpoint_state(self):
         """For a checkpoint while an exchange is in flight: ``(meta, per shard (reduced Delta,

@@ -1,4 +1,5 @@
-"""The torchft backend of one EDiT controller (``LocalSGDConfig.sync_backend == "torchft"``).
+"""The torchft backend of the EDiT controllers of one process (``LocalSGDConfig.sync_backend ==
+"torchft"``).
 
 Each worker is its own job: its ``torch.distributed`` world holds one worker
 (``num_distributed_optimizer_instances`` 1), and rank r meets rank r of every other worker over
@@ -20,6 +21,9 @@ anchor, the outer optimizer's state, the step counters, the penalty's statistics
 applies that sync's outer step with them: it is then bit-identical to them. The inner
 optimizer's state is not sent (it restarts), nor are error-feedback residuals (zero).
 
+Several controllers in one process (a MoE model with expert parallelism: the dense optimizer and
+the expert one) share one Manager and one round per sync: :mod:`.torchft_round`.
+
 Checkpoints: each worker's job saves its own; :meth:`TorchftBackend.state_dict` adds the
 Manager's counters (committed syncs) and every worker's penalty statistics to EDiT's state, so a
 resume continues exactly, and a worker resuming from an older checkpoint than the others is
@@ -31,7 +35,6 @@ after a fresh run's join (:meth:`TorchftBackend.start_from_torch_backend`).
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Optional
 
@@ -39,29 +42,46 @@ import torch
 import torch.distributed as dist
 
 from ..algorithm.penalty import EWMAStats
-from ..exchange.fault_tolerant import START_GATE_ENV, FaultTolerantSyncGroup, start_gate, supervised_workers
+from ..exchange.fault_tolerant import (START_GATE_ENV, CountedView, FaultTolerantSyncGroup, start_gate,
+                                       supervised_workers)
 from ..exchange.sparse import check_sparse_workers
 from .process_state import PROCESS
+from .torchft_round import TorchftRound, expected_controllers
 
-STATE_KEY = "megatron_edit"
-logger = logging.getLogger(__name__)
 
 
 class TorchftBackend:
     """The torchft sync group of ``controller`` (a :class:`~megatron_edit.mcore.controller.LocalSGD`),
-    its rounds, and the state a healing worker receives."""
+    its part of the process's rounds (:class:`TorchftRound`), and the state a healing worker
+    receives of it."""
 
-    def __init__(self, controller):
+    def __init__(self, controller, optimizer=None):
         config = controller.config
         if controller.layout.num_workers != 1:
             raise RuntimeError(
                 f"megatron_edit: --local-sgd-sync-backend torchft runs each worker as its own job: "
                 f"give it num_distributed_optimizer_instances 1 (got {controller.layout.num_workers}) and start "
                 "one job per worker, each with its own --local-sgd-replica-id.")
-        if PROCESS.torchft_backend is not None:
-            raise RuntimeError(
-                "megatron_edit: --local-sgd-sync-backend torchft with several EDiT optimizers in one process (a "
-                "MoE model's expert optimizer) is not supported yet.")
+        self.controller = controller
+        self._sync_step = 0
+        """The step of the sync in progress (its apply's, for a delayed sync)."""
+        self.healed_sync_step: Optional[int] = None
+        """The step of the others' sync this worker healed into at the last :meth:`begin` (None:
+        it did not heal): its own sync step was another (it was behind)."""
+        shared = PROCESS.torchft_round
+        if shared is not None:
+            if len(shared.members) >= shared.expected or shared.joined:
+                raise RuntimeError(
+                    "megatron_edit: --local-sgd-sync-backend torchft with more EDiT optimizers in one process than "
+                    "a MoE model's dense and expert ones (one model per job) is not supported.")
+            if config.use_async:
+                raise RuntimeError(
+                    "megatron_edit: --local-sgd-async with --local-sgd-sync-backend torchft on a MoE model with "
+                    "expert parallelism is not supported yet; drop one of them (the torch backend runs it).")
+            self.round, self.group = shared, shared.group
+            self.sync_group = CountedView(self.group)
+            shared.members.append(self)
+            return
         workers = supervised_workers(os.environ.get(START_GATE_ENV))
         if workers is not None and config.min_replicas > workers:
             raise RuntimeError(
@@ -70,61 +90,70 @@ class TorchftBackend:
         if workers is not None and config.exchange_topk_density is not None:
             check_sparse_workers(workers, config.exchange_topk_density, config.exchange_topk_chunk,
                                  config.exchange_dtype)
+        expected = expected_controllers(optimizer)
+        if expected > 1 and config.use_async:
+            raise RuntimeError(
+                "megatron_edit: --local-sgd-async with --local-sgd-sync-backend torchft on a MoE model with "
+                "expert parallelism is not supported yet; drop one of them (the torch backend runs it).")
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
             raise RuntimeError(
                 "megatron_edit: --local-sgd-sync-backend torchft needs the job's store in MASTER_ADDR / "
                 "MASTER_PORT (torchrun sets them) for the worker's torchft Manager.")
-        self.controller = controller
         timeout = config.sync_timeout if config.sync_timeout is not None else dist.default_pg_timeout.total_seconds()
         self.group = FaultTolerantSyncGroup.connect(
             replica_id=config.replica_id, lighthouse=config.lighthouse_address, rank=dist.get_rank(),
             world_size=dist.get_world_size(), store_addr=addr, store_port=int(port),
             min_replicas=config.min_replicas, timeout=timeout, quorum_timeout=max(timeout, 1800.0),
             connect_timeout=min(timeout, 60.0))
-        self.group.register_state(STATE_KEY, self.load, self.save)
+        self.sync_group = CountedView(self.group)
+        """What the controller's exchange runs over: the group, with this controller's own counters."""
+        self.round = TorchftRound(self.group, expected)
+        self.round.members.append(self)
         # A supervised run's first sync holds every worker (this rank's Manager is up now).
         start_gate(os.environ.get(START_GATE_ENV), config.replica_id, dist.get_rank())
-        self._sync_step = 0
-        """The step of the sync in progress (its apply's, for a delayed sync)."""
-        self.healed_sync_step: Optional[int] = None
-        """The step of the others' sync this worker healed into at the last :meth:`begin` (None:
-        it did not heal): its own sync step was another (it was behind)."""
-        PROCESS.torchft_backend = self
+        PROCESS.torchft_round = self.round
 
     # ------------------------------------------------------------------ rounds
     def begin(self, step: int, contributed: bool = True) -> None:
-        """Before a sync's first collective: the quorum (this worker may heal here) and the
-        count of the workers that trained since the last sync."""
+        """Before a sync's first collective: the quorum (this worker may heal here; a later
+        controller of the process joins the round its first one opened) and the count of the
+        workers that trained since the last sync."""
         self._sync_step = step
-        self.healed_sync_step = None
-        self.group.begin(contributed)
-        if self.group.layout_changed:  # who reduces which chunk changed: restart those residuals
-            for shard in self.controller.shards:
-                shard.chunk_residual = None
+        self.round.begin(self, step, contributed)
+        self.healed_sync_step = self.round.healed_sync_step
+
+    @property
+    def waits_for_others(self) -> bool:
+        """This controller's sync has begun and a later controller of the process has not yet:
+        its outer step waits for the round's commit (:meth:`defer`)."""
+        return self.round.waits_for_others
+
+    def defer(self, action) -> None:
+        """Run ``action`` (this controller's outer step) right after the round's commit."""
+        self.round.defer(action)
 
     def commit(self) -> bool:
         """Whether this sync's outer step is applied: the round is committed and some worker
-        trained since the last sync. A failed round drops the error-feedback residuals (this
-        sync's were computed against an exchange that is not applied)."""
-        committed = self.group.commit()
-        if not committed:
-            for shard in self.controller.shards:
-                shard.residual = None
-                shard.chunk_residual = None
-            if dist.get_rank() == 0:  # one line per worker
-                error = self.group.manager.errored()
-                logger.warning(
-                    "megatron_edit: worker %s did not commit the sync after step %d (%d worker(s) in it, "
-                    "--local-sgd-min-replicas %d%s): it keeps its local progress for the next sync.",
-                    self.controller.config.replica_id, self._sync_step, self.group.size,
-                    self.controller.config.min_replicas,
-                    f"; {str(error).splitlines()[0][:200]}" if error is not None and str(error) else "")
-        return committed and self.group.contributors > 0
+        trained since the last sync (:meth:`TorchftRound.commit`, once for all the process's
+        controllers)."""
+        return self.round.commit()
+
+    def ready(self) -> None:
+        """The controller is built: join the others (with the process's other controllers, once
+        they are built too)."""
+        self.round.member_built(self)
+
+    def ensure_joined(self) -> None:
+        """Before the first step: a process that built fewer controllers than its model's
+        (a MoE model whose expert optimizer was not built) joins with those it has."""
+        if not self.round.joined:
+            self.round.join()
 
     def join(self) -> None:
-        """The round a worker joins the others with (see the module): anchor at the current
-        parameters, then a sync with a zero pseudo-gradient (healing from a peer if behind)."""
+        """The round a worker with one controller joins the others with (see the module): anchor
+        at the current parameters, then a sync with a zero pseudo-gradient (healing from a peer
+        if behind); :meth:`TorchftRound.join` for several."""
         c = self.controller
         c.capture_anchor()
         self.begin(c.steps_done, contributed=False)
@@ -157,25 +186,23 @@ class TorchftBackend:
     def close_skipped(self) -> None:
         """A-EDiT skipped this sync's exchange (too few steps in all; every worker decides the
         same from the shared schedule): the round commits with nothing applied."""
-        self.group.commit()
+        self.round.close_skipped()
 
     def close(self) -> None:
         """Shut this rank's Manager down (the end of the run)."""
-        self.group.shutdown()
-        if PROCESS.torchft_backend is self:
-            PROCESS.torchft_backend = None
+        self.round.close()
 
     # ------------------------------------------------------------------ healing
     def save(self) -> dict:
-        """What a healing peer's same rank receives (torchft's quorum thread; served by
-        reference: nothing here changes before this sync's commit)."""
+        """What a healing peer's same rank receives of this controller (torchft's quorum thread,
+        at the round's quorum; served by reference: nothing here changes before the round's
+        commit). The round adds its sync step."""
         c = self.controller
         c.outer_state.synchronize()
         return dict(
             anchors=[shard.anchor for shard in c.shards],
             outer=c.outer_state.optimizer.state_dict(),
             step=c.steps_done,  # step-end: the sync's step - 1; a delayed launch: its step - tau
-            sync_step=self._sync_step,
             last_sync_step=c._last_sync_step,
             last_step=c.last_step,
             ewma=self._ledger(),
@@ -191,7 +218,7 @@ class TorchftBackend:
         penalty's statistics of every worker (so every worker takes the same decisions). A
         worker that was behind (an older checkpoint, a failed commit) is then at the peer's
         point of the sync: the controller goes on with the peer's sync step
-        (:attr:`healed_sync_step`), its fragment and its apply."""
+        (:attr:`TorchftRound.healed_sync_step`), its fragment and its apply."""
         c = self.controller
         anchors = state["anchors"]
         if len(anchors) != len(c.shards) or any(a.numel() != s.numel for a, s in zip(anchors, c.shards)):
@@ -209,7 +236,6 @@ class TorchftBackend:
         c.move_progress(state["global_progress"])  # the learning-rate schedule follows
         if state["plan"] is not None:  # A-EDiT: the run's workers, the budget used, the speeds
             c.async_plan.load_dynamic_state(state["plan"])
-        self.healed_sync_step = int(state["sync_step"])
         c._last_sync_step = int(state["last_sync_step"])
         if c.last_step is None and state["last_step"] is not None:  # the run's length, until it is told
             c.last_step = int(state["last_step"])

@@ -29,9 +29,9 @@ class ProcessState:
     count on every rank (they build them in the same order), so it never resets, not even
     when a session is unpatched."""
 
-    torchft_backend: object = None
-    """The torchft backend of this process's controller (one per process: a torchft Manager per
-    rank; :mod:`megatron_edit.mcore.fault_tolerant`), None without."""
+    torchft_round: object = None
+    """The torchft Manager of this rank and its rounds, shared by the process's EDiT controllers
+    (:class:`megatron_edit.mcore.fault_tolerant.TorchftRound`), None without."""
     warned: set = field(default_factory=set)
     """Start-up warnings already given in this process (each once, not once per controller)."""
 

@@ -366,6 +366,31 @@ def test_moe_expert_parallel_checkpoint_resumes_exactly(tmp_path):
         run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, load_at=4, ep=1, timeout=280)
 
 
+@pytest.mark.timeout(400)
+def test_moe_expert_parallel_checkpoint_with_a_delayed_exchange_in_flight_resumes_exactly(tmp_path):
+    """EP=2, 2 workers, the delayed outer step (tau 1, H 2): saved after step 3, with both
+    controllers' exchanges of the sync of step 4 in flight. The load asks for their results under
+    the keys of Megatron's ChainedOptimizer (``chained_0.`` / ``chained_1.``; before, it asked
+    without them and refused its own checkpoint as incomplete) and ends bit for bit where the
+    uninterrupted run ends."""
+    from checkpoint_runs import moe_checkpoint_job
+    from megatron_edit.mcore import checkpoint as checkpointing
+
+    if not checkpointing.SUPPORTED.contains(compat.megatron_core_version()):
+        pytest.skip(f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+    path = str(tmp_path / "step3")
+    local = dict(local_sgd_sync_interval=2, sync_mode="step_end", outer_step_delay=1)
+    whole = run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, save_at=3, timeout=280)
+    resumed = run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, load_at=3, timeout=280)
+    for a, b in zip(whole, resumed):
+        assert len(a["controllers"]) == 2
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        for ca, cb in zip(a["controllers"], b["controllers"]):
+            assert ca["steps_done"] == cb["steps_done"] == 6
+            for what in ("anchors", "mains"):
+                assert all(torch.equal(x, y) for x, y in zip(ca[what], cb[what])), what
+
+
 @pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(400)
 def test_moe_expert_parallel_elastic_resume_to_one_worker(tmp_path):

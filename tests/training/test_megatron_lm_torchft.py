@@ -24,8 +24,8 @@ from megatron_edit.config import ConfigError, NotSupportedYet
 from megatron_edit.exchange.fault_tolerant import START_GATE_ENV
 from megatron_edit.mcore import compat
 from megatron_edit.training.validation import validate_local_sgd_args
-from test_megatron_lm import (CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, TINY, _env, _field, _lines,
-                              _megatron_like_args, _torchrun)
+from test_megatron_lm import (CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, LINE, MOE, MOE_LINES, TINY, _env, _field,
+                              _lines, _megatron_like_args, _torchrun)
 
 HAVE_TORCHFT = importlib.util.find_spec("torchft") is not None
 
@@ -218,10 +218,13 @@ FT = ("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "1", "--l
      "--num-distributed-optimizer-instances 2 with --local-sgd-sync-backend torchft: each job is one worker"),
     ((), {}, False, ConfigError, "needs the run's number of workers.*python -m megatron_edit.supervise"),
     (("--local-sgd-async",), dict(train_iters=100), True, None, None),
-    ((), dict(num_experts=8), True, NotSupportedYet, "--num-experts with --local-sgd-sync-backend torchft"),
+    ((), dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall"), True, None, None),
+    (("--local-sgd-async",), dict(train_iters=100, num_experts=8, expert_model_parallel_size=2,
+                                  moe_token_dispatcher_type="alltoall"), True, NotSupportedYet,
+     "--local-sgd-async with --local-sgd-sync-backend torchft and --expert-model-parallel-size > 1"),
     ((), dict(dataloader_type="external"), True, NotSupportedYet, "--dataloader-type external with"),
     ((), dict(hybrid_context_parallel=True), True, NotSupportedYet, "--hybrid-context-parallel with"),
-], ids=["ok", "instances", "no-supervisor", "async", "moe", "external-data", "hybrid-cp"])
+], ids=["ok", "instances", "no-supervisor", "async", "moe-ep2", "moe-ep2-async", "external-data", "hybrid-cp"])
 def test_the_torchft_route_through_megatron_lm_refuses_what_it_cannot_run(monkeypatch, argv, options, supervised,
                                                                         error, match):
     if supervised:
@@ -290,15 +293,20 @@ def _log(workdir, worker):
 @needs_checkout
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_torchft_through_megatron_lm_equals_the_torch_backend(tmp_path):
+@pytest.mark.parametrize("model", [[], MOE], ids=["dense", "moe-ep2"])
+def test_torchft_through_megatron_lm_equals_the_torch_backend(tmp_path, model):
     """2 workers x 2 ranks, H = 4, 16 iterations: the torch backend (one job, 2 distributed-optimizer
     instances, global batch 8) and the torchft backend (a job per worker, global batch 4 each, the
     data sharded over both) log the same losses, gradient norms and syncs on worker 1 (the torch
-    backend's logging rank, its last, is in worker 1)."""
+    backend's logging rank, its last, is in worker 1). Dense, and MoE with expert parallelism 2
+    (4 experts: each rank two, with the dense and the expert optimizer in one torchft round per
+    sync)."""
+    if model and LINE not in MOE_LINES:
+        pytest.skip(f"MoE with --use-local-sgd through Megatron-LM runs on {MOE_LINES} (refused elsewhere, tested)")
     torch_log = _torchrun(CHECKOUT / "pretrain_gpt.py",
-                          TINY + EDIT + ["--num-distributed-optimizer-instances", "2", "--global-batch-size", "8",
-                                         "--train-iters", str(ITERS)], tmp_path)
-    code, out = _supervised(tmp_path, [])
+                          TINY + EDIT + model + ["--num-distributed-optimizer-instances", "2", "--global-batch-size",
+                                                 "8", "--train-iters", str(ITERS)], tmp_path)
+    code, out = _supervised(tmp_path, model)
     assert code == 0, out[-3000:] + _log(tmp_path, 1)[-5000:]
     reference, ft = _lines(torch_log), _lines(_log(tmp_path, 1))
     assert sorted(ft) == sorted(reference) == list(range(1, ITERS + 1)), _log(tmp_path, 1)[-3000:]
@@ -377,14 +385,18 @@ KILL_ONCE = _kill_once(6, 7)
 @needs_checkout
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_worker_killed_mid_run_is_relaunched_heals_and_its_loop_goes_on_from_the_peers_iteration(tmp_path):
+@pytest.mark.parametrize("model", [[], MOE], ids=["dense", "moe-ep2"])
+def test_a_worker_killed_mid_run_is_relaunched_heals_and_its_loop_goes_on_from_the_peers_iteration(tmp_path, model):
     """Worker 1's job is SIGKILLed (every process of it) when 6 iterations are done and
     relaunched; worker 0 goes to its sync after step 8 once the new job's Manager is up (so the
     new job joins that sync), and heals it there at start-up: its loop starts at iteration 9
     (not 1), with worker 0's learning rate, and both end at iteration 16 with the final sync, 2
-    workers in it; worker 0 lost no step."""
+    workers in it; worker 0 lost no step. Dense, and MoE with expert parallelism 2 (the dense
+    and the expert optimizer heal in one round)."""
+    if model and LINE not in MOE_LINES:
+        pytest.skip(f"MoE with --use-local-sgd through Megatron-LM runs on {MOE_LINES} (refused elsewhere, tested)")
     script = _script_in_checkout(tmp_path, "kill_once.py", KILL_ONCE)
-    code, out = _supervised(tmp_path, [], script=script)
+    code, out = _supervised(tmp_path, model, script=script)
     survivor, relaunched = _log(tmp_path, 0), _log(tmp_path, 1)
     assert code == 0, out[-3000:] + relaunched[-5000:]
     assert "worker 1 exited with code" in out and "relaunching it as a fresh job" in out, out[-3000:]

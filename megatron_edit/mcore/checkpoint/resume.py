@@ -54,6 +54,7 @@ from .keys import PREFIX, WORKER_KEY, CheckpointStateError, is_local_sgd_key, re
 from .record import (
     FULLY_RESHARDABLE,
     OLD_FORMATS,
+    RECORD_KEY,
     check_run_record,
     format_message,
     expert_sizes,
@@ -149,6 +150,15 @@ class ResumePlan:
 
     def record_request(self):
         return self.part["record"]
+
+    def _requests(self, prefix: str, main: bool) -> dict:
+        """Load requests made while the load is prepared (what the checkpoint's record says is
+        there), keyed as the ones of the sharded state dict: Megatron's ``ChainedOptimizer``
+        (a MoE model's dense and expert optimizers) had prefixed those by then (``chained_<i>.``),
+        which this optimizer's record request shows."""
+        key = self.record_request().key
+        outer = key[: -len(RECORD_KEY)] if key.endswith(RECORD_KEY) else ""
+        return self.space.load_requests(outer + prefix, main)
 
     def decode_mains(self, loaded: dict) -> List[Dict[int, torch.Tensor]]:
         """Per shard, {saved worker: its main params} of the extra saved workers read."""
@@ -271,9 +281,9 @@ class ResumePlan:
             changed = self._in_flight_settings_changed(record, flight)
             if changed:
                 return changed
-            part["in_flight"] = self.space.load_requests(IN_FLIGHT, m == 0)
+            part["in_flight"] = self._requests(IN_FLIGHT, m == 0)
             if flight["keep"]:
-                part["in_flight_launch"] = self.space.load_requests(launch_prefix(m), True)
+                part["in_flight_launch"] = self._requests(launch_prefix(m), True)
         self.slice_loaded = (n, record["tensor_parallel"], record["pipeline_parallel"]) == (workers, tp, pp)
         saved_fragments = (record.get("config") or {}).get("fragments", 1)
         if saved_fragments != c.config.fragments:
@@ -366,7 +376,7 @@ class ResumePlan:
         if self.residuals:
             self.residual_workers = list(range(m, n, workers)) if self.mode == "elastic" else [m]
             # Saved worker k is read by one worker only (k mod M): its requests are main.
-            part["residual"] = {k: self.space.load_requests(residual_prefix(k), True) for k in self.residual_workers}
+            part["residual"] = {k: self._requests(residual_prefix(k), True) for k in self.residual_workers}
             return
         part.pop("residual", None)
         part.pop("result_residual", None)

@@ -1,0 +1,209 @@
+"""One torchft round per sync for every EDiT controller of a process (``--local-sgd-sync-backend
+torchft``; the backend of each controller: :mod:`.fault_tolerant`).
+
+A MoE model with expert parallelism has two distributed optimizers in each process, the dense
+one and the experts', stepped one after the other by Megatron's ``ChainedOptimizer``; each has
+its EDiT controller. They share this rank's torchft Manager, and each sync of theirs is one
+round (:class:`TorchftRound`): torchft pairs rounds by their order only, so a round per
+controller would pair one worker's expert round with another's dense round as soon as one of
+them missed one (a straggler past the Lighthouse's join timeout, a slow start after a heal).
+
+* The quorum is taken at the first controller's sync (:meth:`TorchftRound.begin`; a worker
+  behind the others heals there, every controller's state at once); the later ones join it.
+* A controller whose exchange is in before a later one's sync has begun (step-end and
+  layer-wise syncs: the dense optimizer steps first) leaves its outer step to the round
+  (:meth:`TorchftRound.defer`); the commit comes after the last controller's exchange, every
+  started controller's exchange finished in their order, and then the deferred outer steps
+  run: each writes its model itself and gathers it inside the worker (Megatron copied and
+  gathered that optimizer's parameters of before the sync already). A delayed sync's launch
+  opens the round (both controllers launch after the same step) and its first apply commits it.
+* The join is one round too, once every controller exists (:meth:`TorchftRound.join`), its
+  collectives in the order the others' sync runs them.
+
+One controller is a round of one: the same calls, nothing deferred.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, List, Optional
+
+import torch.distributed as dist
+
+from ..exchange.fault_tolerant import FaultTolerantSyncGroup
+from .process_state import PROCESS
+from .worker_layout import is_expert_optimizer
+
+STATE_KEY = "megatron_edit"
+"""The torchft state key under which a healing peer's same rank receives every controller's state."""
+logger = logging.getLogger(__name__)
+
+
+class TorchftRound:
+    """The torchft Manager of this rank and its rounds, shared by the process's EDiT controllers
+    (one, or the dense and the expert one of a MoE model with expert parallelism): one quorum,
+    one commit and one heal per sync for all of them (see the module)."""
+
+    def __init__(self, group: FaultTolerantSyncGroup, expected: int):
+        self.group = group
+        self.expected = expected
+        """The controllers this process builds (2: a MoE model's dense and expert optimizers)."""
+        self.members: List[object] = []
+        """The controllers' backends (:class:`~megatron_edit.mcore.fault_tolerant.TorchftBackend`), in
+        the order they are built and stepped."""
+        self.started: List[object] = []
+        """The members whose sync of the open round has begun (empty: no round open)."""
+        self.deferred: List[Callable[[], None]] = []
+        """What members whose exchange was in before the last one's do after the commit."""
+        self.step: Optional[int] = None
+        """The sync step of the open round (its first member's)."""
+        self.healed_sync_step: Optional[int] = None
+        """The others' sync step this worker healed into at the open round's quorum (None: no heal)."""
+        self.joined = False
+        self.closed = False
+        group.register_state(STATE_KEY, self._load, self._save)
+
+    # ------------------------------------------------------------------ one round
+    def begin(self, member, step: int, contributed: bool) -> None:
+        """``member``'s sync: the first one opens the round (the quorum; this worker may heal
+        there), the others join it."""
+        if member in self.started:
+            raise RuntimeError(f"megatron_edit: an EDiT optimizer began the torchft round of step {self.step} twice.")
+        if not self.started:
+            self.step, self.healed_sync_step = step, None
+            self.group.begin(contributed)
+        else:  # every controller of the process syncs after the same steps (one config)
+            expected = self.step if self.healed_sync_step is None else self.healed_sync_step
+            if step != expected:
+                raise RuntimeError(
+                    f"megatron_edit: an EDiT optimizer's sync after step {step} met the torchft round of the sync "
+                    f"after step {expected}: the process's optimizers must sync after the same steps.")
+        self.started.append(member)
+        if self.group.layout_changed:  # who reduces which chunk changed: restart those residuals
+            for shard in member.controller.shards:
+                shard.chunk_residual = None
+
+    @property
+    def waits_for_others(self) -> bool:
+        """The member that has just begun is not the process's last in this round: its outer
+        step waits for the round's commit, after the later members' exchanges."""
+        return 0 < len(self.started) < len(self.members)
+
+    def defer(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (a member's outer step) right after the round's commit."""
+        self.deferred.append(action)
+
+    def commit(self) -> bool:
+        """Every started member's exchange in (in their order), then one commit for all: whether
+        their outer steps are applied (the round is committed and some worker trained since the
+        last sync). A failed round drops their error-feedback residuals (computed against an
+        exchange that is not applied). Then the deferred outer steps run."""
+        started, deferred = self.started, self.deferred
+        for member in started:
+            member.controller.sync.finish_exchange()
+        committed = self.group.commit()
+        applied = committed and self.group.contributors > 0
+        self.started, self.deferred = [], []
+        for member in started:
+            member.controller.sync.decide(applied)
+            if not committed:
+                for shard in member.controller.shards:
+                    shard.residual = None
+                    shard.chunk_residual = None
+        if not committed and started and dist.get_rank() == 0:  # one line per worker
+            error = self.group.manager.errored()
+            c = started[0].controller
+            logger.warning(
+                "megatron_edit: worker %s did not commit the sync after step %d (%d worker(s) in it, "
+                "--local-sgd-min-replicas %d%s): it keeps its local progress for the next sync.",
+                c.config.replica_id, self.step, self.group.size, c.config.min_replicas,
+                f"; {str(error).splitlines()[0][:200]}" if error is not None and str(error) else "")
+        for action in deferred:
+            action()
+        return applied
+
+    def close_skipped(self) -> None:
+        """A-EDiT skipped this sync's exchange (every worker decides the same): the round commits
+        with nothing applied."""
+        self.group.commit()
+        self.started = []
+
+    # ------------------------------------------------------------------ joining
+    def member_built(self, member) -> None:
+        """``member``'s controller is built: once every controller the process builds exists,
+        they join the others in one round (:meth:`join`)."""
+        if len(self.members) >= self.expected and not self.joined:
+            self.join()
+
+    def join(self) -> None:
+        """The round a worker joins the others with: every controller's anchor at its current
+        parameters, then one sync of all with a zero pseudo-gradient (healing from a peer if
+        behind), its collectives in the order the others' sync runs them (each controller's
+        decisions and launch in turn; a delayed sync's second phases in turn; the last
+        controller's exchange finished first, as its commit does). Also run at the first step
+        where a process built fewer controllers than expected."""
+        self.joined = True
+        members = list(self.members)
+        if len(members) == 1:
+            return members[0].join()
+        for member in members:
+            member.controller.capture_anchor()
+        step = members[0].controller.steps_done
+        self.begin(members[0], step, contributed=False)
+        healed = self.healed_sync_step
+        for member in members[1:]:  # in the others' sync where it healed
+            self.begin(member, step if healed is None else healed, contributed=False)
+        for member in members:
+            c = member.controller
+            if healed is not None:  # it applies the others' sync now: it is at its step
+                c.steps_done = healed
+                c.move_progress(float(c.steps_done))
+            due = c.sync_shards.due(c.steps_done, c.last_step)
+            fragment, shards = due if due is not None else (None, None)
+            if c.sync.start(c.steps_done, 0, fragment=fragment, members=shards):
+                c.sync.launch(c.sync.members)
+        if any(m.controller.delayed is not None for m in members):  # the others' launch round
+            for member in members:
+                if member.controller.sync.in_progress:
+                    member.controller.sync.advance()
+        for member in reversed(members):
+            c = member.controller
+            if c.sync.in_progress:
+                c.sync.complete(c.sync.members, write_model=True)
+            # Every slice of the model from the new mains: on every rank of the worker, healed or
+            # not (torchft heals rank by rank: at a fresh run's first round, init_sync makes each
+            # rank heal from another worker's same rank, whose state is its own).
+            c.gather_params_in_worker()
+        for member in members:
+            member.controller.reports.clear()  # the join is not one of the run's syncs
+
+    # ------------------------------------------------------------------ healing
+    def _save(self) -> dict:
+        return dict(sync_step=self.step, members=[m.save() for m in self.members])
+
+    def _load(self, state: dict) -> None:
+        if len(state["members"]) != len(self.members):
+            raise RuntimeError(
+                f"megatron_edit: the peer this worker heals from has {len(state['members'])} EDiT optimizer(s) "
+                f"and this worker {len(self.members)}: every worker of a torchft run needs the same model and layout.")
+        self.healed_sync_step = int(state["sync_step"])
+        for member, part in zip(self.members, state["members"]):
+            member.load(part)
+
+    def close(self) -> None:
+        """Shut this rank's Manager down (the end of the run; once, whichever member asks)."""
+        if not self.closed:
+            self.closed = True
+            self.group.shutdown()
+        if PROCESS.torchft_round is self:
+            PROCESS.torchft_round = None
+
+
+def expected_controllers(optimizer) -> int:
+    """The EDiT controllers this process builds for the model of ``optimizer`` (the first one
+    built): 2 where its model has expert-parallel buffers (a MoE model with expert parallelism:
+    Megatron builds the expert optimizer right after this one), else 1."""
+    if optimizer is None or is_expert_optimizer(optimizer):
+        return 1
+    chunks = getattr(optimizer, "model_chunks", None) or []
+    return 2 if any(getattr(chunk, "expert_parallel_buffers", None) for chunk in chunks) else 1
