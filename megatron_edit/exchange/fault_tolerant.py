@@ -318,40 +318,30 @@ class FaultTolerantSyncGroup:
 
 
 class CountedView:
-    """A :class:`FaultTolerantSyncGroup` as one of several optimizers of a process sees it (a MoE
-    model's dense and expert optimizers share a rank's Manager): the same group, rounds and
-    collectives, with counters of its own, so that each optimizer's sync reports the bytes of its
-    own exchange (their exchanges interleave within one round)."""
+    """A :class:`FaultTolerantSyncGroup` as one of a process's optimizers sees it (a MoE model's
+    dense and expert ones share a rank's Manager; their exchanges interleave within a round):
+    the same group and collectives, with counters of its own (each sync reports its own bytes)."""
+
+    _COLLECTIVES = ("all_reduce_sum", "all_to_all", "all_gather_into", "all_gather", "all_reduce_max_everywhere")
 
     def __init__(self, group: FaultTolerantSyncGroup):
         self._group = group
         self.counters = CommCounters()
 
     def __getattr__(self, name):  # size, rank, trained, contributors, dynamic, manager, ...
-        return getattr(self._group, name)
+        attr = getattr(self._group, name)
+        return self._counted(attr) if name in self._COLLECTIVES else attr
 
-    def _counted(self, collective, *args, **kwargs):
-        base = self._group.counters
-        before = (base.collectives, base.payload_bytes)
-        out = collective(*args, **kwargs)
-        self.counters.collectives += base.collectives - before[0]
-        self.counters.payload_bytes += base.payload_bytes - before[1]
-        return out
+    def _counted(self, collective):
+        def counted(*args, **kwargs):
+            base = self._group.counters
+            before = (base.collectives, base.payload_bytes)
+            out = collective(*args, **kwargs)
+            self.counters.collectives += base.collectives - before[0]
+            self.counters.payload_bytes += base.payload_bytes - before[1]
+            return out
 
-    def all_reduce_sum(self, *args, **kwargs):
-        return self._counted(self._group.all_reduce_sum, *args, **kwargs)
-
-    def all_to_all(self, *args, **kwargs):
-        return self._counted(self._group.all_to_all, *args, **kwargs)
-
-    def all_gather_into(self, *args, **kwargs):
-        return self._counted(self._group.all_gather_into, *args, **kwargs)
-
-    def all_gather(self, *args, **kwargs):
-        return self._counted(self._group.all_gather, *args, **kwargs)
-
-    def all_reduce_max_everywhere(self, *args, **kwargs):
-        return self._counted(self._group.all_reduce_max_everywhere, *args, **kwargs)
+        return counted
 
 
 START_GATE_ENV = "MEGATRON_EDIT_FT_START_GATE"

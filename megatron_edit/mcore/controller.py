@@ -180,9 +180,8 @@ class LocalSGD(ControllerState):
         self.sync_shards = SyncShards(self.sync.groups, self.config, parts)
         """Which shards each sync exchanges: all, or a streaming fragment's."""
         self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
-        if self.ft is not None:  # a sync is applied only where torchft commits it; join the others
-            self.sync.commit_gate = self.ft.commit
-            self.ft.ready()
+        if self.ft is not None:  # a sync is applied only where torchft commits it (the runtime then
+            self.sync.commit_gate = self.ft.commit  # joins the others: TorchftBackend.ready)
 
     def apply_settings(self, delay: int, exchange_dtype: str, fragments: Optional[int] = None) -> None:
         """``auto_overlap``: put this delay, exchange format and number of fragments (None: the

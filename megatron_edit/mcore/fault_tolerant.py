@@ -74,10 +74,6 @@ class TorchftBackend:
                 raise RuntimeError(
                     "megatron_edit: --local-sgd-sync-backend torchft with more EDiT optimizers in one process than "
                     "a MoE model's dense and expert ones (one model per job) is not supported.")
-            if config.use_async:
-                raise RuntimeError(
-                    "megatron_edit: --local-sgd-async with --local-sgd-sync-backend torchft on a MoE model with "
-                    "expert parallelism is not supported yet; drop one of them (the torch backend runs it).")
             self.round, self.group = shared, shared.group
             self.sync_group = CountedView(self.group)
             shared.members.append(self)
@@ -91,10 +87,6 @@ class TorchftBackend:
             check_sparse_workers(workers, config.exchange_topk_density, config.exchange_topk_chunk,
                                  config.exchange_dtype)
         expected = expected_controllers(optimizer)
-        if expected > 1 and config.use_async:
-            raise RuntimeError(
-                "megatron_edit: --local-sgd-async with --local-sgd-sync-backend torchft on a MoE model with "
-                "expert parallelism is not supported yet; drop one of them (the torch backend runs it).")
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
             raise RuntimeError(

@@ -19,6 +19,8 @@ them missed one (a straggler past the Lighthouse's join timeout, a slow start af
   opens the round (both controllers launch after the same step) and its first apply commits it.
 * The join is one round too, once every controller exists (:meth:`TorchftRound.join`), its
   collectives in the order the others' sync runs them.
+* A-EDiT: the expert controller follows the dense one's plan (no collective of its own), and
+  a skipped sync is one round, closed once the last controller has skipped it too.
 
 One controller is a round of one: the same calls, nothing deferred.
 """
@@ -26,11 +28,13 @@ One controller is a round of one: the same calls, nothing deferred.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, List, Optional
 
+import torch
 import torch.distributed as dist
 
-from ..exchange.fault_tolerant import FaultTolerantSyncGroup
+from ..exchange.fault_tolerant import START_GATE_ENV, FaultTolerantSyncGroup, supervised_workers
 from .process_state import PROCESS
 from .worker_layout import is_expert_optimizer
 
@@ -123,8 +127,11 @@ class TorchftRound:
         return applied
 
     def close_skipped(self) -> None:
-        """A-EDiT skipped this sync's exchange (every worker decides the same): the round commits
-        with nothing applied."""
+        """A-EDiT skipped this sync's exchange (every worker decides the same; a MoE model's expert
+        optimizer follows the dense one's plan): the round commits with nothing applied, once the
+        process's last controller has skipped it too."""
+        if self.waits_for_others:
+            return
         self.group.commit()
         self.started = []
 
@@ -158,6 +165,18 @@ class TorchftRound:
             if healed is not None:  # it applies the others' sync now: it is at its step
                 c.steps_done = healed
                 c.move_progress(float(c.steps_done))
+            if c.config.use_async:  # A-EDiT: the others' schedule (the experts follow the dense plan)
+                plan = c.async_plan
+                if plan.run_workers is None:  # a fresh run (none healed from knows it)
+                    plan.start_run(supervised_workers(os.environ.get(START_GATE_ENV)) or self.group.size)
+                device = c.shards[0].device if c.shards else torch.device("cpu")
+                schedule, skip, final = plan.plan(c.steps_done, c._last_sync_step, device, joining=True)
+                plan.restart_clock()  # its first interval starts with its first step
+                c.move_progress(plan.last_sync.global_progress)
+                if c.sync.start(c.steps_done, 0, schedule.steps_since_exchange, schedule.interval_seconds, skip,
+                                final=final):
+                    c.sync.launch(c.sync.members)
+                continue
             due = c.sync_shards.due(c.steps_done, c.last_step)
             fragment, shards = due if due is not None else (None, None)
             if c.sync.start(c.steps_done, 0, fragment=fragment, members=shards):
@@ -166,6 +185,9 @@ class TorchftRound:
             for member in members:
                 if member.controller.sync.in_progress:
                     member.controller.sync.advance()
+        if not any(m.controller.sync.in_progress for m in members):  # A-EDiT skipped it: nothing to apply
+            self.group.commit()
+            self.started = []
         for member in reversed(members):
             c = member.controller
             if c.sync.in_progress:

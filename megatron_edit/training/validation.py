@@ -127,11 +127,6 @@ def _check_torchft_route(local, args: argparse.Namespace) -> None:
             "--local-sgd-sync-backend torchft through Megatron-LM needs the run's number of workers, to give each "
             "worker its own slice of the data: start the jobs with python -m megatron_edit.supervise --workers N "
             "(or its --serve mode on several nodes), which tells every job.")
-    if get("num_experts") and (get("expert_model_parallel_size", 1) or 1) > 1 and local.use_async:
-        raise NotSupportedYet(
-            "--local-sgd-async with --local-sgd-sync-backend torchft and --expert-model-parallel-size > 1 is not "
-            "supported yet (the expert optimizer's A-EDiT plan over torchft); drop one of them (the torch backend "
-            "runs it).")
     if get("hybrid_context_parallel") or get("dataloader_type", "single") not in ("single", "cyclic"):
         flag = ("--hybrid-context-parallel" if get("hybrid_context_parallel")
                 else f"--dataloader-type {get('dataloader_type')}")

@@ -229,22 +229,36 @@ def test_moe_expert_parallel_sparse_exchange():
             assert all(torch.equal(a[k], b[k]) for k in a), f"replicas differ after sync step {step}"
 
 
-def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters):
+def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters, ft=None):
     """A-EDiT on the MoE GPT with EP=2 (2 workers, a dense and an expert controller), each
     worker's fake clock advancing ``seconds_per_step[worker]`` per step, until the budget of
-    ``train_iters`` synchronous iterations is used."""
+    ``train_iters`` synchronous iterations is used. ``ft``: ``(worker, lighthouse)``, this job
+    is that worker alone over the torchft backend (tests/mcore/test_torchft_moe.py), on the
+    micro-batches its ranks have in the one-world run."""
+    import os
+
     import megatron_edit as me
     from megatron.core import parallel_state as ps
 
     from edit_runs import MICRO_BATCH, _build
     from gpt_utils import make_batches, named_params, rank_micro_batches, train_step
 
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=2, expert_model_parallel_size=2)
+    instances = 2
+    if ft is not None:
+        import ft_jobs
+
+        host, port = ft_jobs.job_store_address()
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+        local_sgd = dict(local_sgd, sync_backend="torchft", replica_id=ft[0], lighthouse=ft[1], sync_timeout=120.0)
+        instances = 1
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances, expert_model_parallel_size=2)
     me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**OUTER))
-    ddp, optimizer = _build(default_spec(model=MOE), 1, 1)
+    ddp, optimizer = _build(default_spec(model=MOE, instances=instances), 1, 1)
     controllers = me.get_local_sgd(optimizer)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     worker = dp_rank // (dp // 2)
+    if ft is not None:  # its ranks' place in the one world of both workers
+        worker, dp_rank, dp = ft[0], ft[0] * world_size + dp_rank, 2 * world_size
     now = [0.0]
     for c in controllers:
         c.clock = lambda: now[0]
@@ -264,6 +278,10 @@ def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters):
     result = dict(worker=worker, ep_rank=ps.get_expert_model_parallel_rank(), steps=steps, reports=reports,
                   finished=[c.finished for c in controllers], params=named_params(ddp), progress=progress,
                   steps_done=[c.steps_done for c in controllers])
+    if ft is not None:
+        result["manager_step"] = controllers[0].sync_group.step
+        for c in controllers:
+            c.ft.close()
     me.unpatch_megatron_for_local_sgd()
     return result
 

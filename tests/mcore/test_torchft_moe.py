@@ -97,6 +97,33 @@ def test_moe_expert_parallel_over_torchft_with_a_delay_equals_the_torch_backend(
     assert [r.delay for r in ft[0]["per_controller"][1]["reports"]] == [1, 0]
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_a_edit_moe_over_torchft_equals_the_torch_backend():
+    """A-EDiT with expert parallelism 2 (worker 0 1 s per step, worker 1 0.25 s on fake clocks,
+    a sync every 4 s, a budget of 20 iterations, no warmup): the expert controller follows the
+    dense one's plan inside the same torchft round (a skipped sync is one round too); the same
+    syncs, parameters (1e-6) and learning-rate progress as the torch backend's one world."""
+    from test_moe import a_edit_moe_job
+
+    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=0,
+                 min_total_global_steps=10, sync_mode="step_end")
+    reference = run_ranks(a_edit_moe_job, WORKERS * RANKS, local, [1.0, 0.25], 20, timeout=TIMEOUT)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=WORKERS) as (server, start):
+        jobs = [start(a_edit_moe_job, RANKS, local, [1.0, 0.25], 20, (w, server.address()), timeout=TIMEOUT)
+                for w in range(WORKERS)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]  # worker-major
+    for g, (ref, run) in enumerate(zip(reference, ft)):
+        assert run["worker"] == ref["worker"] == g // RANKS and run["ep_rank"] == ref["ep_rank"]
+        assert run["finished"] == [True, True] and run["steps_done"] == ref["steps_done"]
+        for mine, theirs in zip(run["reports"], ref["reports"]):
+            assert [(r.step, r.skipped_sync, r.final) for r in mine] == [(r.step, r.skipped_sync, r.final) for r in theirs]
+        assert any(r.skipped_sync for r in run["reports"][0]) and run["reports"][0][-1].final
+        assert run["manager_step"] == 1 + len(run["reports"][0])  # the join, then one round per sync
+        assert run["progress"] == pytest.approx(ref["progress"], abs=1e-9)
+        worst = max(float((ref["params"][k] - run["params"][k]).abs().max()) for k in ref["params"])
+        assert worst <= 1e-6, f"rank {g}: {worst:.3g}"
+
+
 # ---------------------------------------------------------------------- a worker dies and comes back
 HEAL_TOTAL, HEAL_H = 12, 2
 
@@ -106,12 +133,14 @@ def _digest(controller) -> str:
     return float(sum(s.anchor.double().sum() for s in controller.shards)).hex()
 
 
-def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode):
+def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode, resume=False):
     """One worker's job (expert parallelism 2): EDiT H = 2 over torchft for HEAL_TOTAL steps,
     every sync of both controllers logged (one JSON line each in ``ctl``). The first jobs stop
     before step 5 until the test has killed worker 1 (between its syncs 4 and 6); worker 0 then
     stops before step 7 until the relaunched worker 1 (``joiner``) waits in its join round's
-    quorum, so that it joins at worker 0's sync 8."""
+    quorum, so that it joins at worker 0's sync 8. ``resume``: the first jobs save their own
+    checkpoint after step 4, and the relaunched one loads it after its join: it is then behind
+    worker 0 and heals again at its own next sync (its step 6), into worker 0's sync 10."""
     import json
 
     import megatron_edit as me
@@ -150,6 +179,12 @@ def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode)
                               anchors=[_digest(c) for c in controllers])) + "\n")
     if not joiner:  # the first jobs start training together
         ft_jobs.gate(os.path.join(ctl, "start"), f"w{worker}-r{rank}", WORKERS * world_size, timeout=300.0)
+    from checkpoint_runs import _load, _save
+
+    path = os.path.join(ctl, f"ckpt-worker{worker}")
+    if joiner and resume:
+        _load(ddp, optimizer, path)
+        log.write(json.dumps(dict(ev="loaded", steps=[c.steps_done for c in controllers])) + "\n")
     shares = WORKERS * world_size
     batches = make_batches(HEAL_TOTAL, shares * MICRO_BATCH, seed=0)
     while controllers[0].steps_done < HEAL_TOTAL:
@@ -159,6 +194,8 @@ def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode)
         if step == 7 and worker == 0:
             ft_jobs.wait_file(os.path.join(ctl, f"joiner-in-quorum-{rank}"))
         train_step(ddp, optimizer, rank_micro_batches(batches[step - 1], worker * world_size + rank, shares))
+        if resume and not joiner and step == 4:
+            _save(ddp, optimizer, path)
         for i, c in enumerate(controllers):
             for r in c.drain_reports():
                 log.write(json.dumps(dict(ev="sync", controller=i, step=r.step, workers=r.workers,
@@ -337,3 +374,43 @@ def test_each_moe_worker_resumes_from_its_own_checkpoint_exactly(tmp_path, delay
             assert all(torch.equal(p[k], q[k]) for p, q in zip(x["outer"], y["outer"]) for k in p)
             assert sorted(x["ewma"]) == sorted(y["ewma"]) == [0, 1]
             assert all(torch.equal(x["ewma"][w][k], y["ewma"][w][k]) for w in x["ewma"] for k in x["ewma"][w])
+
+
+@pytest.mark.one_lane  # a variant of the test above (CI time; see conftest)
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_a_relaunched_moe_worker_that_loads_an_older_checkpoint_heals_again_at_its_next_sync(tmp_path):
+    """As above (step-end), but the relaunched worker 1 loads its own checkpoint of step 4 after
+    its join (which healed it into worker 0's sync 8): its state and its Manager's count are
+    then behind worker 0's, and its own next sync (after its step 6) heals both controllers
+    into worker 0's sync 10, at worker 0's step; bit-identical from then on."""
+    ctl = str(tmp_path)
+    synced = lambda w, step, **kw: all(  # noqa: E731
+        any(e["ev"] == "sync" and e["step"] == step and e["controller"] == i and all(e[k] == v for k, v in kw.items())
+            for e in _events(ctl, w, r)) for r in range(RANKS) for i in range(2))
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
+        addr = server.address()
+        survivor = start(_healing_moe_worker, RANKS, 0, addr, ctl, False, "step_end", True, timeout=3 * TIMEOUT - 60)
+        victim = start(_healing_moe_worker, RANKS, 1, addr, ctl, False, "step_end", True, timeout=3 * TIMEOUT - 60)
+        _until(lambda: synced(0, 4, workers=2) and synced(1, 4, workers=2), "the joint sync 4", [survivor, victim])
+        victim.kill()
+        open(os.path.join(ctl, "killed"), "w").close()
+        _until(lambda: synced(0, 6, workers=1, committed=True), "worker 0's sync 6 alone", [survivor])
+        joiner = start(_healing_moe_worker, RANKS, 1, addr, ctl, True, "step_end", True, timeout=2 * TIMEOUT)
+        final0, final1 = ft_jobs.all_results([survivor, joiner])
+    for r in range(RANKS):
+        ev0 = [e for e in _events(ctl, 0, r) if e["ev"] == "sync"]
+        new = [e for e in _events(ctl, 1, r) if e["pid"] == final1[r]["pid"]]
+        joined, loaded, *syncs = new
+        assert joined["ev"] == "joined" and joined["healed"] and joined["steps"] == [8, 8]
+        assert loaded == dict(loaded, ev="loaded", steps=[4, 4])
+        for i in range(2):
+            assert [(e["step"], e["workers"], e["anchor"]) for e in syncs if e["controller"] == i] == [
+                (e["step"], e["workers"], e["anchor"]) for e in ev0 if e["controller"] == i][-2:]
+            assert [e["step"] for e in ev0 if e["controller"] == i] == [2, 4, 6, 8, 10, 12]
+        a, b = final0[r], final1[r]
+        assert a["steps"] == b["steps"] == [HEAL_TOTAL, HEAL_TOTAL]
+        assert a["manager_step"] == b["manager_step"] == 7
+        for i in range(2):
+            assert all(torch.equal(x, y) for x, y in zip(a["anchors"][i], b["anchors"][i]))
+            assert all(torch.equal(x, y) for x, y in zip(a["momentum"][i], b["momentum"][i]))
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])

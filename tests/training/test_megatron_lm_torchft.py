@@ -220,8 +220,7 @@ FT = ("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "1", "--l
     (("--local-sgd-async",), dict(train_iters=100), True, None, None),
     ((), dict(num_experts=8, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall"), True, None, None),
     (("--local-sgd-async",), dict(train_iters=100, num_experts=8, expert_model_parallel_size=2,
-                                  moe_token_dispatcher_type="alltoall"), True, NotSupportedYet,
-     "--local-sgd-async with --local-sgd-sync-backend torchft and --expert-model-parallel-size > 1"),
+                                  moe_token_dispatcher_type="alltoall"), True, None, None),
     ((), dict(dataloader_type="external"), True, NotSupportedYet, "--dataloader-type external with"),
     ((), dict(hybrid_context_parallel=True), True, NotSupportedYet, "--hybrid-context-parallel with"),
 ], ids=["ok", "instances", "no-supervisor", "async", "moe-ep2", "moe-ep2-async", "external-data", "hybrid-cp"])
