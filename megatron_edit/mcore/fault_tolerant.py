@@ -46,7 +46,7 @@ from ..exchange.fault_tolerant import (START_GATE_ENV, CountedView, FaultToleran
                                        supervised_workers)
 from ..exchange.sparse import check_sparse_workers
 from .process_state import PROCESS
-from .torchft_round import TorchftRound, expected_controllers
+from .torchft_round import TorchftRound, expected_controllers, join_plan
 
 
 
@@ -149,17 +149,11 @@ class TorchftBackend:
         c = self.controller
         c.capture_anchor()
         self.begin(c.steps_done, contributed=False)
-        plan = c.async_plan
         if self.healed_sync_step is not None:  # it applies the others' sync now: it is at its step
             c.steps_done = self.healed_sync_step
             c.move_progress(float(c.steps_done))
-        if c.config.use_async and plan.run_workers is None:  # a fresh run (none healed from knows it)
-            plan.start_run(supervised_workers(os.environ.get(START_GATE_ENV)) or self.group.size)
         if c.config.use_async:  # A-EDiT: the others' schedule (a fresh run: everyone's first interval)
-            device = c.shards[0].device if c.shards else torch.device("cpu")
-            schedule, skip, final = plan.plan(c.steps_done, c._last_sync_step, device, joining=True)
-            plan.restart_clock()  # its first interval starts with its first step
-            c.move_progress(plan.last_sync.global_progress)
+            schedule, skip, final = join_plan(c, self.group)
             if c.sync.start(c.steps_done, 0, schedule.steps_since_exchange, schedule.interval_seconds, skip,
                             final=final):
                 c.sync.complete(c.sync.members, write_model=True)

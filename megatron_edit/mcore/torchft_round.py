@@ -166,13 +166,7 @@ class TorchftRound:
                 c.steps_done = healed
                 c.move_progress(float(c.steps_done))
             if c.config.use_async:  # A-EDiT: the others' schedule (the experts follow the dense plan)
-                plan = c.async_plan
-                if plan.run_workers is None:  # a fresh run (none healed from knows it)
-                    plan.start_run(supervised_workers(os.environ.get(START_GATE_ENV)) or self.group.size)
-                device = c.shards[0].device if c.shards else torch.device("cpu")
-                schedule, skip, final = plan.plan(c.steps_done, c._last_sync_step, device, joining=True)
-                plan.restart_clock()  # its first interval starts with its first step
-                c.move_progress(plan.last_sync.global_progress)
+                schedule, skip, final = join_plan(c, self.group)
                 if c.sync.start(c.steps_done, 0, schedule.steps_since_exchange, schedule.interval_seconds, skip,
                                 final=final):
                     c.sync.launch(c.sync.members)
@@ -219,6 +213,19 @@ class TorchftRound:
             self.group.shutdown()
         if PROCESS.torchft_round is self:
             PROCESS.torchft_round = None
+
+
+def join_plan(c, group: FaultTolerantSyncGroup):
+    """A-EDiT: controller ``c``'s schedule in the join round (a fresh run: everyone's first
+    interval; a worker that joins brings no steps); ``(schedule, skip, final)``."""
+    plan = c.async_plan
+    if plan.run_workers is None:  # a fresh run (none healed from knows it)
+        plan.start_run(supervised_workers(os.environ.get(START_GATE_ENV)) or group.size)
+    device = c.shards[0].device if c.shards else torch.device("cpu")
+    schedule, skip, final = plan.plan(c.steps_done, c._last_sync_step, device, joining=True)
+    plan.restart_clock()  # its first interval starts with its first step
+    c.move_progress(plan.last_sync.global_progress)
+    return schedule, skip, final
 
 
 def expected_controllers(optimizer) -> int:

@@ -155,9 +155,10 @@ class ResumePlan:
         """Load requests made while the load is prepared (what the checkpoint's record says is
         there), keyed as the ones of the sharded state dict: Megatron's ``ChainedOptimizer``
         (a MoE model's dense and expert optimizers) had prefixed those by then (``chained_<i>.``),
-        which this optimizer's record request shows."""
-        key = self.record_request().key
-        outer = key[: -len(RECORD_KEY)] if key.endswith(RECORD_KEY) else ""
+        which this optimizer's record request shows (``torch_dist``; the ``fsdp_dtensor`` format of
+        Megatron-FSDP has one optimizer and keys of its own)."""
+        key = getattr(self.record_request(), "key", None)  # Megatron-FSDP's DCP record: no key, no prefix
+        outer = key[: -len(RECORD_KEY)] if key is not None and key.endswith(RECORD_KEY) else ""
         return self.space.load_requests(outer + prefix, main)
 
     def decode_mains(self, loaded: dict) -> List[Dict[int, torch.Tensor]]:
