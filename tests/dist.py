@@ -160,9 +160,10 @@ def _failures(rank, payload, results, procs, store_path, finished=(), grace=10.0
     return "\n".join(lines)
 
 
-# What a rank killed in native code leaves (faulthandler's line, the exit code of SIGSEGV / SIGABRT).
+# What a rank killed in native code leaves (faulthandler's line, the exit code of SIGSEGV / SIGABRT;
+# the last two as torchrun reports them).
 NATIVE_CRASH = ("Fatal Python error: Segmentation fault", "Fatal Python error: Aborted",
-                "exited with code -11 ", "exited with code -6 ")
+                "exited with code -11 ", "exited with code -6 ", "(exitcode: -11)", "(exitcode: -6)")
 
 
 #: Runs of a job that failed by the known defect before its failure is the test's: 3, since a CI run
