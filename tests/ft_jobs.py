@@ -183,3 +183,28 @@ def wait_file(path: str, timeout: float = 300.0) -> None:
         if time.monotonic() > end:
             raise TimeoutError(f"no {path} after {timeout}s")
         time.sleep(0.05)
+
+
+def events(ctl: str, worker: int, rank: int) -> list:
+    """The JSON lines rank ``rank`` of worker ``worker``'s jobs logged in ``ctl``
+    (``w<worker>-r<rank>-<pid>.jsonl``, one file per job), each with its job's ``pid``."""
+    import glob
+    import json
+
+    lines = []
+    for path in sorted(glob.glob(os.path.join(ctl, f"w{worker}-r{rank}-*.jsonl"))):
+        pid = int(path.rsplit("-", 1)[1].split(".")[0])
+        with open(path) as f:
+            lines += [dict(json.loads(line), pid=pid) for line in f if line.endswith("}\n")]
+    return lines
+
+
+def until(predicate, what: str, jobs=(), timeout: float = 300.0) -> None:
+    """Wait for ``predicate``; a rank of ``jobs`` that fails meanwhile raises its traceback."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError(f"waited {timeout}s for {what}")
+        for job in jobs:
+            job.poll(wait=0.0)
+        time.sleep(0.1)

@@ -217,26 +217,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     return out
 
 
-def _events(ctl, worker, rank):
-    import glob
-    import json
-
-    lines = []
-    for path in sorted(glob.glob(os.path.join(ctl, f"w{worker}-r{rank}-*.jsonl"))):
-        pid = int(path.rsplit("-", 1)[1].split(".")[0])
-        with open(path) as f:
-            lines += [dict(json.loads(line), pid=pid) for line in f if line.endswith("}\n")]
-    return lines
-
-
-def _until(predicate, what, timeout=300.0):
-    import time
-
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise TimeoutError(f"waited {timeout}s for {what}")
-        time.sleep(0.1)
+_events, _until = ft_jobs.events, ft_jobs.until
 
 
 @pytest.mark.timeout(3 * TIMEOUT)

@@ -213,29 +213,7 @@ def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode,
     return out
 
 
-def _events(ctl, worker, rank):
-    import glob
-    import json
-
-    lines = []
-    for path in sorted(glob.glob(os.path.join(ctl, f"w{worker}-r{rank}-*.jsonl"))):
-        pid = int(path.rsplit("-", 1)[1].split(".")[0])
-        with open(path) as f:
-            lines += [dict(json.loads(line), pid=pid) for line in f if line.endswith("}\n")]
-    return lines
-
-
-def _until(predicate, what, jobs=(), timeout=300.0):
-    """Wait for ``predicate``; a rank of ``jobs`` that fails meanwhile raises its traceback."""
-    import time
-
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise TimeoutError(f"waited {timeout}s for {what}")
-        for job in jobs:
-            job.poll(wait=0.0)
-        time.sleep(0.1)
+_events, _until = ft_jobs.events, ft_jobs.until
 
 
 @pytest.mark.timeout(3 * TIMEOUT)
