@@ -46,6 +46,7 @@ import torch
 
 from ..mcore.wrap_registry import Patch, PatchError, PatchRegistry, VersionRange
 from ..mcore.session import SESSION
+from .async_writer import async_loop_on_cpu
 from .fsdp import declare_fsdp
 from .moe import declare_moe
 
@@ -343,6 +344,12 @@ def _declare(registry: PatchRegistry, version: str) -> PatchRegistry:
         if not fp8_utils.HAVE_TE:
             wrap("megatron.core.fp8_utils:_quantize_param_shard_impl", _quantize_no_fp8_params,
                  "0.12.x without transformer-engine: nothing to quantize without FP8 params")
+    # (6) --async-save's persistent writer: a spawned process, without the adapter.
+    import megatron.core.dist_checkpointing.strategies.async_utils as async_utils
+
+    if hasattr(async_utils, "PersistentAsyncCaller"):
+        replace("megatron.core.dist_checkpointing.strategies.async_utils:PersistentAsyncCaller.async_loop",
+                staticmethod(async_loop_on_cpu), "CPU: the spawned checkpoint writer selects no CUDA device")
     # (7) MoE without transformer-engine: the router's GEMM name, the alltoall dispatcher's splits.
     declare_moe(registry, _ANY_RELEASE)
     # (8) Megatron-FSDP: two CUDA literals (megatron-core 0.16.1 only; see megatron_edit.cpu.fsdp).

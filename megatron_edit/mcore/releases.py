@@ -223,6 +223,8 @@ TRAINING_SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]]
         (TRAINING_SUPPORTED, ("dataset", "total_samples", "consumed_samples", "micro_batch_size",
                               "data_parallel_rank", "data_parallel_size", "data_sharding")),
     ),
+    # --async-save's per-iteration completion check (megatron_edit.training.meetings).
+    f"{_LM_TRAINING}:maybe_finalize_async_save": ((TRAINING_SUPPORTED, ("blocking", "terminate")),),
     f"{_LM_TRAINING}:calc_params_l2_norm": ((TRAINING_SUPPORTED, ("model", "force_create_fp32_copy")),),
     f"{_LM_TRAINING}:get_attr_wrapped_model": (
         (TRAINING_SUPPORTED, ("model", "attr", "allow_none", "return_model_obj")),

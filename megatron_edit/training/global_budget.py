@@ -16,7 +16,8 @@ rank; :class:`GlobalBudget` makes it follow the budget instead:
   iteration: every worker leaves the loop right after the final sync, at its own iteration.
   ``train`` then returns T, the common iteration (global progress), so the final checkpoint and
   evaluation Megatron runs after it use one iteration number on every rank.
-* **Checkpoints and exits** (``--save-interval``, ``--exit-interval``) count global progress
+* **Checkpoints and exits** (``--save-interval``, ``--exit-interval``; ``--exit-duration-in-mins``
+  asked there) count global progress
   (worker-steps / workers, in synchronous iterations) and happen only at a sync, the one point
   all workers reach at the same logical time: at the first real (not skipped) sync at or past
   each multiple of the interval (at the final sync, global iteration T, as Megatron does at
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from contextlib import contextmanager
 from typing import Callable, List, Optional
 
@@ -176,8 +178,9 @@ class GlobalBudget:
         (model, optimizer, opt_param_scheduler, iteration, num_floating_point_operations_so_far,
          checkpointing_context, train_data_iterator) = call
         args = _get_args()
-        # Megatron's interval checks count this worker's iterations: taken over below.
-        with _replaced(args, save_interval=None, exit_interval=None):
+        # Megatron's interval and duration checks count this worker's iterations and time: taken
+        # over below.
+        with _replaced(args, save_interval=None, exit_interval=None, exit_duration_in_mins=None):
             if original(*call):
                 return True
         point = controller.last_sync
@@ -191,15 +194,32 @@ class GlobalBudget:
             leave = bool(args.exit_interval) and label % args.exit_interval == 0
         else:
             save = bool(args.save) and crossed(previous, now, args.save_interval)
-            leave = crossed(previous, now, args.exit_interval)
+            leave = crossed(previous, now, args.exit_interval) or self._time_is_up(args)
         if save or (leave and args.save):
             self.save(label, model, optimizer, opt_param_scheduler,
                       num_floating_point_operations_so_far, checkpointing_context,
                       train_data_iterator)
-        if leave and getattr(args, "rank", 0) == 0:
+        if leave and args.exit_interval and getattr(args, "rank", 0) == 0:
             logger.info("megatron_edit: exiting at A-EDiT's sync at global iteration %d "
                         "(--exit-interval %d)", label, args.exit_interval)
         return leave
+
+    @staticmethod
+    def _time_is_up(args) -> bool:
+        """--exit-duration-in-mins, as Megatron asks it (any rank past the time: all leave), at a
+        real sync instead of every iteration; the save that follows is the sync's own."""
+        if not getattr(args, "exit_duration_in_mins", None):
+            return False
+        from megatron.training import training
+
+        minutes = (time.time() - training._TRAIN_START_TIME) / 60.0
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        done = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int, device=device)
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
+        if done.item() and getattr(args, "rank", 0) == 0:
+            logger.info("megatron_edit: exiting at A-EDiT's sync after %.1f minutes "
+                        "(--exit-duration-in-mins %s)", minutes, args.exit_duration_in_mins)
+        return bool(done.item())
 
     @staticmethod
     def save(label, model, optimizer, opt_param_scheduler, flops, checkpointing_context,

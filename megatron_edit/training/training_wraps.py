@@ -63,6 +63,7 @@ from ..mcore.session import SESSION, current_runtime
 from .flags import with_local_sgd_args
 from .follow_heals import FollowHeals
 from .global_budget import GlobalBudget
+from .meetings import ChecksAtMeetings
 from .metrics import SyncMetrics, training_log_fields
 from .replica_data import ReplicaData
 from .run_length import RunLength
@@ -283,6 +284,7 @@ def add_global_budget_patches(
     budget = GlobalBudget(runtime_ref)
     heals = FollowHeals(runtime_ref)
     data = ReplicaData(runtime_ref)
+    meetings = ChecksAtMeetings(runtime_ref)
     def patch(pid, name, wrap, description):
         return compat_patch(pid, f"{_TRAINING}:{name}", wrap, description)
 
@@ -302,10 +304,14 @@ def add_global_budget_patches(
         patch("a-edit-common-iteration", "train", budget.wrap_train,
               "A-EDiT: train returns --train-iters, the common iteration, on every worker"),
         patch("a-edit-save-exit-at-sync", "checkpoint_and_decide_exit",
-              lambda original: heals.wrap_checkpoint_and_decide_exit(budget.wrap_checkpoint_and_decide_exit(original)),
+              lambda original: heals.wrap_checkpoint_and_decide_exit(budget.wrap_checkpoint_and_decide_exit(
+                  meetings.wrap_checkpoint_and_decide_exit(original))),
               "A-EDiT: --save-interval / --exit-interval in global progress, at a sync; every "
               "worker leaves the loop right after the final sync; torchft: a worker healed k steps "
-              "ahead skips its next k iterations"),
+              "ahead skips its next k iterations; --exit-duration-in-mins asked at syncs only"),
+        patch("async-save-check-at-meetings", "maybe_finalize_async_save", meetings.wrap_maybe_finalize_async_save,
+              "--async-save: the per-iteration completion check (an all-reduce over all ranks) only at "
+              "warmup steps and syncs, where every worker meets (A-EDiT: at each worker's sync)"),
         patch("ft-data-sizes", "get_train_valid_test_num_samples", data.wrap_num_samples,
               "torchft: the data sets built for every worker's slice (x workers)"),
         sampler_patch("ft-data-sampler", "MegatronPretrainingSampler",

@@ -267,13 +267,6 @@ def _check_cross_worker_options(local, args: argparse.Namespace) -> None:
     """Megatron-LM options whose collectives across workers cannot be kept inside one (see
     :class:`WorkerLocalCollectives` for those that are)."""
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    if get("exit_duration_in_mins"):
-        raise ConfigError(
-            "--exit-duration-in-mins with --use-local-sgd: Megatron all-reduces its elapsed-time "
-            f"check over all ranks after every iteration, {_BETWEEN_SYNCS}. Use "
-            "--exit-signal-handler (with local SGD it is checked at syncs), or --exit-interval / "
-            "--train-iters."
-        )
     if get("exit_signal_handler") and local.use_async:
         raise ConfigError(
             "--exit-signal-handler with --local-sgd-async: Megatron checks for the signal with an "
@@ -297,13 +290,6 @@ def _check_cross_worker_options(local, args: argparse.Namespace) -> None:
                 "between different syncs), so the save would wait on collectives some workers "
                 "never join. Use --save-interval (with A-EDiT it counts global progress and saves "
                 "at a sync)."
-            )
-        if get("async_save"):
-            raise ConfigError(
-                "--async-save with --local-sgd-async: until an asynchronous save has finished, "
-                "Megatron all-reduces its completion over all ranks at every iteration, which "
-                "A-EDiT workers reach at different times (and between different syncs), so it "
-                "would hang. Drop --async-save (A-EDiT saves synchronously, at a sync)."
             )
         if get("rampup_batch_size"):
             raise ConfigError(

@@ -16,11 +16,11 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Callable, List, Optional
 
-from ..algorithm.schedule import is_sync_step
 from ..config import NotSupportedYet
 from ..mcore import compat
 from ..mcore.wrap_registry import Patch, PatchRegistry, VersionRange
 from ..mcore.runtime import LocalSGDRuntime
+from .meetings import ChecksAtMeetings, workers_meet
 
 _TRAINING = "megatron.training.training"
 
@@ -114,17 +114,6 @@ class WorkerLocalCollectives:
     def grads_are_local(self) -> bool:
         controllers = self.controllers()
         return bool(controllers) and all(c.grads_are_local for c in controllers)
-
-    def workers_meet(self) -> bool:
-        """Whether the step just taken was one all workers take together: a synchronous warmup
-        step or one a sync was due after. Never known in advance with A-EDiT."""
-        controllers = self.controllers()
-        if not controllers or controllers[0].config.use_async:
-            return False
-        c, steps = controllers[0].config, controllers[0].steps_done
-        return steps <= c.local_sgd_warmup_steps or is_sync_step(
-            steps, c.local_sgd_warmup_steps, c.local_sgd_sync_interval
-        )
 
     @staticmethod
     def worker_group():
@@ -320,7 +309,7 @@ class WorkerLocalCollectives:
     def wrap_signals_received(self, original):
         def signals_received(handler):
             controllers = self.controllers()
-            if controllers and not controllers[0].config.use_async and not self.workers_meet():
+            if controllers and not controllers[0].config.use_async and not workers_meet(controllers):
                 return []  # checked (all ranks together) after the next warmup step or sync
             return original(handler)
 
@@ -351,8 +340,9 @@ def add_worker_local_patches(
     patches = [
         tracked("worker-local-train-step", f"{_TRAINING}:train_step", wl.wrap_reporting_region,
                 "the logged training loss is averaged over the worker, not all data-parallel ranks"),
-        tracked("worker-local-evaluate", f"{_TRAINING}:evaluate", wl.wrap_reporting_region,
-                "the validation loss is averaged over the worker"),
+        tracked("worker-local-evaluate", f"{_TRAINING}:evaluate",
+                lambda original: wl.wrap_reporting_region(ChecksAtMeetings(runtime_ref).wrap_evaluate(original)),
+                "the validation loss is averaged over the worker; --exit-duration-in-mins asked at syncs"),
         tracked("worker-local-params-norm", f"{_TRAINING}:calc_params_l2_norm",
                 wl.wrap_reporting_region, "--log-params-norm: the norm of the worker's model"),
         tracked("worker-local-dp-group", f"{_PS}:get_data_parallel_group",

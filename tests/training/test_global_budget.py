@@ -20,7 +20,7 @@ import pytest
 from megatron_edit.config import ConfigError
 from megatron_edit.training import global_budget as gb
 from megatron_edit.training.validation import validate_local_sgd_args
-from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, REPO, TINY, _env, _megatron_like_args
+from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, REPO, TINY, _env, _megatron_like_args, run_job
 
 PROBE = REPO / "tests" / "training" / "megatron_lm_traffic_probe.py"
 
@@ -35,7 +35,6 @@ def test_intervals_count_global_progress():
 @pytest.mark.parametrize("flag, options", [
     ("--non-persistent-save-interval", dict(non_persistent_save_interval=5)),
     ("--rampup-batch-size", dict(rampup_batch_size=["4", "4", "100"])),
-    ("--async-save", dict(async_save=True, save="ckpt", save_interval=10)),
 ])
 def test_saves_at_a_workers_own_iteration_are_refused(flag, options):
     args = _megatron_like_args("--use-local-sgd", "--local-sgd-async", train_iters=100, **options)
@@ -46,6 +45,10 @@ def test_saves_at_a_workers_own_iteration_are_refused(flag, options):
 def test_save_and_exit_intervals_are_accepted_with_a_edit():
     validate_local_sgd_args(_megatron_like_args(
         "--use-local-sgd", "--local-sgd-async", train_iters=100, save_interval=10, exit_interval=50))
+    # Asynchronous saves are taken at syncs too; their completion is checked where workers meet.
+    validate_local_sgd_args(_megatron_like_args(
+        "--use-local-sgd", "--local-sgd-async", train_iters=100, save="ckpt", save_interval=10,
+        async_save=True))
 
 
 class _Controller:
@@ -116,6 +119,38 @@ def test_saves_and_exits_only_at_real_syncs(monkeypatch):
     assert at(12.5, 25) and saved == [8, 12]  # exit (with a save) at the sync past 12
 
 
+def test_exit_duration_is_asked_at_real_syncs_and_saves_there(monkeypatch):
+    # --exit-duration-in-mins with A-EDiT: Megatron's own check (an all-reduce over all ranks at
+    # each worker's own iteration) never runs; the time is asked at real syncs, all ranks at
+    # once, and the exit saves there with the sync's common label.
+    controller = _Controller()
+    args = SimpleNamespace(train_iters=16, iteration=0, rank=0, save="ckpt", save_interval=None,
+                           exit_interval=None, exit_duration_in_mins=30)
+    budget = _budget(controller, monkeypatch, args)
+    budget.wrap_setup_model_and_optimizer(lambda: None)()
+    saved, seen, asked, up = [], [], [], [False]
+    monkeypatch.setattr(budget, "save", lambda label, *a: saved.append(label))
+    monkeypatch.setattr(gb.GlobalBudget, "_time_is_up", staticmethod(lambda a: asked.append(1) or up[0]))
+
+    def original(*call):
+        seen.append(args.exit_duration_in_mins)
+        return False
+
+    decide = budget.wrap_checkpoint_and_decide_exit(original)
+
+    def at(progress, skipped=False, sync=True):
+        controller.at_sync = sync
+        controller.last_sync = SimpleNamespace(global_progress=progress, skipped=skipped, final=False)
+        return decide(*[None] * 7)
+
+    assert not at(3.0, sync=False) and asked == []  # between syncs: not asked
+    assert not at(4.0, skipped=True) and asked == []  # a skipped sync: no checkpoint there
+    assert not at(5.0) and len(asked) == 1 and saved == []
+    up[0] = True
+    assert at(6.5) and saved == [6]  # time is up: leave, saving at the sync
+    assert set(seen) == {None} and args.exit_duration_in_mins == 30
+
+
 # ================================================================ with the checkout
 # The slow worker sleeps SLOW_SECONDS per step on top of the step itself, so it is clearly the
 # slower one even on a loaded machine (2-4 s per step here at load 50 on 2 cores).
@@ -150,10 +185,10 @@ def _a_edit_run(workdir, *extra):
            "--local-sgd-debug", *extra]
     env = {**_env(), "MEGATRON_EDIT_PROBE_SLOW": f"1:{SLOW_SECONDS}"}
     try:
-        proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+        proc = run_job(cmd, workdir, env, 600)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"A-EDiT through pretrain_gpt.py hung (no exit in {e.timeout} s):\n"
-                    f"{(e.stdout or b'')[-4000:]!r}\n{(e.stderr or b'')[-4000:]!r}")
+                    f"{(e.stdout or '')[-4000:]}\n{(e.stderr or '')[-4000:]}")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)}\n...\n{log[-8000:]}"
     return log, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -252,3 +287,47 @@ def test_e2e_a_edit_resumes_each_worker_at_its_own_step_and_keeps_the_budget(res
     assert re.search(rf"loading (distributed )?checkpoint from ckpt at iteration {run.label}", run.log) or \
         f"iteration {run.label}" in run.log, run.log[-3000:]
     assert re.search(rf"saved checkpoint from iteration\s+{T} ", run.log), run.log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def async_save_run(tmp_path_factory):
+    """The straggler run with Megatron's asynchronous save (written by a persistent background
+    worker; Megatron asks every rank whether the write has finished)."""
+    if not HAVE_CHECKOUT:
+        pytest.skip(HOW_TO_RUN)
+    workdir = tmp_path_factory.mktemp("budget-async-save")
+    log, ranks = _a_edit_run(workdir, "--async-save", "--use-persistent-ckpt-worker")
+    return SimpleNamespace(log=log, ranks=ranks, workdir=workdir)
+
+
+def _async_finalize_iterations(data):
+    """The iterations at which this rank took part in Megatron's asynchronous-save check (the
+    world all-reduces of megatron-core's AsyncCallsQueue; None: outside the loop)."""
+    return [r["iteration"] for r in data["records"]
+            if any("dist_checkpointing/strategies/async_utils.py" in f for f in r["stack"])]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_e2e_a_edit_async_save_is_checked_and_finalized_at_syncs(async_save_run):
+    """--async-save with A-EDiT (refused before: its per-iteration completion check is an
+    all-reduce over all ranks, which A-EDiT workers reach at different iterations): the run ends
+    on the budget, every checkpoint is written at a sync and finalized, and each rank joins the
+    check only at warmup steps and at its own syncs, the points all workers share."""
+    run = async_save_run
+    fast, slow = _steps_per_worker(run)
+    assert fast > T > slow and fast + slow == T * 2, (fast, slow)
+    saved = sorted({int(i) for i in re.findall(r"checkpoint from iteration\s+(\d+) ", run.log)})
+    assert saved and saved[0] == WARMUP + H and saved[-1] == T, saved
+    for label in saved:  # finalized: Megatron's metadata written next to the shards
+        assert (run.workdir / "ckpt" / f"iter_{label:07d}" / "metadata.json").is_file(), label
+    assert (run.workdir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(T)
+    counts = set()
+    for data in run.ranks:
+        plans = {r["iteration"] for r in data["records"] if any("async_plan.py:plan:" in f for f in r["stack"])}
+        checks = _async_finalize_iterations(data)
+        assert checks, data["rank"]  # the check ran (the saves were asynchronous)
+        off = sorted({i for i in checks if i is not None and i > WARMUP and i not in plans})
+        assert not off, (data["rank"], off, sorted(plans))
+        counts.add(len(checks))
+    assert len(counts) == 1, counts  # every rank the same number of checks, in the same order

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -784,11 +785,30 @@ def test_every_rank_ends_with_exit_code_2_on_a_refusal_under_torchrun():
 
 
 # ---------------------------------------------------------------- end to end
+def run_job(cmd, cwd, env, timeout):
+    """``cmd`` (a torchrun job) in a session of its own, every process of it ended afterwards,
+    also on a timeout (torchrun alone would leave its ranks, and their checkpoint writers,
+    running): a CompletedProcess; subprocess.TimeoutExpired with what it printed on a hang."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything of the job still alive
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _torchrun(script, args, cwd, launcher_args=(), timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
            "-m", "megatron_edit.launch", "--cpu", *launcher_args, str(script), *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run_job(cmd, cwd, _env(), timeout)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)}\n...\n{log[-8000:]}"
     return log

@@ -19,6 +19,7 @@ import pytest
 
 from megatron_edit.config import ConfigError
 from megatron_edit.mcore import compat
+from megatron_edit.training.meetings import ChecksAtMeetings, workers_meet
 from megatron_edit.training.validation import validate_local_sgd_args
 from megatron_edit.training.worker_local import WorkerLocalCollectives
 from test_megatron_lm import (
@@ -55,7 +56,8 @@ PLAN_ASYNC = "megatron_edit/mcore/async_plan.py:plan:"  # A-EDiT's schedule
 @pytest.mark.parametrize(
     "argv, options, match",
     [
-        ((), dict(exit_duration_in_mins=60), "--exit-duration-in-mins"),
+        ((), dict(exit_duration_in_mins=60), None),
+        (("--local-sgd-async",), dict(exit_duration_in_mins=60, train_iters=100), None),
         ((), dict(exit_signal_handler=True), None),
         (("--local-sgd-async",), dict(exit_signal_handler=True, train_iters=100), "--exit-signal-handler"),
         ((), dict(log_straggler=True), "--log-straggler"),
@@ -68,15 +70,16 @@ PLAN_ASYNC = "megatron_edit/mcore/async_plan.py:plan:"  # A-EDiT's schedule
         (("--local-sgd-async",), dict(log_params_norm=True, timing_log_level=2, train_iters=100), None),
         (("--local-sgd-async",), dict(train_iters=None, train_samples=1000), "--train-iters"),
         (("--local-sgd-async",), dict(train_iters=100, save_interval=10, exit_interval=20), None),
+        (("--local-sgd-async",), dict(train_iters=100, save_interval=10, async_save=True), None),
         # Packed sequences: a world all-reduce of their lengths every iteration since 0.18.
         ((), dict(sft=True), "--sft" if PACKED_STATS else None),
         ((), dict(dataloader_inter_document_masking=True),
          "--dataloader-inter-document-masking" if PACKED_STATS else None),
     ],
-    ids=["exit-duration", "signal-handler", "signal-handler-async", "straggler", "energy",
+    ids=["exit-duration", "exit-duration-async", "signal-handler", "signal-handler-async", "straggler", "energy",
          "rerun-report-stats", "rerun-validate", "rerun-disabled", "adlr-autoresume",
          "worker-local-logging", "worker-local-logging-async", "async-needs-train-iters",
-         "async-save-exit-interval-at-syncs", "sft", "inter-document-masking"],
+         "async-save-exit-interval-at-syncs", "async-save", "sft", "inter-document-masking"],
 )
 def test_options_with_collectives_across_workers(argv, options, match):
     args = _megatron_like_args("--use-local-sgd", "--local-sgd-sync-interval", "4",
@@ -90,15 +93,15 @@ def test_options_with_collectives_across_workers(argv, options, match):
 
 
 def test_refusals_only_with_local_sgd():
-    validate_local_sgd_args(_megatron_like_args(exit_duration_in_mins=60, log_straggler=True,
+    validate_local_sgd_args(_megatron_like_args(log_straggler=True,
                                                 log_energy=True, rerun_mode="report_stats"))
 
 
 class _Controller:
     """What the patches read of an EDiT object (LocalSGD): its config and step count."""
 
-    def __init__(self, steps_done, warmup=W, interval=H, use_async=False):
-        self.steps_done = steps_done
+    def __init__(self, steps_done, warmup=W, interval=H, use_async=False, at_sync=False):
+        self.steps_done, self.at_sync = steps_done, at_sync
         self.config = SimpleNamespace(local_sgd_warmup_steps=warmup, local_sgd_sync_interval=interval,
                                       use_async=use_async)
 
@@ -113,10 +116,63 @@ def _worker_local(controller=None):
 
 
 def test_workers_meet_after_warmup_steps_and_syncs_only():
-    meet = [s for s in range(1, 17) if _worker_local(_Controller(s)).workers_meet()]
+    meet = [s for s in range(1, 17) if workers_meet([_Controller(s)])]
     assert meet == [1, 2, 3, 4, 8, 12, 16]
-    assert not _worker_local(_Controller(8, use_async=True)).workers_meet()
-    assert not _worker_local().workers_meet()
+    assert not workers_meet([])
+
+
+def test_a_edit_workers_meet_at_warmup_steps_and_at_the_step_of_each_sync():
+    # A-EDiT syncs at different iterations per worker; the step of each sync is the one point
+    # all workers share (LocalSGD.at_sync), whichever iteration it is.
+    assert workers_meet([_Controller(3, use_async=True)])
+    assert not workers_meet([_Controller(8, use_async=True)])
+    assert workers_meet([_Controller(7, use_async=True, at_sync=True)])
+
+
+def test_async_save_check_runs_only_where_workers_meet():
+    calls = []
+
+    def original(blocking=False, terminate=False):
+        calls.append((blocking, terminate))
+
+    for controller, blocking, terminate, runs in [
+        (None, False, False, True),  # before the optimizer exists: as Megatron has it
+        (_Controller(3, use_async=True), False, False, True),  # a synchronous warmup step
+        (_Controller(9, use_async=True), False, False, False),  # between syncs: deferred
+        (_Controller(9, use_async=True, at_sync=True), False, False, True),  # right after a sync
+        (_Controller(9, use_async=True), True, False, True),  # blocking (every worker is there)
+        (_Controller(9, use_async=True), True, True, True),  # the end of training
+        (_Controller(10), False, False, False),  # EDiT, between syncs
+        (_Controller(12), False, False, True),  # EDiT, on the sync grid
+    ]:
+        runtime = SimpleNamespace(controllers={} if controller is None else {object(): controller})
+        saves = ChecksAtMeetings(lambda: runtime)
+        calls.clear()
+        assert saves.wrap_maybe_finalize_async_save(original)(blocking, terminate=terminate) is None
+        assert calls == ([(blocking, terminate)] if runs else []), (controller and vars(controller), blocking)
+        assert saves.deferred == (0 if runs else 1)
+
+
+def test_exit_duration_is_asked_only_where_edit_workers_meet(monkeypatch):
+    from megatron_edit.training import meetings
+
+    args = SimpleNamespace(exit_duration_in_mins=30)
+    monkeypatch.setattr(meetings, "_get_args", lambda: args)
+    seen = []
+
+    def original(*call):  # Megatron's checkpoint_and_decide_exit / evaluate
+        seen.append(args.exit_duration_in_mins)
+        return False
+
+    for controller, asked in [(None, 30), (_Controller(3), 30), (_Controller(10), None), (_Controller(12), 30)]:
+        runtime = SimpleNamespace(controllers={} if controller is None else {object(): controller})
+        checks = ChecksAtMeetings(lambda: runtime)
+        seen.clear()
+        checks.wrap_checkpoint_and_decide_exit(original)(*[None] * 7)
+        assert seen == [asked] and args.exit_duration_in_mins == 30, controller and controller.steps_done
+        seen.clear()
+        checks.wrap_evaluate(original)()  # every evaluation iteration: never with EDiT
+        assert seen == [30 if controller is None else None]
 
 
 def _dp_0_16(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False):
@@ -314,10 +370,9 @@ def probe_cases(tmp_path_factory):
 @pytest.mark.timeout(400)
 def test_megatrons_validate_args_refuses_options_that_cross_workers(probe_cases):
     cases = probe_cases["cases"]
-    for ok in ("defaults", "worker-local-logging", "rerun-report-stats-without-edit"):
+    for ok in ("defaults", "worker-local-logging", "rerun-report-stats-without-edit", "exit-duration"):
         assert cases[ok] is None, (ok, cases[ok])
-    for name, flag in [("exit-duration", "--exit-duration-in-mins"),
-                       ("signal-handler-async", "--exit-signal-handler"),
+    for name, flag in [("signal-handler-async", "--exit-signal-handler"),
                        ("straggler", "--log-straggler"), ("energy", "--log-energy"),
                        ("rerun-report-stats", "--rerun-mode report_stats"),
                        ("adlr-autoresume", "--adlr-autoresume")]:

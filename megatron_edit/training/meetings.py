@@ -1,0 +1,117 @@
+"""Megatron-LM's per-iteration checks across all ranks, held to the points where EDiT workers meet.
+
+Megatron-LM asks every rank a question at every iteration for some options: whether an
+asynchronous checkpoint write has finished (``--async-save``: ``maybe_finalize_async_save``, an
+all-reduce over the world in megatron-core's ``AsyncCallsQueue`` and a second one that finalizes
+the save) and whether the run's time is up (``--exit-duration-in-mins``: an all-reduce of each
+rank's elapsed-time verdict in ``checkpoint_and_decide_exit``, and in ``evaluate`` at every
+evaluation iteration). Under local SGD each is a barrier
+across workers at every iteration; under A-EDiT, whose workers reach a given iteration at
+different times and sync at different iterations, one worker's k-th question would meet another
+worker's k-th at another point of its run, or never (a hang, or Megatron's "Unmatched async
+calls").
+
+:class:`ChecksAtMeetings` keeps Megatron's meaning and asks only where every worker is at the
+same logical time (:func:`workers_meet`): synchronous warmup steps and syncs (A-EDiT: every sync
+of its plan, whose schedule the workers agree on with an all-reduce of their own, at each
+worker's own iteration). So:
+
+* ``--async-save``: a write finishes in the background as before and is finalized (its
+  ``latest_checkpointed_iteration.txt`` written) at the first meeting after it, at most one sync
+  interval later. A-EDiT saves only at syncs, so every rank schedules the same saves in the same
+  order. Megatron's blocking finalization (at the end of training and of ``pretrain``) is left as
+  it is: every worker reaches it after the final sync.
+* ``--exit-duration-in-mins`` (EDiT): the run stops (and saves, with ``--save``) at the first
+  warmup step or sync at or after the time, on every worker at once, at most one sync interval
+  late. A-EDiT's is asked by :mod:`megatron_edit.training.global_budget` at its real syncs,
+  where its checkpoints are taken (labelled with global progress, not a worker's iteration).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, List, Optional
+
+from ..algorithm.schedule import is_sync_step
+from ..mcore.runtime import LocalSGDRuntime
+
+
+def workers_meet(controllers) -> bool:
+    """Whether the step just taken is one every worker takes at the same logical time, where a
+    collective across workers costs no barrier of its own: a synchronous warmup step, or a step
+    a sync followed (EDiT: on the grid of --local-sgd-sync-interval; A-EDiT: the step of the
+    latest sync of its plan, skipped or not, known only once that sync has run). False without
+    EDiT objects."""
+    if not controllers:
+        return False
+    controller = controllers[0]
+    c, steps = controller.config, controller.steps_done
+    if steps <= c.local_sgd_warmup_steps:
+        return True
+    if c.use_async:
+        return controller.at_sync
+    return is_sync_step(steps, c.local_sgd_warmup_steps, c.local_sgd_sync_interval)
+
+
+def _get_args():
+    from megatron.training.global_vars import get_args
+
+    return get_args()
+
+
+@contextmanager
+def _without(args, name):
+    saved = getattr(args, name)
+    setattr(args, name, None)
+    try:
+        yield
+    finally:
+        setattr(args, name, saved)
+
+
+class ChecksAtMeetings:
+    """The patches on Megatron-LM's per-iteration checks across all ranks."""
+
+    def __init__(self, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]):
+        self.runtime_ref = runtime_ref
+        self.deferred = 0
+        """How many per-iteration checks were held back to the next meeting."""
+
+    def controllers(self) -> List:
+        runtime = self.runtime_ref()
+        return list(runtime.controllers.values()) if runtime is not None else []
+
+    def wrap_maybe_finalize_async_save(self, original):
+        def maybe_finalize_async_save(blocking: bool = False, terminate=False):
+            controllers = self.controllers()
+            if blocking or terminate or not controllers or workers_meet(controllers):
+                return original(blocking=blocking, terminate=terminate)
+            self.deferred += 1
+            return None
+
+        return maybe_finalize_async_save
+
+    def wrap_checkpoint_and_decide_exit(self, original):
+        def checkpoint_and_decide_exit(*args, **kwargs):
+            megatron_args = _get_args()
+            controllers = self.controllers()
+            if (not getattr(megatron_args, "exit_duration_in_mins", None) or not controllers
+                    or workers_meet(controllers)):
+                return original(*args, **kwargs)
+            self.deferred += 1
+            with _without(megatron_args, "exit_duration_in_mins"):
+                return original(*args, **kwargs)
+
+        return checkpoint_and_decide_exit
+
+    def wrap_evaluate(self, original):
+        """``evaluate`` asks --exit-duration-in-mins at every evaluation iteration (an all-reduce
+        over all ranks); with local SGD the next meeting asks instead."""
+        def evaluate(*args, **kwargs):
+            megatron_args = _get_args()
+            if not getattr(megatron_args, "exit_duration_in_mins", None) or not self.controllers():
+                return original(*args, **kwargs)
+            with _without(megatron_args, "exit_duration_in_mins"):
+                return original(*args, **kwargs)
+
+        return evaluate
