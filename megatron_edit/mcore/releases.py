@@ -223,6 +223,10 @@ TRAINING_SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]]
         (TRAINING_SUPPORTED, ("dataset", "total_samples", "consumed_samples", "micro_batch_size",
                               "data_parallel_rank", "data_parallel_size", "data_sharding")),
     ),
+    f"{_LM_TRAINING}:post_training_step_callbacks": (
+        (TRAINING_SUPPORTED, ("model", "optimizer", "opt_param_scheduler", "iteration", "prof",
+                              "num_floating_point_operations_since_last_log_event", "nsys_nvtx_context")),
+    ),
     # --async-save's per-iteration completion check (megatron_edit.training.meetings).
     f"{_LM_TRAINING}:maybe_finalize_async_save": ((TRAINING_SUPPORTED, ("blocking", "terminate")),),
     f"{_LM_TRAINING}:calc_params_l2_norm": ((TRAINING_SUPPORTED, ("model", "force_create_fp32_copy")),),

@@ -5,7 +5,7 @@ asynchronous checkpoint write has finished (``--async-save``: ``maybe_finalize_a
 all-reduce over the world in megatron-core's ``AsyncCallsQueue`` and a second one that finalizes
 the save) and whether the run's time is up (``--exit-duration-in-mins``: an all-reduce of each
 rank's elapsed-time verdict in ``checkpoint_and_decide_exit``, and in ``evaluate`` at every
-evaluation iteration). Under local SGD each is a barrier
+evaluation iteration), and, every few iterations, whether all replicas hold the same weights. Under local SGD each is a barrier
 across workers at every iteration; under A-EDiT, whose workers reach a given iteration at
 different times and sync at different iterations, one worker's k-th question would meet another
 worker's k-th at another point of its run, or never (a hang, or Megatron's "Unmatched async
@@ -21,6 +21,9 @@ worker's own iteration). So:
   interval later. A-EDiT saves only at syncs, so every rank schedules the same saves in the same
   order. Megatron's blocking finalization (at the end of training and of ``pretrain``) is left as
   it is: every worker reaches it after the final sync.
+* ``--check-weight-hash-across-dp-replicas-interval``: replicas are equal only right after a
+  sync, so the check owed since each multiple of the interval (A-EDiT: of global progress) is
+  made at the first sync at or after it (:func:`replicas_equal`), with Megatron's own code.
 * ``--exit-duration-in-mins`` (EDiT): the run stops (and saves, with ``--save``) at the first
   warmup step or sync at or after the time, on every worker at once, at most one sync interval
   late. A-EDiT's is asked by :mod:`megatron_edit.training.global_budget` at its real syncs,
@@ -29,6 +32,8 @@ worker's own iteration). So:
 
 from __future__ import annotations
 
+import inspect
+import math
 from contextlib import contextmanager
 from typing import Callable, List, Optional
 
@@ -53,6 +58,19 @@ def workers_meet(controllers) -> bool:
     return is_sync_step(steps, c.local_sgd_warmup_steps, c.local_sgd_sync_interval)
 
 
+def replicas_equal(controllers) -> bool:
+    """:func:`workers_meet` where every worker holds the same model: not at an A-EDiT sync that
+    was skipped (nothing exchanged there). Start-up refuses what keeps replicas apart after a
+    sync (fragments, a merge that keeps local progress: ``--check-weight-hash-across-dp-replicas-
+    interval``'s checks in :mod:`megatron_edit.training.validation`)."""
+    if not workers_meet(controllers):
+        return False
+    controller = controllers[0]
+    if controller.config.use_async and controller.steps_done > controller.config.local_sgd_warmup_steps:
+        return not controller.last_sync.skipped
+    return True
+
+
 def _get_args():
     from megatron.training.global_vars import get_args
 
@@ -60,9 +78,10 @@ def _get_args():
 
 
 @contextmanager
-def _without(args, name):
+def _without(args, name, value=None):
+    """``args.name`` set to ``value`` (default None: the option off) inside the block."""
     saved = getattr(args, name)
-    setattr(args, name, None)
+    setattr(args, name, value)
     try:
         yield
     finally:
@@ -76,6 +95,10 @@ class ChecksAtMeetings:
         self.runtime_ref = runtime_ref
         self.deferred = 0
         """How many per-iteration checks were held back to the next meeting."""
+        self.hash_check_due = False
+        """--check-weight-hash-across-dp-replicas-interval: a check is owed since a multiple of
+        the interval passed (EDiT: iterations; A-EDiT: global progress at its real syncs)."""
+        self._hash_progress = 0.0
 
     def controllers(self) -> List:
         runtime = self.runtime_ref()
@@ -115,3 +138,40 @@ class ChecksAtMeetings:
                 return original(*args, **kwargs)
 
         return evaluate
+
+    def wrap_post_training_step_callbacks(self, original):
+        """Megatron checks that every data-parallel replica holds the same weights after each
+        multiple of --check-weight-hash-across-dp-replicas-interval (hashes gathered over the
+        data-parallel group, then a barrier over all ranks). With local SGD replicas are equal
+        only right after a sync: the check owed is made at the first sync (or warmup step) at or
+        after the multiple, on every worker at once, with Megatron's own code and message."""
+        names = tuple(inspect.signature(original).parameters)
+
+        def post_training_step_callbacks(*args, **kwargs):
+            megatron_args = _get_args()
+            name = "check_weight_hash_across_dp_replicas_interval"
+            interval = getattr(megatron_args, name, None)
+            controllers = self.controllers()
+            if interval is None or not controllers:
+                return original(*args, **kwargs)
+            iteration = kwargs["iteration"] if "iteration" in kwargs else args[names.index("iteration")]
+            self.hash_check_due = self.hash_check_due or self._hash_interval_passed(
+                controllers[0], iteration, interval)
+            check = self.hash_check_due and replicas_equal(controllers)
+            # Megatron checks when iteration % interval == 0: 1 makes it check now.
+            with _without(megatron_args, name, 1 if check else None):
+                result = original(*args, **kwargs)
+            if check:
+                self.hash_check_due = False
+            return result
+
+        return post_training_step_callbacks
+
+    def _hash_interval_passed(self, controller, iteration: int, interval: int) -> bool:
+        c = controller.config
+        if not c.use_async or controller.steps_done <= c.local_sgd_warmup_steps:
+            return iteration % interval == 0  # Megatron's rule (A-EDiT's warmup is synchronous)
+        if not controller.at_sync or controller.last_sync.skipped:
+            return False  # A-EDiT: global progress is agreed at real syncs only
+        previous, self._hash_progress = self._hash_progress, controller.last_sync.global_progress
+        return math.floor(self._hash_progress / interval) > math.floor(previous / interval)

@@ -312,6 +312,9 @@ def add_global_budget_patches(
         patch("async-save-check-at-meetings", "maybe_finalize_async_save", meetings.wrap_maybe_finalize_async_save,
               "--async-save: the per-iteration completion check (an all-reduce over all ranks) only at "
               "warmup steps and syncs, where every worker meets (A-EDiT: at each worker's sync)"),
+        patch("hash-check-at-syncs", "post_training_step_callbacks", meetings.wrap_post_training_step_callbacks,
+              "--check-weight-hash-across-dp-replicas-interval: the check owed since each multiple of the "
+              "interval at the first sync at or after it, where replicas are equal"),
         patch("ft-data-sizes", "get_train_valid_test_num_samples", data.wrap_num_samples,
               "torchft: the data sets built for every worker's slice (x workers)"),
         sampler_patch("ft-data-sampler", "MegatronPretrainingSampler",

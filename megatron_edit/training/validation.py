@@ -201,14 +201,6 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             "checkpoints (their load is then refused). Drop the flag.")
     _check_cross_worker_options(local, args)
     interval = getattr(args, "check_weight_hash_across_dp_replicas_interval", None)
-    if interval is not None and local.use_async:
-        raise ConfigError(
-            f"--check-weight-hash-across-dp-replicas-interval={interval} with --local-sgd-async: "
-            "A-EDiT workers sync at different iterations, so there is no iteration at which all "
-            "replicas are equal and Megatron's check could pass; A-EDiT cannot check replica "
-            "hashes at all. Drop the flag (synchronous EDiT can check at multiples of "
-            "--local-sgd-sync-interval)."
-        )
     if interval is not None and max(local.allowed_fragments) > 1:
         given = (f"--local-sgd-fragments {local.fragments}" if local.fragments > 1
                  else f"--local-sgd-auto-fragments {local.auto_fragments}")
@@ -233,29 +225,22 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             "outer step each worker keeps part of its own progress, so replicas differ by design "
             "even right after a sync and Megatron's check would fail at the first one. Add "
             "--local-sgd-outer-merge-alpha 0 (every worker takes the new anchor), or drop the flag.")
-    if interval is not None:
-        # Replicas are identical only during warmup and right after a sync: every iteration
-        # Megatron checks must be one of those. It checks every `interval` iterations and once
-        # at the start of training, i.e. at the iteration of the checkpoint it resumed from.
-        h, w = local.local_sgd_sync_interval, local.local_sgd_warmup_steps
+    if interval is not None and not local.use_async:
+        # Megatron checks every interval iterations (made at the first sync at or after each:
+        # megatron_edit.training.meetings) and once at the start of training, at the iteration
+        # of the checkpoint it resumed from: replicas are identical there only if it was taken
+        # at a sync (A-EDiT takes checkpoints only at syncs).
+        h = local.local_sgd_sync_interval
         aligned = lambda n: n is None or n % h == 0  # noqa: E731
         checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
-        if (
-            not aligned(interval)
-            or not aligned(w)
-            or (checkpoints and not (aligned(getattr(args, "save_interval", None))
-                                     and aligned(getattr(args, "exit_interval", None))))
-        ):
+        if checkpoints and not (aligned(getattr(args, "save_interval", None)) and aligned(local.local_sgd_warmup_steps)
+                                and aligned(getattr(args, "exit_interval", None))):
             raise ConfigError(
-                f"--check-weight-hash-across-dp-replicas-interval={interval} with --use-local-sgd: "
-                "data-parallel replicas differ between syncs by design, so they can only be "
-                "compared right after a sync. Use an interval that is a multiple of "
-                f"--local-sgd-sync-interval ({h}), with --local-sgd-warmup-steps ({w}) and, when "
-                "saving or loading checkpoints, --save-interval and --exit-interval multiples of "
-                "it too (Megatron checks again when training resumes). Or "
-                "drop the flag."
+                f"--check-weight-hash-across-dp-replicas-interval={interval} with --use-local-sgd and "
+                "checkpoints: Megatron checks the replicas again when training resumes, and they are equal "
+                "only if the checkpoint was taken right after a sync. Use --save-interval, --exit-interval and "
+                f"--local-sgd-warmup-steps multiples of --local-sgd-sync-interval ({h}), or drop the flag."
             )
-
 
 _BETWEEN_SYNCS = (
     "a collective across all ranks between syncs: a barrier that holds every EDiT worker to the "

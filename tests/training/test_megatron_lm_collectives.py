@@ -175,6 +175,41 @@ def test_exit_duration_is_asked_only_where_edit_workers_meet(monkeypatch):
         assert seen == [30 if controller is None else None]
 
 
+def test_replica_hash_check_owed_at_each_multiple_is_made_at_the_next_sync(monkeypatch):
+    from megatron_edit.training import meetings
+
+    args = SimpleNamespace(check_weight_hash_across_dp_replicas_interval=6)
+    monkeypatch.setattr(meetings, "_get_args", lambda: args)
+    checked = []
+
+    def original(model, optimizer, scheduler, iteration, prof, flops, nsys=None):  # Megatron's
+        interval = args.check_weight_hash_across_dp_replicas_interval
+        if interval is not None and iteration % interval == 0:
+            checked.append(iteration)
+        return flops
+
+    controller = _Controller(0)  # EDiT, warmup 4, H 4: syncs at 8, 12, 16
+    checks = ChecksAtMeetings(lambda: SimpleNamespace(controllers={object(): controller}))
+    wrapped = checks.wrap_post_training_step_callbacks(original)
+    for step in range(1, 21):
+        controller.steps_done = step
+        assert wrapped(None, None, None, step, None, 1.5) == 1.5
+    assert checked == [8, 12, 20]  # owed at 6 -> 8, 12 -> 12, 18 -> 20 (never between syncs)
+    assert args.check_weight_hash_across_dp_replicas_interval == 6
+
+    # A-EDiT: owed when global progress (agreed at real syncs) passes a multiple of 4.
+    args.check_weight_hash_across_dp_replicas_interval = 4
+    controller = _Controller(0, use_async=True)
+    checks = ChecksAtMeetings(lambda: SimpleNamespace(controllers={object(): controller}))
+    wrapped, checked[:] = checks.wrap_post_training_step_callbacks(original), []
+    for step, progress, skipped in [(5, 3.0, False), (7, 4.5, True), (9, 5.0, False), (10, None, None),
+                                    (13, 7.5, False), (16, 9.0, False)]:
+        controller.steps_done, controller.at_sync = step, progress is not None
+        controller.last_sync = SimpleNamespace(global_progress=progress, skipped=skipped)
+        wrapped(None, None, None, step, None, 0.0)
+    assert checked == [9, 16]  # 4.5 was a skipped sync (replicas differ): made at the next real one
+
+
 def _dp_0_16(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False):
     return dict(cp=with_context_parallel, partial=partial_data_parallel, independent=independent_all_gather)
 
