@@ -116,9 +116,15 @@ def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_para
     if expert_parallel and etp is not None and etp != tp:
         raise NotSupportedYet(
             f"--expert-tensor-parallel-size {etp} different from --tensor-model-parallel-size {tp} "
-            "with MoE and --use-local-sgd is not supported yet.")
+            "with MoE and --use-local-sgd is not supported yet: needs GPU work (the experts' own "
+            "data-parallel groups then differ from the dense ones; MoE with tensor parallelism needs "
+            "--sequence-parallel, which needs apex or transformer-engine, so it was not built or "
+            "checked on the CPU).")
     if getattr(c, "context_parallel_size", 1) > 1:
-        raise NotSupportedYet("--context-parallel-size > 1 with MoE (--num-experts) and --use-local-sgd is not supported yet.")
+        raise NotSupportedYet(
+            "--context-parallel-size > 1 with MoE (--num-experts) and --use-local-sgd is not supported "
+            "yet: needs GPU work (context parallelism runs on transformer-engine's attention, so the "
+            "experts' data-parallel groups with it were not built or checked on the CPU).")
     if getattr(c, "moe_router_enable_expert_bias", False):
         raise NotSupportedYet(
             "--moe-router-enable-expert-bias with --use-local-sgd is not supported yet: the expert-bias "

@@ -14,6 +14,7 @@ loop, None before it), the ranks of its group (world when None; for point-to-poi
 and its peer) and the Megatron / megatron_edit / script frames of its stack, innermost last
 (``training/training.py:train_step:2547``, ``megatron_edit/exchange/groups.py:all_reduce_sum:65``).
 ``MEGATRON_EDIT_PROBE_SLOW=2,3:0.3`` makes ranks 2 and 3 sleep 0.3 s per optimizer step;
+``MEGATRON_EDIT_PROBE_CLOCK_JUMP=3:120`` moves the wall clock 120 s ahead after iteration 3;
 ``MEGATRON_EDIT_PROBE_NO_WORKER_LOCAL=1`` leaves out the ``worker-local-*`` patches (Megatron's
 collectives as they are, for comparison).
 At exit each rank writes ``rank<r>.json`` with the records and the ranks of its EDiT worker
@@ -199,12 +200,28 @@ def slow_down(spec):
     torch.optim.AdamW.step = step
 
 
+def clock_jump(spec):
+    """``"3:120"``: ``time.time()`` jumps 120 s ahead once Megatron's training loop is past
+    iteration 3 (on every rank at its own iteration 3): a time limit such as
+    ``--exit-duration-in-mins 1`` is then up from a known iteration on, whatever the machine's
+    speed. Only the wall clock moves (A-EDiT's schedule reads the monotonic clock)."""
+    after, seconds = (float(x) for x in spec.split(":"))
+    real = time.time
+
+    def jumped():
+        return real() + (seconds if (Recorder._iteration() or 0) > after else 0.0)
+
+    time.time = jumped
+
+
 def main():
     out_dir, launcher_args = sys.argv[1], sys.argv[2:]
     os.makedirs(out_dir, exist_ok=True)
     recorder = Recorder(stream_dir=out_dir)
     recorder.install()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where it hangs
+    if os.environ.get("MEGATRON_EDIT_PROBE_CLOCK_JUMP"):
+        clock_jump(os.environ["MEGATRON_EDIT_PROBE_CLOCK_JUMP"])
     if os.environ.get("MEGATRON_EDIT_PROBE_SLOW"):
         slow_down(os.environ["MEGATRON_EDIT_PROBE_SLOW"])
     if os.environ.get("MEGATRON_EDIT_PROBE_NO_WORKER_LOCAL") == "1":

@@ -170,7 +170,7 @@ def straggler_run(tmp_path_factory):
     return SimpleNamespace(log=log, ranks=ranks, workdir=workdir)
 
 
-def _a_edit_run(workdir, *extra):
+def _a_edit_run(workdir, *extra, env=None):
     """The straggler run of 2 A-EDiT workers through pretrain_gpt.py in ``workdir`` (checkpoints
     in ckpt/; ``extra``: more Megatron flags): (its log, each rank's recorded collectives)."""
     out = workdir / "traffic"
@@ -183,7 +183,7 @@ def _a_edit_run(workdir, *extra):
            "--local-sgd-min-total-global-steps", "0", "--train-iters", str(T),
            "--save", "ckpt", "--save-interval", str(SAVE_INTERVAL), "--ckpt-format", "torch_dist",
            "--local-sgd-debug", *extra]
-    env = {**_env(), "MEGATRON_EDIT_PROBE_SLOW": f"1:{SLOW_SECONDS}"}
+    env = {**_env(), "MEGATRON_EDIT_PROBE_SLOW": f"1:{SLOW_SECONDS}", **(env or {})}
     try:
         proc = run_job(cmd, workdir, env, 600)
     except subprocess.TimeoutExpired as e:

@@ -4,49 +4,59 @@ tests/training/test_megatron_lm.py; skipped with that message otherwise). The de
 tested without the checkout in tests/training/test_megatron_lm_collectives.py and
 tests/training/test_global_budget.py; --async-save with A-EDiT end to end in the latter.
 
-``--exit-duration-in-mins 0.001`` (60 ms from the program's start: up before the first
-iteration ends) makes the stop deterministic: Megatron alone would stop after iteration 1; with
-EDiT every worker stops at the first warmup step or sync (warmup 0: the first sync, H), with
-A-EDiT at the first real sync, saving there with the sync's common label.
+``--exit-duration-in-mins 1`` with the wall clock moved 2 minutes ahead from iteration 5 on (the
+probe's ``MEGATRON_EDIT_PROBE_CLOCK_JUMP``) makes the stop deterministic: Megatron alone would
+stop after iteration 5; with EDiT every worker stops at the first sync after it (warmup 0, syncs
+every 4: iteration 8); with A-EDiT (the clock moved in its warmup) at its first sync, saving there
+with the sync's common label.
 """
 
 import re
+import sys
 
 import pytest
 
-from test_global_budget import H as A_H, WARMUP as A_WARMUP, _a_edit_run
-from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, TINY, _hash_checks, _lines, _torchrun
+from test_global_budget import H as A_H, PROBE, WARMUP as A_WARMUP, _a_edit_run
+from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, TINY, _env, _hash_checks, _lines, _torchrun, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAVE_CHECKOUT, reason=HOW_TO_RUN)]
 H = 4
-EXIT = ["--exit-duration-in-mins", "0.001"]
+EXIT = ["--exit-duration-in-mins", "1"]
+CLOCK = {"MEGATRON_EDIT_PROBE_CLOCK_JUMP": "4:120"}  # 2 minutes ahead from iteration 5 on
 
 
 @pytest.mark.timeout(600)
-def test_edit_exits_on_time_at_the_first_sync_with_a_checkpoint(tmp_path):
-    log = _torchrun(CHECKOUT / "pretrain_gpt.py", TINY + [
-        "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce",
-        "--overlap-param-gather", "--use-local-sgd", "--local-sgd-sync-interval", str(H),
-        "--local-sgd-warmup-steps", "0", "--train-iters", "20", "--save", "ckpt", "--save-interval", "100",
-        "--ckpt-format", "torch_dist", *EXIT], tmp_path)
-    assert sorted(_lines(log)) == list(range(1, H + 1)), sorted(_lines(log))
+def test_edit_exits_on_time_at_the_next_sync_with_a_checkpoint(tmp_path):
+    out = tmp_path / "traffic"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(PROBE), str(out), "--cpu", str(CHECKOUT / "pretrain_gpt.py"), *TINY,
+           "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce",
+           "--overlap-param-gather", "--use-local-sgd", "--local-sgd-sync-interval", str(H),
+           "--local-sgd-warmup-steps", "0", "--train-iters", "20", "--save", "ckpt", "--save-interval", "100",
+           "--ckpt-format", "torch_dist", *EXIT]
+    proc = run_job(cmd, tmp_path, {**_env(), **CLOCK}, 600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    assert sorted(_lines(log)) == list(range(1, 2 * H + 1)), sorted(_lines(log))
     assert "exiting program after" in log, log[-3000:]
-    assert re.search(rf"saved checkpoint from iteration\s+{H} ", log), log[-3000:]
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(H)
+    assert re.search(rf"saved checkpoint from iteration\s+{2 * H} ", log), log[-3000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(2 * H)
 
 
 @pytest.mark.timeout(900)
-def test_a_edit_exits_on_time_at_the_first_real_sync_with_a_common_label(tmp_path):
-    log, ranks = _a_edit_run(tmp_path, *EXIT)
-    label = A_WARMUP + A_H  # the first sync after the warmup is at global iteration 4, always
+def test_a_edit_exits_on_time_at_the_next_real_sync_with_a_common_label(tmp_path):
+    # The clock jumps in the synchronous warmup (iterations 1-2): Megatron alone would stop after
+    # iteration 2, each worker at its own; A-EDiT stops at its first sync, global iteration 4.
+    log, ranks = _a_edit_run(tmp_path, *EXIT, env={"MEGATRON_EDIT_PROBE_CLOCK_JUMP": "1:120"})
     assert "exiting at A-EDiT's sync after" in log, log[-3000:]
+    label = A_WARMUP + A_H
     assert re.search(rf"saved checkpoint from iteration\s+{label} ", log), log[-3000:]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(label)
-    for data in ranks:  # every rank left right after its first sync (its own iteration)
+    for data in ranks:  # every rank left right after the first sync, at its own iteration
         plans = sorted({r["iteration"] for r in data["records"]
                         if any("async_plan.py:plan:" in f for f in r["stack"])})
         last = max(r["iteration"] for r in data["records"] if r["iteration"] is not None)
-        assert plans and last == plans[0], (data["rank"], plans, last)
+        assert plans == [last], (data["rank"], plans, last)
 
 
 @pytest.mark.timeout(600)
