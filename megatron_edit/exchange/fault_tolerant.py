@@ -144,6 +144,8 @@ class FaultTolerantSyncGroup:
         self.healed = False
         """This worker loaded a peer's state at the last :meth:`begin`."""
         self.layout_changed = False
+        self.commit_error: Optional[BaseException] = None
+        """Why the last :meth:`commit`'s vote failed (None: it did not)."""
         """The last :meth:`begin` changed ``size`` or ``rank`` (chunked state must be re-planned)."""
 
     @classmethod
@@ -220,8 +222,15 @@ class FaultTolerantSyncGroup:
 
     def commit(self) -> bool:
         """Whether the sync may be applied (every rank of this worker agrees; a failed
-        collective anywhere in the worker says no)."""
-        return bool(self.manager.should_commit())
+        collective anywhere in the worker says no). torchft's vote itself may fail when a peer
+        dies or stalls in it (``should_commit`` raises, e.g. ``TimeoutError``): that is "not
+        committed" too, never the end of this worker (:attr:`commit_error` keeps why)."""
+        self.commit_error = None
+        try:
+            return bool(self.manager.should_commit())
+        except (TimeoutError, RuntimeError) as e:
+            self.commit_error = e
+            return False
 
     @property
     def step(self) -> int:

@@ -10,8 +10,9 @@ A sync is one torchft round: :meth:`TorchftBackend.begin` before its first colle
 quorum; a worker behind the others heals there), then the exchange as over the torch backend,
 then :meth:`TorchftBackend.commit` before the outer step is applied (``OuterSync.commit_gate``):
 applied only where the round is committed and some worker trained since the last sync. A
-worker whose commit fails keeps its local progress (and its error-feedback residuals start
-again from zero); if the others committed, it heals from them at the next sync.
+worker whose commit fails keeps its local progress and its error-feedback residuals from before
+the round (it sends that progress again at the next sync); if the others committed, it heals
+from them at the next sync.
 
 Joining: when the controller is built, its worker takes part in one round (:meth:`join`) with a
 zero pseudo-gradient. In a fresh run every worker does so together; a fresh job for a worker

@@ -43,6 +43,10 @@ STATE_KEY = "megatron_edit"
 logger = logging.getLogger(__name__)
 
 
+def _copy(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if tensor is None else tensor.clone()
+
+
 class TorchftRound:
     """The torchft Manager of this rank and its rounds, shared by the process's EDiT controllers
     (one, or the dense and the expert one of a MoE model with expert parallelism): one quorum,
@@ -65,6 +69,9 @@ class TorchftRound:
         """The others' sync step this worker healed into at the open round's quorum (None: no heal)."""
         self.joined = False
         self.closed = False
+        self.residuals_before: dict = {}
+        """Each started member's error-feedback residuals from before the open round (see
+        :meth:`begin`)."""
         group.register_state(STATE_KEY, self._load, self._save)
 
     # ------------------------------------------------------------------ one round
@@ -86,6 +93,12 @@ class TorchftRound:
         if self.group.layout_changed:  # who reduces which chunk changed: restart those residuals
             for shard in member.controller.shards:
                 shard.chunk_residual = None
+        # What a round that does not commit gives back: the exchange rewrites the error-feedback
+        # residuals in place (this interval's error), but the worker keeps its progress since the
+        # last committed sync, so the next exchange sends it again against the same anchor: the
+        # error of the last committed one is what it still owes (a copy per shard while open).
+        self.residuals_before[member] = [
+            (_copy(shard.residual), _copy(shard.chunk_residual)) for shard in member.controller.shards]
 
     @property
     def waits_for_others(self) -> bool:
@@ -100,8 +113,8 @@ class TorchftRound:
     def commit(self) -> bool:
         """Every started member's exchange in (in their order), then one commit for all: whether
         their outer steps are applied (the round is committed and some worker trained since the
-        last sync). A failed round drops their error-feedback residuals (computed against an
-        exchange that is not applied). Then the deferred outer steps run."""
+        last sync). A failed round gives their error-feedback residuals back as they were before it
+        (the worker sends its progress again at the next sync). Then the deferred outer steps run."""
         started, deferred = self.started, self.deferred
         for member in started:
             member.controller.sync.finish_exchange()
@@ -110,12 +123,12 @@ class TorchftRound:
         self.started, self.deferred = [], []
         for member in started:
             member.controller.sync.decide(applied)
-            if not committed:
-                for shard in member.controller.shards:
-                    shard.residual = None
-                    shard.chunk_residual = None
+            before = self.residuals_before.pop(member, None)
+            if not committed and before is not None:
+                for shard, (residual, chunk_residual) in zip(member.controller.shards, before):
+                    shard.residual, shard.chunk_residual = residual, chunk_residual
         if not committed and started and dist.get_rank() == 0:  # one line per worker
-            error = self.group.manager.errored()
+            error = self.group.commit_error or self.group.manager.errored()
             c = started[0].controller
             logger.warning(
                 "megatron_edit: worker %s did not commit the sync after step %d (%d worker(s) in it, "
@@ -134,6 +147,7 @@ class TorchftRound:
             return
         self.group.commit()
         self.started = []
+        self.residuals_before.clear()
 
     # ------------------------------------------------------------------ joining
     def member_built(self, member) -> None:

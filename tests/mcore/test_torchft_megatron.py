@@ -783,3 +783,41 @@ def test_torchft_workers_start_from_a_checkpoint_of_synchronous_training(tmp_pat
         assert [r[0] for r in run["reports"]] == [6, 8] and run["manager"]["step"] == 3
         assert _max_diff(ref["final"]["params"], run["params"]) <= 1e-6, w
     assert _max_diff(resumed[0]["params"], resumed[1]["params"]) == 0.0
+
+
+def _one_uncommitted_round(rank, world_size, lighthouse):
+    """One worker of one rank alone (min replicas 1: its rounds commit), top-k 1% with error
+    feedback, step-end syncs after steps 2, 4 and 6; torchft's vote of the round of step 4 says
+    no (as when a peer dies inside it)."""
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+    from megatron_edit.mcore.process_state import PROCESS
+
+    vote = FaultTolerantSyncGroup.commit
+
+    def commit(self):
+        ok = vote(self)
+        return ok and getattr(PROCESS.torchft_round, "step", None) != 4
+
+    FaultTolerantSyncGroup.commit = commit
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    local = dict(local_sgd_sync_interval=2, sync_backend="torchft", replica_id=0, lighthouse=lighthouse,
+                 sync_mode="step_end", exchange_topk_density=0.01, exchange_dtype="int2",
+                 exchange_error_feedback=True)
+    spec = default_spec(steps=6, instances=1, local_sgd=local, record_shards_at_steps=(2, 4, 6))
+    return megatron_runs(rank, world_size, [spec])["runs"][0]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_round_that_does_not_commit_keeps_the_error_feedback_residual_from_before_it():
+    """The exchange rewrites the residual in place; a round that does not commit used to drop
+    it (set it to None), losing the unsent part of every interval before it (at 1% top-k about
+    2.7 intervals' worth). Now the residual after the failed round is the one before it, bit for
+    bit, and the next committed round sends it."""
+    with ft_jobs.jobs_and_lighthouse() as (server, start):
+        (edit,) = start(_one_uncommitted_round, 1, server.address(), timeout=TIMEOUT - 30).results()
+    assert [(r.step, r.committed) for r in edit["reports"]] == [(2, True), (4, False), (6, True)]
+    before, after, later = (edit["shard_records"][s]["residual"] for s in (2, 4, 6))
+    assert all(r is not None for r in before) and any(r.abs().sum() > 0 for r in before)
+    assert all(a is not None and torch.equal(a, b) for a, b in zip(after, before))
+    assert any(not torch.equal(c, b) for c, b in zip(later, before))  # the next round used it
