@@ -11,7 +11,9 @@ session of its own, so a job is stopped as a whole. A job that exits with 0 is d
 is logged in one line and the job is started again, up to ``--max-relaunches`` times in all
 (then every job is stopped and this exits 1); exit code 2 (refused flags) stops the run at once,
 and so does a death after some worker has finished the run (exit 1).
-It exits 0 once every worker's job has.
+It exits 0 once every worker's job has, with one model: each job's ranks record the digest of the
+model they end with in this process's store, and differing models (a worker that trained on
+alone) exit 1, naming the workers.
 
 A run starts with all its workers: every job also gets ``MEGATRON_EDIT_FT_START_GATE`` (a TCP
 store of this process), where each worker's controller waits, once its torchft Manager is up and
@@ -196,10 +198,33 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
                       f"{alive:.1f} s; relaunching it as a fresh job (relaunch {relaunches} of "
                       f"{args.max_relaunches}): it heals from a live worker at their next sync.", flush=True)
                 worker.start()
-        print(f"{prog}: every worker's job ended with code 0", flush=True)
-        return 0
+        return _one_model_at_the_end(gate, args.workers, prog)
     finally:
         stop_all()
+
+
+def _one_model_at_the_end(gate, workers: int, prog: str) -> int:
+    """Every worker's job ended with code 0: whether they ended with one model (the digests each
+    job's ranks recorded at their end, :func:`~megatron_edit.exchange.fault_tolerant.record_end`).
+    A job that recorded nothing ran no EDiT controller over torchft (nothing to compare)."""
+    from .exchange.fault_tolerant import models_at_the_end
+
+    ended = models_at_the_end(gate, workers)
+    if not ended:
+        print(f"{prog}: every worker's job ended with code 0", flush=True)
+        return 0
+    groups: dict = {}
+    for w, digests in ended.items():
+        groups.setdefault(digests, []).append(w)
+    missing = [w for w in range(workers) if w not in ended]
+    if len(groups) == 1 and not missing:
+        print(f"{prog}: every worker's job ended with code 0, all {workers} with one model", flush=True)
+        return 0
+    found = "; ".join(f"worker(s) {ws} with one" for ws in sorted(groups.values()))
+    print(f"{prog}: the workers did not end with one model ({found}"
+          f"{f'; worker(s) {missing} recorded none' if missing else ''}): a worker trained on alone (it came back "
+          "after the others' end, or its last sync did not commit); exit 1.", file=sys.stderr, flush=True)
+    return 1
 
 
 def _serve(args: argparse.Namespace, prog: str, run_env: dict, gate, lighthouse) -> int:

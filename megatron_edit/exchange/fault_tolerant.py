@@ -379,6 +379,38 @@ def supervised_workers(value: Optional[str]) -> Optional[int]:
     return _parse_gate(value)[2] if value else None
 
 
+def _end_key(replica_id: int, rank) -> str:
+    return f"end/{replica_id}/{rank}"
+
+
+def record_end(value: Optional[str], replica_id: int, rank: int, world_size: int, digest: str) -> None:
+    """At a worker job's end, rank ``rank`` of worker ``replica_id`` tells the supervisor's store
+    (``value``: :data:`START_GATE_ENV`'s) the digest of the model it ends with (its shards), so
+    that the supervisor can check that every worker ended with one model
+    (:func:`models_at_the_end`). Nothing without ``value``."""
+    if not value:
+        return
+    host, port, _, _ = _parse_gate(value)
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+    store.set(_end_key(replica_id, rank), digest)
+    if rank == 0:
+        store.set(_end_key(replica_id, "ranks"), str(world_size))
+
+
+def models_at_the_end(store, workers: int) -> dict:
+    """What :func:`record_end` left in ``store``: replica id -> the digests of its ranks, in rank
+    order (workers whose job recorded no end are left out)."""
+    ended = {}
+    for w in range(workers):
+        if store.check([_end_key(w, "ranks")]):
+            ranks = int(store.get(_end_key(w, "ranks")))
+            ended[w] = tuple(store.get(_end_key(w, r)).decode() if store.check([_end_key(w, r)]) else None
+                             for r in range(ranks))
+    return ended
+
+
 def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
     """A run starts with all its workers: rank ``rank`` of worker ``replica_id`` marks itself
     arrived in the supervisor's store (``value``: :data:`START_GATE_ENV`'s) and waits until rank
@@ -407,3 +439,8 @@ def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
             f"megatron_edit: the run's first sync waited {timeout:g} s for worker(s) {missing} (rank {rank}) to "
             "start; they did not (their jobs' output says why). Raise the supervisor's --start-timeout-s if "
             "they start slowly.") from None
+    ended = [w for w in range(workers) if w != replica_id and store.check([_end_key(w, "ranks")])]
+    if ended:
+        raise RuntimeError(
+            f"megatron_edit: worker {replica_id} arrives after the run's end (worker(s) {ended} ended it): it "
+            "would train the run alone from its own start, so it does not start.")

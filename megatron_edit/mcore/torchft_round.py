@@ -27,6 +27,8 @@ One controller is a round of one: the same calls, nothing deferred.
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import logging
 import os
 from typing import Callable, List, Optional
@@ -34,7 +36,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..exchange.fault_tolerant import START_GATE_ENV, FaultTolerantSyncGroup, supervised_workers
+from ..exchange.fault_tolerant import START_GATE_ENV, FaultTolerantSyncGroup, record_end, supervised_workers
 from .process_state import PROCESS
 from .worker_layout import is_expert_optimizer
 
@@ -73,6 +75,23 @@ class TorchftRound:
         """Each started member's error-feedback residuals from before the open round (see
         :meth:`begin`)."""
         group.register_state(STATE_KEY, self._load, self._save)
+        # (taken now: the job may have destroyed its process group by its end)
+        self._rank_and_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        atexit.register(self.record_end)
+
+    def record_end(self) -> None:
+        """At this process's end: the digest of the model its controllers end with (each
+        shard's main parameters) in the supervisor's store, where it checks that every worker
+        ended with one model (:func:`~megatron_edit.exchange.fault_tolerant.models_at_the_end`)."""
+        gate = os.environ.get(START_GATE_ENV)
+        if not gate or not self.members:
+            return
+        digest = hashlib.sha256()
+        for member in self.members:
+            for shard in member.controller.shards:
+                current = shard.read_current(torch.empty(shard.numel, dtype=torch.float32, device=shard.device))
+                digest.update(current.cpu().numpy().tobytes())
+        record_end(gate, self.group.replica_id, *self._rank_and_size, digest.hexdigest()[:16])
 
     # ------------------------------------------------------------------ one round
     def begin(self, member, step: int, contributed: bool) -> None:
