@@ -51,6 +51,20 @@ if mode == "refused" and rid == "1":
     sys.exit(2)
 if mode == "refused":
     time.sleep(60)
+if mode in ("one-model", "two-models"):  # each job's rank 0 records the model it ends with
+    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, record_end
+    digest = "aaaa" if mode == "one-model" or rid == "0" else "bbbb"
+    record_end(os.environ[START_GATE_ENV], int(rid), 0, 1, digest)
+if mode == "after-the-end":  # worker 1 comes to the start gate once worker 0 has ended the run
+    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, record_end, start_gate
+    if rid == "0":
+        record_end(os.environ[START_GATE_ENV], 0, 0, 1, "aaaa")
+        open(os.path.join(folder, "r0-ended"), "w").close()
+    else:
+        while not os.path.exists(os.path.join(folder, "r0-ended")):
+            time.sleep(0.05)
+        start_gate(os.environ[START_GATE_ENV], 1, 0)
+        open(os.path.join(folder, "r1-trained"), "w").close()
 if mode == "gate":  # worker 1 starts late; the first sync's gate holds worker 0 until it arrives
     from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, start_gate
     if rid == "1":  # arrives 1 s after worker 0 has
@@ -207,3 +221,27 @@ def test_two_nodes_train_together_and_a_dead_node_heals_over_the_link(tmp_path):
     assert re.search(r"worker 1 rank 0 joined a running job: healed from a live worker to step \d+", w1), w1[-3000:]
     loss = [re.findall(r"validation after step 1500: worker \d ([0-9.]+)", log)[-1] for log in (w0, w1)]
     assert loss[0] == loss[1], loss
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode, code", [("one-model", 0), ("two-models", 1)])
+def test_the_run_exits_0_only_when_its_workers_end_with_one_model(tmp_path, mode, code):
+    # Each job's ranks record the digest of the model they end with (TorchftRound.record_end):
+    # workers that ended with different models (one trained on alone) fail the run, named.
+    result, _ = _supervise(tmp_path, "--workers", "2", mode=mode)
+    assert result.returncode == code, result.stdout + result.stderr
+    if code == 0:
+        assert "all 2 with one model" in result.stdout
+    else:
+        assert "did not end with one model (worker(s) [0] with one; worker(s) [1] with one)" in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_arriving_after_the_runs_end_does_not_train_alone(tmp_path):
+    # Worker 1 reaches the start gate after worker 0 ended the run (the supervisor's relaunch
+    # of a worker that died near the end): it stops there in one line instead of training alone.
+    result, folder = _supervise(tmp_path, "--workers", "2", "--start-timeout-s", "60", mode="after-the-end")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "worker 1 arrives after the run's end (worker(s) [0] ended it)" in result.stderr
+    assert not (folder / "r1-trained").exists()
+

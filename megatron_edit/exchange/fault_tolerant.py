@@ -429,6 +429,11 @@ def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
     import torch.distributed as dist
 
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, 1.0)))
+    ended = [w for w in range(workers) if w != replica_id and store.check([_end_key(w, "ranks")])]
+    if ended:
+        raise RuntimeError(
+            f"megatron_edit: worker {replica_id} arrives after the run's end (worker(s) {ended} ended it): it "
+            "would train the run alone from its own start, so it does not start.")
     keys = [f"start/{rank}/{w}" for w in range(workers)]
     store.set(keys[replica_id], "1")
     try:
@@ -439,8 +444,3 @@ def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
             f"megatron_edit: the run's first sync waited {timeout:g} s for worker(s) {missing} (rank {rank}) to "
             "start; they did not (their jobs' output says why). Raise the supervisor's --start-timeout-s if "
             "they start slowly.") from None
-    ended = [w for w in range(workers) if w != replica_id and store.check([_end_key(w, "ranks")])]
-    if ended:
-        raise RuntimeError(
-            f"megatron_edit: worker {replica_id} arrives after the run's end (worker(s) {ended} ended it): it "
-            "would train the run alone from its own start, so it does not start.")
