@@ -135,7 +135,8 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
 
-    from .exchange.fault_tolerant import START_GATE_ENV, is_loopback, start_gate_value
+    from .exchange.fault_tolerant import is_loopback
+    from .exchange.run_gate import START_GATE_ENV, start_gate_value
 
     lighthouse = LighthouseServer(bind=args.bind, min_replicas=1, join_timeout_ms=args.join_timeout_ms,
                                   heartbeat_timeout_ms=args.heartbeat_timeout_ms)
@@ -205,9 +206,9 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
 
 def _one_model_at_the_end(gate, workers: int, prog: str) -> int:
     """Every worker's job ended with code 0: whether they ended with one model (the digests each
-    job's ranks recorded at their end, :func:`~megatron_edit.exchange.fault_tolerant.record_end`).
+    job's ranks recorded at their end, :func:`~megatron_edit.exchange.run_gate.record_end`).
     A job that recorded nothing ran no EDiT controller over torchft (nothing to compare)."""
-    from .exchange.fault_tolerant import models_at_the_end
+    from .exchange.run_gate import models_at_the_end
 
     ended = models_at_the_end(gate, workers)
     if not ended:

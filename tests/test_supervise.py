@@ -52,11 +52,11 @@ if mode == "refused" and rid == "1":
 if mode == "refused":
     time.sleep(60)
 if mode in ("one-model", "two-models"):  # each job's rank 0 records the model it ends with
-    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, record_end
+    from megatron_edit.exchange.run_gate import START_GATE_ENV, record_end
     digest = "aaaa" if mode == "one-model" or rid == "0" else "bbbb"
     record_end(os.environ[START_GATE_ENV], int(rid), 0, 1, digest)
 if mode == "after-the-end":  # worker 1 comes to the start gate once worker 0 has ended the run
-    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, record_end, start_gate
+    from megatron_edit.exchange.run_gate import START_GATE_ENV, record_end, start_gate
     if rid == "0":
         record_end(os.environ[START_GATE_ENV], 0, 0, 1, "aaaa")
         open(os.path.join(folder, "r0-ended"), "w").close()
@@ -66,7 +66,7 @@ if mode == "after-the-end":  # worker 1 comes to the start gate once worker 0 ha
         start_gate(os.environ[START_GATE_ENV], 1, 0)
         open(os.path.join(folder, "r1-trained"), "w").close()
 if mode == "gate":  # worker 1 starts late; the first sync's gate holds worker 0 until it arrives
-    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, start_gate
+    from megatron_edit.exchange.run_gate import START_GATE_ENV, start_gate
     if rid == "1":  # arrives 1 s after worker 0 has
         while not os.path.exists(os.path.join(folder, "gate0-arrived")):
             time.sleep(0.05)

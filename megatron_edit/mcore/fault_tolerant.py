@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from ..algorithm.penalty import EWMAStats
-from ..exchange.fault_tolerant import (START_GATE_ENV, CountedView, FaultTolerantSyncGroup, start_gate,
-                                       supervised_workers)
+from ..exchange.fault_tolerant import CountedView, FaultTolerantSyncGroup
+from ..exchange.run_gate import START_GATE_ENV, start_gate, supervised_workers
 from ..exchange.sparse import check_sparse_workers
 from .process_state import PROCESS
 from .torchft_round import TorchftRound, expected_controllers, join_plan

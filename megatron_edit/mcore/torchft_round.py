@@ -36,7 +36,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..exchange.fault_tolerant import START_GATE_ENV, FaultTolerantSyncGroup, record_end, supervised_workers
+from ..exchange.fault_tolerant import FaultTolerantSyncGroup
+from ..exchange.run_gate import START_GATE_ENV, record_end, supervised_workers
 from .process_state import PROCESS
 from .worker_layout import is_expert_optimizer
 
@@ -82,7 +83,7 @@ class TorchftRound:
     def record_end(self) -> None:
         """At this process's end: the digest of the model its controllers end with (each
         shard's main parameters) in the supervisor's store, where it checks that every worker
-        ended with one model (:func:`~megatron_edit.exchange.fault_tolerant.models_at_the_end`)."""
+        ended with one model (:func:`~megatron_edit.exchange.run_gate.models_at_the_end`)."""
         gate = os.environ.get(START_GATE_ENV)
         if not gate or not self.members:
             return

@@ -7,11 +7,12 @@ one fewer, and each stops at its own step count after the final sync
 rank; :class:`GlobalBudget` makes it follow the budget instead:
 
 * **Loop cap.** Once the model, optimizer and scheduler are built (the scheduler's horizon is
-  the synchronous ``--train-iters`` T, followed by every worker through the patch
+  the synchronous ``--train-iters`` T, or ``--train-samples`` over the global batch size as the
+  scheduler computes it, which then also sets the budget; followed by every worker through the patch
   ``sched-step-global-progress``) and before the data sets are, ``args.train_iters`` becomes
-  T x W, what one worker could at most take. The training data set is therefore built W times
-  larger than the synchronous run's: a fast worker reads its ranks' slices of global batches
-  beyond T, and never runs out (the workers read T global batches' worth of samples in total).
+  T x W, what one worker could at most take (and ``--train-samples`` that many global batches).
+  The training data set is therefore built W times larger than the synchronous run's: a fast
+  worker reads its ranks' slices of global batches beyond T, and never runs out (the workers read T global batches' worth of samples in total).
 * **End.** After the ``train_step`` in which the final sync ran, the loop's cap is this
   iteration: every worker leaves the loop right after the final sync, at its own iteration.
   ``train`` then returns T, the common iteration (global progress), so the final checkpoint and
@@ -82,6 +83,8 @@ class GlobalBudget:
         self.train_iters: Optional[int] = None
         """T: the synchronous run's ``--train-iters`` (the loop's cap is raised past it)."""
         self._progress_at_last_sync: Optional[float] = None
+        self.train_samples: Optional[int] = None
+        """--train-samples as given (None: --train-iters): the data set is built for the loop's cap."""
 
     def controllers(self) -> List:
         """This rank's A-EDiT objects (none while EDiT is off or synchronous)."""
@@ -106,6 +109,10 @@ class GlobalBudget:
         loop's cap to what one worker could take."""
         self.train_iters = args.train_iters
         self._progress_at_last_sync = controller.global_progress
+        if getattr(args, "train_samples", None) and controller.budget_steps is None:
+            # --train-samples: the length is known once the scheduler has computed it
+            for c in self.controllers():
+                c.set_train_iters(args.train_iters)
         # Resumed from a checkpoint (labelled with global progress): each worker's loop goes on
         # from its own step count, which the EDiT state restored (a fast worker had taken more).
         # Over torchft, a fresh job that healed from a live peer while its optimizer was built
@@ -119,6 +126,9 @@ class GlobalBudget:
                 controller.config.replica_id, controller.steps_done, args.iteration, before)
         cap = self.train_iters * controller.budget_workers
         args.train_iters = args.iteration if controller.finished else args.iteration + cap
+        self.train_samples = getattr(args, "train_samples", None)
+        if self.train_samples:  # the data set is built for this many samples: the same cap
+            args.train_samples = args.train_iters * args.global_batch_size
         if getattr(args, "rank", 0) == 0:
             logger.info(
                 "megatron_edit: A-EDiT shares %d x %d worker-steps by speed: the training loop may "
@@ -150,6 +160,8 @@ class GlobalBudget:
                     "A-EDiT's final sync; the other workers would wait for this one forever."
                 )
             megatron_args.train_iters = self.train_iters
+            if self.train_samples:
+                megatron_args.train_samples = self.train_samples
             return self.train_iters, flops
 
         return train

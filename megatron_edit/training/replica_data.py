@@ -23,7 +23,7 @@ import inspect
 import os
 from typing import Callable, Optional, Tuple
 
-from ..exchange.fault_tolerant import START_GATE_ENV, supervised_workers
+from ..exchange.run_gate import START_GATE_ENV, supervised_workers
 from ..mcore.runtime import LocalSGDRuntime
 
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from ..arguments import check_flags_need_local_sgd, configs_from_args
 from ..config import ConfigError, NotSupportedYet
-from ..exchange.fault_tolerant import START_GATE_ENV, supervised_workers
+from ..exchange.run_gate import START_GATE_ENV, supervised_workers
 from ..mcore import compat
 from ..mcore.checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
 from ..mcore.wrap_registry import VersionRange
@@ -260,11 +260,10 @@ def _check_cross_worker_options(local, args: argparse.Namespace) -> None:
             "--exit-interval / --train-iters."
         )
     if local.use_async:
-        if get("train_iters") is None:
+        if get("train_iters") is None and not get("train_samples"):
             raise ConfigError(
-                "--local-sgd-async needs --train-iters (not --train-samples): A-EDiT workers take "
-                "different numbers of iterations and must all end at one final sync, placed at "
-                "the last iteration."
+                "--local-sgd-async needs --train-iters or --train-samples: A-EDiT shares the run's "
+                "length among the workers by speed and ends it with one final sync."
             )
         # --save-interval / --exit-interval count global progress and act at syncs
         # (training.global_budget); these would act at a worker's own iteration.
@@ -276,9 +275,10 @@ def _check_cross_worker_options(local, args: argparse.Namespace) -> None:
                 "never join. Use --save-interval (with A-EDiT it counts global progress and saves "
                 "at a sync)."
             )
-        if get("rampup_batch_size"):
+        if get("rampup_batch_size") or get("step_batch_size_schedule"):
+            flag = "--rampup-batch-size" if get("rampup_batch_size") else "--step-batch-size-schedule"
             raise ConfigError(
-                "--rampup-batch-size with --local-sgd-async: Megatron saves a checkpoint whenever "
+                f"{flag} with --local-sgd-async: Megatron saves a checkpoint whenever "
                 "the batch size changes, at each worker's own iteration, which A-EDiT workers "
                 "reach at different times, so the save would hang. Use a fixed "
                 "--global-batch-size."

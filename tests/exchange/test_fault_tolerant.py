@@ -180,7 +180,7 @@ def test_the_start_gate_names_the_workers_that_did_not_arrive():
     from datetime import timedelta
 
     import torch.distributed as dist
-    from megatron_edit.exchange.fault_tolerant import start_gate, start_gate_value
+    from megatron_edit.exchange.run_gate import start_gate, start_gate_value
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     value = start_gate_value("127.0.0.1", store.port, 3, 1.0)
@@ -195,7 +195,7 @@ def test_the_start_gate_names_the_workers_that_did_not_arrive():
 
 
 def test_the_supervisors_workers_come_from_the_gate():
-    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, start_gate_value, supervised_workers
+    from megatron_edit.exchange.run_gate import START_GATE_ENV, start_gate_value, supervised_workers
 
     assert supervised_workers(start_gate_value("host", 5, 3, 600.0)) == 3 and supervised_workers(None) is None
     with pytest.raises(RuntimeError, match=f"{START_GATE_ENV}='nonsense' is not host:port:workers:timeout_s"):

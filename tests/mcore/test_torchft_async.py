@@ -32,7 +32,7 @@ def _ft_async_worker(rank, world_size, worker, lighthouse, spec, workers, gate=N
     """One worker's job: :func:`edit_runs.async_runs` with the torchft backend, on the
     micro-batches its ranks have in the one-world run; ``gate``: a supervisor's start gate (the
     run's first sync waits for every worker)."""
-    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV
+    from megatron_edit.exchange.run_gate import START_GATE_ENV
 
     host, port = ft_jobs.job_store_address()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
@@ -87,7 +87,7 @@ def test_a_edit_over_torchft_goes_on_without_a_dead_worker_and_uses_the_budget_e
     worker's planned steps) and they end identical."""
     import torch.distributed as dist
 
-    from megatron_edit.exchange.fault_tolerant import start_gate_value
+    from megatron_edit.exchange.run_gate import start_gate_value
 
     spec = default_spec(
         local_sgd=dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,

@@ -352,7 +352,7 @@ def _refusals_before_connecting(rank, world_size):
     address is never contacted)."""
     import megatron_edit as me
     from megatron.core import parallel_state as ps
-    from megatron_edit.exchange.fault_tolerant import START_GATE_ENV, start_gate_value
+    from megatron_edit.exchange.run_gate import START_GATE_ENV, start_gate_value
 
     messages = []
     for workers, extra in ((2, dict(min_replicas=3)),

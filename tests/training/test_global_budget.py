@@ -55,6 +55,7 @@ class _Controller:
     def __init__(self, workers=2):
         self.config = SimpleNamespace(use_async=True)
         self.budget_workers = workers
+        self.budget_steps = 1  # known (--train-iters)
         self.global_progress = 0.0
         self.finished = False
         self.last_sync = None

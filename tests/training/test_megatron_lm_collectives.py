@@ -68,7 +68,10 @@ PLAN_ASYNC = "megatron_edit/mcore/async_plan.py:plan:"  # A-EDiT's schedule
         ((), dict(adlr_autoresume=True), "--adlr-autoresume"),
         ((), dict(log_params_norm=True, timing_log_level=2, log_timers_to_tensorboard=True), None),
         (("--local-sgd-async",), dict(log_params_norm=True, timing_log_level=2, train_iters=100), None),
-        (("--local-sgd-async",), dict(train_iters=None, train_samples=1000), "--train-iters"),
+        (("--local-sgd-async",), dict(train_iters=None, train_samples=1000), None),
+        (("--local-sgd-async",), dict(train_iters=None, train_samples=None), "--train-iters or --train-samples"),
+        (("--local-sgd-async",), dict(train_iters=100, step_batch_size_schedule="0:8 100:16"),
+         "--step-batch-size-schedule"),
         (("--local-sgd-async",), dict(train_iters=100, save_interval=10, exit_interval=20), None),
         (("--local-sgd-async",), dict(train_iters=100, save_interval=10, async_save=True), None),
         # Packed sequences: a world all-reduce of their lengths every iteration since 0.18.
@@ -78,7 +81,7 @@ PLAN_ASYNC = "megatron_edit/mcore/async_plan.py:plan:"  # A-EDiT's schedule
     ],
     ids=["exit-duration", "exit-duration-async", "signal-handler", "signal-handler-async", "straggler", "energy",
          "rerun-report-stats", "rerun-validate", "rerun-disabled", "adlr-autoresume",
-         "worker-local-logging", "worker-local-logging-async", "async-needs-train-iters",
+         "worker-local-logging", "worker-local-logging-async", "async-train-samples", "async-needs-a-length", "async-step-batch-schedule",
          "async-save-exit-interval-at-syncs", "async-save", "sft", "inter-document-masking"],
 )
 def test_options_with_collectives_across_workers(argv, options, match):

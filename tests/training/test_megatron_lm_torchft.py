@@ -21,7 +21,7 @@ import pytest
 from megatron_edit.training import follow_heals as fh
 from megatron_edit.training import replica_data as rd
 from megatron_edit.config import ConfigError, NotSupportedYet
-from megatron_edit.exchange.fault_tolerant import START_GATE_ENV
+from megatron_edit.exchange.run_gate import START_GATE_ENV
 from megatron_edit.mcore import compat
 from megatron_edit.training.validation import validate_local_sgd_args
 from test_megatron_lm import (CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, LINE, MOE, MOE_LINES, TINY, _env, _field,

@@ -1,0 +1,103 @@
+"""The supervisor's store (``python -m megatron_edit.supervise``, the main job): where a torchft run's
+workers meet at its start (:func:`start_gate`: the first sync holds every worker) and say what
+model they end with (:func:`record_end`; the supervisor checks that there is one,
+:func:`models_at_the_end`). A TCP store of the supervisor, named to every job it starts by
+:data:`START_GATE_ENV`."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+
+START_GATE_ENV = "MEGATRON_EDIT_FT_START_GATE"
+"""Set by a supervisor (``python -m megatron_edit.supervise``, the main job) for every worker job
+it starts: ``host:port:workers:timeout_s``, a TCP store of the supervisor where a run's first
+sync waits for all its workers (:func:`start_gate`)."""
+
+
+def start_gate_value(host: str, port: int, workers: int, timeout: float) -> str:
+    """The value of :data:`START_GATE_ENV` for a store at ``host:port``."""
+    return f"{host}:{port}:{workers}:{timeout:g}"
+
+
+def _parse_gate(value: str):
+    try:
+        host, port, workers, timeout = value.rsplit(":", 3)
+        return host, int(port), int(workers), float(timeout)
+    except ValueError:
+        raise RuntimeError(f"megatron_edit: {START_GATE_ENV}={value!r} is not host:port:workers:timeout_s "
+                           "(the supervisor sets it; unset it to start without the gate).") from None
+
+
+def supervised_workers(value: Optional[str]) -> Optional[int]:
+    """The number of workers of a supervised run (``value``: :data:`START_GATE_ENV`'s); None
+    without a supervisor."""
+    return _parse_gate(value)[2] if value else None
+
+
+def _end_key(replica_id: int, rank) -> str:
+    return f"end/{replica_id}/{rank}"
+
+
+def record_end(value: Optional[str], replica_id: int, rank: int, world_size: int, digest: str) -> None:
+    """At a worker job's end, rank ``rank`` of worker ``replica_id`` tells the supervisor's store
+    (``value``: :data:`START_GATE_ENV`'s) the digest of the model it ends with (its shards), so
+    that the supervisor can check that every worker ended with one model
+    (:func:`models_at_the_end`). Nothing without ``value``."""
+    if not value:
+        return
+    host, port, _, _ = _parse_gate(value)
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+    store.set(_end_key(replica_id, rank), digest)
+    if rank == 0:
+        store.set(_end_key(replica_id, "ranks"), str(world_size))
+
+
+def models_at_the_end(store, workers: int) -> dict:
+    """What :func:`record_end` left in ``store``: replica id -> the digests of its ranks, in rank
+    order (workers whose job recorded no end are left out)."""
+    ended = {}
+    for w in range(workers):
+        if store.check([_end_key(w, "ranks")]):
+            ranks = int(store.get(_end_key(w, "ranks")))
+            ended[w] = tuple(store.get(_end_key(w, r)).decode() if store.check([_end_key(w, r)]) else None
+                             for r in range(ranks))
+    return ended
+
+
+def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
+    """A run starts with all its workers: rank ``rank`` of worker ``replica_id`` marks itself
+    arrived in the supervisor's store (``value``: :data:`START_GATE_ENV`'s) and waits until rank
+    ``rank`` of every worker has, once in the run (a relaunched worker finds them all there and
+    goes on at once). Call it after this rank's Manager is up and before its first quorum: the
+    first quorum then holds every worker (torchft's Lighthouse forms a quorum once every
+    heartbeating worker asks for it). Nothing without ``value``. After ``timeout_s`` without all
+    of them: one line naming the missing workers."""
+    if not value:
+        return
+    host, port, workers, timeout = _parse_gate(value)
+    if not 0 <= replica_id < workers:
+        raise RuntimeError(
+            f"megatron_edit: --local-sgd-replica-id {replica_id} is not one of the supervisor's {workers} "
+            f"workers (0 .. {workers - 1}).")
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, 1.0)))
+    ended = [w for w in range(workers) if w != replica_id and store.check([_end_key(w, "ranks")])]
+    if ended:
+        raise RuntimeError(
+            f"megatron_edit: worker {replica_id} arrives after the run's end (worker(s) {ended} ended it): it "
+            "would train the run alone from its own start, so it does not start.")
+    keys = [f"start/{rank}/{w}" for w in range(workers)]
+    store.set(keys[replica_id], "1")
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 (TCPStore raises a plain timeout error)
+        missing = [w for w, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(
+            f"megatron_edit: the run's first sync waited {timeout:g} s for worker(s) {missing} (rank {rank}) to "
+            "start; they did not (their jobs' output says why). Raise the supervisor's --start-timeout-s if "
+            "they start slowly.") from None
