@@ -38,6 +38,11 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     if local.sync_backend == "torchft":
         _check_torchft_route(local, args)
+    if get("use_torch_fsdp2"):  # before the distributed optimizer's check: Megatron refuses both together
+        raise ConfigError(
+            "--use-local-sgd does not work with --use-torch-fsdp2: EDiT attaches to Megatron's "
+            "distributed optimizer (or Megatron-FSDP, --use-megatron-fsdp), which FSDP2 replaces. Use "
+            "--use-distributed-optimizer or --use-megatron-fsdp instead.")
     # First: Megatron's validate_args turns --use-distributed-optimizer off for these (0.18+).
     if get("optimizer", "adam") not in ("adam", "sgd") or get("use_layer_wise_distributed_optimizer"):
         raise NotSupportedYet(
@@ -175,8 +180,6 @@ def _check_moe_args(local, args: argparse.Namespace) -> None:
 
 def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
     """Options only Megatron-LM's training loop has."""
-    if getattr(args, "use_torch_fsdp2", False):
-        raise ConfigError("--use-local-sgd does not work with --use-torch-fsdp2.")
     if getattr(args, "num_experts", None):
         _check_moe_args(local, args)
     if (getattr(args, "gtp_weight_remat_size", 1) or 1) > 1:  # 0.19+

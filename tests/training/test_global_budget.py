@@ -171,7 +171,7 @@ def straggler_run(tmp_path_factory):
     return SimpleNamespace(log=log, ranks=ranks, workdir=workdir)
 
 
-def _a_edit_run(workdir, *extra, env=None):
+def _a_edit_run(workdir, *extra, env=None, length=("--train-iters", str(T))):
     """The straggler run of 2 A-EDiT workers through pretrain_gpt.py in ``workdir`` (checkpoints
     in ckpt/; ``extra``: more Megatron flags): (its log, each rank's recorded collectives)."""
     out = workdir / "traffic"
@@ -181,7 +181,7 @@ def _a_edit_run(workdir, *extra, env=None):
            "--overlap-grad-reduce", "--overlap-param-gather", "--use-local-sgd",
            "--local-sgd-sync-interval", str(H), "--local-sgd-warmup-steps", str(WARMUP),
            "--local-sgd-async", "--local-sgd-sync-time", str(SYNC_SECONDS),
-           "--local-sgd-min-total-global-steps", "0", "--train-iters", str(T),
+           "--local-sgd-min-total-global-steps", "0", *length,
            "--save", "ckpt", "--save-interval", str(SAVE_INTERVAL), "--ckpt-format", "torch_dist",
            "--local-sgd-debug", *extra]
     env = {**_env(), "MEGATRON_EDIT_PROBE_SLOW": f"1:{SLOW_SECONDS}", **(env or {})}
@@ -332,3 +332,22 @@ def test_e2e_a_edit_async_save_is_checked_and_finalized_at_syncs(async_save_run)
         assert not off, (data["rank"], off, sorted(plans))
         counts.add(len(checks))
     assert len(counts) == 1, counts  # every rank the same number of checks, in the same order
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_e2e_a_edit_with_train_samples_shares_the_same_budget(tmp_path):
+    """--train-samples T x the global batch size instead of --train-iters T (refused before):
+    the same budget, shared by speed, both workers ending at the final sync, global iteration T."""
+    if not HAVE_CHECKOUT:
+        pytest.skip(HOW_TO_RUN)
+    log, ranks = _a_edit_run(tmp_path, length=("--train-samples", str(T * 8), "--lr-warmup-iters", "0",
+                                                "--lr-warmup-samples", "16"))  # global batch 8
+    run = SimpleNamespace(log=log, ranks=ranks)
+    fast, slow = _steps_per_worker(run)
+    assert fast > T > slow and fast + slow == T * 2, (fast, slow)
+    for data, last in zip(ranks, (fast, slow)):
+        plans = [r["iteration"] for r in data["records"] if any("async_plan.py:plan:" in f for f in r["stack"])]
+        assert plans and plans[-1] == last, (data["rank"], plans, last)
+    assert re.search(rf"saved checkpoint from iteration\s+{T} ", log), log[-3000:]
+

@@ -312,6 +312,8 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
         ((), dict(fp16=True, bf16=False), NotSupportedYet, "use --bf16"),
         ((), dict(loss_scale=1024.0), NotSupportedYet, "loss scaling"),
         ((), dict(use_torch_fsdp2=True), ConfigError, "--use-torch-fsdp2"),
+        # Megatron refuses FSDP2 with the distributed optimizer: FSDP2's line comes first.
+        ((), dict(use_torch_fsdp2=True, use_distributed_optimizer=False), ConfigError, "--use-torch-fsdp2: EDiT"),
         ((), dict(FSDP), None, None),
         ((), dict(FSDP, data_parallel_sharding_strategy="no_shard"), NotSupportedYet,
          "--data-parallel-sharding-strategy no_shard with EDiT on Megatron-FSDP"),
@@ -364,7 +366,7 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
     ],
     ids=["ok", "no-distopt", "workers-do-not-divide", "cp-counts-as-data-parallel",
          "layerwise-needs-overlap-param-gather", "step-end-without-overlap", "fp16", "loss-scale",
-         "fsdp2", "megatron-fsdp", "megatron-fsdp-no-shard", "megatron-fsdp-one-instance",
+         "fsdp2", "fsdp2-without-distopt", "megatron-fsdp", "megatron-fsdp-no-shard", "megatron-fsdp-one-instance",
          "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "megatron-fsdp-bf16-main-params", "megatron-fsdp-moe", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
          "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-auto-fragments", "hash-check-async",
