@@ -10,9 +10,13 @@ import sys
 
 import pytest
 
-from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, REPO
+from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, LINE, REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAVE_CHECKOUT, reason=HOW_TO_RUN)]
+# The tool reads core_v0.19's recipes and launcher path (core_v0.16.1's functional tests stop its
+# launcher at an NCCL_ALGO check before the package's validation: not covered yet).
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAVE_CHECKOUT, reason=HOW_TO_RUN),
+              pytest.mark.skipif(LINE != "0.19", reason=f"the recipe check reads core_v0.19 recipes; megatron-core "
+                                 f"{LINE} is installed (run it with the 0.19.x venv, .venv-newest)")]
 TOOL = REPO / "scripts" / "recipe_check.py"
 
 
@@ -22,7 +26,7 @@ def test_recipes_with_async_save_are_accepted_for_a_edit(tmp_path):
                                 "census", "--scratch", str(tmp_path / "scratch")],
                                capture_output=True, text=True, timeout=300)
     assert collected.returncode == 0, collected.stderr[-3000:]
-    recipes = [r for r in json.loads(collected.stdout) if "--async-save" in r.get("recipe_argv", ())]
+    recipes = [r for r in json.loads(collected.stdout) if "--async-save" in r.get("argv", ())]
     assert recipes, "no recipe of this checkout passes --async-save"
     chosen = [r["id"] for r in recipes[:3]]
     out = tmp_path / "results.json"
