@@ -75,7 +75,11 @@ def test_a_change_mid_run_equals_a_run_resumed_with_the_new_settings(tmp_path):
             _equal(a["final"][key], c["final"][key], key)
 
 
-SIM_ATOL = 2e-4  # as test_delayed_megatron: Megatron's and the simulation's reduction orders differ
+# Megatron's and the simulation's reduction orders differ, and the outer Nesterov step (momentum
+# 0.9) carries the difference on: 2.5e-4 after 10 steps on the CI machine of 2026-12-03 (Intel
+# Xeon, torch 2.13.0+cpu; below 2e-4 on earlier ones, the same value on the code of 8ace44a). The
+# delay switched on one sync late differs by 4.7e-2 (measured), so 1e-3 still tells them apart.
+SIM_ATOL = 1e-3
 # fp32 only: agreed step 0.10 s, exchange 0.08 s: tau = ceil(1.2 x 0.8) = 1 (rank 3 alone: 1 too).
 MEASURED_FP32 = {0: (0.10, {"fp32": 0.08}, 0.0), 1: (0.12, {"fp32": 0.07}, 0.0), 2: (0.11, {"fp32": 0.05}, 0.0),
                  3: (0.13, {"fp32": 0.02}, 0.0)}
