@@ -144,9 +144,9 @@ class FaultTolerantSyncGroup:
         self.healed = False
         """This worker loaded a peer's state at the last :meth:`begin`."""
         self.layout_changed = False
+        """The last :meth:`begin` changed ``size`` or ``rank`` (chunked state must be re-planned)."""
         self.commit_error: Optional[BaseException] = None
         """Why the last :meth:`commit`'s vote failed (None: it did not)."""
-        """The last :meth:`begin` changed ``size`` or ``rank`` (chunked state must be re-planned)."""
 
     @classmethod
     def connect(cls, *, replica_id: int, lighthouse: str, rank: int, world_size: int, store_addr: str,

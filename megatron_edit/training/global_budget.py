@@ -12,7 +12,8 @@ rank; :class:`GlobalBudget` makes it follow the budget instead:
   ``sched-step-global-progress``) and before the data sets are, ``args.train_iters`` becomes
   T x W, what one worker could at most take (and ``--train-samples`` that many global batches).
   The training data set is therefore built W times larger than the synchronous run's: a fast
-  worker reads its ranks' slices of global batches beyond T, and never runs out (the workers read T global batches' worth of samples in total).
+  worker reads its ranks' slices of global batches beyond T, and never runs out (the workers
+  read T global batches' worth of samples in total).
 * **End.** After the ``train_step`` in which the final sync ran, the loop's cap is this
   iteration: every worker leaves the loop right after the final sync, at its own iteration.
   ``train`` then returns T, the common iteration (global progress), so the final checkpoint and
@@ -63,6 +64,11 @@ def _get_args():
     from megatron.training.global_vars import get_args
 
     return get_args()
+
+
+def _device():
+    """Where a collective of Megatron's process groups takes its tensors (NCCL: this rank's GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
 
 def crossed(previous: float, now: float, interval: Optional[int]) -> bool:
@@ -225,8 +231,7 @@ class GlobalBudget:
         from megatron.training import training
 
         minutes = (time.time() - training._TRAIN_START_TIME) / 60.0
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        done = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int, device=device)
+        done = torch.tensor([int(minutes > args.exit_duration_in_mins)], dtype=torch.int, device=_device())
         torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MAX)
         if done.item() and getattr(args, "rank", 0) == 0:
             logger.info("megatron_edit: exiting at A-EDiT's sync after %.1f minutes "
@@ -240,8 +245,7 @@ class GlobalBudget:
         from megatron.training import training
 
         args = _get_args()
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        consumed = torch.tensor([float(args.consumed_train_samples)], dtype=torch.float64, device=device)
+        consumed = torch.tensor([float(args.consumed_train_samples)], dtype=torch.float64, device=_device())
         torch.distributed.all_reduce(consumed, op=torch.distributed.ReduceOp.MAX)
         with _replaced(args, consumed_train_samples=int(consumed.item())):
             training.save_checkpoint_and_time(
