@@ -145,8 +145,6 @@ class FaultTolerantSyncGroup:
         """This worker loaded a peer's state at the last :meth:`begin`."""
         self.layout_changed = False
         """The last :meth:`begin` changed ``size`` or ``rank`` (chunked state must be re-planned)."""
-        self.commit_error: Optional[BaseException] = None
-        """Why the last :meth:`commit`'s vote failed (None: it did not)."""
 
     @classmethod
     def connect(cls, *, replica_id: int, lighthouse: str, rank: int, world_size: int, store_addr: str,
@@ -222,15 +220,8 @@ class FaultTolerantSyncGroup:
 
     def commit(self) -> bool:
         """Whether the sync may be applied (every rank of this worker agrees; a failed
-        collective anywhere in the worker says no). torchft's vote itself may fail when a peer
-        dies or stalls in it (``should_commit`` raises, e.g. ``TimeoutError``): that is "not
-        committed" too, never the end of this worker (:attr:`commit_error` keeps why)."""
-        self.commit_error = None
-        try:
-            return bool(self.manager.should_commit())
-        except (TimeoutError, RuntimeError) as e:
-            self.commit_error = e
-            return False
+        collective anywhere in the worker says no)."""
+        return bool(self.manager.should_commit())
 
     @property
     def step(self) -> int:

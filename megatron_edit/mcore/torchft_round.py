@@ -148,7 +148,7 @@ class TorchftRound:
                 for shard, (residual, chunk_residual) in zip(member.controller.shards, before):
                     shard.residual, shard.chunk_residual = residual, chunk_residual
         if not committed and started and dist.get_rank() == 0:  # one line per worker
-            error = self.group.commit_error or self.group.manager.errored()
+            error = self.group.manager.errored()
             c = started[0].controller
             logger.warning(
                 "megatron_edit: worker %s did not commit the sync after step %d (%d worker(s) in it, "

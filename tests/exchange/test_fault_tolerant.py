@@ -224,25 +224,3 @@ def test_a_worker_advertises_its_address_on_the_route_to_the_lighthouse(monkeypa
     finally:
         transport.shutdown(wait=False)
 
-
-def test_a_failed_commit_vote_is_not_committed_and_says_why():
-    # torchft's should_commit raises when a peer dies or stalls in the vote (a TimeoutError
-    # reproduced with 3 workers): the survivor must not die of it; the round is not committed.
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
-
-    class Manager:
-        def __init__(self, outcome):
-            self.outcome = outcome
-
-        def should_commit(self):
-            if isinstance(self.outcome, BaseException):
-                raise self.outcome
-            return self.outcome
-
-    group = FaultTolerantSyncGroup(Manager(TimeoutError("timed out after 60 s")))
-    assert group.commit() is False and isinstance(group.commit_error, TimeoutError)
-    group.manager.outcome = True
-    assert group.commit() is True and group.commit_error is None
-    group.manager.outcome = ValueError("a defect, not a peer's failure")
-    with pytest.raises(ValueError):
-        group.commit()
