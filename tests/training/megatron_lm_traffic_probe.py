@@ -202,10 +202,13 @@ def slow_down(spec):
 
 def clock_jump(spec):
     """``"3:120"``: ``time.time()`` jumps 120 s ahead once Megatron's training loop is past
-    iteration 3 (on every rank at its own iteration 3): a time limit such as
-    ``--exit-duration-in-mins 1`` is then up from a known iteration on, whatever the machine's
-    speed. Only the wall clock moves (A-EDiT's schedule reads the monotonic clock)."""
-    after, seconds = (float(x) for x in spec.split(":"))
+    iteration 3 (on every rank at its own iteration 3; ``"3:120:1"``: on rank 1 only): a time
+    limit such as ``--exit-duration-in-mins 1`` is then up from a known iteration on, whatever
+    the machine's speed. Only the wall clock moves (A-EDiT's schedule reads the monotonic clock)."""
+    after, seconds, *ranks = spec.split(":")
+    if ranks and os.environ.get("RANK") not in ranks[0].split(","):
+        return
+    after, seconds = float(after), float(seconds)
     real = time.time
 
     def jumped():

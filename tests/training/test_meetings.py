@@ -4,8 +4,8 @@ tests/training/test_megatron_lm.py; skipped with that message otherwise). The de
 tested without the checkout in tests/training/test_megatron_lm_collectives.py and
 tests/training/test_global_budget.py; --async-save with A-EDiT end to end in the latter.
 
-``--exit-duration-in-mins 1`` with the wall clock moved 2 minutes ahead from iteration 5 on (the
-probe's ``MEGATRON_EDIT_PROBE_CLOCK_JUMP``) makes the stop deterministic: Megatron alone would
+``--exit-duration-in-mins 1`` with the wall clock of one rank (worker 1's) moved 2 minutes ahead
+from iteration 5 on (the probe's ``MEGATRON_EDIT_PROBE_CLOCK_JUMP``) makes the stop deterministic: Megatron alone would
 stop after iteration 5; with EDiT every worker stops at the first sync after it (warmup 0, syncs
 every 4: iteration 8); with A-EDiT (the clock moved in its warmup) at its first sync, saving there
 with the sync's common label.
@@ -22,7 +22,9 @@ from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, TINY, _env, _h
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAVE_CHECKOUT, reason=HOW_TO_RUN)]
 H = 4
 EXIT = ["--exit-duration-in-mins", "1"]
-CLOCK = {"MEGATRON_EDIT_PROBE_CLOCK_JUMP": "4:120"}  # 2 minutes ahead from iteration 5 on
+# 2 minutes ahead from iteration 5 on, on rank 1 only (worker 1): Megatron stops every rank when
+# any one is past the time
+CLOCK = {"MEGATRON_EDIT_PROBE_CLOCK_JUMP": "4:120:1"}
 
 
 @pytest.mark.timeout(600)
@@ -47,7 +49,8 @@ def test_edit_exits_on_time_at_the_next_sync_with_a_checkpoint(tmp_path):
 def test_a_edit_exits_on_time_at_the_next_real_sync_with_a_common_label(tmp_path):
     # The clock jumps in the synchronous warmup (iterations 1-2): Megatron alone would stop after
     # iteration 2, each worker at its own; A-EDiT stops at its first sync, global iteration 4.
-    log, ranks = _a_edit_run(tmp_path, *EXIT, env={"MEGATRON_EDIT_PROBE_CLOCK_JUMP": "1:120"})
+    # (on rank 1 only: the slow worker's time is up, and the fast one stops with it)
+    log, ranks = _a_edit_run(tmp_path, *EXIT, env={"MEGATRON_EDIT_PROBE_CLOCK_JUMP": "1:120:1"})
     assert "exiting at A-EDiT's sync after" in log, log[-3000:]
     label = A_WARMUP + A_H
     assert re.search(rf"saved checkpoint from iteration\s+{label} ", log), log[-3000:]
