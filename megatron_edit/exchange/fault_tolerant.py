@@ -24,6 +24,20 @@ same order on every member, one commit per round):
   A worker whose commit fails keeps its local progress; if others committed, its step is behind
   theirs and it heals at the next :meth:`begin`.
 
+**A worker is one unit.** torchft heals, counts steps and votes rank by rank, and an EDiT worker
+is a whole job of many ranks (``worker_group``: its ranks, a gloo group of the job). Two small
+all-reduces inside the worker make every event of a round happen to all its ranks or to none:
+
+* after the quorum, whether each rank received a heal and at which torchft step each stands: a
+  heal is loaded only where every rank of the worker received one (the loads wait until then),
+  and a partial heal (one rank's transfer failed) loads nothing anywhere, fails the round on
+  every rank and sets every rank's step to the worker's lowest, so the whole worker is behind and
+  heals again at the next quorum;
+* after the vote, whether every rank committed: a rank whose vote failed (``should_commit``
+  raising ``TimeoutError`` when its reply is lost or a peer stalls in it) is "not committed", and
+  so is the rest of its worker, whose ranks that had counted the round set their step back (the
+  worker heals at the next quorum if others committed).
+
 torchft is an optional dependency (``pip install megatron_edit[ft]``): imported only by
 :meth:`FaultTolerantSyncGroup.connect`. Its quantized all-reduce (``should_quantize``) is CUDA
 only; megatron_edit's own quantized exchange (all-to-all + all-gather) runs over this group.
@@ -32,14 +46,18 @@ only; megatron_edit's own quantized exchange (all-to-all + all-gather) runs over
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 from urllib.parse import urlparse
 
 import torch
+import torch.distributed as dist
 
 from .groups import CommCounters, _Done, all_reduce_bytes
+
+logger = logging.getLogger(__name__)
 
 
 def route_address(address: str) -> str:
@@ -127,9 +145,12 @@ class FaultTolerantSyncGroup:
     dynamic = True
     """The workers may change from one sync to the next (:meth:`begin` says which)."""
 
-    def __init__(self, manager, replica_id: int = 0):
+    def __init__(self, manager, replica_id: int = 0, worker_group=None):
         self.manager = manager
         self.replica_id = replica_id
+        self.worker_group = worker_group
+        """This worker's ranks (a gloo group of its job; None: a worker of one rank), over which
+        they agree on each heal and vote (see the module)."""
         self.group = None  # not a torch.distributed group
         self.size = 1
         self.rank = 0
@@ -142,18 +163,29 @@ class FaultTolerantSyncGroup:
         """Workers that trained since the last sync, in the current one (the mean's divisor)."""
         self.counters = CommCounters()
         self.healed = False
-        """This worker loaded a peer's state at the last :meth:`begin`."""
+        """This rank loaded a peer's state at the last :meth:`begin`."""
+        self.caught_up = False
+        """Every rank of this worker healed to the others' later step at the last :meth:`begin`
+        (it was behind them)."""
         self.layout_changed = False
         """The last :meth:`begin` changed ``size`` or ``rank`` (chunked state must be re-planned)."""
+        self.partial_heals = 0
+        """Rounds whose heal reached some ranks of this worker only (none loaded it; see the module)."""
+        self.commit_error: Optional[BaseException] = None
+        """Why this rank's last vote failed (None: it did not); its worker did not commit."""
+        self._received: List[tuple] = []
+        """The heals this rank's quorum received, ``(load, state)``, loaded once the worker agrees."""
 
     @classmethod
     def connect(cls, *, replica_id: int, lighthouse: str, rank: int, world_size: int, store_addr: str,
                 store_port: int, min_replicas: int = 1, timeout: float = 60.0,
-                quorum_timeout: float = 1800.0, connect_timeout: float = 60.0) -> "FaultTolerantSyncGroup":
+                quorum_timeout: float = 1800.0, connect_timeout: float = 60.0,
+                worker_group=None) -> "FaultTolerantSyncGroup":
         """One Manager for this rank: ``rank`` / ``world_size`` inside the worker's own job, whose
         TCP store is at ``store_addr:store_port`` (rank 0 hosts the worker's Manager server there);
         ``timeout``: collectives, commit and healing; ``quorum_timeout``: the wait for a sync's
-        quorum (a worker waits there for the others' next sync)."""
+        quorum (a worker waits there for the others' next sync); ``worker_group``: the job's
+        ranks (a gloo group; None: a job of one rank)."""
         from torchft import Manager, ProcessGroupGloo
 
         try:
@@ -173,28 +205,27 @@ class FaultTolerantSyncGroup:
                 f"with the Lighthouse at {lighthouse} (--local-sgd-lighthouse / TORCHFT_LIGHTHOUSE) within "
                 f"{connect_timeout:g} s: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
             ) from error
-        return cls(manager, replica_id)
+        return cls(manager, replica_id, worker_group)
 
     def register_state(self, key: str, load: Callable[[object], None], save: Callable[[], object]) -> None:
         """What a peer sends a healing worker under ``key``: ``save()`` runs in this rank's quorum
         thread and its CPU tensors are served by reference until :meth:`commit` (so nothing it
-        returns may change before); ``load(state)`` runs in :meth:`begin` on the main thread."""
-
-        def loading(state) -> None:
-            self.healed = True
-            load(state)
-
-        self.manager.register_state_dict_fn(key, loading, save)
+        returns may change before); ``load(state)`` runs in :meth:`begin` on the main thread,
+        once every rank of the worker has received its heal (and on none otherwise)."""
+        self.manager.register_state_dict_fn(key, lambda state: self._received.append((load, state)), save)
 
     # ------------------------------------------------------------------ the round
     def begin(self, contributed: bool) -> None:
         """Start a sync: the quorum (healing this worker from a peer if it is behind), then who
         is in it and which of them trained since the last sync (``contributed``: this worker
         did; a worker that has just healed did not)."""
-        self.healed = False
+        self.healed = self.caught_up = False
         before = (self.size, self.rank)
+        counted = self.manager.state_dict()
+        self._received = []
         self.manager.start_quorum()
         self._refuse_shared_replica_id()
+        self._heal_as_one(counted)
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
         self.size, self.rank = max(int(participants), 1), int(rank or 0)
@@ -218,10 +249,62 @@ class FaultTolerantSyncGroup:
                 f"megatron_edit: two workers of the sync have --local-sgd-replica-id {shared[0] // per_worker}: "
                 "give every worker its own id (a relaunched worker keeps its dead predecessor's).")
 
+    def _heal_as_one(self, counted: dict) -> None:
+        """After the quorum: load the heal every rank of this worker received, or none (see the
+        module). ``counted``: this rank's torchft counters before the quorum."""
+        loads, self._received = self._received, []
+        step = self.manager.current_step()
+        moved = bool(loads) and step != counted["step"]  # a heal to the others' later step
+        low, high = self.worker_min_max([float(moved), float(step), float(counted["step"])])
+        if low[:2] == high[:2]:  # all or none, at one step
+            for load, state in loads:  # (a fresh run's first round, init_sync: rank r of every
+                load(state)            # worker takes one worker's rank r, not all the same one)
+            self.healed, self.caught_up = bool(loads), moved
+            return
+        self.partial_heals += 1
+        self.manager.load_state_dict({**counted, "step": int(low[2])})  # the whole worker behind: it heals again
+        error = RuntimeError(
+            f"megatron_edit: worker {self.replica_id}'s heal reached some of its ranks only (a transfer failed, or its "
+            "ranks stood at different steps): none loaded it; the worker heals again at the next sync.")
+        self.manager.report_error(error)
+        if self._worker_rank() == 0:
+            logger.warning("%s", error)
+
     def commit(self) -> bool:
-        """Whether the sync may be applied (every rank of this worker agrees; a failed
-        collective anywhere in the worker says no)."""
-        return bool(self.manager.should_commit())
+        """Whether the sync may be applied: every rank of this worker voted yes and torchft
+        committed (a failed collective anywhere in the worker says no). torchft's vote itself may
+        fail on one rank (``should_commit`` raising, e.g. ``TimeoutError``, when its reply is
+        lost): that is "not committed" for the whole worker (:attr:`commit_error` keeps why), never
+        the end of this one, and the ranks that had counted the round set their step back."""
+        self.commit_error = None
+        counted = self.manager.state_dict()
+        try:
+            voted = bool(self.manager.should_commit())
+        except (TimeoutError, RuntimeError) as error:  # torchft's client raises plain RuntimeErrors
+            voted, self.commit_error = False, error
+        low, _ = self.worker_min_max([float(voted)])
+        if low[0] < 1:  # the whole worker did not commit: no rank counts the round
+            self.manager.load_state_dict(counted)
+        return low[0] >= 1
+
+    def worker_min_max(self, values: List[float]) -> tuple:
+        """``(min, max)`` of each of ``values`` over this worker's ranks (one small all-reduce)."""
+        both = torch.tensor([*values, *(-v for v in values)], dtype=torch.float64)
+        if self.worker_group is not None:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.worker_group)
+        n = len(values)
+        return [-x for x in both[n:].tolist()], both[:n].tolist()
+
+    def same_in_worker(self, value):
+        """``value`` as this worker's first rank has it, on every rank (a small object)."""
+        if self.worker_group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.worker_group, 0), group=self.worker_group)
+        return box[0]
+
+    def _worker_rank(self) -> int:
+        return 0 if self.worker_group is None else dist.get_rank(self.worker_group)
 
     @property
     def step(self) -> int:
@@ -305,8 +388,6 @@ class FaultTolerantSyncGroup:
         them, then across the workers (one small all-gather; zeros where the round has failed),
         then over them again, so every rank of this worker holds the same figures even where the
         round failed on some of its ranks only (the worker then commits nothing)."""
-        import torch.distributed as dist
-
         local = dist.get_world_size(group) > 1
         if local:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

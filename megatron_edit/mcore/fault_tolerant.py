@@ -37,6 +37,7 @@ after a fresh run's join (:meth:`TorchftBackend.start_from_torch_backend`).
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -94,11 +95,15 @@ class TorchftBackend:
                 "megatron_edit: --local-sgd-sync-backend torchft needs the job's store in MASTER_ADDR / "
                 "MASTER_PORT (torchrun sets them) for the worker's torchft Manager.")
         timeout = config.sync_timeout if config.sync_timeout is not None else dist.default_pg_timeout.total_seconds()
+        # The worker's ranks agree on each heal and vote over a gloo group of the job (see
+        # FaultTolerantSyncGroup): a few numbers, off the training's NCCL groups.
+        worker_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+            if dist.get_world_size() > 1 else None
         self.group = FaultTolerantSyncGroup.connect(
             replica_id=config.replica_id, lighthouse=config.lighthouse_address, rank=dist.get_rank(),
             world_size=dist.get_world_size(), store_addr=addr, store_port=int(port),
             min_replicas=config.min_replicas, timeout=timeout, quorum_timeout=max(timeout, 1800.0),
-            connect_timeout=min(timeout, 60.0))
+            connect_timeout=min(timeout, 60.0), worker_group=worker_group)
         self.sync_group = CountedView(self.group)
         """What the controller's exchange runs over: the group, with this controller's own counters."""
         self.round = TorchftRound(self.group, expected)
@@ -219,6 +224,13 @@ class TorchftBackend:
             shard.residual = None
             shard.chunk_residual = None
         c.outer_state.optimizer.load_state_dict(state["outer"])
+        self._set_ledger(state["ewma"])
+        self.load_counters(state)
+
+    def load_counters(self, state: dict) -> None:
+        """The counters of a heal state (:data:`~megatron_edit.mcore.torchft_round.COUNTERS`):
+        where the worker it came from stands in the run."""
+        c = self.controller
         c.steps_done = int(state["step"])  # the peer's count where it is in the sync (see save)
         c.move_progress(state["global_progress"])  # the learning-rate schedule follows
         if state["plan"] is not None:  # A-EDiT: the run's workers, the budget used, the speeds
@@ -231,7 +243,6 @@ class TorchftBackend:
             # with the others) while its optimizer is built, before Megatron-LM tells it the
             # run's length; planned without the budget it would overrun it.
             c.async_plan.budget_steps = int(state["budget_steps"])
-        self._set_ledger(state["ewma"])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

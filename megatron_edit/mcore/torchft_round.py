@@ -43,6 +43,9 @@ from .worker_layout import is_expert_optimizer
 
 STATE_KEY = "megatron_edit"
 """The torchft state key under which a healing peer's same rank receives every controller's state."""
+COUNTERS = ("step", "last_sync_step", "last_step", "plan", "budget_steps", "global_progress")
+"""What a controller's heal state holds of its worker's own (its steps and progress; A-EDiT's
+plan): one peer's for every rank of the healing worker."""
 logger = logging.getLogger(__name__)
 
 
@@ -72,6 +75,8 @@ class TorchftRound:
         """The others' sync step this worker healed into at the open round's quorum (None: no heal)."""
         self.joined = False
         self.closed = False
+        self._healed_counters: Optional[dict] = None
+        """The counters of the peer this rank healed from at the open round's quorum."""
         self.residuals_before: dict = {}
         """Each started member's error-feedback residuals from before the open round (see
         :meth:`begin`)."""
@@ -103,6 +108,8 @@ class TorchftRound:
         if not self.started:
             self.step, self.healed_sync_step = step, None
             self.group.begin(contributed)
+            if self.group.caught_up:
+                self._counters_from_one_source()
         else:  # every controller of the process syncs after the same steps (one config)
             expected = self.step if self.healed_sync_step is None else self.healed_sync_step
             if step != expected:
@@ -237,8 +244,20 @@ class TorchftRound:
                 f"megatron_edit: the peer this worker heals from has {len(state['members'])} EDiT optimizer(s) "
                 f"and this worker {len(self.members)}: every worker of a torchft run needs the same model and layout.")
         self.healed_sync_step = int(state["sync_step"])
+        self._healed_counters = dict(sync_step=state["sync_step"],
+                                     members=[{k: part[k] for k in COUNTERS} for part in state["members"]])
         for member, part in zip(self.members, state["members"]):
             member.load(part)
+
+    def _counters_from_one_source(self) -> None:
+        """After a heal of the whole worker: every rank takes the counters of the peer its first
+        rank healed from. torchft serves rank r from worker (i + r) mod n, and under A-EDiT each
+        worker has its own step counts and progress (the shards' state is the same on every
+        worker)."""
+        counters = self.group.same_in_worker(self._healed_counters)
+        self.healed_sync_step = int(counters["sync_step"])
+        for member, mine in zip(self.members, counters["members"]):
+            member.load_counters(mine)
 
     def close(self) -> None:
         """Shut this rank's Manager down (the end of the run; once, whichever member asks)."""

@@ -224,3 +224,37 @@ def test_a_worker_advertises_its_address_on_the_route_to_the_lighthouse(monkeypa
     finally:
         transport.shutdown(wait=False)
 
+
+
+def test_a_failed_commit_vote_is_not_committed_says_why_and_counts_no_round():
+    # torchft's should_commit raises when the reply to a rank's vote is lost or a peer stalls
+    # in it (TimeoutError): that rank must not die of it, and the round is not committed; the
+    # Manager's counters stay as before the vote (here a worker of one rank; the ranks of a
+    # worker agree: tests/mcore/test_torchft_megatron.py).
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    class Manager:
+        def __init__(self, outcome):
+            self.outcome, self.counters = outcome, {"step": 3, "batches_committed": 6}
+
+        def state_dict(self):
+            return dict(self.counters)
+
+        def load_state_dict(self, state):
+            self.counters = dict(state)
+
+        def should_commit(self):
+            if isinstance(self.outcome, BaseException):
+                self.counters["step"] += 1  # whatever it did before raising is undone
+                raise self.outcome
+            self.counters["step"] += int(self.outcome)
+            return self.outcome
+
+    group = FaultTolerantSyncGroup(Manager(TimeoutError("timed out after 60 s")))
+    assert group.commit() is False and isinstance(group.commit_error, TimeoutError)
+    assert group.manager.counters["step"] == 3
+    group.manager.outcome = True
+    assert group.commit() is True and group.commit_error is None and group.manager.counters["step"] == 4
+    group.manager.outcome = ValueError("a defect, not a peer's failure")
+    with pytest.raises(ValueError):
+        group.commit()

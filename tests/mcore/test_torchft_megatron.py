@@ -140,11 +140,12 @@ def _anchor_digest(controller) -> str:
 _wait_file = ft_jobs.wait_file
 
 
-def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=False):
+def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=False, failed_heal=False):
     """One worker's job: EDiT H=2 over torchft for HEAL_TOTAL steps, every sync logged (one JSON
     line per sync in ``ctl``). The first jobs stop before step 5 until the test has killed worker
     1 (it is killed there, between its syncs 4 and 6); worker 0 then stops before step 7 until the
-    relaunched worker 1 (``joiner``) waits in its join round's quorum. ``grow``: nobody is killed;
+    relaunched worker 1 (``joiner``) waits in its join round's quorum. ``failed_heal``: the
+    joiner's rank 1's first heal transfer raises (its rank 0's succeeds). ``grow``: nobody is killed;
     the first jobs (workers 0 and 1) stop before step 5 until a new worker 2 (``joiner``) waits in
     its join round's quorum, so that it joins them at their sync 6; with the penalty on
     (norm-weighted averaging and anomaly exclusion), whose statistics a joiner heals with, and
@@ -167,7 +168,8 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     fragments = 1 if grow else 2
     me.patch_megatron_for_local_sgd(
         me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H * fragments, fragments=fragments, sync_mode="step_end",
-                          sync_backend="torchft", replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0,
+                          sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
+                          sync_timeout=120.0 if grow else 30.0,  # the failed heal's round: worker 0 waits it out
                           skip_anomaly=grow, pseudo_gradnorm_reduce=grow, outer_step_delay=int(grow)),
         me.OuterOptimizerConfig())
     begin = FaultTolerantSyncGroup.begin
@@ -186,6 +188,18 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
         return begin(self, contributed)
 
     FaultTolerantSyncGroup.begin = announced
+    if failed_heal and rank == 1:
+        from torchft.checkpointing import HTTPTransport
+
+        receive, failed = HTTPTransport.recv_checkpoint, []
+
+        def fails_once(self, *args, **kwargs):
+            if not failed:
+                failed.append(True)
+                raise ConnectionError("injected: rank 1's heal transfer failed")
+            return receive(self, *args, **kwargs)
+
+        HTTPTransport.recv_checkpoint = fails_once
     ddp, optimizer = _build(default_spec(instances=1), 1, 1)  # the join round runs in here
     (c,) = me.get_local_sgd(optimizer)
     me.set_train_iters(optimizer, HEAL_TOTAL)  # the last step syncs every shard: identical workers at the end
@@ -211,6 +225,8 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     momentum = [c.outer_optimizer.state[a]["momentum_buffer"].clone() for a in c.outer_optimizer.param_groups[0]["params"]]
     out = dict(params=named_params(ddp), anchors=[s.anchor.clone() for s in c.shards], momentum=momentum,
                steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid(),
+               counters=(c.steps_done, c._last_sync_step, c.last_step, c.global_progress),
+               partial_heals=c.ft.group.partial_heals,
                ewma={w: stats.state_dict() for w, stats in c.sync.ewma_by_worker.items()})
     c.ft.close()
     me.unpatch_megatron_for_local_sgd()
@@ -221,12 +237,15 @@ _events, _until = ft_jobs.events, ft_jobs.until
 
 
 @pytest.mark.timeout(3 * TIMEOUT)
-def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_path):
+def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(tmp_path):
     """2 workers x 2 ranks, 2 streaming fragments. Worker 1's job is SIGKILLed between its
-    syncs 4 and 6; worker 0 commits sync 6 alone (nothing restarts); a fresh job for worker 1
-    joins at sync 8 (its join round exchanges the fragment due there, as worker 0's sync does),
-    heals from worker 0's same rank and is bit-identical to it from then on (anchors, outer
-    momentum, parameters after the last step's sync of every shard)."""
+    syncs 4 and 6; worker 0 commits sync 6 alone (nothing restarts). A fresh job for worker 1
+    joins at sync 8, where its rank 1's heal transfer fails and its rank 0's succeeds: neither
+    loads its heal, the round fails on both (worker 0's sync 8 is not committed once its
+    collectives time out; worker 0 never crashes), and both ranks stay behind. At the joiner's
+    next sync (after its own step 2) both heal into worker 0's sync 10 together, and from then on
+    the joiner is bit-identical to worker 0 (anchors, outer momentum, torchft steps, step counters,
+    parameters after the last step's sync of every shard)."""
     ctl = str(tmp_path)
     synced = lambda w, step, **kw: all(  # noqa: E731
         any(e["ev"] == "sync" and e["step"] == step and all(e[k] == v for k, v in kw.items())
@@ -241,23 +260,26 @@ def test_a_killed_worker_is_relaunched_and_heals_while_the_other_goes_on(tmp_pat
         victim.kill()  # every rank of the job: what torchrun's agent does when one dies
         open(os.path.join(ctl, "killed"), "w").close()
         _until(lambda: synced(0, 6, workers=1, committed=True), "worker 0's sync 6 alone")
-        joiner = start(_healing_worker, RANKS, 1, addr, ctl, True, timeout=2 * TIMEOUT)
+        joiner = start(_healing_worker, RANKS, 1, addr, ctl, True, False, True, timeout=2 * TIMEOUT)
         final0, final1 = ft_jobs.all_results([survivor, joiner])
     for r in range(RANKS):
         ev0 = [e for e in _events(ctl, 0, r) if e["ev"] == "sync"]
-        assert [(e["step"], e["workers"], e["committed"], e["fragment"]) for e in ev0] == [
-            (2, 2, True, 1), (4, 2, True, 0), (6, 1, True, 1), (8, 2, True, 0), (10, 2, True, 1),
-            (12, 2, True, None)]  # the last step: every shard
+        assert [(e["step"], e["committed"], e["fragment"]) for e in ev0] == [
+            (2, True, 1), (4, True, 0), (6, True, 1), (8, False, 0), (10, True, 1),
+            (12, True, None)]  # the last step: every shard
+        assert [e["workers"] for e in ev0 if e["step"] != 8] == [2, 2, 1, 2, 2]
+        assert ev0[3]["anchor"] == ev0[2]["anchor"]  # sync 8: nothing applied
         assert len({e["pid"] for e in _events(ctl, 0, r)}) == 1  # the survivor never restarted
         new = [e for e in _events(ctl, 1, r) if e["pid"] == final1[r]["pid"]]
         joined, *syncs = new
-        # the join round was worker 0's sync 8: healed there, to the same anchor bits
-        assert joined["ev"] == "joined" and joined["healed"] and joined["step"] == 8
-        assert joined["anchor"] == next(e["anchor"] for e in ev0 if e["step"] == 8)
+        # the join round was worker 0's sync 8: a partial heal, loaded by neither rank
+        assert joined["ev"] == "joined" and not joined["healed"] and joined["step"] == 0
         assert [(e["step"], e["workers"]) for e in syncs] == [(10, 2), (12, 2)]
         assert [e["anchor"] for e in syncs] == [e["anchor"] for e in ev0[-2:]]
         a, b = final0[r], final1[r]
+        assert (a["partial_heals"], b["partial_heals"]) == (0, 1)
         assert (a["steps"], b["steps"]) == (HEAL_TOTAL, HEAL_TOTAL) and a["manager_step"] == b["manager_step"]
+        assert a["counters"] == b["counters"] == final1[0]["counters"]
         assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
         assert all(torch.equal(x, y) for x, y in zip(a["momentum"], b["momentum"]))
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
@@ -821,3 +843,54 @@ def test_a_round_that_does_not_commit_keeps_the_error_feedback_residual_from_bef
     assert all(r is not None for r in before) and any(r.abs().sum() > 0 for r in before)
     assert all(a is not None and torch.equal(a, b) for a, b in zip(after, before))
     assert any(not torch.equal(c, b) for c, b in zip(later, before))  # the next round used it
+
+
+# ---------------------------------------------------------------------- one rank's vote lost
+def _vote_reply_lost(rank, world_size, worker, lighthouse, spec):
+    """``_ft_worker``, where rank 1 of worker 1 loses torchft's reply to its vote of the round
+    of step 4 (the vote was counted: its worker's rank 0 hears "commit")."""
+    from torchft import Manager
+
+    from megatron_edit.mcore.process_state import PROCESS
+
+    class Client:  # the Manager's client of its worker's Manager server (torchft's Rust class)
+        def __init__(self, client):
+            self.client = client
+
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+
+        def should_commit(self, *args, **kwargs):
+            out = self.client.should_commit(*args, **kwargs)
+            if getattr(PROCESS.torchft_round, "step", None) == 4:
+                raise TimeoutError("injected: the reply to rank 1's vote was lost")
+            return out
+
+    vote = Manager.should_commit
+
+    def lost(self, *args, **kwargs):
+        if worker == 1 and rank == 1 and not isinstance(self._client, Client):
+            self._client = Client(self._client)
+        return vote(self, *args, **kwargs)
+
+    Manager.should_commit = lost
+    return _ft_worker(rank, world_size, worker, lighthouse, spec)
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_vote_lost_on_one_rank_fails_the_round_for_its_whole_worker():
+    """2 workers x 2 ranks, H = 2, 8 steps. torchft's reply to one rank's vote of the round of
+    step 4 is lost (``should_commit`` raises TimeoutError on rank 1 of worker 1, after its vote
+    was counted). That rank does not die, and its worker does not split: neither of its ranks
+    applies sync 4 (the one that heard "commit" sets its torchft step back), worker 0 applies it,
+    and at sync 6 both ranks of worker 1 heal from worker 0 together; the run ends with one model
+    on every rank of both workers."""
+    spec = default_spec(steps=8, local_sgd=dict(local_sgd_sync_interval=2))
+    with ft_jobs.jobs_and_lighthouse(min_replicas=WORKERS) as (server, start):
+        jobs = [start(_vote_reply_lost, RANKS, w, server.address(), spec, timeout=TIMEOUT) for w in range(WORKERS)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]  # worker-major
+    committed = [[(r.step, r.committed) for r in run["reports"]] for run in ft]
+    assert committed[:RANKS] == [[(2, True), (4, True), (6, True), (8, True)]] * RANKS
+    assert committed[RANKS:] == [[(2, True), (4, False), (6, True), (8, True)]] * RANKS
+    for r in range(RANKS):
+        assert _max_diff(ft[r]["params"], ft[RANKS + r]["params"]) == 0.0, f"rank {r}"
