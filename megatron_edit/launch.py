@@ -235,6 +235,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         _refuse(str(e))
     if not os.path.isfile(opts.script):
         raise SystemExit(f"megatron_edit.launch: no such script: {opts.script}")
+    if "LOCAL_RANK" in os.environ:  # a rank of torchrun: it ends with its launcher
+        from .exchange.job_processes import watch_launcher
+
+        watch_launcher()
     cpu = _use_cpu(opts)
     if cpu:
         quiet_upstream_warnings(cpu=True)

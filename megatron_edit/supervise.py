@@ -94,33 +94,48 @@ class Worker:
         self.env = env
         self.proc: Optional[subprocess.Popen] = None
         self.started = 0.0
+        self.starts = 0
         self.done = False
 
+    @property
+    def tag(self) -> str:
+        """The current job's tag (:data:`~megatron_edit.exchange.job_processes.JOB_ENV`)."""
+        return f"{os.getpid()}.{self.replica_id}.{self.starts}"
+
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.command, env=self.env, start_new_session=True)
+        """Start the job once no process of its previous one lives (:meth:`stop` saw to it)."""
+        from .exchange.job_processes import JOB_ENV, watched_env
+
+        self.starts += 1
+        env = watched_env(dict(self.env, **{JOB_ENV: self.tag}))  # its ranks end if this process dies
+        self.proc = subprocess.Popen(self.command, env=env, start_new_session=True)
         self.started = time.monotonic()
 
-    def stop(self) -> None:
+    def stop(self) -> List[int]:
         """SIGTERM the job's session, SIGKILL what is left after 10 s (at once when the job's
-        leader has ended: what is left of its session)."""
+        leader has ended), then every process of the job wherever it is (torchrun starts each
+        rank in a session of its own, which outlives a launcher that was SIGKILLed alone).
+        Returns the processes of the job still alive 30 s later (none, unless one cannot be killed)."""
+        from .exchange.job_processes import end_job
+
         if self.proc is None:
-            return
-        if self.proc.poll() is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            return
+            return []
         for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            if self.proc.poll() is not None:
+                break
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                return
+                break
             try:
                 self.proc.wait(timeout=wait)
-                return
             except subprocess.TimeoutExpired:
                 continue
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return end_job(self.tag)
 
 
 def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -> int:
@@ -135,7 +150,7 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
 
-    from .exchange.fault_tolerant import is_loopback
+    from .exchange.addresses import is_loopback
     from .exchange.run_gate import START_GATE_ENV, start_gate_value
 
     lighthouse = LighthouseServer(bind=args.bind, min_replicas=1, join_timeout_ms=args.join_timeout_ms,
@@ -178,7 +193,12 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
                 if code == 0:
                     worker.done = True
                     continue
-                worker.stop()  # what is left of its session
+                left = worker.stop()  # what is left of it: none may share its replica id with the relaunch
+                if left:
+                    print(f"{prog}: worker {worker.replica_id}'s job exited with code {code}, and its processes "
+                          f"{left} could not be ended within 30 s: a relaunch would share their replica id; "
+                          "stopping.", file=sys.stderr, flush=True)
+                    return 1
                 finished = [w.replica_id for w in workers if w.done]
                 if finished:  # a fresh job would wait for a quorum that nobody else joins any more
                     print(f"{prog}: worker {worker.replica_id} exited with code {code} after {alive:.1f} s, when "

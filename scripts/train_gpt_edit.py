@@ -924,6 +924,9 @@ def main(argv=None):
     setup_logging(args.local_sgd_debug)
     quiet_upstream_warnings()
     USER_STOP.install()
+    from megatron_edit.exchange.job_processes import watch_launcher
+
+    watch_launcher()  # a launcher SIGKILLed alone (or the main job) leaves no rank behind
     torch.set_num_threads(1)
     from megatron_edit.cpu import adapter as cpu_adapter
 

@@ -245,3 +245,111 @@ def test_a_worker_arriving_after_the_runs_end_does_not_train_alone(tmp_path):
     assert "worker 1 arrives after the run's end (worker(s) [0] ended it)" in result.stderr
     assert not (folder / "r1-trained").exists()
 
+
+
+# ---------------------------------------------------------------------- a launcher dies alone
+RANK = """
+import os, sys, time
+folder, watch = sys.argv[1], sys.argv[2] == "watch"
+if watch:
+    from megatron_edit.exchange.job_processes import watch_launcher
+    watch_launcher(interval=0.2)
+start = int(os.environ.get("MEGATRON_EDIT_JOB", "0.0.1").rsplit(".", 1)[1]) - 1  # the supervisor's start: 0, 1, ...
+rank = os.environ["LOCAL_RANK"]
+if rank == "0" and start == 0:
+    with open(os.path.join(folder, "launcher-0.tmp"), "w") as f:
+        f.write(str(os.getppid()))
+    os.replace(os.path.join(folder, "launcher-0.tmp"), os.path.join(folder, "launcher-0"))
+if start > 0:  # the relaunch: none of the first job's ranks may live
+    with open(os.path.join(folder, f"rank{rank}-0")) as f:
+        pid = int(f.read())
+    alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"
+    with open(os.path.join(folder, f"relaunch-rank{rank}"), "w") as f:
+        f.write("alive" if alive else "gone")
+    sys.exit(0)
+with open(os.path.join(folder, f"rank{rank}-0.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(folder, f"rank{rank}-0.tmp"), os.path.join(folder, f"rank{rank}-0"))
+time.sleep(120)  # until the test kills its launcher alone, and the rank ends with it (or is ended)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(predicate, timeout: float, what: str) -> float:
+    import time
+
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"waited {timeout} s for {what}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def _torchrun_ranks(tmp_path, watch: bool):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+               str(folder), "watch" if watch else "plain"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    return command, env, folder
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="Linux: the test reads /proc")
+def test_a_rank_ends_within_seconds_of_its_launchers_death(tmp_path):
+    # torchrun starts each rank in a session of its own: SIGKILL of torchrun alone (a node
+    # agent, an OOM killer) used to leave its ranks running. A rank that watches its launcher
+    # (the torchft backend, megatron_edit.launch and the main job's ranks do) ends with it.
+    import signal
+
+    command, env, folder = _torchrun_ranks(tmp_path, watch=True)
+    launcher = subprocess.Popen(command, env=env, cwd=ROOT, start_new_session=True)
+    ranks = []
+    try:
+        _wait(lambda: all((folder / f"rank{r}-0").exists() for r in range(2)), 120, "both ranks")
+        ranks = [int((folder / f"rank{r}-0").read_text()) for r in range(2)]
+        os.kill(launcher.pid, signal.SIGKILL)
+        took = _wait(lambda: not any(_alive(p) for p in ranks), 30, "the ranks to end")
+        assert took < 10
+    finally:
+        for pid in ranks + [launcher.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="Linux: the test reads /proc")
+def test_the_supervisor_relaunches_a_worker_only_once_every_process_of_its_job_is_gone(tmp_path):
+    # Ranks that do not watch their launcher (any training script) outlive a launcher SIGKILLed
+    # alone; the supervisor finds every process of the job (its tag in their environment) and
+    # ends them before the relaunch, which would otherwise share their replica id.
+    import signal
+
+    command, env, folder = _torchrun_ranks(tmp_path, watch=False)
+    command.append("{replica_id}")  # (the supervisor's placeholder; the script ignores it)
+    sup = subprocess.Popen([sys.executable, "-m", "megatron_edit.supervise", "--workers", "1", "--", *command],
+                           env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: (folder / "launcher-0").exists() and all((folder / f"rank{r}-0").exists() for r in range(2)),
+              120, "the first job's ranks")
+        os.kill(int((folder / "launcher-0").read_text()), signal.SIGKILL)
+        out, err = sup.communicate(timeout=120)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    assert sup.returncode == 0, out + err
+    assert "relaunching it as a fresh job" in out
+    assert [(folder / f"relaunch-rank{r}").read_text() for r in range(2)] == ["gone", "gone"]

@@ -45,69 +45,17 @@ only; megatron_edit's own quantized exchange (all-to-all + all-gather) runs over
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import socket
 from datetime import timedelta
 from typing import Callable, List, Optional
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
+from .addresses import advertised_addresses, heal_transport, url_host
 from .groups import CommCounters, _Done, all_reduce_bytes
 
 logger = logging.getLogger(__name__)
-
-
-def route_address(address: str) -> str:
-    """This machine's address on its route to ``address`` (a URL such as the Lighthouse's, or
-    host:port): where a machine that reaches ``address`` reaches this one. A UDP socket's
-    ``connect`` picks the route and sends nothing."""
-    parsed = urlparse(address if "//" in address else f"//{address}")
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
-    family, kind, proto, _, target = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.connect(target)
-        return probe.getsockname()[0]
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or an address) resolves to this machine's loopback only."""
-    try:
-        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
-    except (socket.gaierror, ValueError):
-        return False
-
-
-def advertised_addresses(lighthouse: str, store_addr: str) -> tuple:
-    """(the host this rank's torchft Manager and heal server are reached at, the worker's store
-    address the other workers' ranks are given) for a Lighthouse at ``lighthouse`` and this job's
-    store at ``store_addr`` (``MASTER_ADDR``).
-
-    torchft advertises ``socket.gethostname()``, and a job started by ``torchrun --standalone``
-    has ``MASTER_ADDR=localhost``: on another node (or wherever the host name resolves to a
-    loopback address, as in many containers) neither reaches this one. Both become this
-    machine's address on its route to the Lighthouse, which every worker reaches; a job whose
-    store is on another machine (a worker over several nodes) keeps ``MASTER_ADDR``."""
-    host = route_address(lighthouse)
-    return host, (host if is_loopback(store_addr) else store_addr)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def _heal_transport(host: str, timeout: timedelta):
-    """torchft's HTTP checkpoint transport (what a healing peer fetches), at ``host`` instead of
-    ``socket.gethostname()``."""
-    from torchft.checkpointing import HTTPTransport
-
-    class HealTransport(HTTPTransport):
-        def address(self) -> str:
-            return f"http://{_url_host(host)}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-    return HealTransport(timeout=timeout, num_chunks=0)
 
 
 class _Guarded:
@@ -196,8 +144,8 @@ class FaultTolerantSyncGroup:
                 replica_id=replica_name(replica_id), store_addr=store_addr, store_port=store_port, rank=rank,
                 world_size=world_size, lighthouse_addr=lighthouse, timeout=timedelta(seconds=timeout),
                 quorum_timeout=timedelta(seconds=quorum_timeout),
-                connect_timeout=timedelta(seconds=connect_timeout), hostname=_url_host(host),
-                checkpoint_transport=_heal_transport(host, timedelta(seconds=timeout)),
+                connect_timeout=timedelta(seconds=connect_timeout), hostname=url_host(host),
+                checkpoint_transport=heal_transport(host, timedelta(seconds=timeout)),
             )
         except Exception as error:  # noqa: BLE001 (torchft raises plain RuntimeErrors)
             raise RuntimeError(

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ..algorithm.penalty import EWMAStats
 from ..exchange.fault_tolerant import CountedView, FaultTolerantSyncGroup
+from ..exchange.job_processes import watch_launcher
 from ..exchange.run_gate import START_GATE_ENV, start_gate, supervised_workers
 from ..exchange.sparse import check_sparse_workers
 from .process_state import PROCESS
@@ -80,6 +81,7 @@ class TorchftBackend:
             self.sync_group = CountedView(self.group)
             shared.members.append(self)
             return
+        watch_launcher()  # a worker's processes live and die together
         workers = supervised_workers(os.environ.get(START_GATE_ENV))
         if workers is not None and config.min_replicas > workers:
             raise RuntimeError(

@@ -209,7 +209,7 @@ def test_a_worker_advertises_its_address_on_the_route_to_the_lighthouse(monkeypa
     neither reaches a worker on another node. The Manager's host and the heal server's become this
     machine's address on its route to the Lighthouse; the job's store address too where it is a
     loopback one (a job over several nodes keeps its head's)."""
-    from megatron_edit.exchange import fault_tolerant as ft
+    from megatron_edit.exchange import addresses as ft
 
     assert ft.route_address("http://127.0.0.1:29510") == "127.0.0.1"
     assert ft.is_loopback("localhost") and ft.is_loopback("127.0.0.1") and not ft.is_loopback("10.201.0.2")
@@ -218,7 +218,7 @@ def test_a_worker_advertises_its_address_on_the_route_to_the_lighthouse(monkeypa
     assert ft.advertised_addresses("http://10.201.0.1:29510", "localhost") == ("10.201.0.2", "10.201.0.2")
     assert ft.advertised_addresses("http://10.201.0.1:29510", "127.0.0.1") == ("10.201.0.2", "10.201.0.2")
     assert ft.advertised_addresses("http://10.201.0.1:29510", "10.201.0.7") == ("10.201.0.2", "10.201.0.7")
-    transport = ft._heal_transport("10.201.0.2", ft.timedelta(seconds=5))
+    transport = ft.heal_transport("10.201.0.2", ft.timedelta(seconds=5))
     try:
         assert transport.metadata().startswith("http://10.201.0.2:")
     finally:
