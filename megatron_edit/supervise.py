@@ -80,6 +80,24 @@ def served_address(bind: str, address: str) -> str:
     return parsed._replace(netloc=f"[{host}]:{parsed.port}" if ":" in host else f"{host}:{parsed.port}").geturl()
 
 
+def min_replicas_of(command: List[str]) -> int:
+    """The workers' ``--local-sgd-min-replicas`` in their command (1 where it has none): the
+    Lighthouse forms no quorum with fewer workers."""
+    from .config import LocalSGDConfig
+    from .flags import flag_names
+
+    name = flag_names(LocalSGDConfig)["min_replicas"]
+    for i, part in enumerate(command):
+        value = part.split("=", 1)[1] if part.startswith(f"{name}=") else (
+            command[i + 1] if part == name and i + 1 < len(command) else None)
+        if value is not None:
+            try:
+                return max(1, int(value))
+            except ValueError:
+                _fail(f"{name} {value!r} in the worker's command is not an integer.")
+    return 1
+
+
 def _fail(line: str) -> NoReturn:
     print(f"megatron_edit.supervise: {line}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -153,7 +171,8 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     from .exchange.addresses import is_loopback
     from .exchange.run_gate import START_GATE_ENV, start_gate_value
 
-    lighthouse = LighthouseServer(bind=args.bind, min_replicas=1, join_timeout_ms=args.join_timeout_ms,
+    lighthouse = LighthouseServer(bind=args.bind, min_replicas=min_replicas_of(args.command),
+                                  join_timeout_ms=args.join_timeout_ms,
                                   heartbeat_timeout_ms=args.heartbeat_timeout_ms)
     address = served_address(args.bind, lighthouse.address())
     # The start gate's store listens on every interface; the workers reach it at the host the

@@ -353,3 +353,13 @@ def test_the_supervisor_relaunches_a_worker_only_once_every_process_of_its_job_i
     assert sup.returncode == 0, out + err
     assert "relaunching it as a fresh job" in out
     assert [(folder / f"relaunch-rank{r}").read_text() for r in range(2)] == ["gone", "gone"]
+
+
+def test_the_lighthouse_takes_the_workers_min_replicas():
+    from megatron_edit.supervise import min_replicas_of
+
+    assert min_replicas_of(["torchrun", "train.py", "--local-sgd-replica-id", "{replica_id}"]) == 1
+    assert min_replicas_of(["train.py", "--local-sgd-min-replicas", "3"]) == 3
+    assert min_replicas_of(["train.py", "--local-sgd-min-replicas=2"]) == 2
+    with pytest.raises(SystemExit):
+        min_replicas_of(["train.py", "--local-sgd-min-replicas", "two"])

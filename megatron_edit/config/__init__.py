@@ -384,10 +384,13 @@ class LocalSGDConfig:
 
     min_replicas: int = flag(
         "--local-sgd-min-replicas", 1,
-        help="torchft: a sync is committed only with at least this many workers in it.")
-    """torchft backend: the fewest workers a sync may be committed with (torchft's
-    ``min_replica_size``); with fewer, the sync is not committed and the workers keep their
-    local progress for the next one."""
+        help="torchft: a sync is committed only with at least this many workers in it that trained since the "
+             "last one (the supervisor's Lighthouse forms no quorum with fewer).")
+    """torchft backend: the fewest workers a sync may be committed with, counting only those that
+    trained since the last sync (a worker that has just joined or healed brings nothing); with
+    fewer, the sync is not committed and the workers keep their local progress for the next one.
+    The supervisor's Lighthouse takes it from the workers' command (torchft's ``min_replicas``:
+    no quorum forms with fewer workers)."""
 
     def __post_init__(self) -> None:
         _check_types(self)

@@ -93,9 +93,12 @@ class FaultTolerantSyncGroup:
     dynamic = True
     """The workers may change from one sync to the next (:meth:`begin` says which)."""
 
-    def __init__(self, manager, replica_id: int = 0, worker_group=None):
+    def __init__(self, manager, replica_id: int = 0, worker_group=None, min_replicas: int = 1):
         self.manager = manager
         self.replica_id = replica_id
+        self.min_replicas = min_replicas
+        """The fewest workers that trained since the last sync a round may apply (a worker that
+        has just joined or healed brings nothing; torchft's own count is of the workers in it)."""
         self.worker_group = worker_group
         """This worker's ranks (a gloo group of its job; None: a worker of one rank), over which
         they agree on each heal and vote (see the module)."""
@@ -153,7 +156,7 @@ class FaultTolerantSyncGroup:
                 f"with the Lighthouse at {lighthouse} (--local-sgd-lighthouse / TORCHFT_LIGHTHOUSE) within "
                 f"{connect_timeout:g} s: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
             ) from error
-        return cls(manager, replica_id, worker_group)
+        return cls(manager, replica_id, worker_group, min_replicas)
 
     def register_state(self, key: str, load: Callable[[object], None], save: Callable[[], object]) -> None:
         """What a peer sends a healing worker under ``key``: ``save()`` runs in this rank's quorum
@@ -226,6 +229,9 @@ class FaultTolerantSyncGroup:
         the end of this one, and the ranks that had counted the round set their step back."""
         self.commit_error = None
         counted = self.manager.state_dict()
+        if 0 < self.contributors < self.min_replicas:  # (none: a join round, which applies nothing)
+            self.manager.report_error(RuntimeError(
+                f"only {self.contributors} of its {self.size} workers trained since the last sync"))
         try:
             voted = bool(self.manager.should_commit())
         except (TimeoutError, RuntimeError) as error:  # torchft's client raises plain RuntimeErrors

@@ -258,3 +258,32 @@ def test_a_failed_commit_vote_is_not_committed_says_why_and_counts_no_round():
     group.manager.outcome = ValueError("a defect, not a peer's failure")
     with pytest.raises(ValueError):
         group.commit()
+
+
+def test_min_replicas_counts_the_workers_that_trained():
+    # torchft counts the workers in the round; a worker that has just joined or healed brought
+    # nothing: a round with fewer trained workers than --local-sgd-min-replicas does not commit.
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    class Manager:
+        errors = []
+
+        def state_dict(self):
+            return {"step": 1, "batches_committed": 2}
+
+        def load_state_dict(self, state):
+            pass
+
+        def report_error(self, error):
+            self.errors.append(error)
+
+        def should_commit(self):
+            return not self.errors
+
+    group = FaultTolerantSyncGroup(Manager(), min_replicas=2)
+    group.size, group.contributors = 2, 2
+    assert group.commit() is True
+    group.contributors = 0  # a join round: nothing to apply, commits
+    assert group.commit() is True
+    group.contributors = 1
+    assert group.commit() is False and "only 1 of its 2 workers trained" in str(Manager.errors[0])
