@@ -169,7 +169,7 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     from torchft._torchft import LighthouseServer
 
     from .exchange.addresses import is_loopback
-    from .exchange.run_gate import START_GATE_ENV, start_gate_value
+    from .exchange.run_gate import START_GATE_ENV, refusal, start_gate_value
 
     lighthouse = LighthouseServer(bind=args.bind, min_replicas=min_replicas_of(args.command),
                                   join_timeout_ms=args.join_timeout_ms,
@@ -224,9 +224,10 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
                           f"worker(s) {finished} had finished the run: not relaunched; stopping.",
                           file=sys.stderr, flush=True)
                     return 1
-                if code == 2:  # its flags were refused (it printed the line): a relaunch would be too
-                    print(f"{prog}: worker {worker.replica_id} exited with code 2 (its flags were refused, "
-                          "above): stopping the run.", file=sys.stderr, flush=True)
+                if code == 2 or refusal(gate, worker.tag):  # its flags were refused (it printed the line),
+                    # or its Lighthouse could not be reached: a relaunch would be too
+                    print(f"{prog}: worker {worker.replica_id} exited with code {code}, refusing to run (its line "
+                          "is above): stopping the run.", file=sys.stderr, flush=True)
                     return 2
                 if relaunches >= args.max_relaunches:
                     print(f"{prog}: worker {worker.replica_id} exited with code {code} after "

@@ -363,3 +363,22 @@ def test_the_lighthouse_takes_the_workers_min_replicas():
     assert min_replicas_of(["train.py", "--local-sgd-min-replicas=2"]) == 2
     with pytest.raises(SystemExit):
         min_replicas_of(["train.py", "--local-sgd-min-replicas", "two"])
+
+
+@pytest.mark.timeout(180)
+def test_a_refusal_under_torchrun_stops_the_run_instead_of_a_relaunch(tmp_path):
+    # torchrun ends with exit code 1 whatever its ranks' codes: a rank that refuses to run
+    # (exit code 2: a bad flag, an unreachable Lighthouse) tells the supervisor through its
+    # store, and the run stops at once instead of relaunching the job until --max-relaunches.
+    script = tmp_path / "refuses.py"
+    script.write_text("from megatron_edit.arguments import end_with_error\n"
+                      "end_with_error('refuses.py: error: --some-flag is wrong; drop it.')\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+               "{replica_id}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--", *command],
+                            capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "refuses.py: error: --some-flag is wrong; drop it." in result.stderr
+    assert "refusing to run (its line is above): stopping the run" in result.stderr
+    assert "relaunching" not in result.stdout

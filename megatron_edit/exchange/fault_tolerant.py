@@ -83,6 +83,11 @@ def replica_name(replica_id: int) -> str:
     return f"{replica_id:06d}"
 
 
+class LighthouseUnreachable(RuntimeError):
+    """A rank's torchft Manager could not start with the Lighthouse (its address, or the
+    Lighthouse is down): the message says which and where."""
+
+
 class FaultTolerantSyncGroup:
     """Collectives across the workers holding the same shard, over one torchft ``Manager``.
 
@@ -151,7 +156,7 @@ class FaultTolerantSyncGroup:
                 checkpoint_transport=heal_transport(host, timedelta(seconds=timeout)),
             )
         except Exception as error:  # noqa: BLE001 (torchft raises plain RuntimeErrors)
-            raise RuntimeError(
+            raise LighthouseUnreachable(
                 f"megatron_edit: torchft's Manager for worker {replica_id} (rank {rank}) could not start "
                 f"with the Lighthouse at {lighthouse} (--local-sgd-lighthouse / TORCHFT_LIGHTHOUSE) within "
                 f"{connect_timeout:g} s: {str(error).splitlines()[0] if str(error) else type(error).__name__}"

@@ -6,8 +6,11 @@ model they end with (:func:`record_end`; the supervisor checks that there is one
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Optional
+
+from .job_processes import JOB_ENV
 
 
 START_GATE_ENV = "MEGATRON_EDIT_FT_START_GATE"
@@ -101,3 +104,27 @@ def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
             f"megatron_edit: the run's first sync waited {timeout:g} s for worker(s) {missing} (rank {rank}) to "
             "start; they did not (their jobs' output says why). Raise the supervisor's --start-timeout-s if "
             "they start slowly.") from None
+
+
+def record_refusal(line: str) -> None:
+    """A rank of a job the supervisor started refuses to run (a bad flag, an unreachable
+    Lighthouse; ``line``: what it printed): it says so in the supervisor's store, under its job's
+    tag (:data:`~megatron_edit.exchange.job_processes.JOB_ENV`), so the supervisor stops the run
+    instead of relaunching the job (torchrun ends with exit code 1 whatever its ranks' codes).
+    Nothing outside a supervised job, or when the store cannot be reached."""
+    value, tag = os.environ.get(START_GATE_ENV), os.environ.get(JOB_ENV)
+    if not value or not tag:
+        return
+    host, port, _, _ = _parse_gate(value)
+    import torch.distributed as dist
+
+    try:
+        dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)).set(f"refused/{tag}", line)
+    except Exception:  # noqa: BLE001 (the supervisor gone: nothing to tell; its relaunch limit ends the run)
+        pass
+
+
+def refusal(store, tag: str) -> Optional[str]:
+    """What a rank of the job ``tag`` refused to run with (:func:`record_refusal`), or None."""
+    key = f"refused/{tag}"
+    return store.get(key).decode() if store.check([key]) else None

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from ..algorithm.penalty import EWMAStats
-from ..exchange.fault_tolerant import CountedView, FaultTolerantSyncGroup
+from ..config import ConfigError
+from ..exchange.fault_tolerant import CountedView, FaultTolerantSyncGroup, LighthouseUnreachable
 from ..exchange.job_processes import watch_launcher
 from ..exchange.run_gate import START_GATE_ENV, start_gate, supervised_workers
 from ..exchange.sparse import check_sparse_workers
@@ -101,11 +102,14 @@ class TorchftBackend:
         # FaultTolerantSyncGroup): a few numbers, off the training's NCCL groups.
         worker_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
             if dist.get_world_size() > 1 else None
-        self.group = FaultTolerantSyncGroup.connect(
-            replica_id=config.replica_id, lighthouse=config.lighthouse_address, rank=dist.get_rank(),
-            world_size=dist.get_world_size(), store_addr=addr, store_port=int(port),
-            min_replicas=config.min_replicas, timeout=timeout, quorum_timeout=max(timeout, 1800.0),
-            connect_timeout=min(timeout, 60.0), worker_group=worker_group)
+        try:  # an unreachable Lighthouse: one line within about 20 s, and exit code 2 (the supervisor stops)
+            self.group = FaultTolerantSyncGroup.connect(
+                replica_id=config.replica_id, lighthouse=config.lighthouse_address, rank=dist.get_rank(),
+                world_size=dist.get_world_size(), store_addr=addr, store_port=int(port),
+                min_replicas=config.min_replicas, timeout=timeout, quorum_timeout=max(timeout, 1800.0),
+                connect_timeout=min(timeout, 20.0), worker_group=worker_group)
+        except LighthouseUnreachable as error:
+            raise ConfigError(str(error)) from None
         self.sync_group = CountedView(self.group)
         """What the controller's exchange runs over: the group, with this controller's own counters."""
         self.round = TorchftRound(self.group, expected)
