@@ -96,6 +96,7 @@ def patch_megatron_for_local_sgd(
     if SESSION.fixes_registry is not None:
         SESSION.fixes_registry.revert()  # the full registry composes the same fixes
     applied = SESSION.registry.apply(version)
+    SESSION.runtime.tokens_counted_in_worker = SESSION.registry.is_applied("worker-local-dp-group")
     if applied:
         _log_rank0(f"megatron_edit: patched megatron-core {version}: {', '.join(applied)}")
     return [p.id for p in SESSION.registry.patches if SESSION.registry.is_applied(p.id)]

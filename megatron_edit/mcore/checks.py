@@ -13,8 +13,11 @@ from ..config import ConfigError, NotSupportedYet, LocalSGDConfig
 from . import compat
 
 
-def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config) -> None:
-    """Reject model / DDP options that cannot work with EDiT (clear message, at start-up)."""
+def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config,
+                           tokens_counted_in_worker: bool = True) -> None:
+    """Reject model / DDP options that cannot work with EDiT (clear message, at start-up).
+    ``tokens_counted_in_worker``: ``--calculate-per-token-loss``'s tokens are counted over the
+    worker once gradients stay inside it (Megatron-LM's training loop, patched)."""
     fsdp = compat.uses_megatron_fsdp(ddp_config)
     if fsdp:  # Megatron-FSDP's own optimizer sharding takes the distributed optimizer's place
         from .fsdp import check_fsdp_options
@@ -33,10 +36,12 @@ def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_co
             "--use-local-sgd does not work with CUDA graphs (--cuda-graph-impl / "
             "--enable-cuda-graph): a captured step cannot run the outer sync."
         )
-    if getattr(transformer_config, "calculate_per_token_loss", False):
+    if getattr(transformer_config, "calculate_per_token_loss", False) and not tokens_counted_in_worker:
         raise NotSupportedYet(
-            "--calculate-per-token-loss with --use-local-sgd is not supported yet: it all-reduces "
-            "token counts across every data-parallel rank each step."
+            "calculate_per_token_loss with local SGD and megatron-core alone is not supported yet: "
+            "finalize_model_grads counts the tokens over every data-parallel rank at each step. Through "
+            "Megatron-LM's training loop (python -m megatron_edit.launch) it works: there the tokens are "
+            "counted over the worker."
         )
     if getattr(ddp_config, "fp8_param_gather", False) or getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
         raise ConfigError(

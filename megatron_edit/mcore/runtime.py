@@ -64,6 +64,13 @@ class LocalSGDRuntime:
         self.controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.group_owner: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.registered_groups: "weakref.WeakSet" = weakref.WeakSet()
+        self.per_token_groups: "weakref.WeakSet" = weakref.WeakSet()
+        """Bucket groups of a model with ``calculate_per_token_loss`` (summed, not averaged)."""
+        self.tokens_counted_in_worker = False
+        """Megatron-LM's training loop counts ``--calculate-per-token-loss``'s tokens over the
+        worker once gradients stay inside it (its reporting regions, training.worker_local):
+        set where those patches are applied; with megatron-core alone, finalize_model_grads
+        counts them over every data-parallel rank."""
         self._local_ddp_configs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._reducing_locally: "weakref.WeakSet" = weakref.WeakSet()
         # optimizer -> all ranks of its worker, where gradient statistics are reduced
@@ -86,7 +93,7 @@ class LocalSGDRuntime:
     def on_ddp_init(self, ddp) -> None:
         if self.configs is None:
             return
-        check_megatron_options(self.configs.local, ddp.config, ddp.ddp_config)
+        check_megatron_options(self.configs.local, ddp.config, ddp.ddp_config, self.tokens_counted_in_worker)
         expert_groups = list(getattr(ddp, "expert_parallel_bucket_groups", ()))
         if getattr(ddp.config, "num_moe_experts", None):
             check_moe_options(self.configs.local, ddp.config, bool(expert_groups))
@@ -97,6 +104,8 @@ class LocalSGDRuntime:
         # the worker's expert data-parallel ranks) belong to a second distributed optimizer.
         for group in list(ddp.bucket_groups) + expert_groups:
             self.registered_groups.add(group)
+            if getattr(ddp.config, "calculate_per_token_loss", False):
+                self.per_token_groups.add(group)
 
     def check_fsdp(self, transformer_config, ddp_config) -> None:
         """Before Megatron-FSDP is built: the options EDiT on it refuses."""
@@ -236,7 +245,9 @@ class LocalSGDRuntime:
             local_config = dataclasses.replace(ddp_config, num_distributed_optimizer_instances=1)
             self._local_ddp_configs[bucket_group] = local_config
         factors = [b.gradient_scaling_factor for b in bucket_group.buckets]
-        if not ddp_config.average_in_collective:
+        # (--calculate-per-token-loss: gradients are summed, then divided by the tokens counted
+        # over the same ranks: Megatron-LM's reporting region counts the worker's, training.worker_local)
+        if not ddp_config.average_in_collective and bucket_group not in self.per_token_groups:
             for bucket in bucket_group.buckets:
                 bucket.gradient_scaling_factor = bucket.gradient_scaling_factor * controller.num_workers
         bucket_group.ddp_config = local_config

@@ -109,7 +109,12 @@ class WorkerLocalCollectives:
             self._local.depth = depth
 
     def in_reporting(self) -> bool:
-        return getattr(self._local, "depth", 0) > 0
+        """Inside a reporting region while gradients stay inside the worker. During the
+        synchronous warmup the workers step together and their gradients cross them anyway:
+        the regions keep Megatron's groups, whose figures are then everyone's (and
+        ``--calculate-per-token-loss`` divides the gradients summed over every data-parallel
+        rank by the tokens counted over the same ranks; after it, over the worker's)."""
+        return getattr(self._local, "depth", 0) > 0 and self.grads_are_local()
 
     def grads_are_local(self) -> bool:
         controllers = self.controllers()

@@ -103,9 +103,13 @@ def test_refuses_cuda_graphs(model_kwargs):
     assert "CUDA graphs" in message and "--cuda-graph-impl" in message
 
 
-def test_refuses_per_token_loss():
-    message = _fails(NotSupportedYet, LAYERWISE, _model(calculate_per_token_loss=True), _ddp())
-    assert "--calculate-per-token-loss" in message and "not supported yet" in message
+def test_per_token_loss_only_where_the_tokens_are_counted_over_the_worker():
+    # megatron-core alone: finalize_model_grads counts the tokens over every data-parallel rank
+    # (refused); Megatron-LM's patched loop counts them over the worker (accepted).
+    with pytest.raises(NotSupportedYet) as info:
+        check_megatron_options(LAYERWISE, _model(calculate_per_token_loss=True), _ddp(), tokens_counted_in_worker=False)
+    assert "calculate_per_token_loss" in str(info.value) and "megatron_edit.launch" in str(info.value)
+    check_megatron_options(LAYERWISE, _model(calculate_per_token_loss=True), _ddp(), tokens_counted_in_worker=True)
 
 
 @pytest.mark.skipif(not _has(DistributedDataParallelConfig, "fp8_param_gather"),

@@ -337,7 +337,7 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
         ((), dict(cuda_graph_impl="local"), ConfigError, "CUDA graphs"),
         ((), dict(fp8_param_gather=True), ConfigError, "Drop --fp8-param-gather"),
         ((), dict(fp8_param_gather=False, fp8="hybrid"), None, None),
-        ((), dict(calculate_per_token_loss=True), NotSupportedYet, "per-token"),
+        ((), dict(calculate_per_token_loss=True), None, None),
         ((), dict(check_weight_hash_across_dp_replicas_interval=4), None, None),
         # Off the sync grid: each check is made at the first sync at or after its iteration.
         ((), dict(check_weight_hash_across_dp_replicas_interval=6), None, None),
@@ -1047,3 +1047,28 @@ def test_megatron_fsdp_through_megatron_lm_trains_what_ddp_does(tmp_path, model)
     after = {i: _field(line, "lm loss") for i, line in _lines(resumed).items()}
     assert sorted(after) == [11, 12] and after[11] == losses[0][11]  # (12: see test_e2e_resume_is_exact)
     assert _synced_steps(resumed) == [12]
+
+
+@pytest.mark.timeout(900)
+def test_per_token_loss_trains_what_the_mean_loss_does(tmp_path):
+    """--calculate-per-token-loss: gradients are summed over the ranks that reduce them and
+    divided by the tokens counted over the same ranks (every data-parallel rank in the warmup,
+    the worker's after it). With Adam's epsilon far above the gradients (its steps then scale
+    with the gradient, as SGD's do; Megatron's distributed optimizer takes Adam only) and
+    micro-batches of equal token counts (mock data: every token counts), it trains what the
+    mean loss does: a count over the wrong ranks (the whole world's tokens for a worker's
+    gradients, or the other way round in the warmup) would scale every step by the number of
+    workers."""
+    if not HAVE_CHECKOUT:
+        pytest.skip(HOW_TO_RUN)
+    common = TINY + EDIT + ["--train-iters", "12", "--adam-eps", "1.0", "--lr", "1.0", "--min-lr", "0.1"]
+    losses = []
+    for name, extra in (("mean", []), ("per-token", ["--calculate-per-token-loss"])):
+        (tmp_path / name).mkdir()
+        log = _torchrun(CHECKOUT / "pretrain_gpt.py", common + extra, tmp_path / name)
+        losses.append({i: _field(line, "lm loss") for i, line in _lines(log).items()})
+    mean, per_token = losses
+    assert sorted(mean) == sorted(per_token) == list(range(1, 13))
+    assert mean[12] < mean[1] - 0.1  # it trains
+    for i in mean:  # the warmup (steps 1-4), the local steps and syncs after it (8, 12)
+        assert per_token[i] == pytest.approx(mean[i], rel=2e-4, abs=2e-4), (i, mean, per_token)
