@@ -132,6 +132,11 @@ def _check_torchft_route(local, args: argparse.Namespace) -> None:
             "--local-sgd-sync-backend torchft through Megatron-LM needs the run's number of workers, to give each "
             "worker its own slice of the data: start the jobs with python -m megatron_edit.supervise --workers N "
             "(or its --serve mode on several nodes), which tells every job.")
+    if get("train_samples"):  # a fresh job that heals to the others' step has consumed no samples
+        raise NotSupportedYet(
+            "--train-samples with --local-sgd-sync-backend torchft is not supported yet: a relaunched worker heals "
+            "to the others' step without their consumed samples, which Megatron's sample-based loop needs. Give "
+            "the run's length in iterations (--train-iters, and --lr-decay-iters for the schedule).")
     if get("hybrid_context_parallel") or get("dataloader_type", "single") not in ("single", "cyclic"):
         flag = ("--hybrid-context-parallel" if get("hybrid_context_parallel")
                 else f"--dataloader-type {get('dataloader_type')}")

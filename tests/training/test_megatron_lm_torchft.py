@@ -223,7 +223,9 @@ FT = ("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "1", "--l
                                   moe_token_dispatcher_type="alltoall"), True, None, None),
     ((), dict(dataloader_type="external"), True, NotSupportedYet, "--dataloader-type external with"),
     ((), dict(hybrid_context_parallel=True), True, NotSupportedYet, "--hybrid-context-parallel with"),
-], ids=["ok", "instances", "no-supervisor", "async", "moe-ep2", "moe-ep2-async", "external-data", "hybrid-cp"])
+    ((), dict(train_samples=800), True, NotSupportedYet, "--train-samples with --local-sgd-sync-backend torchft"),
+], ids=["ok", "instances", "no-supervisor", "async", "moe-ep2", "moe-ep2-async", "external-data", "hybrid-cp",
+        "train-samples"])
 def test_the_torchft_route_through_megatron_lm_refuses_what_it_cannot_run(monkeypatch, argv, options, supervised,
                                                                         error, match):
     if supervised:
