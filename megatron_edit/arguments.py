@@ -77,10 +77,6 @@ def end_with_error(line: str, wait_s: Optional[float] = None, first: Optional[bo
     if not first:
         wait_for_the_launcher(PEER_WAIT_S if wait_s is None else wait_s, code)
     print(line, file=sys.stderr, flush=True)
-    if code == 2:  # a job of the supervisor: it stops the run instead of relaunching this one
-        from .exchange.run_gate import record_refusal
-
-        record_refusal(line)
     raise SystemExit(code)
 
 

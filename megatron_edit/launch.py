@@ -173,8 +173,11 @@ def _refuse(message: str) -> NoReturn:
     """End this rank with exit code 2; rank 0 prints the one line, the others wait for the
     launcher to stop them (:func:`megatron_edit.arguments.end_with_error`)."""
     from .arguments import end_with_error
+    from .exchange.run_gate import record_refusal
 
-    end_with_error(f"megatron_edit: error: {message}")
+    line = f"megatron_edit: error: {message}"
+    record_refusal(line)  # a job of the supervisor under torchrun (exit code 1): it stops the run
+    end_with_error(line)
 
 
 def _stopped_by_the_user(signum=None, frame=None) -> NoReturn:

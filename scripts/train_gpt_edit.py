@@ -885,7 +885,7 @@ def train(args, use_local_sgd, datasets):
     if use_local_sgd and uses_torchft(args):  # workers in jobs of their own: each reports its own
         final = {worker: valid}
         for c in controllers:
-            c.ft.close()
+            c.backend.close()
     else:  # every worker is past its last sync here: the one collective across workers of the script
         final = gather_per_worker(valid)
     return dict(name=name, final=final, cross_bytes=counts["bytes"] + grad_bytes, seconds=elapsed,

@@ -346,9 +346,9 @@ def _train(rank, spec, tp, pp):
                                       state_bytes=o.state_bytes(), shard_numels=[s.numel for s in o.shards],
                                       layer_names=list(o.layer_names)) for o in controllers]
     for c in controllers or ():
-        if getattr(c, "ft", None) is not None:  # the torchft backend: this rank's Manager
+        if c.backend.dynamic:  # the torchft backend: this rank's Manager
             out["manager_step"] = c.sync_group.step  # its committed rounds
-            c.ft.close()
+            c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 
@@ -650,8 +650,8 @@ def async_runs(rank, world_size, spec):
     out = dict(worker=worker, steps=steps, reports=reports, params=full_params(ddp),
                seconds=_time.monotonic() - t0, finished=controller.finished, progress=progress,
                last_sync=controller.last_sync)
-    if controller.ft is not None:
-        controller.ft.close()
+    if controller.backend is not None:
+        controller.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 

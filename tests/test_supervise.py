@@ -370,15 +370,15 @@ def test_a_refusal_under_torchrun_stops_the_run_instead_of_a_relaunch(tmp_path):
     # torchrun ends with exit code 1 whatever its ranks' codes: a rank that refuses to run
     # (exit code 2: a bad flag, an unreachable Lighthouse) tells the supervisor through its
     # store, and the run stops at once instead of relaunching the job until --max-relaunches.
-    script = tmp_path / "refuses.py"
-    script.write_text("from megatron_edit.arguments import end_with_error\n"
-                      "end_with_error('refuses.py: error: --some-flag is wrong; drop it.')\n")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
-               "{replica_id}"]
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('not reached: megatron_edit.launch refuses the flag first')\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "megatron_edit.launch", "--cpu", str(script), "--use-local-sgd", "--local-sgd-sync-interval", "0",
+               "--local-sgd-replica-id", "{replica_id}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--", *command],
                             capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "refuses.py: error: --some-flag is wrong; drop it." in result.stderr
+    assert "megatron_edit: error: " in result.stderr and "--local-sgd-sync-interval" in result.stderr
     assert "refusing to run (its line is above): stopping the run" in result.stderr
     assert "relaunching" not in result.stdout

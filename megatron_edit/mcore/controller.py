@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..algorithm import schedule
 from ..config import FLAG_NAMES, GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from ..exchange.arrival import Arrivals, short_timeout_warning
-from ..exchange.groups import SyncGroup, WorkerGroups, default_store
+from ..exchange.groups import WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
@@ -60,6 +60,7 @@ from .fragments import SyncShards, frozen_layout, group_sizes, partition_sizes, 
 from .fsdp import fsdp_model_of
 from .process_state import PROCESS
 from .shards import ShardLayout, build_layout
+from .sync_backend import TorchBackend
 from .worker_layout import WorkerLayout
 
 logger = logging.getLogger(__name__)
@@ -122,22 +123,14 @@ class LocalSGD(ControllerState):
         """Where this optimizer sits among the workers (derived once, passed down)."""
         self.num_workers = self.layout.num_workers
         inter = self.layout.sync_group
-        self.ft = None
-        """The torchft backend (:mod:`.fault_tolerant`; None: the torch backend)."""
         if self.config.sync_backend == "torchft":
             from .fault_tolerant import TorchftBackend
 
-            self.ft = TorchftBackend(self, optimizer)
-            self.sync_group = self.ft.sync_group
+            self.backend = TorchftBackend(self, optimizer)
         else:
-            self.sync_group = SyncGroup(inter)
-        if self.ft is None and self.sync_group.size != self.num_workers:
-            raise RuntimeError(
-                f"megatron_edit: the DDP config says {self.num_workers} EDiT worker(s) "
-                "(num_distributed_optimizer_instances) but the buckets' group across instances "
-                f"holds {self.sync_group.size} ranks (parallel_state.initialize_model_parallel("
-                "num_distributed_optimizer_instances=...)): give both the same number of workers."
-            )
+            self.backend = TorchBackend(inter, self.num_workers)
+        """The sync backend this controller drives (:mod:`.sync_backend`)."""
+        self.sync_group = self.backend.sync_group
         if self.auto is not None and self.num_workers == 1:
             raise RuntimeError("megatron_edit: --local-sgd-auto-overlap with one EDiT worker: nothing is "
                                "exchanged, so there is nothing to hide; drop the flag.")
@@ -180,8 +173,7 @@ class LocalSGD(ControllerState):
         self.sync_shards = SyncShards(self.sync.groups, self.config, parts)
         """Which shards each sync exchanges: all, or a streaming fragment's."""
         self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
-        if self.ft is not None:  # a sync is applied only where torchft commits it (the runtime then
-            self.sync.commit_gate = self.ft.commit  # joins the others: TorchftBackend.ready)
+        self.sync.commit_gate = self.backend.commit_gate  # (torchft: applied only where committed)
 
     def apply_settings(self, delay: int, exchange_dtype: str, fragments: Optional[int] = None) -> None:
         """``auto_overlap``: put this delay, exchange format and number of fragments (None: the
@@ -280,7 +272,7 @@ class LocalSGD(ControllerState):
         """A-EDiT: the workers whose steps the budget and global progress count: the run's over
         the torchft backend (each job is one worker; the supervisor's count, or what a heal
         brought), else this world's."""
-        return self.async_plan.budget_workers if self.ft else self.num_workers
+        return self.backend.budget_workers(self)
 
     @property
     def finished(self) -> bool:
@@ -361,8 +353,7 @@ class LocalSGD(ControllerState):
 
     def begin_step(self) -> None:
         """Before the inner optimizer update of step ``steps_done + 1``."""
-        if self.ft is not None:
-            self.ft.ensure_joined()
+        self.backend.ensure_joined()
         if self.finished:
             raise RuntimeError(
                 "megatron_edit: this A-EDiT run has used its budget and ended with its final sync "
@@ -418,10 +409,10 @@ class LocalSGD(ControllerState):
             self.sync.mark_pending()
             final = self.finished or (not self.config.use_async and self.steps_done == self.last_step) or (
                 self.auto is not None and self.auto.timed)  # auto overlap: a timed sync
-            if self.ft is not None and self.ft.waits_for_others:  # a later optimizer's exchange first
-                self.ft.defer(self.complete_now if final else self.flush)
+            if self.backend.waits_for_others:  # a later optimizer's exchange first
+                self.backend.defer(self.complete_now if final else self.flush)
             else:
-                if self.ft is not None:  # the commit gates every group's outer step: no overlap yet
+                if self.backend.gates_outer_step:  # the commit gates every group's outer step: no overlap yet
                     self.flush()
                 if final:
                     self.complete_now()
@@ -433,7 +424,7 @@ class LocalSGD(ControllerState):
         """At an A-EDiT sync every worker's global progress is worker-steps / workers: set it
         exactly (no float drift between workers). Over torchft the next interval's steps bring
         it there instead (:meth:`AsyncPlan.plan`: a lost worker's steps were counted)."""
-        if self.at_sync and self.ft is None:
+        if self.at_sync and not self.backend.dynamic:
             self.global_progress = self.last_sync.global_progress
 
     @property
@@ -451,9 +442,9 @@ class LocalSGD(ControllerState):
         exchange is launched now and the outer step waits for the round's commit, after the
         experts' exchange: it then writes the model itself and gathers it inside the worker
         (Megatron has copied and gathered the parameters of before the sync by then)."""
-        if self.ft is not None and self.ft.waits_for_others:
+        if self.backend.waits_for_others:
             self.sync.launch(self.sync.members)
-            self.ft.defer(self._apply_deferred)
+            self.backend.defer(self._apply_deferred)
         else:
             self.sync.complete(self.sync.members, write_model=False)
 
@@ -488,11 +479,10 @@ class LocalSGD(ControllerState):
         arrived = self.async_plan.clock() if self.config.use_async else None
         if self.arrivals is not None:  # before the sync's first collective: name a missing worker
             self.arrivals.wait(step - delay)  # where this worker is (a delayed sync: its launch)
-        if self.ft is not None:  # torchft: this sync's quorum (a worker behind heals here)
-            self.ft.begin(step)
-            if self.ft.healed_sync_step is not None:  # it was behind: now in the others' sync
-                step = self.ft.healed_sync_step
-                due = self.sync_shards.due(step, None if delay else self.last_step)
+        healed = self.backend.begin(step)  # torchft: this sync's quorum (a worker behind heals here)
+        if healed is not None:  # it was behind: now in the others' sync
+            step = healed
+            due = self.sync_shards.due(step, None if delay else self.last_step)
         bytes_at_start = self.sync_group.counters.payload_bytes
         schedule, skip, final, fragment, members = None, False, False, None, None
         steps_since = step - self._last_sync_step
@@ -501,7 +491,7 @@ class LocalSGD(ControllerState):
             # torchft: the learning-rate schedule's position after this step (step-end: its own
             # step's progress is counted after the sync)
             progress = None
-            if self.ft is not None:
+            if self.backend.dynamic:
                 progress = self.global_progress + (self._step_progress if self._in_step else 0.0)
             schedule, skip, final = self.async_plan.plan(step, self._last_sync_step, device, arrived,
                                                          progress=progress)
@@ -516,14 +506,14 @@ class LocalSGD(ControllerState):
             worker_idle=None if schedule is None else schedule.idle,
             final=final, delay=delay, fragment=fragment, members=members,
         )
-        if skip and self.ft is not None:
-            self.ft.close_skipped()
+        if skip:
+            self.backend.close_skipped()
         return started
 
     def _on_sync_done(self, report: SyncReport) -> None:
         if not report.skipped_sync and report.committed:  # keep counting from the last applied one
             self._last_sync_step = report.step
-            if self.ft is not None and self.config.use_async:  # its steps reached the anchor
+            if self.backend.dynamic and self.config.use_async:  # its steps reached the anchor
                 self.async_plan.applied()
             c = self.config
             # A delayed merge that keeps local progress (lerp alpha > 0, keep_local) leaves the

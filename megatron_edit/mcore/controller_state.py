@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..algorithm import asynchronous
 from ..algorithm.penalty import EWMAStats
+from .sync_backend import STATE_KEY
 
 
 class ControllerState:
@@ -90,9 +91,9 @@ class ControllerState:
         delayed = getattr(self, "delayed", None)
         if delayed is not None and delayed.in_flight:  # a checkpoint mid-flight (DelayedOuterStep)
             out["in_flight_skipped"] = delayed.saved_skipped
-        ft = getattr(self, "ft", None)
-        if ft is not None:  # the torchft backend: its Manager's counters, every worker's statistics
-            out["torchft"] = ft.state_dict()
+        backend = self.backend.state_dict()  # torchft: its Manager's counters, every worker's statistics
+        if backend is not None:
+            out[STATE_KEY] = backend
         return out
 
     def load_extra_state(self, state: dict) -> None:
@@ -108,10 +109,9 @@ class ControllerState:
                 "--local-sgd-fragments (a layer cut by a fragment boundary is one layer per "
                 "fragment, <layer>@fragment<f>) differs from the saved run's."
             )
-        ft = getattr(self, "ft", None)
         self.sync.ewma = EWMAStats.from_state_dict(state["ewma"])
-        if ft is not None and "torchft" in state:  # else a torch-backend checkpoint (the loader restarts it)
-            ft.load_state_dict(state["torchft"])
+        if STATE_KEY in state:  # (torchft from a torch-backend checkpoint: the loader restarts it)
+            self.backend.load_state_dict(state[STATE_KEY])
         self.global_progress = float(state.get("global_progress", self.steps_done))
         point = self.async_plan.load_state_dict(state, self.steps_done)
         if point is not None:

@@ -57,7 +57,11 @@ from .torchft_round import TorchftRound, expected_controllers, join_plan
 class TorchftBackend:
     """The torchft sync group of ``controller`` (a :class:`~megatron_edit.mcore.controller.LocalSGD`),
     its part of the process's rounds (:class:`TorchftRound`), and the state a healing worker
-    receives of it."""
+    receives of it (the interface: :mod:`.sync_backend`)."""
+
+    dynamic = True
+    gates_outer_step = True
+    """The commit gates every group's outer step: no overlap of a sync with the next step yet."""
 
     def __init__(self, controller, optimizer=None):
         config = controller.config
@@ -119,13 +123,26 @@ class TorchftBackend:
         PROCESS.torchft_round = self.round
 
     # ------------------------------------------------------------------ rounds
-    def begin(self, step: int, contributed: bool = True) -> None:
+    def begin(self, step: int, contributed: bool = True) -> Optional[int]:
         """Before a sync's first collective: the quorum (this worker may heal here; a later
         controller of the process joins the round its first one opened) and the count of the
-        workers that trained since the last sync."""
+        workers that trained since the last sync. Returns the others' sync step this worker
+        healed into (None: it did not heal)."""
         self._sync_step = step
         self.round.begin(self, step, contributed)
         self.healed_sync_step = self.round.healed_sync_step
+        return self.healed_sync_step
+
+    @property
+    def commit_gate(self):
+        """Whether this sync's outer step is applied (:meth:`commit`)."""
+        return self.commit
+
+    @staticmethod
+    def budget_workers(controller) -> int:
+        """A-EDiT: the run's workers (each job is one worker; the supervisor's count, or what a
+        heal brought)."""
+        return controller.async_plan.budget_workers
 
     @property
     def waits_for_others(self) -> bool:
@@ -285,4 +302,5 @@ class TorchftBackend:
 
 def backend_of(controller) -> Optional[TorchftBackend]:
     """The controller's torchft backend (None: the torch backend)."""
-    return getattr(controller, "ft", None)
+    backend = getattr(controller, "backend", None)
+    return backend if isinstance(backend, TorchftBackend) else None

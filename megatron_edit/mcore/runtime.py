@@ -163,8 +163,7 @@ class LocalSGDRuntime:
                 if _same_model(other_optimizer, optimizer) and isinstance(other.async_plan, AsyncPlan):
                     controller.async_plan = FollowerPlan(other.async_plan)
                     break
-        if controller.ft is not None:  # torchft: join the others (with its plan as it syncs with it)
-            controller.ft.ready()
+        controller.backend.ready()  # torchft: join the others (with its plan as it syncs with it)
         if self.train_iters is not None:
             controller.set_train_iters(self.train_iters)
         self.controllers[optimizer] = controller

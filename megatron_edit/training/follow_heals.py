@@ -85,7 +85,7 @@ class FollowHeals:
         if runtime is None:
             return []
         return [c for c in runtime.controllers.values()
-                if getattr(c, "ft", None) is not None and not c.config.use_async]
+                if c.backend.dynamic and not c.config.use_async]
 
     @staticmethod
     def _steps(controllers) -> int:

@@ -76,7 +76,7 @@ def test_the_controller_reads_the_clock_before_waiting_for_the_others():
     ctl.config = plan.config
     ctl.async_plan = plan
     ctl.arrivals = types.SimpleNamespace(wait=wait)
-    ctl.ft = None  # the torch backend
+    ctl.backend = types.SimpleNamespace(dynamic=False, begin=lambda step: None, close_skipped=lambda: None)  # the torch backend
     ctl.sync_group = _OneWorker()
     ctl.shards = []
     ctl._last_sync_step = 0

@@ -281,7 +281,7 @@ def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters, f
     if ft is not None:
         result["manager_step"] = controllers[0].sync_group.step
         for c in controllers:
-            c.ft.close()
+            c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return result
 

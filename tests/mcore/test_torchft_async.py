@@ -154,9 +154,9 @@ def _checkpoint_job(rank, world_size, worker, lighthouse, folder, resume):
         if not resume and ctl.at_sync and [r for r in reports if not r[2]] == reports[-1:]:
             cr._save(ddp, opt, path)  # right after its first real sync
     out = cr._state(ddp, opt, ctl)
-    out.update(reports=reports, progress=progress, manager=ctl.ft.group.manager.state_dict(),
+    out.update(reports=reports, progress=progress, manager=ctl.backend.group.manager.state_dict(),
                applied=ctl.async_plan.applied_steps)
-    ctl.ft.close()
+    ctl.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 
@@ -243,7 +243,7 @@ def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
         reports += [(r.step, r.workers, r.trained, r.committed, r.final) for r in ctl_.drain_reports()]
     out = cr._state(ddp, opt, ctl_)
     out.update(reports=reports, joined=joined, last_sync=ctl_.last_sync, schedule=scheduler.num_steps)
-    ctl_.ft.close()
+    ctl_.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 

@@ -226,9 +226,9 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     out = dict(params=named_params(ddp), anchors=[s.anchor.clone() for s in c.shards], momentum=momentum,
                steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid(),
                counters=(c.steps_done, c._last_sync_step, c.last_step, c.global_progress),
-               partial_heals=c.ft.group.partial_heals,
+               partial_heals=c.backend.group.partial_heals,
                ewma={w: stats.state_dict() for w, stats in c.sync.ewma_by_worker.items()})
-    c.ft.close()
+    c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 
@@ -439,7 +439,7 @@ def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=Non
         cr._load(ddp, opt, path)
         first = load_at + 1
         loaded = cr._state(ddp, opt, ctl, gather=False)
-        loaded["manager"] = ctl.ft.group.manager.state_dict()
+        loaded["manager"] = ctl.backend.group.manager.state_dict()
     shares = WORKERS * world_size
     batches = make_batches(RESUME_STEPS, shares * MICRO_BATCH, seed=0)
     for step in range(first, RESUME_STEPS + 1):
@@ -447,10 +447,10 @@ def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=Non
         if step == save_at and load_at is None:
             cr._save(ddp, opt, path)
     out = cr._state(ddp, opt, ctl)
-    out.update(manager=ctl.ft.group.manager.state_dict(), loaded=loaded,
+    out.update(manager=ctl.backend.group.manager.state_dict(), loaded=loaded,
                reports=[(r.step, r.workers, r.committed) for r in ctl.drain_reports()],
                ewma={w: st.state_dict() for w, st in ctl.sync.ewma_by_worker.items()})
-    ctl.ft.close()
+    ctl.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 
@@ -679,7 +679,7 @@ def _older_checkpoint_worker(rank, world_size, worker, lighthouse, ctl, relaunch
             cr._save(ddp, opt, os.path.join(ctl, f"worker{worker}-step6"))
     ddp.start_param_sync(force_sync=True)
     out = dict(state=cr._state(ddp, opt, c), pid=os.getpid(), manager_step=c.sync_group.step)
-    c.ft.close()
+    c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 
@@ -766,7 +766,7 @@ def _exchange_victim_worker(rank, world_size, worker, lighthouse, ctl):
         for r in c.drain_reports():
             log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, committed=r.committed,
                                       since=r.steps_since_last, anchor=_anchor_digest(c))) + "\n")
-    c.ft.close()
+    c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return os.getpid()
 

@@ -208,7 +208,7 @@ def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode,
                           for a in c.outer_optimizer.param_groups[0]["params"]] for c in controllers],
                ewma=[{w: stats.state_dict() for w, stats in c.sync.ewma_by_worker.items()} for c in controllers])
     for c in controllers:
-        c.ft.close()
+        c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 
@@ -314,7 +314,7 @@ def _moe_checkpoint_job(rank, world_size, worker, lighthouse, folder, save_at, l
             outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} for s in c.shards],
             ewma={w: st.state_dict() for w, st in c.sync.ewma_by_worker.items()}))
     for c in controllers:
-        c.ft.close()
+        c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
 

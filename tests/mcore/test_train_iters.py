@@ -12,7 +12,7 @@ from megatron_edit.mcore.controller import LocalSGD
 
 def _controller(steps_done=0, use_async=False, workers=2):
     return SimpleNamespace(config=SimpleNamespace(use_async=use_async), steps_done=steps_done, num_workers=workers,
-                           budget_workers=workers, last_step=None, budget_steps=None, ft=None)  # (no torchft)
+                           budget_workers=workers, last_step=None, budget_steps=None, backend=None)  # (no torchft)
 
 
 def test_edit_ends_at_the_given_step_and_a_edit_gets_the_budget():

@@ -79,7 +79,7 @@ def test_the_releases_whose_skipped_iterations_are_known(version, base):
 class _Controller:
     def __init__(self, steps_done):
         self.steps_done = steps_done
-        self.ft = object()
+        self.backend = SimpleNamespace(dynamic=True)  # the torchft backend
         self.config = SimpleNamespace(replica_id=1, use_async=False)
 
 
@@ -138,7 +138,7 @@ def test_a_edit_workers_loop_counters_are_left_to_the_global_budget(monkeypatch,
     controller = _Controller(steps_done=8)
     controller.config = SimpleNamespace(replica_id=1, use_async=True)
     controller.budget_workers, controller.finished, controller.global_progress = 3, False, 6.0
-    controller.ft = SimpleNamespace(healed_sync_step=8)  # it healed into the others' sync after step 8
+    controller.backend = SimpleNamespace(dynamic=True, healed_sync_step=8)  # it healed into the others' sync after step 8
     args = SimpleNamespace(iteration=0, iterations_to_skip=[], rank=0, train_iters=20)
     heals = _heals([controller], monkeypatch, args)
     monkeypatch.setattr(gb, "_get_args", lambda: args)

@@ -231,7 +231,7 @@ class ResumePlan:
                     f"(--dist-ckpt-optim-fully-reshardable), or keep TP and PP.")
         n, m, workers = record["num_workers"], layout.worker, layout.num_workers
         self.mode = "same-workers" if n == workers else "elastic"
-        self.torchft = getattr(c, "ft", None) is not None
+        self.torchft = c.backend.dynamic
         if self.torchft and self.mode == "elastic":  # a torch-backend checkpoint, one torchft worker
             self.source = c.config.replica_id % n
             if self.source != m:

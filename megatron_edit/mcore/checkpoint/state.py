@@ -125,6 +125,7 @@ from .resume import (
 )
 from .space import ModelSpace, model_tensors_by_param
 from ..fault_tolerant import backend_of
+from ..sync_backend import STATE_KEY
 from ..wrap_registry import VersionRange
 
 logger = logging.getLogger(__name__)
@@ -289,7 +290,7 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict, pl
     else:
         note = "one outer step over the saved workers at load"
     ft = backend_of(controller)
-    if ft is not None and not (isinstance(extra, dict) and "torchft" in extra):
+    if ft is not None and not (isinstance(extra, dict) and STATE_KEY in extra):
         ft.start_from_torch_backend()
         note += f"; worker {controller.config.replica_id} of torchft from saved worker {plan.source}"
     _log_resume(controller, f"a checkpoint of {record['num_workers']} worker(s)"

@@ -1,0 +1,95 @@
+"""The sync backend: what an EDiT controller (:class:`~megatron_edit.mcore.controller.LocalSGD`)
+drives at each sync, and nothing else does. Two implementations:
+
+* :class:`TorchBackend` (``--local-sgd-sync-backend torch``, the default): every worker in one
+  ``torch.distributed`` world, the same workers at every sync; a round always commits.
+* :class:`~megatron_edit.mcore.fault_tolerant.TorchftBackend` (``torchft``): each worker its own
+  job; workers leave and come back, a behind one heals at a round's quorum, a round commits or
+  not (its rounds: :mod:`.torchft_round`; a worker as one unit:
+  :class:`~megatron_edit.exchange.fault_tolerant.FaultTolerantSyncGroup`).
+
+The interface, in the order of one sync (the controller calls each at one place):
+
+``sync_group``
+    what the exchange runs over (:class:`~megatron_edit.exchange.groups.SyncGroup` or a view of
+    a torchft group); ``dynamic``: whether the workers may change from one sync to the next.
+``ready()`` / ``ensure_joined()``
+    the controller is built / before its first step (torchft: join the others' next sync).
+``begin(step) -> Optional[int]``
+    before a sync's first collective (torchft: the quorum). Returns the others' sync step where
+    this worker healed into it (it was behind), else None.
+``waits_for_others`` / ``defer(action)``
+    this sync's outer step must wait for a later controller of the process (torchft: one round
+    for a MoE model's dense and expert optimizers): run ``action`` after the round's commit.
+``commit_gate``
+    None (every round commits), or a callable: whether this sync's outer step is applied
+    (``OuterSync.commit_gate``); ``gates_outer_step``: the same as a flag.
+``close_skipped()``
+    A-EDiT skipped the exchange (the round ends with nothing applied).
+``budget_workers(controller)``
+    A-EDiT: the workers whose steps the budget and global progress count.
+``state_dict()`` / ``load_state_dict(state)``
+    what a checkpoint carries of the backend (None: nothing), under :data:`STATE_KEY`.
+``close()``
+    the end of the run.
+
+A backend never writes the controller's counters itself except through a heal's state
+(:meth:`TorchftBackend.load <megatron_edit.mcore.fault_tolerant.TorchftBackend.load>`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ..exchange.groups import SyncGroup
+
+STATE_KEY = "torchft"
+"""The key of the backend's state in the controller's checkpoint extras (only torchft has one)."""
+
+
+class TorchBackend:
+    """Every worker in this ``torch.distributed`` world (the default backend): the same workers
+    at every sync, every round committed, nothing to join or heal."""
+
+    dynamic = False
+    waits_for_others = False
+    commit_gate: Optional[Callable[[], bool]] = None
+    gates_outer_step = False
+
+    def __init__(self, inter, num_workers: int):
+        self.sync_group = SyncGroup(inter)
+        if self.sync_group.size != num_workers:
+            raise RuntimeError(
+                f"megatron_edit: the DDP config says {num_workers} EDiT worker(s) "
+                "(num_distributed_optimizer_instances) but the buckets' group across instances "
+                f"holds {self.sync_group.size} ranks (parallel_state.initialize_model_parallel("
+                "num_distributed_optimizer_instances=...)): give both the same number of workers."
+            )
+
+    def ready(self) -> None:
+        pass
+
+    def ensure_joined(self) -> None:
+        pass
+
+    def begin(self, step: int) -> Optional[int]:
+        return None
+
+    def defer(self, action: Callable[[], None]) -> None:
+        raise RuntimeError("megatron_edit: the torch backend's outer steps never wait for another optimizer's.")
+
+    def close_skipped(self) -> None:
+        pass
+
+    @staticmethod
+    def budget_workers(controller) -> int:
+        return controller.num_workers
+
+    def state_dict(self) -> Optional[dict]:
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
