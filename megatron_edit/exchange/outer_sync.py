@@ -152,6 +152,11 @@ class OuterSync:
         return self._sync is not None
 
     @property
+    def final(self) -> bool:
+        """The sync in progress is the run's last (A-EDiT's final sync; EDiT's is known by its step)."""
+        return self._sync is not None and self._sync.final
+
+    @property
     def pending(self) -> bool:
         return self._sync is not None and self._sync.pending
 

@@ -154,9 +154,15 @@ class TorchftRound:
             if not committed and before is not None:
                 for shard, (residual, chunk_residual) in zip(member.controller.shards, before):
                     shard.residual, shard.chunk_residual = residual, chunk_residual
-        if not committed and started and dist.get_rank() == 0:  # one line per worker
+        c = started[0].controller if started else None
+        last = c is not None and (c.sync.final or (c.last_step is not None and self.step >= c.last_step))
+        if not committed and last and dist.get_rank() == 0:
+            logger.error(
+                "megatron_edit: worker %s did not commit the run's last sync (after step %d): it ends with its own "
+                "model, not the others'; under the supervisor the run exits 1 (it compares the workers' models at "
+                "the end).", c.config.replica_id, self.step)
+        elif not committed and started and dist.get_rank() == 0:  # one line per worker
             error = self.group.manager.errored()
-            c = started[0].controller
             logger.warning(
                 "megatron_edit: worker %s did not commit the sync after step %d (%d worker(s) in it, "
                 "--local-sgd-min-replicas %d%s): it keeps its local progress for the next sync.",
