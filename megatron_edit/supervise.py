@@ -169,7 +169,7 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     from torchft._torchft import LighthouseServer
 
     from .exchange.addresses import is_loopback
-    from .exchange.run_gate import START_GATE_ENV, refusal, start_gate_value
+    from .exchange.run_gate import START_GATE_ENV, refusal, release_claim, start_gate_value
 
     lighthouse = LighthouseServer(bind=args.bind, min_replicas=min_replicas_of(args.command),
                                   join_timeout_ms=args.join_timeout_ms,
@@ -213,6 +213,7 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
                     worker.done = True
                     continue
                 left = worker.stop()  # what is left of it: none may share its replica id with the relaunch
+                release_claim(gate, worker.replica_id)
                 if left:
                     print(f"{prog}: worker {worker.replica_id}'s job exited with code {code}, and its processes "
                           f"{left} could not be ended within 30 s: a relaunch would share their replica id; "

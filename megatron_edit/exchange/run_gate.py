@@ -128,3 +128,90 @@ def refusal(store, tag: str) -> Optional[str]:
     """What a rank of the job ``tag`` refused to run with (:func:`record_refusal`), or None."""
     key = f"refused/{tag}"
     return store.get(key).decode() if store.check([key]) else None
+
+
+CLAIM_INTERVAL_S = 2.0
+"""How often a job renews its claim on its replica id (:class:`ReplicaClaim`)."""
+
+
+def claim_key(replica_id: int) -> str:
+    return f"claim/{replica_id}"
+
+
+class ReplicaClaim:
+    """A worker's job holds its replica id in the supervisor's store while it lives (its rank 0):
+    ``claim/<id>`` holds this job's token and a count that a daemon thread raises every
+    ``interval`` seconds with a compare-and-set. Two live jobs with one id are found within
+    seconds, whichever starts first: a job that finds the claim still renewed (by another token)
+    refuses to start (:meth:`take`), and a job whose renewal finds another token there ends with
+    one line (exit code 2). A claim left by a dead job stops being renewed; the supervisor
+    deletes it when it ends the job (:func:`release_claim`)."""
+
+    def __init__(self, store, replica_id: int, interval: float = CLAIM_INTERVAL_S):
+        import socket
+        import uuid
+
+        self.store, self.replica_id, self.interval = store, replica_id, interval
+        self.key = claim_key(replica_id)
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.value = ""
+        self.stopped = None
+
+    def _other(self, value: str) -> str:
+        holder = value.split(" ")[0]
+        return (f"megatron_edit: another job holds --local-sgd-replica-id {self.replica_id} ({holder}) and is alive: "
+                "every worker needs its own id (a relaunched worker keeps its dead predecessor's).")
+
+    def take(self) -> None:
+        """Claim the id (raises RuntimeError naming it while another live job holds it: its claim
+        was renewed within three intervals), then renew it in a daemon thread."""
+        import threading
+        import time
+
+        found = self.store.compare_set(self.key, "", f"{self.token} 0").decode()
+        if found != f"{self.token} 0":  # a claim is there: live if it is renewed meanwhile
+            time.sleep(3 * self.interval)
+            now = self.store.compare_set(self.key, found, f"{self.token} 0").decode()
+            if now != f"{self.token} 0":
+                raise RuntimeError(self._other(now))
+        self.value = f"{self.token} 0"
+        self.stopped = threading.Event()
+        threading.Thread(target=self._renew, name="megatron_edit-replica-claim", daemon=True).start()
+
+    def _renew(self) -> None:
+        import sys
+
+        count = 0
+        while not self.stopped.wait(self.interval):
+            count += 1
+            try:
+                now = self.store.compare_set(self.key, self.value, f"{self.token} {count}").decode()
+            except Exception:  # noqa: BLE001 (the supervisor gone: nothing left to guard)
+                return
+            if now != f"{self.token} {count}":
+                sys.stderr.write(self._other(now) + "\n")
+                sys.stderr.flush()
+                os._exit(2)
+            self.value = now
+
+    def stop(self) -> None:
+        if self.stopped is not None:
+            self.stopped.set()
+
+
+def claim_replica_id(value: Optional[str], replica_id: int) -> Optional[ReplicaClaim]:
+    """Rank 0 of a supervised worker's job: take its replica id (:class:`ReplicaClaim`) in the
+    supervisor's store (``value``: :data:`START_GATE_ENV`'s); None without a supervisor."""
+    if not value:
+        return None
+    host, port, _, _ = _parse_gate(value)
+    import torch.distributed as dist
+
+    claim = ReplicaClaim(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30)), replica_id)
+    claim.take()
+    return claim
+
+
+def release_claim(store, replica_id: int) -> None:
+    """The supervisor has ended worker ``replica_id``'s job: its claim goes with it."""
+    store.delete_key(claim_key(replica_id))

@@ -47,7 +47,7 @@ from ..algorithm.penalty import EWMAStats
 from ..config import ConfigError
 from ..exchange.fault_tolerant import CountedView, FaultTolerantSyncGroup, LighthouseUnreachable
 from ..exchange.job_processes import watch_launcher
-from ..exchange.run_gate import START_GATE_ENV, start_gate, supervised_workers
+from ..exchange.run_gate import START_GATE_ENV, claim_replica_id, start_gate, supervised_workers
 from ..exchange.sparse import check_sparse_workers
 from .process_state import PROCESS
 from .torchft_round import TorchftRound, expected_controllers, join_plan
@@ -96,6 +96,11 @@ class TorchftBackend:
             check_sparse_workers(workers, config.exchange_topk_density, config.exchange_topk_chunk,
                                  config.exchange_dtype)
         expected = expected_controllers(optimizer)
+        if dist.get_rank() == 0:  # two live jobs with one replica id: refused within seconds, named
+            try:
+                self.claim = claim_replica_id(os.environ.get(START_GATE_ENV), config.replica_id)
+            except RuntimeError as error:
+                raise ConfigError(str(error)) from None
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
             raise RuntimeError(

@@ -287,3 +287,38 @@ def test_min_replicas_counts_the_workers_that_trained():
     assert group.commit() is True
     group.contributors = 1
     assert group.commit() is False and "only 1 of its 2 workers trained" in str(Manager.errors[0])
+
+
+def test_two_live_jobs_with_one_replica_id_are_found_within_seconds_and_a_dead_ones_claim_is_not():
+    # Each supervised job's rank 0 holds its replica id in the supervisor's store and renews it;
+    # a second job with the same id sees the claim renewed and refuses, naming the id; a claim
+    # left by a dead job (no longer renewed) is taken over after three intervals, and one the
+    # supervisor released at once.
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_edit.exchange.run_gate import ReplicaClaim, release_claim
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    first = ReplicaClaim(store, 3, interval=0.2)
+    first.take()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"another job holds --local-sgd-replica-id 3 \(.*\) and is alive"):
+        ReplicaClaim(store, 3, interval=0.2).take()
+    assert time.monotonic() - start < 5
+    other = ReplicaClaim(store, 4, interval=0.2)
+    other.take()  # another id: at once
+    first.stop()  # the first job dies: its claim is no longer renewed
+    time.sleep(0.5)
+    second = ReplicaClaim(store, 3, interval=0.2)
+    second.take()  # taken over after three intervals
+    second.stop()  # (it dies, and the supervisor releases its claim)
+    release_claim(store, 3)
+    start = time.monotonic()
+    third = ReplicaClaim(store, 3, interval=5.0)
+    third.take()  # released by the supervisor: no wait
+    assert time.monotonic() - start < 1
+    for claim in (other, third):
+        claim.stop()
