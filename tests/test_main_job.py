@@ -725,11 +725,11 @@ def test_megatron_fsdp_trains_what_ddp_and_the_distributed_optimizer_do(data_dir
 @pytest.mark.timeout(300)
 def test_an_unreachable_lighthouse_is_one_line_per_worker_and_stops_the_run(data_dir):
     """A wrong --local-sgd-lighthouse (nothing listens there): a worker's job says so in one line
-    within about 20 s of trying, with exit code 2, and the supervisor stops the run instead of
+    within about 20 s of trying (here 5 s: the sync timeout's, when shorter), with exit code 2, and the supervisor stops the run instead of
     relaunching the jobs in a loop."""
     pytest.importorskip("torchft")
     code, out = torchrun(data_dir, "--local-sgd-sync-backend", "torchft", "--local-sgd-lighthouse",
-                         "http://127.0.0.1:1", python=True, timeout=240)
+                         "http://127.0.0.1:1", "--local-sgd-sync-timeout", "5", python=True, timeout=240)
     assert code == 2, out[-3000:]
     said = [line for line in out.splitlines() if "could not start with the Lighthouse at http://127.0.0.1:1" in line]
     # (the other worker's job may be stopped before it prints its own)
