@@ -24,7 +24,7 @@ import time
 from typing import List, Optional
 
 JOB_ENV = "MEGATRON_EDIT_JOB"
-"""Set by the supervisor for each job it starts (``<replica id>.<start>``): every process of the
+"""Set by the supervisor for each job it starts (``<its pid>.<replica id>.<start>``): every process of the
 job inherits it, which is how the supervisor finds them after their launcher has died."""
 WATCH_ENV = "MEGATRON_EDIT_WATCH_PIDS"
 """Comma-separated process ids whose death ends a rank (the supervisor's, the main job's)."""
@@ -49,7 +49,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def watch_launcher(interval: float = 1.0, what: str = "rank") -> None:
+def watch_launcher(interval: float = 1.0) -> None:
     """End this process (exit code 1, one line) within ``interval`` seconds of the death of
     its parent (its launcher) or of a process of :data:`WATCH_ENV`; once per process."""
     if _watching:
@@ -63,8 +63,8 @@ def watch_launcher(interval: float = 1.0, what: str = "rank") -> None:
             time.sleep(interval)
             gone = parent if os.getppid() != parent else next((p for p in others if not _alive(p)), None)
             if gone is not None:
-                sys.stderr.write(f"megatron_edit: this {what}'s launcher or supervisor (pid {gone}) has died: "
-                                 f"ending this {what} (pid {os.getpid()}) with it.\n")
+                sys.stderr.write(f"megatron_edit: this rank's launcher or supervisor (pid {gone}) has died: "
+                                 f"ending this rank (pid {os.getpid()}) with it.\n")
                 sys.stderr.flush()
                 os._exit(1)
 

@@ -33,6 +33,14 @@ def _parse_gate(value: str):
                            "(the supervisor sets it; unset it to start without the gate).") from None
 
 
+def _store(value: str, timeout: float):
+    """A client of the supervisor's store named by ``value`` (:data:`START_GATE_ENV`'s)."""
+    import torch.distributed as dist
+
+    host, port, _, _ = _parse_gate(value)
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
 def supervised_workers(value: Optional[str]) -> Optional[int]:
     """The number of workers of a supervised run (``value``: :data:`START_GATE_ENV`'s); None
     without a supervisor."""
@@ -50,10 +58,7 @@ def record_end(value: Optional[str], replica_id: int, rank: int, world_size: int
     (:func:`models_at_the_end`). Nothing without ``value``."""
     if not value:
         return
-    host, port, _, _ = _parse_gate(value)
-    import torch.distributed as dist
-
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+    store = _store(value, 30.0)
     store.set(_end_key(replica_id, rank), digest)
     if rank == 0:
         store.set(_end_key(replica_id, "ranks"), str(world_size))
@@ -81,14 +86,12 @@ def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
     of them: one line naming the missing workers."""
     if not value:
         return
-    host, port, workers, timeout = _parse_gate(value)
+    _, _, workers, timeout = _parse_gate(value)
     if not 0 <= replica_id < workers:
         raise RuntimeError(
             f"megatron_edit: --local-sgd-replica-id {replica_id} is not one of the supervisor's {workers} "
             f"workers (0 .. {workers - 1}).")
-    import torch.distributed as dist
-
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, 1.0)))
+    store = _store(value, max(timeout, 1.0))
     ended = [w for w in range(workers) if w != replica_id and store.check([_end_key(w, "ranks")])]
     if ended:
         raise RuntimeError(
@@ -115,11 +118,8 @@ def record_refusal(line: str) -> None:
     value, tag = os.environ.get(START_GATE_ENV), os.environ.get(JOB_ENV)
     if not value or not tag:
         return
-    host, port, _, _ = _parse_gate(value)
-    import torch.distributed as dist
-
     try:
-        dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)).set(f"refused/{tag}", line)
+        _store(value, 10.0).set(f"refused/{tag}", line)
     except Exception:  # noqa: BLE001 (the supervisor gone: nothing to tell; its relaunch limit ends the run)
         pass
 
@@ -204,10 +204,7 @@ def claim_replica_id(value: Optional[str], replica_id: int) -> Optional[ReplicaC
     supervisor's store (``value``: :data:`START_GATE_ENV`'s); None without a supervisor."""
     if not value:
         return None
-    host, port, _, _ = _parse_gate(value)
-    import torch.distributed as dist
-
-    claim = ReplicaClaim(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30)), replica_id)
+    claim = ReplicaClaim(_store(value, 30.0), replica_id)
     claim.take()
     return claim
 

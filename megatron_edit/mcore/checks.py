@@ -14,10 +14,11 @@ from . import compat
 
 
 def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config,
-                           tokens_counted_in_worker: bool = True) -> None:
+                           tokens_counted_in_worker: bool = False) -> None:
     """Reject model / DDP options that cannot work with EDiT (clear message, at start-up).
     ``tokens_counted_in_worker``: ``--calculate-per-token-loss``'s tokens are counted over the
-    worker once gradients stay inside it (Megatron-LM's training loop, patched)."""
+    worker once gradients stay inside it (Megatron-LM's training loop, patched, over the
+    distributed optimizer)."""
     fsdp = compat.uses_megatron_fsdp(ddp_config)
     if fsdp:  # Megatron-FSDP's own optimizer sharding takes the distributed optimizer's place
         from .fsdp import check_fsdp_options
@@ -38,10 +39,10 @@ def check_megatron_options(local_cfg: LocalSGDConfig, transformer_config, ddp_co
         )
     if getattr(transformer_config, "calculate_per_token_loss", False) and not tokens_counted_in_worker:
         raise NotSupportedYet(
-            "calculate_per_token_loss with local SGD and megatron-core alone is not supported yet: "
-            "finalize_model_grads counts the tokens over every data-parallel rank at each step. Through "
-            "Megatron-LM's training loop (python -m megatron_edit.launch) it works: there the tokens are "
-            "counted over the worker."
+            "calculate_per_token_loss with local SGD is not supported yet here: only through Megatron-LM's "
+            "training loop (python -m megatron_edit.launch) with the distributed optimizer are the tokens counted "
+            "over the worker and its gradients summed inside it (finalize_model_grads of megatron-core alone counts "
+            "them over every data-parallel rank at each step; Megatron-FSDP is not checked)."
         )
     if getattr(ddp_config, "fp8_param_gather", False) or getattr(ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
         raise ConfigError(

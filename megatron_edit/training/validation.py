@@ -79,7 +79,9 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         fsdp_double_buffer=get("fsdp_double_buffer", False),
         nccl_ub=get("nccl_ub", False),
     )
-    check_megatron_options(local, model_options, ddp_options)  # (Megatron-FSDP: its release first)
+    fsdp = ddp_options.use_megatron_fsdp or ddp_options.use_custom_fsdp
+    check_megatron_options(local, model_options, ddp_options,  # (Megatron-FSDP: its release first)
+                           tokens_counted_in_worker=not fsdp)  # training.worker_local counts them
     if (get("use_megatron_fsdp") or get("use_custom_fsdp")) and (get("save") or get("load")) and \
             get("ckpt_format", "torch_dist") != "fsdp_dtensor":
         raise NotSupportedYet(
