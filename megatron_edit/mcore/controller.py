@@ -418,7 +418,19 @@ class LocalSGD(ControllerState):
                     self.complete_now()
                 elif self.fsdp is not None:  # the step prefetched its first bucket before the sync
                     self.fsdp.drop_stale_gathers()
+        self.backend.settle_last_sync()  # torchft: the run's last sync again until it commits
         self._snap_progress()
+
+    def sync_again(self) -> None:
+        """The sync after this step once more, completed now (the backend's retry of the run's last
+        sync, which did not commit: the same progress against the same anchor). Where a later
+        optimizer of the process syncs in the same round, the outer step waits for its commit."""
+        if self._start_sync(self.steps_done):
+            self.sync.mark_pending()
+            if self.backend.waits_for_others:
+                self.backend.defer(self.complete_now)
+            else:
+                self.complete_now()
 
     def _snap_progress(self) -> None:
         """At an A-EDiT sync every worker's global progress is worker-steps / workers: set it

@@ -165,6 +165,11 @@ class TorchftBackend:
         controllers)."""
         return self.round.commit()
 
+    def settle_last_sync(self) -> None:
+        """After a sync: where it was the run's last and did not commit, try it again
+        (:meth:`TorchftRound.settle_last_sync`)."""
+        self.round.settle_last_sync()
+
     def ready(self) -> None:
         """The controller is built: join the others (with the process's other controllers, once
         they are built too)."""

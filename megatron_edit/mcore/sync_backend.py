@@ -26,6 +26,10 @@ The interface, in the order of one sync (the controller calls each at one place)
     (``OuterSync.commit_gate``); ``gates_outer_step``: the same as a flag.
 ``close_skipped()``
     A-EDiT skipped the exchange (the round ends with nothing applied).
+``settle_last_sync()``
+    after a sync's end: where it was the run's last and did not commit, the backend has the
+    controller sync again (:meth:`~megatron_edit.mcore.controller.LocalSGD.sync_again`), for a
+    bounded time (torchft: a new quorum among the workers still there).
 ``budget_workers(controller)``
     A-EDiT: the workers whose steps the budget and global progress count.
 ``state_dict()`` / ``load_state_dict(state)``
@@ -79,6 +83,9 @@ class TorchBackend:
         raise RuntimeError("megatron_edit: the torch backend's outer steps never wait for another optimizer's.")
 
     def close_skipped(self) -> None:
+        pass
+
+    def settle_last_sync(self) -> None:
         pass
 
     @staticmethod

@@ -21,6 +21,8 @@ them missed one (a straggler past the Lighthouse's join timeout, a slow start af
   collectives in the order the others' sync runs them.
 * A-EDiT: the expert controller follows the dense one's plan (no collective of its own), and
   a skipped sync is one round, closed once the last controller has skipped it too.
+* The run's last sync is retried until it commits (:meth:`TorchftRound.settle_last_sync`), a
+  new quorum each time among the workers still there, for a bounded time.
 
 One controller is a round of one: the same calls, nothing deferred.
 """
@@ -31,6 +33,7 @@ import atexit
 import hashlib
 import logging
 import os
+import time
 from typing import Callable, List, Optional
 
 import torch
@@ -46,7 +49,16 @@ STATE_KEY = "megatron_edit"
 COUNTERS = ("step", "last_sync_step", "last_step", "plan", "budget_steps", "global_progress")
 """What a controller's heal state holds of its worker's own (its steps and progress; A-EDiT's
 plan): one peer's for every rank of the healing worker."""
+LAST_SYNC_TRIES = 5
+"""How often the run's last sync is tried again when it does not commit (within
+:func:`last_sync_seconds` too)."""
 logger = logging.getLogger(__name__)
+
+
+def last_sync_seconds(sync_timeout: Optional[float]) -> float:
+    """How long the run's last sync is tried again: twice the sync timeout (a peer that died
+    inside the exchange is out of the Lighthouse's quorum well before), 10 minutes without one."""
+    return 600.0 if sync_timeout is None else 2.0 * sync_timeout
 
 
 def _copy(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -80,6 +92,8 @@ class TorchftRound:
         self.residuals_before: dict = {}
         """Each started member's error-feedback residuals from before the open round (see
         :meth:`begin`)."""
+        self.last_sync_lost = False
+        """The run's last sync did not commit (:meth:`settle_last_sync` tries it again)."""
         group.register_state(STATE_KEY, self._load, self._save)
         # (taken now: the job may have destroyed its process group by its end)
         self._rank_and_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -156,12 +170,8 @@ class TorchftRound:
                     shard.residual, shard.chunk_residual = residual, chunk_residual
         c = started[0].controller if started else None
         last = c is not None and (c.sync.final or (c.last_step is not None and self.step >= c.last_step))
-        if not committed and last and dist.get_rank() == 0:
-            logger.error(
-                "megatron_edit: worker %s did not commit the run's last sync (after step %d): it ends with its own "
-                "model, not the others'; under the supervisor the run exits 1 (it compares the workers' models at "
-                "the end).", c.config.replica_id, self.step)
-        elif not committed and started and dist.get_rank() == 0:  # one line per worker
+        self.last_sync_lost = not committed and last
+        if not committed and not last and started and dist.get_rank() == 0:  # one line per worker
             error = self.group.manager.errored()
             logger.warning(
                 "megatron_edit: worker %s did not commit the sync after step %d (%d worker(s) in it, "
@@ -171,6 +181,35 @@ class TorchftRound:
         for action in deferred:
             action()
         return applied
+
+    def settle_last_sync(self) -> None:
+        """After the run's last sync (every member's end of it; acts once the round is closed):
+        while it is not committed, every member syncs again in order (:meth:`LocalSGD.sync_again
+        <megatron_edit.mcore.controller.LocalSGD.sync_again>`: a new quorum among the workers still
+        there, the same progress against the same anchor), up to :data:`LAST_SYNC_TRIES` times
+        within :func:`last_sync_seconds`. Still not committed (or A-EDiT's final sync, or a delayed
+        one, which are not tried again): one error line, and the worker ends with its own model,
+        which the supervisor's end check turns into a failed run."""
+        if not self.last_sync_lost or self.started:
+            return
+        c = self.members[0].controller
+        retry = not c.config.use_async and all(m.controller.delayed is None for m in self.members)
+        deadline = time.monotonic() + last_sync_seconds(c.config.sync_timeout)
+        tries = 0
+        while retry and self.last_sync_lost and tries < LAST_SYNC_TRIES and time.monotonic() < deadline:
+            tries += 1
+            if dist.get_rank() == 0:
+                logger.warning("megatron_edit: worker %s did not commit the run's last sync (after step %d, %d "
+                               "worker(s) in it): trying it again (%d of %d).", c.config.replica_id, self.step,
+                               self.group.size, tries, LAST_SYNC_TRIES)
+            for member in self.members:
+                member.controller.sync_again()
+        if self.last_sync_lost and dist.get_rank() == 0:
+            logger.error(
+                "megatron_edit: worker %s did not commit the run's last sync (after step %d%s): it ends with its own "
+                "model, not the others'; under the supervisor the run exits 1 (it compares the workers' models at "
+                "the end).", c.config.replica_id, self.step,
+                f", tried {tries + 1} times" if retry else "; A-EDiT's final sync and a delayed one are not tried again")
 
     def close_skipped(self) -> None:
         """A-EDiT skipped this sync's exchange (every worker decides the same; a MoE model's expert

@@ -285,3 +285,94 @@ def test_a_relaunched_a_edit_worker_heals_and_the_budget_stays_exact(tmp_path):
         assert run["schedule"] == pytest.approx(15.0, abs=1e-9)
     assert all(torch.equal(x, y) for x, y in zip(survivor["anchors"], rejoined["anchors"]))
     assert all(torch.equal(survivor["params"][k], rejoined["params"][k]) for k in survivor["params"])
+
+
+SPEEDS = {0: 1.0, 1: 2.0, 2: 1.0}
+"""Fake seconds a step of each worker takes in the 3 x 2 run (worker 1 half as fast)."""
+
+
+def _three_by_two_job(rank, world_size, worker, lighthouse, ctl, joiner):
+    """Worker ``worker``'s job (2 ranks): A-EDiT over torchft, step-end sync, a budget of 20
+    iterations, a fake clock of :data:`SPEEDS`. The first job of worker 2 writes a file after its
+    step 5 and stops (the test SIGKILLs it); once it has, the others wait before each step until
+    the relaunched job (``joiner``) asks for its join round's quorum. Returns this rank's
+    counters where it joined and at the end, its reports and its parameters."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    import checkpoint_runs as cr
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    if joiner:
+        begin = FaultTolerantSyncGroup.begin
+
+        def announced(self, contributed):  # the join round asks for its quorum (its Manager is up)
+            open(os.path.join(ctl, f"joiner-in-quorum-{rank}"), "w").close()
+            return begin(self, contributed)
+
+        FaultTolerantSyncGroup.begin = announced
+    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
+                 sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
+                 sync_timeout=120.0)
+    ddp, opt, c = cr._setup(local, instances=1)
+    joined = dict(steps_done=c.steps_done, last_sync_step=c._last_sync_step, progress=c.global_progress,
+                  healed=c.sync_group.healed)
+    me.set_train_iters(opt, 20)
+    now = [0.0]
+    c.clock = lambda: now[0]
+    batches = make_batches(128, 6 * MICRO_BATCH, seed=0)
+    dead = os.path.join(ctl, "victim-dead")
+    reports = []
+    while not c.finished:
+        step = c.steps_done + 1
+        if worker != 2 and os.path.exists(dead):
+            ft_jobs.wait_file(os.path.join(ctl, "joiner-in-quorum-0"), timeout=240.0)
+        now[0] += SPEEDS[worker]
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker * world_size + rank, 6))
+        if step == 5 and worker == 2 and not joiner:
+            open(os.path.join(ctl, f"victim-at-5-{rank}"), "w").close()
+            time.sleep(600)
+        reports += [(r.step, r.workers, r.committed, r.final) for r in c.drain_reports()]
+    out = cr._state(ddp, opt, c)
+    out.update(reports=reports, joined=joined)
+    c.backend.close()
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_a_relaunched_a_edit_worker_of_two_ranks_takes_its_counters_from_one_peer(tmp_path):
+    """A-EDiT, 3 workers x 2 ranks, worker 1 half as fast as the others (so the workers' step
+    counts differ). Worker 2's job is SIGKILLed after its step 5 and a fresh one joins the others'
+    next sync, healing there: torchft serves its rank r from up-to-date worker (2 + r) mod 2, one
+    rank from worker 0 and the other from worker 1, whose steps, last sync and progress differ.
+    Both ranks take the counters of one peer: the same steps done, last-sync step and global
+    progress where they joined, the same reports after, and the three workers end bit-identical
+    at the final sync."""
+    ctl = str(tmp_path)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2, heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (
+            server, start):
+        addr = server.address()
+        first = [start(_three_by_two_job, 2, w, addr, ctl, False, timeout=3 * TIMEOUT - 60) for w in range(3)]
+        for r in range(2):
+            ft_jobs.wait_file(os.path.join(ctl, f"victim-at-5-{r}"), timeout=3 * TIMEOUT - 60)
+        first[2].kill()
+        open(os.path.join(ctl, "victim-dead"), "w").close()
+        joiner = start(_three_by_two_job, 2, 2, addr, ctl, True, timeout=3 * TIMEOUT - 60)
+        runs = ft_jobs.all_results([first[0], first[1], joiner])
+    new = runs[2]
+    assert new[0]["joined"]["healed"] and new[1]["joined"]["healed"]
+    assert new[0]["joined"] == new[1]["joined"]
+    assert new[0]["reports"] == new[1]["reports"] and new[0]["reports"][-1][3]  # its final sync
+    for key in ("steps_done", "last_sync_step", "global_progress"):
+        assert new[0][key] == new[1][key]
+    assert runs[0][0]["steps_done"] != runs[1][0]["steps_done"]  # the peers' own counts differ
+    for r in range(2):  # one model: each rank's parameters and anchors on every worker
+        for w in (1, 2):
+            assert all(torch.equal(runs[0][r]["params"][k], runs[w][r]["params"][k]) for k in runs[0][r]["params"])
+            assert all(torch.equal(x, y) for x, y in zip(runs[0][r]["anchors"], runs[w][r]["anchors"]))

@@ -716,12 +716,12 @@ def test_a_worker_killed_in_its_save_resumes_from_its_older_checkpoint_and_heals
 
 
 # ---------------------------------------------------------------------- killed inside an exchange
-def _exchange_victim_worker(rank, world_size, worker, lighthouse, ctl):
+def _exchange_victim_worker(rank, world_size, worker, lighthouse, ctl, stuck_at=4):
     """One worker's job (1 rank): EDiT H=2 over torchft, 8 steps, layer-wise. Worker 1 stops
-    inside its exchange of sync 4 (after the quorum and the decisions, before its first
-    all-reduce) and the test SIGKILLs its job there; worker 0's all-reduce of that sync then
-    fails (its peer is gone), the round is not committed and worker 0 trains on from its own
-    parameters, committing its sync 6 alone."""
+    inside its exchange of the sync after step ``stuck_at`` (after the quorum and the decisions,
+    before its first all-reduce) and the test SIGKILLs its job there; worker 0's all-reduce of
+    that sync then fails (its peer is gone) and the round is not committed. Worker 0 returns
+    whether its parameters end equal to its anchor (one model: its last sync applied)."""
     import json
     import time
 
@@ -753,7 +753,7 @@ def _exchange_victim_worker(rank, world_size, worker, lighthouse, ctl):
         reduce = FaultTolerantSyncGroup.all_reduce_sum
 
         def stuck(self, tensor, async_op=True):
-            if c.steps_done == 4:  # inside the exchange of sync 4: the test kills the job here
+            if c.steps_done == stuck_at:  # inside that sync's exchange: the test kills the job here
                 open(os.path.join(ctl, "victim-in-exchange"), "w").close()
                 time.sleep(600)
             return reduce(self, tensor, async_op)
@@ -766,9 +766,10 @@ def _exchange_victim_worker(rank, world_size, worker, lighthouse, ctl):
         for r in c.drain_reports():
             log.write(json.dumps(dict(ev="sync", step=r.step, workers=r.workers, committed=r.committed,
                                       since=r.steps_since_last, anchor=_anchor_digest(c))) + "\n")
+    at_anchor = all(torch.equal(s.read_current(torch.empty_like(s.anchor)), s.anchor) for s in c.shards)
     c.backend.close()
     me.unpatch_megatron_for_local_sgd()
-    return os.getpid()
+    return os.getpid(), at_anchor
 
 
 @pytest.mark.timeout(2 * TIMEOUT)
@@ -779,12 +780,32 @@ def test_a_worker_killed_inside_an_exchange_fails_that_round_only(tmp_path):
     covering the 4 steps since sync 2; it never restarts."""
     ctl = str(tmp_path)
     with _one_rank_pair_with_victim_killed(_exchange_victim_worker, ctl, "victim-in-exchange") as (_, _, survivor):
-        (pid,) = survivor.results()
+        ((pid, _),) = survivor.results()
     ev0 = [e for e in _events(ctl, 0, 0) if e["ev"] == "sync"]
     assert {e["pid"] for e in ev0} == {pid}
     assert [(e["step"], e["workers"], e["committed"], e["since"]) for e in ev0] == [
         (2, 2, True, 2), (4, 2, False, 2), (6, 1, True, 4), (8, 1, True, 2)]
     assert ev0[1]["anchor"] == ev0[0]["anchor"] != ev0[2]["anchor"]  # sync 4: nothing applied
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_the_last_sync_whose_peer_dies_inside_its_exchange_is_tried_again_until_it_commits(tmp_path):
+    """Worker 1's job is SIGKILLed inside its exchange of the run's last sync (after step 8).
+    Worker 0's sync 8 does not commit; it tries the sync again (a new quorum, without the dead
+    worker) and commits it alone: its last report is committed, its model is its anchor (the
+    last sync applied, not its local progress), and it never restarted."""
+    from functools import partial
+
+    ctl = str(tmp_path)
+    fn = partial(_exchange_victim_worker, stuck_at=8)
+    with _one_rank_pair_with_victim_killed(fn, ctl, "victim-in-exchange") as (_, _, survivor):
+        ((pid, at_anchor),) = survivor.results()
+    ev0 = [e for e in _events(ctl, 0, 0) if e["ev"] == "sync"]
+    assert {e["pid"] for e in ev0} == {pid}
+    assert [(e["step"], e["workers"], e["committed"], e["since"]) for e in ev0] == [
+        (2, 2, True, 2), (4, 2, True, 2), (6, 2, True, 2), (8, 2, False, 2), (8, 1, True, 2)]
+    assert ev0[4]["anchor"] != ev0[2]["anchor"]  # (both reports of sync 8 are read after its step)
+    assert at_anchor
 
 
 @pytest.mark.timeout(3 * TIMEOUT)
