@@ -71,8 +71,6 @@ class TorchftBackend:
                 f"give it num_distributed_optimizer_instances 1 (got {controller.layout.num_workers}) and start "
                 "one job per worker, each with its own --local-sgd-replica-id.")
         self.controller = controller
-        self._sync_step = 0
-        """The step of the sync in progress (its apply's, for a delayed sync)."""
         self.healed_sync_step: Optional[int] = None
         """The step of the others' sync this worker healed into at the last :meth:`begin` (None:
         it did not heal): its own sync step was another (it was behind)."""
@@ -133,7 +131,6 @@ class TorchftBackend:
         controller of the process joins the round its first one opened) and the count of the
         workers that trained since the last sync. Returns the others' sync step this worker
         healed into (None: it did not heal)."""
-        self._sync_step = step
         self.round.begin(self, step, contributed)
         self.healed_sync_step = self.round.healed_sync_step
         return self.healed_sync_step
@@ -180,33 +177,6 @@ class TorchftBackend:
         (a MoE model whose expert optimizer was not built) joins with those it has."""
         if not self.round.joined:
             self.round.join()
-
-    def join(self) -> None:
-        """The round a worker with one controller joins the others with (see the module): anchor
-        at the current parameters, then a sync with a zero pseudo-gradient (healing from a peer
-        if behind); :meth:`TorchftRound.join` for several."""
-        c = self.controller
-        c.capture_anchor()
-        self.begin(c.steps_done, contributed=False)
-        if self.healed_sync_step is not None:  # it applies the others' sync now: it is at its step
-            c.steps_done = self.healed_sync_step
-            c.move_progress(float(c.steps_done))
-        if c.config.use_async:  # A-EDiT: the others' schedule (a fresh run: everyone's first interval)
-            schedule, skip, final = join_plan(c, self.group)
-            if c.sync.start(c.steps_done, 0, schedule.steps_since_exchange, schedule.interval_seconds, skip,
-                            final=final):
-                c.sync.complete(c.sync.members, write_model=True)
-            elif skip:  # a round with nothing to apply: closed like the others close it
-                self.close_skipped()
-            c.reports.clear()
-            return
-        # The round is the others' sync at their step (this worker's now, if it healed): with
-        # streaming fragments, the fragment due there (a fresh run's round at step 0: every shard).
-        due = c.sync_shards.due(c.steps_done, c.last_step)
-        fragment, members = due if due is not None else (None, None)
-        if c.sync.start(c.steps_done, 0, fragment=fragment, members=members):
-            c.sync.complete(c.sync.members, write_model=True)
-        c.reports.clear()  # the join is not one of the run's syncs
 
     def close_skipped(self) -> None:
         """A-EDiT skipped this sync's exchange (too few steps in all; every worker decides the

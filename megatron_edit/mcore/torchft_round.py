@@ -237,8 +237,6 @@ class TorchftRound:
         where a process built fewer controllers than expected."""
         self.joined = True
         members = list(self.members)
-        if len(members) == 1:
-            return members[0].join()
         for member in members:
             member.controller.capture_anchor()
         step = members[0].controller.steps_done
@@ -268,6 +266,7 @@ class TorchftRound:
         if not any(m.controller.sync.in_progress for m in members):  # A-EDiT skipped it: nothing to apply
             self.group.commit()
             self.started = []
+            self.residuals_before.clear()
         for member in reversed(members):
             c = member.controller
             if c.sync.in_progress:
