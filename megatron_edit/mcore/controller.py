@@ -385,7 +385,7 @@ class LocalSGD(ControllerState):
         if self.delayed is not None:  # a delayed outer step applies here in both sync modes
             return self.delayed.after_inner_update(self.steps_done + 1) if self._in_step else None
         if self._in_step and self.config.sync_mode == "step_end" and self._sync_due(self.steps_done + 1):
-            if self._start_sync(self.steps_done + 1):
+            if self.start_sync(self.steps_done + 1):
                 self.complete_at_step_end()
             self._synced_in_step = True
 
@@ -405,7 +405,7 @@ class LocalSGD(ControllerState):
             return
         if self.config.sync_mode == "step_end":
             assert self._synced_in_step, "step-end sync did not run inside the optimizer step"
-        elif self._start_sync(self.steps_done):
+        elif self.start_sync(self.steps_done):
             self.sync.mark_pending()
             final = self.finished or (not self.config.use_async and self.steps_done == self.last_step) or (
                 self.auto is not None and self.auto.timed)  # auto overlap: a timed sync
@@ -425,7 +425,7 @@ class LocalSGD(ControllerState):
         """The sync after this step once more, completed now (the backend's retry of the run's last
         sync, which did not commit: the same progress against the same anchor). Where a later
         optimizer of the process syncs in the same round, the outer step waits for its commit."""
-        if self._start_sync(self.steps_done):
+        if self.start_sync(self.steps_done):
             self.sync.mark_pending()
             if self.backend.waits_for_others:
                 self.backend.defer(self.complete_now)
@@ -482,7 +482,7 @@ class LocalSGD(ControllerState):
                 group.param_gather_handle = None
             group.start_param_sync(force_sync=True)
 
-    def _start_sync(self, step: int, due=None, delay: int = 0) -> bool:
+    def start_sync(self, step: int, due=None, delay: int = 0) -> bool:
         """Begin the sync due after ``step``; False when A-EDiT skips it (no exchange). ``due``:
         (fragment, shards) to exchange (default: what :attr:`sync_shards` says is due there);
         ``delay``: launched now, applied after ``step``."""

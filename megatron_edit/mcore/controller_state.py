@@ -8,6 +8,8 @@ the state machine of the steps and syncs stays readable.
 
 from __future__ import annotations
 
+import torch
+
 from ..algorithm import asynchronous
 from ..algorithm.penalty import EWMAStats
 from .sync_backend import STATE_KEY
@@ -118,6 +120,45 @@ class ControllerState:
             self.steps_done = point.step
             self._last_sync_step = point.last_exchange[self.async_plan.place(point)]
             self.global_progress = point.global_progress
+
+    @torch.no_grad()
+    def heal_anchor(self, anchors, outer: dict) -> None:
+        """A heal (the torchft backend): a peer's anchors (each shard's, checked to fit) and its
+        outer optimizer's state; the main and model parameters restart from the anchor, with no
+        error-feedback residual."""
+        for shard, anchor in zip(self.shards, anchors):
+            shard.anchor.copy_(anchor)
+            shard.write_mains(shard.anchor)
+            shard.write_model(shard.anchor)
+            shard.residual = None
+            shard.chunk_residual = None
+        self.outer_state.optimizer.load_state_dict(outer)
+
+    def heal_to(self, step: int, last_sync_step: int, global_progress: float, last_step=None, plan=None,
+                budget_steps=None) -> None:
+        """A heal (the torchft backend): this worker takes a peer's point in the run, one peer's for
+        the whole worker: its step count where it is in the sync, its last sync's step and its
+        global progress (the learning-rate schedule follows at the next step); the run's length
+        and A-EDiT's budget until the run tells them; A-EDiT's plan (the run's workers, the
+        budget used, the speeds)."""
+        self.steps_done = int(step)
+        self.move_progress(global_progress)
+        if plan is not None:
+            self.async_plan.load_dynamic_state(plan)
+        self._last_sync_step = int(last_sync_step)
+        if self.last_step is None and last_step is not None:
+            self.last_step = int(last_step)
+        if self.config.use_async and self.async_plan.budget_steps is None and budget_steps is not None:
+            # A fresh job joins (and plans its first interval with the others) while its optimizer
+            # is built, before Megatron-LM tells it the run's length: planned without the budget
+            # it would overrun it.
+            self.async_plan.budget_steps = int(budget_steps)
+
+    def enter_healed_sync(self, step: int) -> None:
+        """The join round healed this worker into the others' sync after ``step``: it applies that
+        sync now, so it is at that step (and its progress)."""
+        self.steps_done = int(step)
+        self.move_progress(float(step))
 
     def resume_elastic(self) -> None:
         """After :meth:`load_state_dict` of another layout's counters (worker 0's), with an

@@ -63,7 +63,7 @@ class DelayedOuterStep:
             return
         if c.last_step is not None and target >= c.last_step:
             return  # the run's last sync is blocking: nothing may be left in flight at the end
-        c._start_sync(target, c.sync_shards.due(target, None), delay=self.delay)
+        c.start_sync(target, c.sync_shards.due(target, None), delay=self.delay)
         c.sync.launch(c.sync.members)  # in group order: the forward order
         if c.auto is not None and c.auto.timed:  # auto overlap times this sync: its exchange now
             c.sync.wait_at_launch()
@@ -77,7 +77,7 @@ class DelayedOuterStep:
         if self.in_flight and (step == self.apply_at or self._is_last(step)):
             c.sync.complete(c.sync.members, write_model=False, merge_alpha=self.alpha)
             self.apply_at = None
-        if self._is_last(step) and c._start_sync(step):
+        if self._is_last(step) and c.start_sync(step):
             c.complete_at_step_end()  # Megatron's main -> model copy follows
 
     def checkpoint_state(self):

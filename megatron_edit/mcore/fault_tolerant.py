@@ -40,7 +40,6 @@ import os
 from datetime import timedelta
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from ..algorithm.penalty import EWMAStats
@@ -198,7 +197,7 @@ class TorchftBackend:
             anchors=[shard.anchor for shard in c.shards],
             outer=c.outer_state.optimizer.state_dict(),
             step=c.steps_done,  # step-end: the sync's step - 1; a delayed launch: its step - tau
-            last_sync_step=c._last_sync_step,
+            last_sync_step=c.last_sync_step,
             last_step=c.last_step,
             ewma=self._ledger(),
             plan=c.async_plan.dynamic_state() if c.config.use_async else None,
@@ -206,7 +205,6 @@ class TorchftBackend:
             global_progress=c.global_progress,
         )
 
-    @torch.no_grad()
     def load(self, state: dict) -> None:
         """Become the peer's replica (in :meth:`begin`, on the main thread): its anchors, which
         the parameters restart from, its outer optimizer's state, its step counters and the
@@ -220,32 +218,15 @@ class TorchftBackend:
             raise RuntimeError(
                 "megatron_edit: the peer this worker heals from holds other shards (its model or its "
                 "parallel layout differs): every worker of a torchft run needs the same model and layout.")
-        for shard, anchor in zip(c.shards, anchors):
-            shard.anchor.copy_(anchor)
-            shard.write_mains(shard.anchor)
-            shard.write_model(shard.anchor)
-            shard.residual = None
-            shard.chunk_residual = None
-        c.outer_state.optimizer.load_state_dict(state["outer"])
+        c.heal_anchor(anchors, state["outer"])
         self._set_ledger(state["ewma"])
         self.load_counters(state)
 
     def load_counters(self, state: dict) -> None:
         """The counters of a heal state (:data:`~megatron_edit.mcore.torchft_round.COUNTERS`):
         where the worker it came from stands in the run."""
-        c = self.controller
-        c.steps_done = int(state["step"])  # the peer's count where it is in the sync (see save)
-        c.move_progress(state["global_progress"])  # the learning-rate schedule follows
-        if state["plan"] is not None:  # A-EDiT: the run's workers, the budget used, the speeds
-            c.async_plan.load_dynamic_state(state["plan"])
-        c._last_sync_step = int(state["last_sync_step"])
-        if c.last_step is None and state["last_step"] is not None:  # the run's length, until it is told
-            c.last_step = int(state["last_step"])
-        if c.config.use_async and c.async_plan.budget_steps is None and state["budget_steps"] is not None:
-            # A-EDiT's budget, until it is told: a fresh job joins (and plans its first interval
-            # with the others) while its optimizer is built, before Megatron-LM tells it the
-            # run's length; planned without the budget it would overrun it.
-            c.async_plan.budget_steps = int(state["budget_steps"])
+        self.controller.heal_to(state["step"], state["last_sync_step"], state["global_progress"],
+                                state["last_step"], state["plan"], state["budget_steps"])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -247,8 +247,7 @@ class TorchftRound:
         for member in members:
             c = member.controller
             if healed is not None:  # it applies the others' sync now: it is at its step
-                c.steps_done = healed
-                c.move_progress(float(c.steps_done))
+                c.enter_healed_sync(healed)
             if c.config.use_async:  # A-EDiT: the others' schedule (the experts follow the dense plan)
                 schedule, skip, final = join_plan(c, self.group)
                 if c.sync.start(c.steps_done, 0, schedule.steps_since_exchange, schedule.interval_seconds, skip,
@@ -319,7 +318,7 @@ def join_plan(c, group: FaultTolerantSyncGroup):
     if plan.run_workers is None:  # a fresh run (none healed from knows it)
         plan.start_run(supervised_workers(os.environ.get(START_GATE_ENV)) or group.size)
     device = c.shards[0].device if c.shards else torch.device("cpu")
-    schedule, skip, final = plan.plan(c.steps_done, c._last_sync_step, device, joining=True)
+    schedule, skip, final = plan.plan(c.steps_done, c.last_sync_step, device, joining=True)
     plan.restart_clock()  # its first interval starts with its first step
     c.move_progress(plan.last_sync.global_progress)
     return schedule, skip, final

@@ -61,7 +61,7 @@ def test_without_an_arrival_time_the_interval_ends_now():
 
 
 def test_the_controller_reads_the_clock_before_waiting_for_the_others():
-    """LocalSGD._start_sync with its collaborators faked: the arrival check takes 20 s (the
+    """LocalSGD.start_sync with its collaborators faked: the arrival check takes 20 s (the
     others were slower); the plan must see the 4 s of this worker's own interval."""
     clock = _Clock()
     plan = _plan(clock)
@@ -82,7 +82,7 @@ def test_the_controller_reads_the_clock_before_waiting_for_the_others():
     ctl._last_sync_step = 0
     started = {}
     ctl.sync = types.SimpleNamespace(start=lambda *a, **k: started.setdefault("args", a) is not None)
-    assert ctl._start_sync(8)
+    assert ctl.start_sync(8)
     assert waited == [8]
     assert plan.rate_history[-1][1].tolist() == [4.0]  # before the fix: 24.0
     assert started["args"][3].tolist() == [4.0]  # the report's interval seconds
