@@ -841,7 +841,9 @@ def train(args, use_local_sgd, datasets):
     t_start = time.perf_counter()
     # A fast A-EDiT worker takes more steps than --steps (a slow one fewer): at most all of them.
     last_step = args.steps * args.workers if use_async else args.steps
-    for step in range(first + 1, last_step + 1):
+    step = first
+    while step < last_step:
+        step += 1
         if use_async and controllers[0].finished:
             break
         USER_STOP.step = step
@@ -857,6 +859,15 @@ def train(args, use_local_sgd, datasets):
             time.sleep(args.compute_sleep_ms / 1e3)
         _, grad_norm, _ = optimizer.step()
         scheduler.step(1)
+        if uses_torchft(args) and not use_async and controllers and controllers[0].steps_done > step:
+            # A heal at this step's sync (a worker behind: a partial heal before, a failed commit) put
+            # it at the others' step: its loop and data go on from there (an A-EDiT worker's step
+            # count is its own: its loop ends at the final sync).
+            log0(f"          worker {worker} healed at its sync after step {step}: it is at the others' step "
+                 f"{controllers[0].steps_done} and trains on from there")
+            step = controllers[0].steps_done
+            it = data.batch_iterator(train_ds, args.micro_batch_size,
+                                     start=dp_rank + step * args.micro_batch_size * dp, stride=dp)
         loss = worker_mean(out[0]["lm loss"].item(), intra)  # inside the worker only
         stop_if_not_finite(args, "training loss", loss, step, worker, lead, use_local_sgd)
         stop_if_not_finite(args, "gradient norm", grad_norm, step, worker, lead, use_local_sgd)
