@@ -51,10 +51,16 @@ def url_host(host: str) -> str:
 
 def heal_transport(host: str, timeout: timedelta):
     """torchft's HTTP checkpoint transport (what a healing peer fetches), at ``host`` instead of
-    ``socket.gethostname()``."""
+    ``socket.gethostname()``, without an access line per request."""
     from torchft.checkpointing import HTTPTransport
 
     class HealTransport(HTTPTransport):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            # One line per heal is the worker's own (FaultTolerantSyncGroup): no HTTP access line
+            # per request on stderr (this server's handler class only; http.server's is untouched).
+            self._server.RequestHandlerClass.log_message = lambda handler, *args: None
+
         def address(self) -> str:
             return f"http://{url_host(host)}:{self._server.socket.getsockname()[1]}/checkpoint/"
 

@@ -83,6 +83,17 @@ def replica_name(replica_id: int) -> str:
     return f"{replica_id:06d}"
 
 
+class _WithoutFlightRecorderLine(logging.Filter):
+    """torchft's Manager warns at every quorum of a torch build without NCCL (a CPU build) that it
+    cannot reset NCCL's flight recorder: nothing a worker's sync over gloo uses."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+_QUIET = _WithoutFlightRecorderLine()
+
+
 class LighthouseUnreachable(RuntimeError):
     """A rank's torchft Manager could not start with the Lighthouse (its address, or the
     Lighthouse is down): the message says which and where."""
@@ -144,6 +155,7 @@ class FaultTolerantSyncGroup:
         ranks (a gloo group; None: a job of one rank)."""
         from torchft import Manager, ProcessGroupGloo
 
+        logging.getLogger("torchft.manager").addFilter(_QUIET)  # (once: a filter is added once)
         try:
             host, store_addr = advertised_addresses(lighthouse, store_addr)
             manager = Manager(
@@ -216,6 +228,10 @@ class FaultTolerantSyncGroup:
             for load, state in loads:  # (a fresh run's first round, init_sync: rank r of every
                 load(state)            # worker takes one worker's rank r, not all the same one)
             self.healed, self.caught_up = bool(loads), moved
+            if moved and self._worker_rank() == 0:  # one line per heal
+                logger.warning("megatron_edit: worker %d healed from a live worker: it takes the others' state "
+                               "after their committed round %d (it was at round %d).", self.replica_id, step,
+                               int(counted["step"]))
             return
         self.partial_heals += 1
         self.manager.load_state_dict({**counted, "step": int(low[2])})  # the whole worker behind: it heals again
