@@ -38,22 +38,22 @@ all-reduces inside the worker make every event of a round happen to all its rank
   so is the rest of its worker, whose ranks that had counted the round set their step back (the
   worker heals at the next quorum if others committed).
 
-torchft is an optional dependency (``pip install megatron_edit[ft]``): imported only by
-:meth:`FaultTolerantSyncGroup.connect`. Its quantized all-reduce (``should_quantize``) is CUDA
+torchft is an optional dependency (``pip install megatron_edit[ft]``): its Manager is started
+in :mod:`.torchft_manager`. Its quantized all-reduce (``should_quantize``) is CUDA
 only; megatron_edit's own quantized exchange (all-to-all + all-gather) runs over this group.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .addresses import advertised_addresses, heal_transport, url_host
+from ..config import ConfigError
 from .groups import CommCounters, _Done, all_reduce_bytes
+from .torchft_manager import start_manager
 
 logger = logging.getLogger(__name__)
 
@@ -75,28 +75,6 @@ class _Guarded:
             self.manager.report_error(error)
             self.on_error()
             return False
-
-
-def replica_name(replica_id: int) -> str:
-    """The Manager's replica id for worker ``replica_id``: zero-padded, so that torchft's order
-    of the quorum (sorted strings) is the workers' numeric order."""
-    return f"{replica_id:06d}"
-
-
-class _WithoutFlightRecorderLine(logging.Filter):
-    """torchft's Manager warns at every quorum of a torch build without NCCL (a CPU build) that it
-    cannot reset NCCL's flight recorder: nothing a worker's sync over gloo uses."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Unable to reset NCCL flight recorder" not in record.getMessage()
-
-
-_QUIET = _WithoutFlightRecorderLine()
-
-
-class LighthouseUnreachable(RuntimeError):
-    """A rank's torchft Manager could not start with the Lighthouse (its address, or the
-    Lighthouse is down): the message says which and where."""
 
 
 class FaultTolerantSyncGroup:
@@ -128,6 +106,10 @@ class FaultTolerantSyncGroup:
         """[size] bool: which of them (:attr:`replica_ids`) trained since the last sync."""
         self.contributors = 1
         """Workers that trained since the last sync, in the current one (the mean's divisor)."""
+        self.start_digest: Optional[Callable[[], List[float]]] = None
+        """What this rank holds at a fresh run's start, as a few numbers (None: not checked): at
+        the first round of a fresh run the workers compare them instead of sending one worker's
+        state to every other (:meth:`_check_same_start`)."""
         self.counters = CommCounters()
         self.healed = False
         """This rank loaded a peer's state at the last :meth:`begin`."""
@@ -153,26 +135,9 @@ class FaultTolerantSyncGroup:
         ``timeout``: collectives, commit and healing; ``quorum_timeout``: the wait for a sync's
         quorum (a worker waits there for the others' next sync); ``worker_group``: the job's
         ranks (a gloo group; None: a job of one rank)."""
-        from torchft import Manager, ProcessGroupGloo
-
-        logging.getLogger("torchft.manager").addFilter(_QUIET)  # (once: a filter is added once)
-        try:
-            host, store_addr = advertised_addresses(lighthouse, store_addr)
-            manager = Manager(
-                pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout)), min_replica_size=min_replicas,
-                load_state_dict=None, state_dict=None, use_async_quorum=False,
-                replica_id=replica_name(replica_id), store_addr=store_addr, store_port=store_port, rank=rank,
-                world_size=world_size, lighthouse_addr=lighthouse, timeout=timedelta(seconds=timeout),
-                quorum_timeout=timedelta(seconds=quorum_timeout),
-                connect_timeout=timedelta(seconds=connect_timeout), hostname=url_host(host),
-                checkpoint_transport=heal_transport(host, timedelta(seconds=timeout)),
-            )
-        except Exception as error:  # noqa: BLE001 (torchft raises plain RuntimeErrors)
-            raise LighthouseUnreachable(
-                f"megatron_edit: torchft's Manager for worker {replica_id} (rank {rank}) could not start "
-                f"with the Lighthouse at {lighthouse} (--local-sgd-lighthouse / TORCHFT_LIGHTHOUSE) within "
-                f"{connect_timeout:g} s: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
-            ) from error
+        manager = start_manager(replica_id=replica_id, lighthouse=lighthouse, rank=rank, world_size=world_size,
+                                store_addr=store_addr, store_port=store_port, min_replicas=min_replicas,
+                                timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout)
         return cls(manager, replica_id, worker_group, min_replicas)
 
     def register_state(self, key: str, load: Callable[[object], None], save: Callable[[], object]) -> None:
@@ -204,6 +169,28 @@ class FaultTolerantSyncGroup:
         self.trained = everyone[:, 0] > 0.5
         self.replica_ids = [int(r) for r in everyone[:, 1].tolist()]
         self.contributors = int(self.trained.sum())
+        if self.manager.current_step() == 0 and self.start_digest is not None:  # every worker at a fresh start
+            self._check_same_start()
+
+    def _check_same_start(self) -> None:
+        """A fresh run's first round (every worker in it at torchft step 0; the Manager's
+        ``init_sync`` is off): the workers compare what they start from (:attr:`start_digest`,
+        to a relative 1e-6: GPUs of different kinds may sum in another order) instead of one
+        worker's state being sent to every other, a transfer of the whole model at every start.
+        Workers that start from different weights are refused here, named, on every rank of
+        theirs (their models would never meet: each applies the others' mean to its own anchor)."""
+        mine = torch.tensor(self.start_digest(), dtype=torch.float64)
+        everyone = self.all_gather(mine)  # zeros if the round has failed: compared at the next one
+        first = everyone[0]
+        apart = [(self.replica_ids[i], row) for i, row in enumerate(everyone)
+                 if bool(((row - first).abs() > 1e-6 * first.abs().clamp(min=1.0)).any())]
+        _, high = self.worker_min_max([float(bool(apart))])
+        if high[0] > 0:
+            raise ConfigError(
+                f"megatron_edit: the workers of this torchft run start from different weights (worker "
+                f"{self.replica_ids[0]}'s differ from worker(s) {[w for w, _ in apart] or 'of another rank'}): their "
+                "models would never meet. Start every worker from the same weights: the same --seed and "
+                "initialization, or the same checkpoint (--load).")
 
     def _refuse_shared_replica_id(self) -> None:
         """Two workers of the quorum with one replica id (torchft tells them apart by a random
@@ -225,8 +212,8 @@ class FaultTolerantSyncGroup:
         moved = bool(loads) and step != counted["step"]  # a heal to the others' later step
         low, high = self.worker_min_max([float(moved), float(step), float(counted["step"])])
         if low[:2] == high[:2]:  # all or none, at one step
-            for load, state in loads:  # (a fresh run's first round, init_sync: rank r of every
-                load(state)            # worker takes one worker's rank r, not all the same one)
+            for load, state in loads:
+                load(state)
             self.healed, self.caught_up = bool(loads), moved
             if moved and self._worker_rank() == 0:  # one line per heal
                 logger.warning("megatron_edit: worker %d healed from a live worker: it takes the others' state "

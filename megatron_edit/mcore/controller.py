@@ -29,12 +29,11 @@ is :class:`~megatron_edit.mcore.fragments.SyncShards`; a delayed outer step's la
 (``outer_step_delay``) are :class:`~megatron_edit.mcore.delayed.DelayedOuterStep`.
 
 A-EDiT's schedule (when each worker syncs next, from the measured speeds) is
-:class:`~megatron_edit.mcore.async_plan.AsyncPlan`; the controller counts the steps and owns
-the state a checkpoint carries (:meth:`LocalSGD.state_dict`, :meth:`LocalSGD.load_state_dict`
-and the named resume methods).
-
-This module is long because it is one state machine: the step count, warmup, when each sync is
-due, the layer-wise hooks and the state a checkpoint carries read and write the same counters.
+:class:`~megatron_edit.mcore.async_plan.AsyncPlan`. Parts of the controller kept apart (it
+inherits them): the state a checkpoint or a heal carries (:mod:`.controller_state`), the run's
+length and progress (:mod:`.controller_progress`), the settings ``auto_overlap`` changes
+(:mod:`.controller_settings`). This module is long because it is one state machine: the step
+count, warmup, when each sync is due and the layer-wise hooks read and write the same counters.
 """
 
 from __future__ import annotations
@@ -52,11 +51,13 @@ from ..exchange.groups import WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
-from .async_plan import AsyncPlan, SyncPoint
+from .async_plan import AsyncPlan
 from .auto_overlap import AutoOverlap
+from .controller_progress import RunProgress
+from .controller_settings import ControllerSettings
 from .controller_state import ControllerState
 from .delayed import DelayedOuterStep
-from .fragments import SyncShards, frozen_layout, group_sizes, partition_sizes, recut, split_layers
+from .fragments import SyncShards, frozen_layout, group_sizes, partition_sizes, split_layers
 from .fsdp import fsdp_model_of
 from .process_state import PROCESS
 from .shards import ShardLayout, build_layout
@@ -66,7 +67,7 @@ from .worker_layout import WorkerLayout
 logger = logging.getLogger(__name__)
 
 
-class LocalSGD(ControllerState):
+class LocalSGD(ControllerState, RunProgress, ControllerSettings):
     """EDiT state and schedule for one Megatron ``DistributedOptimizer``."""
 
     def __init__(
@@ -175,38 +176,6 @@ class LocalSGD(ControllerState):
         self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
         self.sync.commit_gate = self.backend.commit_gate  # (torchft: applied only where committed)
 
-    def apply_settings(self, delay: int, exchange_dtype: str, fragments: Optional[int] = None) -> None:
-        """``auto_overlap``: put this delay, exchange format and number of fragments (None: the
-        one in force) in force from the next sync on; only between syncs, with nothing in flight
-        (every worker at the same step)."""
-        if self.sync.in_progress or (self.delayed is not None and self.delayed.in_flight):
-            raise RuntimeError("megatron_edit: the delay and format change only with no exchange in flight")
-        c = self.config
-        fragments = c.fragments if fragments is None else fragments
-        if (delay, exchange_dtype, fragments) == (c.outer_step_delay, c.exchange_dtype, c.fragments):
-            return
-        self.config = self.auto.config_for(delay, exchange_dtype, fragments)
-        self.sync.use_config(self.config)
-        if fragments != c.fragments:
-            self._use_fragments(fragments)
-        self.sync_shards.config = self.config
-        self.delayed = DelayedOuterStep(self) if delay else None
-
-    def _use_fragments(self, count: int) -> None:
-        """Cut the shards into ``count`` fragments from now on (``auto_overlap``; between syncs):
-        the fragments' schedule is a run's with ``count`` from the start (fragment f after
-        W + kH + f H/F). Each shard keeps its anchor and outer state; a layer cut differently
-        starts the penalty's statistics afresh. A fragment is identical on every worker when
-        every old one was (right after a sync of the whole model)."""
-        unsplit, sizes = self._recut
-        parts = None if count == 1 else partition_sizes(sizes, count, FLAG_NAMES["auto_fragments"])
-        self.layer_names = recut(self.shards, unsplit, parts)
-        self.sync.relabel_layers(self.layer_names)
-        old = self.sync_shards
-        self.sync_shards = SyncShards(self.sync.groups, self.config, parts)
-        all_identical = len(self.identical_fragments) == len(old.fragments)
-        self.mark_identical(range(count) if all_identical else (), only=True)
-
     def _arrivals(self, inter) -> Arrivals:
         """The sync group's arrival checks, in the job's store (see :mod:`..exchange.arrival`)."""
         key = PROCESS.next_controller_key()  # controllers are built in the same order on every rank
@@ -224,66 +193,6 @@ class LocalSGD(ControllerState):
                         ranks.index(dist.get_rank()), timeout, report_every=min(60.0, timeout / 4),
                         job_ranks=job)
 
-    # ------------------------------------------------------------------ A-EDiT's plan
-    @property
-    def clock(self):
-        """A-EDiT's float64 clock (seconds); injectable for tests."""
-        return self.async_plan.clock
-
-    @clock.setter
-    def clock(self, clock) -> None:
-        self.async_plan.clock = clock
-
-    @property
-    def budget_steps(self) -> Optional[int]:
-        """A-EDiT's budget: worker-steps of the whole run (Megatron-LM: --train-iters x workers,
-        what the synchronous run consumes); the run ends at a final sync planned from the
-        workers' speeds, each worker at its own step count (:attr:`finished`)."""
-        return self.async_plan.budget_steps
-
-    @budget_steps.setter
-    def budget_steps(self, steps: Optional[int]) -> None:
-        self.async_plan.budget_steps = steps
-
-    def set_train_iters(self, train_iters: int) -> None:
-        """Say how long the run is: ``train_iters`` optimizer steps in all, counted from the
-        start of training (a resumed run: the same total, not the steps left). EDiT ends the run
-        with a sync of every shard after that step, on or off the warmup + k H grid, so every
-        worker ends with the same model and no delayed exchange is left in flight; A-EDiT's
-        budget becomes ``train_iters`` x workers worker-steps (:attr:`budget_steps`).
-        Megatron-LM sets it from ``--train-iters`` / ``--train-samples``; with megatron-core
-        alone call it (or :func:`megatron_edit.set_train_iters`) before training. Without it the
-        run may end between syncs, each worker with its own model."""
-        if isinstance(train_iters, bool) or not isinstance(train_iters, int) or train_iters < 1:
-            raise ValueError(f"megatron_edit: set_train_iters needs a number of optimizer steps >= 1 "
-                             f"(got {train_iters!r}).")
-        if self.config.use_async:
-            self.budget_steps = train_iters * self.budget_workers
-            return
-        if train_iters < self.steps_done:
-            raise ValueError(
-                f"megatron_edit: set_train_iters({train_iters}): this run has taken {self.steps_done} "
-                "optimizer steps already; give the whole run's length (a resumed run counts the steps "
-                "before the checkpoint too).")
-        self.last_step = train_iters
-
-    @property
-    def budget_workers(self) -> int:
-        """A-EDiT: the workers whose steps the budget and global progress count: the run's over
-        the torchft backend (each job is one worker; the supervisor's count, or what a heal
-        brought), else this world's."""
-        return self.backend.budget_workers(self)
-
-    @property
-    def finished(self) -> bool:
-        """A-EDiT: the run has used its budget and ended with its final sync."""
-        return self.async_plan.finished
-
-    @property
-    def last_sync(self) -> Optional[SyncPoint]:
-        """A-EDiT: the latest sync as every worker saw it."""
-        return self.async_plan.last_sync
-
     # ------------------------------------------------------------------ state
     @property
     def outer_optimizer(self) -> Optional[torch.optim.Optimizer]:
@@ -299,11 +208,6 @@ class LocalSGD(ControllerState):
         self.outer_state.capture(self.shards)
         self.restart_async_schedule()
         self.mark_identical(range(self.config.fragments))  # warmup kept every worker equal
-
-    def restart_async_schedule(self) -> None:
-        """A-EDiT: plan the next sync as after warmup (first interval from ``steps_done``)."""
-        if self.config.use_async:
-            self.async_plan.plan_first(self.steps_done, self.global_progress)
 
     def drop_anchor(self) -> None:
         """Back to warmup state: no anchor, no outer optimizer (a checkpoint saved in warmup)."""
@@ -322,34 +226,6 @@ class LocalSGD(ControllerState):
         if c.use_async:
             return self.async_plan.due(steps_done)
         return self.sync_shards.due(steps_done, self.last_step) is not None
-
-    @property
-    def progress_scale(self) -> float:
-        """Synchronous steps of global progress per optimizer step of this worker: 1 for EDiT;
-        with A-EDiT, N / (W n) in an interval where this worker takes n of the workers' N steps.
-        The learning-rate schedule advances by this much per step
-        (``mcore.core_wraps``: ``OptimizerParamScheduler.step``), so all workers' schedules agree
-        at every sync and end together."""
-        return self.async_plan.progress_scale if self.grads_are_local else 1.0
-
-    def move_progress(self, progress: float) -> None:
-        """A heal puts this worker at ``progress`` (the peer's global progress): the learning-rate
-        schedule follows at its next step (:attr:`progress_jump`)."""
-        self.progress_jump += float(progress) - self.global_progress
-        self.global_progress = float(progress)
-
-    def take_progress_jump(self) -> float:
-        """What a heal moved global progress by since the learning-rate schedule's last step
-        (then 0): ``mcore.core_wraps``' ``OptimizerParamScheduler.step`` adds it."""
-        jump, self.progress_jump = self.progress_jump, 0.0
-        return jump
-
-    @property
-    def last_step_progress(self) -> float:
-        """Global progress (synchronous steps) of the optimizer step last taken: what the
-        learning-rate schedule advances by for it (the sync a step triggers plans the next
-        interval; the step itself still belongs to its own)."""
-        return self._step_progress
 
     def begin_step(self) -> None:
         """Before the inner optimizer update of step ``steps_done + 1``."""

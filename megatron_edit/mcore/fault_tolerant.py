@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from ..algorithm.penalty import EWMAStats
 from ..config import ConfigError
-from ..exchange.fault_tolerant import CountedView, FaultTolerantSyncGroup, LighthouseUnreachable
+from ..exchange.fault_tolerant import CountedView, FaultTolerantSyncGroup
+from ..exchange.torchft_manager import LighthouseUnreachable
 from ..exchange.job_processes import watch_launcher
 from ..exchange.run_gate import START_GATE_ENV, claim_replica_id, start_gate, supervised_workers
 from ..exchange.sparse import check_sparse_workers

@@ -95,6 +95,7 @@ class TorchftRound:
         self.last_sync_lost = False
         """The run's last sync did not commit (:meth:`settle_last_sync` tries it again)."""
         group.register_state(STATE_KEY, self._load, self._save)
+        group.start_digest = self._start_digest
         # (taken now: the job may have destroyed its process group by its end)
         self._rank_and_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         atexit.register(self.record_end)
@@ -271,8 +272,7 @@ class TorchftRound:
             if c.sync.in_progress:
                 c.sync.complete(c.sync.members, write_model=True)
             # Every slice of the model from the new mains: on every rank of the worker, healed or
-            # not (torchft heals rank by rank: at a fresh run's first round, init_sync makes each
-            # rank heal from another worker's same rank, whose state is its own).
+            # not (torchft heals rank by rank, each from another worker's same rank).
             c.gather_params_in_worker()
         for member in members:
             member.controller.reports.clear()  # the join is not one of the run's syncs
@@ -291,6 +291,19 @@ class TorchftRound:
                                      members=[{k: part[k] for k in COUNTERS} for part in state["members"]])
         for member, part in zip(self.members, state["members"]):
             member.load(part)
+
+    def _start_digest(self) -> list:
+        """What this rank starts from (a fresh run's first round): the sum and the sum of squares
+        of every controller's anchors (its parameters where it has none yet), in float64."""
+        total, squares = 0.0, 0.0
+        for member in self.members:
+            for shard in member.controller.shards:
+                values = shard.anchor if shard.anchor is not None else shard.read_current(
+                    torch.empty(shard.numel, dtype=torch.float32, device=shard.device))
+                values = values.double()
+                total += float(values.sum())
+                squares += float((values * values).sum())
+        return [total, squares]
 
     def _counters_from_one_source(self) -> None:
         """After a heal of the whole worker: every rank takes the counters of the peer its first

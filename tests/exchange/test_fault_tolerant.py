@@ -39,7 +39,7 @@ def _collectives(rank, world_size, worker, workers, lighthouse, gate_dir):
     """One round over the quorum of ``workers`` one-rank jobs; what each collective gave."""
     group = _connect(worker, lighthouse)
     ft_jobs.gate(gate_dir, f"w{worker}", workers)  # every Manager is up: one quorum of all
-    # The join round: at step 0 torchft sends the first worker's state to the others.
+    # The first round: at step 0 nobody heals (init_sync off): each keeps its own state.
     group.begin(contributed=True)
     out = dict(join=(group.contributors, group.healed, float(state_of(group)), group.commit()))
     group.begin(contributed=worker != workers - 1)  # the last one "did not train"
@@ -79,8 +79,8 @@ def test_a_round_over_three_workers(tmp_path):
                 for w in range(3)]
         outs = [out[0] for out in ft_jobs.all_results(jobs)]
     for w, out in enumerate(outs):
-        # Join round: workers 1 and 2 healed from worker 0 (its state), so only it counts.
-        assert out["join"] == (1, w > 0, 0.0, True)
+        # The first round: nobody healed (nothing sent), all three count.
+        assert out["join"] == (3, False, float(w), True)
         assert (out["size"], out["rank"], out["contributors"]) == (3, w, 2)
         assert (out["replica_ids"], out["trained"]) == ([0, 1, 2], [True, True, False])
         assert out["sum"] == [6.0] * 5
@@ -119,8 +119,8 @@ def test_a_worker_dying_inside_a_sync_fails_the_round_and_the_survivor_goes_on(t
         survivor = start(_survivor, 1, 0, server.address(), str(tmp_path / "gate"), timeout=TIMEOUT)
         start(_survivor, 1, 1, server.address(), str(tmp_path / "gate"), timeout=TIMEOUT)
         first, failed, alone = survivor.results()[0]
-    # (at step 0 worker 1 heals from worker 0, torchft's init_sync: it does not count)
-    assert (first["size"], first["contributors"], first["commit"], first["step"]) == (2, 1, True, 1)
+    # (at step 0 nobody heals: torchft's init_sync is off; both count)
+    assert (first["size"], first["contributors"], first["commit"], first["step"]) == (2, 2, True, 1)
     assert first["y"] == [1.0, 1.0, 2.0, 2.0] and first["gathered"] == [[1.0, 1.0]] * 2
     # The round worker 1 died in: its collectives failed (outputs zeroed, not raised), no commit.
     assert (failed["size"], failed["errored"], failed["commit"], failed["step"]) == (2, True, False, 1)
@@ -129,6 +129,41 @@ def test_a_worker_dying_inside_a_sync_fails_the_round_and_the_survivor_goes_on(t
     assert (alone["size"], alone["contributors"], alone["errored"], alone["commit"], alone["step"]) == (
         1, 1, False, True, 2)
     assert alone["y"] == [1.0] * 4
+
+
+def _first_round(rank, world_size, worker, lighthouse, gate_dir, start):
+    """A fresh run's first round with ``start`` as what this worker starts from: (healed, the
+    refusal's text or None)."""
+    from megatron_edit.config import ConfigError
+
+    group = _connect(worker, lighthouse)
+    group.start_digest = lambda: list(start)
+    ft_jobs.gate(gate_dir, f"w{worker}", 2)
+    try:
+        group.begin(contributed=False)
+        return group.healed, None
+    except ConfigError as error:
+        return group.healed, str(error)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize("apart", [0.0, 1e-7, 1e-3], ids=["same", "within-1e-6", "different"])
+def test_a_fresh_runs_workers_compare_their_start_instead_of_sending_it(tmp_path, apart):
+    """Two workers at torchft step 0: nothing is sent (neither heals); what they start from is
+    compared to a relative 1e-6 (another summation order passes), and workers that start apart
+    are refused on both, naming them."""
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_first_round, 1, w, server.address(), str(tmp_path / "gate"),
+                      (5.0 + w * apart * 5.0, 40.0), timeout=TIMEOUT) for w in range(2)]
+        outs = [out[0] for out in ft_jobs.all_results(jobs)]
+    assert [healed for healed, _ in outs] == [False, False]
+    if apart < 1e-6:
+        assert [said for _, said in outs] == [None, None]
+    else:
+        for _, said in outs:
+            assert said is not None and "start from different weights (worker 0's differ from worker(s) [1])" in said
 
 
 @pytest.mark.timeout(120)
