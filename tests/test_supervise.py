@@ -212,7 +212,9 @@ def test_two_nodes_train_together_and_a_dead_node_heals_over_the_link(tmp_path):
     node b (network namespaces joined by one link, nothing else reachable); every process of node
     b is SIGKILLed mid-run and worker 1 started again there: worker 0 goes on alone, the new job
     heals from it over the link, and both end with the same validation loss."""
+    # (--compute-ms: worker 0 trains long enough for the relaunched worker 1 to come back before its end)
     result = subprocess.run(["bash", str(TWO_NODES), "--out", str(tmp_path), "--steps", "1500", "--kill-after", "35",
+                             "--compute-ms", "60",
                              "--python", sys.executable], capture_output=True, text=True, timeout=560)
     w0, w1 = (tmp_path / "w0.log").read_text(), (tmp_path / "w1.log").read_text()
     assert result.returncode == 0, result.stdout + result.stderr + w0[-3000:] + w1[-3000:]

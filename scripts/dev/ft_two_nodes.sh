@@ -3,7 +3,7 @@
 # (10.201.0.1 and 10.201.0.2), each with only that link and its own loopback, so nothing a
 # worker advertises as localhost or as this machine's host name reaches the other.
 #
-#   bash scripts/dev/ft_two_nodes.sh [--steps 16] [--python PY] [--out DIR] [--kill-after S]
+#   bash scripts/dev/ft_two_nodes.sh [--steps 16] [--python PY] [--out DIR] [--kill-after S] [--compute-ms MS]
 #
 # Node a runs `python -m megatron_edit.supervise --workers 2 --bind 10.201.0.1:29510 --serve
 # --env-file DIR/run.env` (the Lighthouse and the start gate, as on a cluster's head node) and
@@ -11,6 +11,8 @@
 # (scripts/train_gpt_edit.py --local-sgd-sync-backend torchft, 1 rank) after `source run.env`.
 # --kill-after S: every process on node b is SIGKILLed S seconds after the jobs start (the node
 # died) and worker 1's job is started again there, fresh (it heals from worker 0 over the link).
+# --compute-ms MS: each step also sleeps MS ms (the main job's --compute-sleep-ms), so that worker
+# 0 is still training when the relaunched job comes (it must not end the run first).
 # Logs in DIR (serve.log, w0.log, w1.log); exit status 0 when both jobs ended with 0. Needs root
 # and iproute2; everything is removed on exit. A cluster's scheduler does what this script does
 # with the jobs.
@@ -20,13 +22,15 @@ PYTHON=$HERE/.venv/bin/python
 OUT=$(mktemp -d)
 STEPS=16
 KILL_AFTER=
+COMPUTE_MS=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --steps) STEPS=$2; shift 2 ;;
         --python) PYTHON=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         --kill-after) KILL_AFTER=$2; shift 2 ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        --compute-ms) COMPUTE_MS=$2; shift 2 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) echo "ft_two_nodes.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -63,7 +67,7 @@ job() {  # job NAMESPACE WORKER: one worker's job on that node, its output appen
     ip netns exec "$1" bash -c "source '$OUT/run.env'; export RUST_LOG=warn GLOO_SOCKET_IFNAME=ft2n; \
         exec '$PYTHON' -m torch.distributed.run --standalone --nproc_per_node 1 scripts/train_gpt_edit.py \
         --local-sgd-sync-backend torchft --workers 2 --local-sgd-replica-id $2 --steps $STEPS \
-        --local-sgd-sync-interval 4" >> "$OUT/w$2.log" 2>&1
+        --local-sgd-sync-interval 4 --compute-sleep-ms $COMPUTE_MS" >> "$OUT/w$2.log" 2>&1
 }
 job "$A" 0 & W0=$!
 if [[ -n $KILL_AFTER ]]; then  # node b dies: every process in it, at once
