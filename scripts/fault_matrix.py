@@ -44,26 +44,38 @@ def end_the_run(mark: str) -> None:
     kill_marked(mark)
 
 
-def kill_marked(mark: str, cmdline: bytes = b"") -> int:
-    """SIGKILL every process whose environment carries ``RUN_MARK=mark`` and whose command line
-    holds ``cmdline`` (its arguments joined by NUL bytes); returns how many."""
+def marked_processes(mark: str, cmdline: bytes = b""):
+    """(pid, its environment's entries) of every live process whose environment carries
+    ``RUN_MARK=mark`` and whose command line holds ``cmdline`` (its arguments joined by NUL
+    bytes, and one after the last)."""
     needle = f"{RUN_MARK}={mark}".encode()
-    killed = 0
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                marked = needle in f.read().split(b"\0")
-            if marked and cmdline:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    marked = cmdline in f.read()
+                env = f.read().split(b"\0")
+            if needle not in env:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                line = f.read() + b"\0"
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except OSError:  # gone, or another user's
             continue
-        if marked:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
+        if cmdline in line and not zombie:
+            found.append((int(pid), env))
+    return found
+
+
+def kill_marked(mark: str, cmdline: bytes = b"") -> int:
+    """SIGKILL every process of :func:`marked_processes`; returns how many."""
+    killed = 0
+    for pid, _ in marked_processes(mark, cmdline):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
     return killed
 
 

@@ -742,21 +742,12 @@ CHAOS_HOOKS = ROOT / "scripts" / "bench" / "chaos_hooks"
 
 
 def _kill_job_of(worker: int, mark: str) -> int:
-    """SIGKILL every process of worker ``worker``'s job of the run carrying ``mark`` (-1: of every job)."""
-    needle, tag = f"MEGATRON_EDIT_TEST_RUN={mark}".encode(), f"--local-sgd-replica-id\0{worker}\0".encode()
-    killed = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read() + b"\0"
-            if needle in env and (worker < 0 or tag in cmdline):
-                os.kill(int(pid), signal.SIGKILL)
-                killed += 1
-        except (OSError, ProcessLookupError):
-            continue
-    return killed
+    """SIGKILL every process of worker ``worker``'s job of the run carrying ``mark`` (-1: of every
+    job; scripts/fault_matrix.py's marks)."""
+    spec = importlib.util.spec_from_file_location("fault_matrix_marks", ROOT / "scripts" / "fault_matrix.py")
+    marks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(marks)
+    return marks.kill_marked(mark, b"" if worker < 0 else f"--local-sgd-replica-id\0{worker}\0".encode())
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
@@ -785,7 +776,7 @@ def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(
     chaos, log = tmp_path / "chaos", tmp_path / "out.log"
     chaos.mkdir()
     mark = uuid.uuid4().hex
-    env = dict(os.environ, MEGATRON_EDIT_CHAOS_DIR=str(chaos), MEGATRON_EDIT_TEST_RUN=mark,
+    env = dict(os.environ, MEGATRON_EDIT_CHAOS_DIR=str(chaos), MEGATRON_EDIT_FAULT_MATRIX_RUN=mark,
                PYTHONPATH=os.pathsep.join([str(CHAOS_HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     flags = ["--data-dir", data_dir, "--steps", "160", "--eval-interval", "160", "--local-sgd-sync-interval", "4",
              "--log-interval", "4", "--lr-warmup-steps", "2", "--local-sgd-sync-backend", "torchft",

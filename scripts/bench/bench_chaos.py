@@ -48,7 +48,7 @@ RESULTS = ROOT / "scripts" / "bench" / "results"
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_ft import Run, _anchored_steps  # noqa: E402  (one start of the main job; its anchored steps)
-from fault_matrix import RUN_MARK  # noqa: E402
+from fault_matrix import marked_processes  # noqa: E402  (a run's processes, by its mark)
 
 KINDS = ("job", "launcher", "exchange", "heal", "sigstop")
 CHAOS_ENV = "MEGATRON_EDIT_CHAOS_DIR"
@@ -56,21 +56,8 @@ CHAOS_ENV = "MEGATRON_EDIT_CHAOS_DIR"
 
 def _processes(mark: str, worker: int):
     """(pid, is_rank) of every live process of worker ``worker``'s job in the run ``mark``."""
-    needle, tag = f"{RUN_MARK}={mark}".encode(), f"--local-sgd-replica-id\0{worker}\0".encode()
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read() + b"\0"
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in env and tag in cmdline and state != "Z":
-            found.append((int(pid), any(v.startswith(b"LOCAL_RANK=") for v in env)))
-    return found
+    tag = f"--local-sgd-replica-id\0{worker}\0".encode()
+    return [(pid, any(v.startswith(b"LOCAL_RANK=") for v in env)) for pid, env in marked_processes(mark, tag)]
 
 
 def _signal(pids, sig) -> int:
