@@ -61,7 +61,7 @@ from .fragments import SyncShards, frozen_layout, group_sizes, partition_sizes, 
 from .fsdp import fsdp_model_of
 from .process_state import PROCESS
 from .shards import ShardLayout, build_layout
-from .sync_backend import TorchBackend
+from .sync_backend import backend_for
 from .worker_layout import WorkerLayout
 
 logger = logging.getLogger(__name__)
@@ -124,12 +124,7 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         """Where this optimizer sits among the workers (derived once, passed down)."""
         self.num_workers = self.layout.num_workers
         inter = self.layout.sync_group
-        if self.config.sync_backend == "torchft":
-            from .fault_tolerant import TorchftBackend
-
-            self.backend = TorchftBackend(self, optimizer)
-        else:
-            self.backend = TorchBackend(inter, self.num_workers)
+        self.backend = backend_for(self, optimizer, inter, self.num_workers)
         """The sync backend this controller drives (:mod:`.sync_backend`)."""
         self.sync_group = self.backend.sync_group
         if self.auto is not None and self.num_workers == 1:

@@ -17,7 +17,7 @@ The interface, in the order of one sync (the controller calls each at one place)
     the controller is built / before its first step (torchft: join the others' next sync).
 ``begin(step) -> Optional[int]``
     before a sync's first collective (torchft: the quorum). Returns the others' sync step where
-    this worker healed into it (it was behind), else None.
+    this worker healed into it (it was behind), else None; kept as ``healed_sync_step``.
 ``waits_for_others`` / ``defer(action)``
     this sync's outer step must wait for a later controller of the process (torchft: one round
     for a MoE model's dense and expert optimizers): run ``action`` after the round's commit.
@@ -51,11 +51,22 @@ STATE_KEY = "torchft"
 """The key of the backend's state in the controller's checkpoint extras (only torchft has one)."""
 
 
+def backend_for(controller, optimizer, inter, num_workers: int):
+    """The sync backend ``controller`` drives (``LocalSGDConfig.sync_backend``): the torch one
+    over ``inter`` (Megatron's group across instances), or torchft's (each worker its own job)."""
+    if controller.config.sync_backend == "torchft":
+        from .fault_tolerant import TorchftBackend
+
+        return TorchftBackend(controller, optimizer)
+    return TorchBackend(inter, num_workers)
+
+
 class TorchBackend:
     """Every worker in this ``torch.distributed`` world (the default backend): the same workers
     at every sync, every round committed, nothing to join or heal."""
 
     dynamic = False
+    healed_sync_step: Optional[int] = None
     waits_for_others = False
     commit_gate: Optional[Callable[[], bool]] = None
     gates_outer_step = False

@@ -124,7 +124,7 @@ class GlobalBudget:
         # Over torchft, a fresh job that healed from a live peer while its optimizer was built
         # goes on from the peer's count.
         before, args.iteration = args.iteration, getattr(controller, "steps_done", args.iteration)
-        healed = getattr(getattr(controller, "backend", None), "healed_sync_step", None) is not None
+        healed = controller.backend.healed_sync_step is not None
         if healed and args.iteration != before and getattr(args, "rank", 0) == 0:
             logger.warning(
                 "megatron_edit: worker %s healed from a live peer into optimizer step %d: Megatron's loop starts at "
