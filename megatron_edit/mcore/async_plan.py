@@ -216,7 +216,8 @@ class AsyncPlan:
             self.finished = True
             self.next_sync_at = None
             self.progress_scale = 1.0
-        else:
+        else:  # (a final sync that did not commit, planned again with fewer workers, may not be final)
+            self.finished = False
             if not self.dynamic:
                 rates = asynchronous.smoothed_rates(
                     torch.stack([h[0] for h in self.rate_history]), torch.stack([h[1] for h in self.rate_history])

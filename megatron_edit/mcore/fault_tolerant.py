@@ -71,9 +71,6 @@ class TorchftBackend:
                 f"give it num_distributed_optimizer_instances 1 (got {controller.layout.num_workers}) and start "
                 "one job per worker, each with its own --local-sgd-replica-id.")
         self.controller = controller
-        self.healed_sync_step: Optional[int] = None
-        """The step of the others' sync this worker healed into at the last :meth:`begin` (None:
-        it did not heal): its own sync step was another (it was behind)."""
         shared = PROCESS.torchft_round
         if shared is not None:
             if len(shared.members) >= shared.expected or shared.joined:
@@ -132,8 +129,14 @@ class TorchftBackend:
         workers that trained since the last sync. Returns the others' sync step this worker
         healed into (None: it did not heal)."""
         self.round.begin(self, step, contributed)
-        self.healed_sync_step = self.round.healed_sync_step
         return self.healed_sync_step
+
+    @property
+    def healed_sync_step(self) -> Optional[int]:
+        """The step of the others' sync this worker healed into at the process's latest round
+        (its join round included; None: it did not heal): its own sync step was another (it was
+        behind)."""
+        return self.round.healed_sync_step
 
     @property
     def commit_gate(self):

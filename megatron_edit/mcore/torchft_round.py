@@ -188,13 +188,14 @@ class TorchftRound:
         while it is not committed, every member syncs again in order (:meth:`LocalSGD.sync_again
         <megatron_edit.mcore.controller.LocalSGD.sync_again>`: a new quorum among the workers still
         there, the same progress against the same anchor), up to :data:`LAST_SYNC_TRIES` times
-        within :func:`last_sync_seconds`. Still not committed (or A-EDiT's final sync, or a delayed
-        one, which are not tried again): one error line, and the worker ends with its own model,
+        within :func:`last_sync_seconds` (A-EDiT plans it again among the workers still there: where a
+        lost worker's steps leave budget, that sync is not the last, and the workers left train it).
+        Still not committed (or a delayed one, which is not tried again): one error line, and the worker ends with its own model,
         which the supervisor's end check turns into a failed run."""
         if not self.last_sync_lost or self.started:
             return
         c = self.members[0].controller
-        retry = not c.config.use_async and all(m.controller.delayed is None for m in self.members)
+        retry = all(m.controller.delayed is None for m in self.members)
         deadline = time.monotonic() + last_sync_seconds(c.config.sync_timeout)
         tries = 0
         while retry and self.last_sync_lost and tries < LAST_SYNC_TRIES and time.monotonic() < deadline:
@@ -210,7 +211,7 @@ class TorchftRound:
                 "megatron_edit: worker %s did not commit the run's last sync (after step %d%s): it ends with its own "
                 "model, not the others'; under the supervisor the run exits 1 (it compares the workers' models at "
                 "the end).", c.config.replica_id, self.step,
-                f", tried {tries + 1} times" if retry else "; A-EDiT's final sync and a delayed one are not tried again")
+                f", tried {tries + 1} times" if retry else "; a delayed sync is not tried again")
 
     def close_skipped(self) -> None:
         """A-EDiT skipped this sync's exchange (every worker decides the same; a MoE model's expert
@@ -221,6 +222,7 @@ class TorchftRound:
         self.group.commit()
         self.started = []
         self.residuals_before.clear()
+        self.last_sync_lost = False  # (a skipped sync is never the run's last)
 
     # ------------------------------------------------------------------ joining
     def member_built(self, member) -> None:

@@ -376,3 +376,85 @@ def test_a_relaunched_a_edit_worker_of_two_ranks_takes_its_counters_from_one_pee
         for w in (1, 2):
             assert all(torch.equal(runs[0][r]["params"][k], runs[w][r]["params"][k]) for k in runs[0][r]["params"])
             assert all(torch.equal(x, y) for x, y in zip(runs[0][r]["anchors"], runs[w][r]["anchors"]))
+
+
+def _final_victim_job(rank, world_size, worker, lighthouse, ctl):
+    """Worker ``worker``'s job (1 rank): A-EDiT over torchft, step-end, fake clock (1 s a step for
+    both), a budget of 10 iterations (20 worker-steps). Worker 1 stops inside its exchange of the
+    final sync (the test SIGKILLs it there)."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    import checkpoint_runs as cr
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    begin, first = FaultTolerantSyncGroup.begin, [True]
+
+    def together(self, contributed):  # the first round: both Managers up first
+        if first[0]:
+            first[0] = False
+            ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}", 2, timeout=240.0)
+        return begin(self, contributed)
+
+    FaultTolerantSyncGroup.begin = together
+    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
+                 sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
+                 sync_timeout=120.0)
+    ddp, opt, c = cr._setup(local, instances=1)
+    me.set_train_iters(opt, 10)
+    if worker == 1:
+        reduce = FaultTolerantSyncGroup.all_reduce_sum
+
+        def stuck(self, tensor, async_op=True):
+            if c.async_plan.finished:  # inside the final sync's exchange: the test kills the job here
+                open(os.path.join(ctl, "victim-in-final"), "w").close()
+                time.sleep(600)
+            return reduce(self, tensor, async_op)
+
+        FaultTolerantSyncGroup.all_reduce_sum = stuck
+    now = [0.0]
+    c.clock = lambda: now[0]
+    batches = make_batches(64, 2 * MICRO_BATCH, seed=0)
+    reports = []
+    while not c.finished:
+        step = c.steps_done + 1
+        now[0] += 1.0
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker, 2))
+        reports += [(r.step, r.workers, r.committed, r.final) for r in c.drain_reports()]
+    out = cr._state(ddp, opt, c)
+    out.update(reports=reports, last_sync=c.last_sync,
+               at_anchor=all(torch.equal(m, s.anchor) for m, s in zip(out["mains"], c.shards)))
+    c.backend.close()
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_edits_final_sync_whose_peer_dies_inside_it_is_planned_again_and_the_budget_used(tmp_path):
+    """2 workers of one rank, 1 s a step each, a budget of 10 iterations (20 worker-steps): after
+    the sync at step 2 they plan the final interval. Worker 1 is SIGKILLed inside that final sync's
+    exchange: worker 0's final sync does not commit, and it tries it again at once, alone. Planned
+    again, it is not the last: worker 1's steps since step 2 are lost, so the worker-steps in the
+    anchor are short of the budget; worker 0 trains the rest alone and its final sync then applies
+    exactly 20 worker-steps; it ends at its anchor."""
+    ctl = str(tmp_path)
+    with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
+        addr = server.address()
+        survivor = start(_final_victim_job, 1, 0, addr, ctl, timeout=2 * TIMEOUT - 60)
+        victim = start(_final_victim_job, 1, 1, addr, ctl, timeout=2 * TIMEOUT - 60)
+        ft_jobs.wait_file(os.path.join(ctl, "victim-in-final"), timeout=2 * TIMEOUT - 60)
+        victim.kill()
+        (out,) = survivor.results()
+    reports = out["reports"]
+    assert len(reports) >= 3 and reports[0] == (2, 2, True, False), reports
+    final_step = reports[1][0]
+    assert reports[1] == (final_step, 2, False, True)  # the final sync, not committed
+    assert reports[2] == (final_step, 1, True, False)  # planned again alone: not the last
+    assert reports[-1][1:] == (1, True, True) and reports[-1][0] > final_step
+    assert out["last_sync"].final and out["last_sync"].global_progress * 2 == pytest.approx(20.0)
+    assert out["at_anchor"]
