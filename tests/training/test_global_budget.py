@@ -60,6 +60,7 @@ class _Controller:
         self.finished = False
         self.last_sync = None
         self.at_sync = False
+        self.backend = SimpleNamespace(healed_sync_step=None)  # (the sync backend's interface: no heal)
 
 
 def _budget(controller, monkeypatch, args):
