@@ -272,8 +272,10 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
             self.async_plan.start_clock(self.steps_done)
         if self.delayed is not None:  # launches the exchange of the sync due tau steps later
             return self.delayed.end_step(self.steps_done)
-        if not self._sync_due(self.steps_done):  # (A-EDiT: a step-end sync inside it planned the next)
-            return self.backend.settle_last_sync()
+        if not self._sync_due(self.steps_done):
+            if self._synced_in_step:  # A-EDiT: a step-end sync inside this step planned the next
+                self.backend.settle_last_sync()
+            return
         if self.config.sync_mode == "step_end":
             assert self._synced_in_step, "step-end sync did not run inside the optimizer step"
         elif self.start_sync(self.steps_done):

@@ -28,6 +28,30 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _worker_world() -> None:
+    """Inside a job's rank: the job's store for torchft's Manager, and megatron-core's groups of
+    one worker (num_distributed_optimizer_instances 1)."""
+    from megatron.core import parallel_state as ps
+
+    host, port = ft_jobs.job_store_address()
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+
+
+def _announce_join(marker: str) -> None:
+    """This rank writes ``marker`` when it asks for a round's quorum (its Manager is up): the
+    test's other jobs wait for it."""
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    begin = FaultTolerantSyncGroup.begin
+
+    def announced(self, contributed):
+        open(marker, "w").close()
+        return begin(self, contributed)
+
+    FaultTolerantSyncGroup.begin = announced
+
+
 def _ft_async_worker(rank, world_size, worker, lighthouse, spec, workers, gate=None):
     """One worker's job: :func:`edit_runs.async_runs` with the torchft backend, on the
     micro-batches its ranks have in the one-world run; ``gate``: a supervisor's start gate (the
@@ -122,15 +146,12 @@ def _checkpoint_job(rank, world_size, worker, lighthouse, folder, resume):
     a budget of 24 iterations; it saves its own checkpoint right after its first real sync
     (Megatron's dist_checkpointing), or (``resume``) resumes from it and trains to the end."""
     import megatron_edit as me
-    from megatron.core import parallel_state as ps
 
     import checkpoint_runs as cr
     from edit_runs import MICRO_BATCH
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
-    host, port = ft_jobs.job_store_address()
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    _worker_world()
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)
@@ -194,25 +215,15 @@ def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
     round's quorum (a file in ``ctl``), so that it joins worker 0's next sync (after its step
     10)."""
     import megatron_edit as me
-    from megatron.core import parallel_state as ps
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
 
     import checkpoint_runs as cr
     from edit_runs import LR, MICRO_BATCH
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
-    host, port = ft_jobs.job_store_address()
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    _worker_world()
     if joiner:
-        begin = FaultTolerantSyncGroup.begin
-
-        def announced(self, contributed):  # the join round asks for its quorum (its Manager is up)
-            open(os.path.join(ctl, "joiner-in-quorum"), "w").close()
-            return begin(self, contributed)
-
-        FaultTolerantSyncGroup.begin = announced
+        _announce_join(os.path.join(ctl, "joiner-in-quorum"))
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)
@@ -298,24 +309,14 @@ def _three_by_two_job(rank, world_size, worker, lighthouse, ctl, joiner):
     the relaunched job (``joiner``) asks for its join round's quorum. Returns this rank's
     counters where it joined and at the end, its reports and its parameters."""
     import megatron_edit as me
-    from megatron.core import parallel_state as ps
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
 
     import checkpoint_runs as cr
     from edit_runs import MICRO_BATCH
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
-    host, port = ft_jobs.job_store_address()
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    _worker_world()
     if joiner:
-        begin = FaultTolerantSyncGroup.begin
-
-        def announced(self, contributed):  # the join round asks for its quorum (its Manager is up)
-            open(os.path.join(ctl, f"joiner-in-quorum-{rank}"), "w").close()
-            return begin(self, contributed)
-
-        FaultTolerantSyncGroup.begin = announced
+        _announce_join(os.path.join(ctl, f"joiner-in-quorum-{rank}"))
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)
@@ -383,16 +384,13 @@ def _final_victim_job(rank, world_size, worker, lighthouse, ctl):
     both), a budget of 10 iterations (20 worker-steps). Worker 1 stops inside its exchange of the
     final sync (the test SIGKILLs it there)."""
     import megatron_edit as me
-    from megatron.core import parallel_state as ps
     from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
 
     import checkpoint_runs as cr
     from edit_runs import MICRO_BATCH
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
-    host, port = ft_jobs.job_store_address()
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
+    _worker_world()
     begin, first = FaultTolerantSyncGroup.begin, [True]
 
     def together(self, contributed):  # the first round: both Managers up first
