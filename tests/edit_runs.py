@@ -85,11 +85,14 @@ def default_spec(**overrides) -> dict:
     return spec
 
 
-def _optimizer(ddp):
+def _optimizer(ddp, loss_scale=None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    # loss_scale: Megatron's constant grad scaler, whose inf / nan check skips a step as fp16's
+    # dynamic one does (the loss itself is not scaled here: the scale is for the check only)
     config = OptimizerConfig(
-        optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=True
+        optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=0.0, use_distributed_optimizer=True,
+        loss_scale=loss_scale,
     )
     return get_megatron_optimizer(config, [ddp])
 
@@ -128,7 +131,7 @@ def _build(spec, tp, pp):
         num_distributed_optimizer_instances=spec["instances"],
         bucket_size=spec["bucket_size"],
     )
-    return ddp, _optimizer(ddp)
+    return ddp, _optimizer(ddp, spec.get("loss_scale"))
 
 
 def wrap_megatron_fsdp(model, spec):
@@ -266,7 +269,12 @@ def _train(rank, spec, tp, pp):
         # its ranks in the one-world run.
         micro = rank_micro_batches(batches[step - 1], dp_rank + spec.get("data_rank_offset", 0), data_dp,
                                    num_microbatches=num_mb)
-        out["losses"].append(train_step(ddp, optimizer, micro))
+        # inf_grads={step: [global ranks]}: an inf in those ranks' gradients before the optimizer
+        # step (with a loss_scale the worker's optimizer skips the step)
+        poisoned = rank in spec.get("inf_grads", {}).get(step, ())
+        out["losses"].append(train_step(
+            ddp, optimizer, micro, skipped=out.setdefault("skipped", []) if spec.get("loss_scale") else None,
+            before_step=(lambda: [b.grad_data.fill_(float("inf")) for b in ddp.buffers]) if poisoned else None))
         if spec.get("faults") and controllers:
             # The same corruption as the simulation, applied to this rank's fp32 main shards.
             _inject_fault(spec, step, out["worker"], [m for sh in controllers[0].shards for m in sh.mains])
@@ -519,7 +527,8 @@ def simulate_edit(rank, world_size, spec, dp_size):
             opt.zero_grad()
             tokens = batches[step - 1] if step <= warmup else batches[step - 1][w * per_worker : (w + 1) * per_worker]
             loss_of(model, tokens).backward()
-            opt.step()
+            if w not in spec.get("skips", {}).get(step, ()):  # skips={step: [workers]}: no inner update
+                opt.step()
             _inject_fault(spec, step, w, list(model.parameters()))
         due = fragment_of(step)
         if not tau or (switch and step <= switch[0]):

@@ -154,11 +154,14 @@ def forward_step(data_iterator, model):
     return model(**gpt_inputs(next(data_iterator))), _mean_loss
 
 
-def train_step(model, optimizer, micro_batches) -> float:
+def train_step(model, optimizer, micro_batches, before_step=None, skipped=None) -> float:
     """One Megatron training step on this rank's micro-batches ``[n, b, SEQ_LENGTH + 1]``.
 
     Mirrors Megatron-LM's ``train_step``: zero the grad buffers, forward/backward through the
     schedule (which calls ``finalize_model_grads``), optimizer step. Returns this rank's mean loss.
+    ``before_step()`` runs between the backward pass and the optimizer step; a step the optimizer
+    skips (a loss scaler found an inf) fails the step unless ``skipped`` (a list) is given, which
+    then gets True or False appended.
     """
     model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -171,8 +174,13 @@ def train_step(model, optimizer, micro_batches) -> float:
         micro_batch_size=micro_batches.shape[1],
         forward_only=False,
     )
+    if before_step is not None:
+        before_step()
     update_successful, _, _ = optimizer.step()
-    assert update_successful
+    if skipped is None:
+        assert update_successful
+    else:
+        skipped.append(not update_successful)
     if not losses:  # not the last pipeline stage: no loss here
         return float("nan")
     return sum(d["lm loss"].item() for d in losses) / len(losses)

@@ -69,8 +69,11 @@ def check_workers(data_parallel_size: int, num_workers: int) -> None:
         )
 
 
-def check_optimizer_options(config, has_grad_scaler: bool) -> None:
-    """Reject optimizer options (megatron.core OptimizerConfig) that cannot work with EDiT."""
+def check_optimizer_options(config, has_grad_scaler: bool, megatron_fsdp: bool = False) -> None:
+    """Reject optimizer options (megatron.core OptimizerConfig) that cannot work with EDiT.
+
+    ``has_grad_scaler``: fp16 or a ``--loss-scale`` (a step may be skipped on an inf or nan:
+    :mod:`megatron_edit.mcore.skipped_step`); ``megatron_fsdp``: over Megatron-FSDP."""
     if getattr(config, "use_precision_aware_optimizer", False):
         raise ConfigError(
             "--use-local-sgd does not work with --use-precision-aware-optimizer: that optimizer "
@@ -102,10 +105,11 @@ def check_optimizer_options(config, has_grad_scaler: bool) -> None:
             "with Megatron's distributed optimizer over Adam and SGD (its checkpoints carry "
             "their state); use --optimizer adam or sgd."
         )
-    if has_grad_scaler:
+    if has_grad_scaler and megatron_fsdp:
         raise NotSupportedYet(
-            "fp16 with loss scaling and --use-local-sgd is not supported yet: a skipped step on "
-            "one worker would desynchronise the workers' schedules; use --bf16."
+            "--fp16 (or --loss-scale) with --use-megatron-fsdp and --use-local-sgd is not supported "
+            "yet: a step the loss scaler skips was checked with Megatron's distributed optimizer "
+            "over DDP only; use --bf16 without --loss-scale, or drop --use-megatron-fsdp."
         )
 
 

@@ -21,6 +21,8 @@ distopt-copy-main-to-model             step-end sync: between the inner update a
                                        of main params into the model
 distopt-grad-stats-group               gradient norm and zero count reduced inside the worker
                                        (megatron-core 0.12.x reduces them over all ranks)
+distopt-skipped-step,                  fp16 / loss scaling: a step skipped on an inf or nan
+chained-skipped-step                   still counts and syncs when due (:mod:`.skipped_step`)
 sched-step-global-progress             A-EDiT: the learning-rate schedule follows the workers'
                                        global progress, not this worker's step count;
                                        torchft: it follows a heal to the peer's progress
@@ -41,6 +43,7 @@ from typing import Callable, Optional
 
 from . import compat
 from .fsdp_wraps import add_fsdp_patches
+from .skipped_step import add_skipped_step_patches
 from .wrap_registry import Patch, PatchRegistry
 from .runtime import LocalSGDRuntime, get_local_sgd
 
@@ -174,5 +177,6 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
         "torchft: the step after a heal jumps to the peer's progress")
     add("distopt-grad-stats-group", f"{_DISTOPT}.get_grad_stats_parallel_group", wrap_grad_stats_group,
         "gradient norm / zero count inside the worker, never across workers (0.12.x: all ranks)")
+    add_skipped_step_patches(registry, runtime_ref)
     add_fsdp_patches(registry, runtime_ref)
     return registry

@@ -92,6 +92,8 @@ SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]] = {
     f"{_BUCKET_GROUP}.start_param_sync": ((SUPPORTED, ("self", "force_sync")),),
     f"{_DISTOPT}.__init__": ((SUPPORTED, _DISTOPT_INIT),),
     f"{_DISTOPT}.step_with_ready_grads": ((SUPPORTED, ("self",)),),
+    "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.step": ((SUPPORTED, ("self",)),),
+    "megatron.core.optimizer.optimizer:ChainedOptimizer.step": ((SUPPORTED, ("self",)),),
     f"{_DISTOPT}._copy_main_params_to_model_params": ((SUPPORTED, ("self",)),),
     f"{_DISTOPT}.get_grad_stats_parallel_group": ((SUPPORTED, ("self",)),),
     "megatron.core.optimizer_param_scheduler:OptimizerParamScheduler.step": ((SUPPORTED, ("self", "increment")),),

@@ -139,7 +139,8 @@ class LocalSGDRuntime:
     def on_optimizer_init(self, optimizer) -> None:
         if self.configs is None:
             return
-        check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None)
+        check_optimizer_options(optimizer.config, getattr(optimizer, "grad_scaler", None) is not None,
+                                compat.uses_megatron_fsdp(optimizer.ddp_config))
         if compat.uses_megatron_fsdp(optimizer.ddp_config):
             check_fsdp_release()  # the fsdp-init patch exists (and checked the model) on these only
         unchecked = [g for chunk in optimizer.model_chunks

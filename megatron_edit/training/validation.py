@@ -100,7 +100,8 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         optimizer_cuda_graph=get("optimizer_cuda_graph", False),
     )
     # Megatron builds a grad scaler for fp16, and for any --loss-scale.
-    check_optimizer_options(optimizer_options, bool(get("fp16")) or bool(get("loss_scale")))
+    check_optimizer_options(optimizer_options, bool(get("fp16")) or bool(get("loss_scale")),
+                            bool(get("use_megatron_fsdp")))
     _check_megatron_lm_options(local, args)
     if get("rank", 0) != 0:
         return

@@ -171,10 +171,13 @@ def test_refuses_optimizer_cpu_offload():
         check_optimizer_options(config, has_grad_scaler=False)
 
 
-def test_refuses_fp16_loss_scaling():
+def test_fp16_loss_scaling_is_accepted_except_on_megatron_fsdp():
+    """A step the loss scaler skips is the worker's own (tests/mcore/test_skipped_step.py); on
+    Megatron-FSDP it was not checked."""
     config = OptimizerConfig(fp16=True, use_distributed_optimizer=True)
-    with pytest.raises(NotSupportedYet, match="fp16.*not supported yet") as info:
-        check_optimizer_options(config, has_grad_scaler=True)
+    assert check_optimizer_options(config, has_grad_scaler=True) is None
+    with pytest.raises(NotSupportedYet, match="--fp16 .*--use-megatron-fsdp.*not supported yet") as info:
+        check_optimizer_options(config, has_grad_scaler=True, megatron_fsdp=True)
     assert "--bf16" in str(info.value)
 
 

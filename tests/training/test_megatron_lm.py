@@ -309,8 +309,9 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
         ((), dict(context_parallel_size=3, num_distributed_optimizer_instances=3), None, None),
         ((), dict(overlap_param_gather=False), ConfigError, "--overlap-param-gather"),
         (("--local-sgd-sync-mode", "step_end"), dict(overlap_param_gather=False), None, None),
-        ((), dict(fp16=True, bf16=False), NotSupportedYet, "use --bf16"),
-        ((), dict(loss_scale=1024.0), NotSupportedYet, "loss scaling"),
+        ((), dict(fp16=True, bf16=False), None, None),
+        ((), dict(loss_scale=1024.0), None, None),
+        ((), dict(FSDP, fp16=True, bf16=False), NotSupportedYet, "--fp16 .*--use-megatron-fsdp"),
         ((), dict(use_torch_fsdp2=True), ConfigError, "--use-torch-fsdp2"),
         # Megatron refuses FSDP2 with the distributed optimizer: FSDP2's line comes first.
         ((), dict(use_torch_fsdp2=True, use_distributed_optimizer=False), ConfigError, "--use-torch-fsdp2: EDiT"),
