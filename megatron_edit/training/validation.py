@@ -46,9 +46,12 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
     # First: Megatron's validate_args turns --use-distributed-optimizer off for these (0.18+).
     if get("optimizer", "adam") not in ("adam", "sgd") or get("use_layer_wise_distributed_optimizer"):
         raise NotSupportedYet(
-            f"--optimizer {get('optimizer')} with --use-local-sgd is not supported yet: Megatron-LM "
-            "trains it with its layer-wise optimizer, not the distributed optimizer EDiT attaches "
-            "to. Use --optimizer adam or sgd with --use-distributed-optimizer."
+            f"--optimizer {get('optimizer')} with --use-local-sgd is not supported yet: EDiT's outer "
+            "step works over any inner optimizer (its pseudo-gradient is the change of the "
+            "parameters), but megatron_edit keeps its anchor and outer state on the distributed "
+            "optimizer's element-wise shards, and Megatron-LM trains Muon-like optimizers (whose "
+            "update needs a whole matrix) with its layer-wise optimizer, which gives each rank whole "
+            "parameters instead. Use --optimizer adam or sgd with --use-distributed-optimizer."
         )
     # The same checks the DDP / optimizer patches run, on Megatron's flags.
     model_options = SimpleNamespace(
