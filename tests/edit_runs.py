@@ -361,7 +361,7 @@ def _train(rank, spec, tp, pp):
     return out
 
 
-def megatron_runs(rank, world_size, specs, tp=1, pp=1, ep=1):
+def megatron_runs(rank, world_size, specs, tp=1, pp=1, ep=1, etp=None):
     """Set up parallel state once, then one training run per spec; returns their results."""
     from megatron.core import parallel_state as ps
 
@@ -372,6 +372,7 @@ def megatron_runs(rank, world_size, specs, tp=1, pp=1, ep=1):
         pipeline_model_parallel_size=pp,
         num_distributed_optimizer_instances=instances.pop(),
         **(dict(expert_model_parallel_size=ep) if ep > 1 else {}),
+        **(dict(expert_tensor_parallel_size=etp) if etp is not None else {}),  # default: tp
     )
     out = dict(
         tp_group=torch.distributed.get_process_group_ranks(ps.get_tensor_model_parallel_group()),

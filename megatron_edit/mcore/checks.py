@@ -123,13 +123,6 @@ def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_para
     c = transformer_config
     tp = getattr(c, "tensor_model_parallel_size", 1)
     etp = getattr(c, "expert_tensor_parallel_size", None)
-    if expert_parallel and etp is not None and etp != tp:
-        raise NotSupportedYet(
-            f"--expert-tensor-parallel-size {etp} different from --tensor-model-parallel-size {tp} "
-            "with MoE and --use-local-sgd is not supported yet: needs GPU work (the experts' own "
-            "data-parallel groups then differ from the dense ones; MoE with tensor parallelism needs "
-            "--sequence-parallel, which needs apex or transformer-engine, so it was not built or "
-            "checked on the CPU).")
     if getattr(c, "context_parallel_size", 1) > 1:
         raise NotSupportedYet(
             "--context-parallel-size > 1 with MoE (--num-experts) and --use-local-sgd is not supported "

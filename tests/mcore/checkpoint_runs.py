@@ -436,7 +436,8 @@ def async_budget_job(rank, world, instances, train_iters, seconds_per_step, save
     return out
 
 
-def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None, load_at=None, ep=2, instances=2):
+def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None, load_at=None, ep=2, instances=2,
+                       tp=1, etp=None):
     """EDiT on a MoE GPT with expert parallelism ``ep`` (``instances`` workers): train to
     ``steps``, saving at ``save_at`` or resuming from ``load_at`` (the checkpoint at ``path``);
     returns every rank's final parameters and both controllers' anchors, mains and outer state
@@ -447,9 +448,11 @@ def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None,
     from edit_runs import MICRO_BATCH, _build, default_spec
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
-    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=instances, expert_model_parallel_size=ep,
+                                 tensor_model_parallel_size=tp,
+                                 **(dict(expert_tensor_parallel_size=etp) if etp is not None else {}))
     me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**local_sgd), me.OuterOptimizerConfig(**OUTER))
-    ddp, opt = _build(default_spec(model=model, instances=instances), 1, 1)
+    ddp, opt = _build(default_spec(model=model, instances=instances), tp, 1)
     controllers = me.get_local_sgd(opt)
 
     def states():

@@ -4,8 +4,9 @@ dense buffers) and 2 (Megatron's expert-parallel buffers and a second distribute
 against the independent plain-PyTorch simulation, with the pseudo-gradient penalty.
 
 Layouts with 2 workers: on 4 ranks EP=2 with TP=1 and TP=2 with EP=1 (TP=2 x EP=2 leaves one
-expert data-parallel rank there, which cannot hold 2 workers; TP=2 with expert tensor parallelism
-1 is refused); TP=2 x EP=2 on 8 ranks (4 per worker, each with one copy of every expert).
+expert data-parallel rank there, which cannot hold 2 workers, but TP=2 with expert tensor
+parallelism 1 and EP=2 fits); TP=2 x EP=2 on 8 ranks (4 per worker, each with one copy of every
+expert).
 """
 
 import pytest
@@ -57,10 +58,11 @@ def _worst(run, params, expected, ep):
     return max((_slice(expected[g], run, k) - params[k]).abs().max().item() for g, k in names.items())
 
 
-def _check_job(results, sim, ep, tp=1):
+def _check_job(results, sim, ep, tp=1, slots=None):
     """Both modes: the syncs, layer-wise == step-end bit for bit, the simulation, and the
-    replicas (every dense and expert slice) identical after each sync, different between."""
-    slots = {}
+    replicas (every dense and expert slice) identical after each sync, different between;
+    ``slots``: the distinct (TP rank, EP rank) pairs (default TP x EP)."""
+    expected_slots, slots = slots, {}
     for r in results:
         layerwise, step_end = r["runs"]
         assert len(layerwise["per_controller"]) == (2 if ep > 1 else 1)
@@ -71,7 +73,7 @@ def _check_job(results, sim, ep, tp=1):
         worst = _worst(layerwise, layerwise["params"], sim["params"][layerwise["worker"]], ep)
         assert worst <= SIM_ATOL, f"EDiT vs simulation: {worst:.3g}"
         slots.setdefault((layerwise["tp_rank"], layerwise["ep_rank"]), []).append(layerwise)
-    assert len(slots) == tp * ep
+    assert len(slots) == (tp * ep if expected_slots is None else expected_slots)
     for runs in slots.values():
         by_worker = {x["worker"]: x for x in runs}
         assert sorted(by_worker) == [0, 1]
@@ -326,7 +328,6 @@ def _moe_config(**overrides):
 
 
 @pytest.mark.parametrize("overrides,expert_parallel,use_async,match", [
-    (dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), True, False, "--expert-tensor-parallel-size"),
     (dict(context_parallel_size=2), False, False, "--context-parallel-size"),
     (dict(moe_router_enable_expert_bias=True), False, False, "--moe-router-enable-expert-bias"),
     (dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"]), False, False, "global_aux_loss"),
@@ -343,12 +344,14 @@ def test_moe_options_refused_with_a_message_naming_the_option(overrides, expert_
 
 
 def test_moe_options_accepted():
-    """Sequential experts, alltoall or allgather, EP with ETP = TP, A-EDiT with and without EP."""
+    """Sequential experts, alltoall or allgather, EP with ETP = TP and ETP != TP, A-EDiT with and
+    without EP."""
     from megatron_edit import LocalSGDConfig
     from megatron_edit.mcore.checks import check_moe_options
 
     check_moe_options(LocalSGDConfig(), _moe_config(), True)
     check_moe_options(LocalSGDConfig(), _moe_config(tensor_model_parallel_size=2, expert_tensor_parallel_size=2), True)
+    check_moe_options(LocalSGDConfig(), _moe_config(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), True)
     check_moe_options(LocalSGDConfig(use_async=True), _moe_config(moe_token_dispatcher_type="allgather"), False)
     check_moe_options(LocalSGDConfig(use_async=True), _moe_config(), True)
 
@@ -382,6 +385,29 @@ def test_moe_expert_parallel_checkpoint_resumes_exactly(tmp_path):
 
     with pytest.raises(RankError, match="chained_0., chained_1.. than this run.s.*expert-parallel change"):
         run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, load_at=4, ep=1, timeout=280)
+
+
+@pytest.mark.timeout(400)
+def test_moe_expert_tensor_parallel_1_under_tensor_parallel_2_checkpoint_resumes_exactly(tmp_path):
+    """TP=2, ETP=1, EP=2, 2 workers: saved between syncs (step 4) and resumed there, the run ends
+    bit for bit where the uninterrupted one ends (step 6), both controllers' state too."""
+    from checkpoint_runs import moe_checkpoint_job
+    from megatron_edit.mcore import checkpoint as checkpointing, compat
+
+    if not checkpointing.SUPPORTED.contains(compat.megatron_core_version()):
+        pytest.skip(f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
+    path, model = str(tmp_path / "step4"), dict(MOE, sequence_parallel=True, expert_tensor_parallel_size=1)
+    local = dict(EDIT, sync_mode="layerwise")
+    kw = dict(tp=2, etp=1, timeout=280)
+    whole = run_ranks(moe_checkpoint_job, WORLD, model, local, path, 6, save_at=4, **kw)
+    resumed = run_ranks(moe_checkpoint_job, WORLD, model, local, path, 6, load_at=4, **kw)
+    for a, b in zip(whole, resumed):
+        assert len(a["controllers"]) == 2
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        for ca, cb in zip(a["controllers"], b["controllers"]):
+            assert ca["steps_done"] == cb["steps_done"] == 6
+            for what in ("anchors", "mains"):
+                assert all(torch.equal(x, y) for x, y in zip(ca[what], cb[what])), what
 
 
 @pytest.mark.timeout(400)
@@ -457,3 +483,22 @@ def test_moe_expert_parallel_with_a_delayed_outer_step_matches_the_simulation():
             assert [[rep.step for rep in c["reports"]] for c in run["per_controller"]] == [[4, 7]] * 2
             worst = _worst(run, run["params"], sim["params"][run["worker"]], 2)
             assert worst <= SIM_ATOL, f"EDiT vs simulation: {worst:.3g}"
+
+
+@pytest.mark.timeout(600)
+def test_moe_expert_tensor_parallel_1_under_tensor_parallel_2_matches_the_simulation():
+    """TP=2 with expert tensor parallelism 1 and EP=2 (Megatron-LM's usual MoE layout: experts
+    whole, spread over the tensor-parallel ranks), 2 workers on 4 ranks: the experts' own
+    data-parallel groups differ from the dense ones (each worker: one dense data-parallel rank
+    of TP 2, two expert-parallel ranks holding 2 whole experts each). Both modes equal the
+    simulation; the replicas are identical after every sync."""
+    specs = _specs(model=dict(MOE, sequence_parallel=True, expert_tensor_parallel_size=1))
+    (sim,) = run_ranks(simulate_edit, 1, _specs()[0], WORLD // 2, timeout=200)
+    results = run_ranks(megatron_runs, WORLD, specs, tp=2, ep=2, etp=1, timeout=540)
+    _check_job(results, sim, 2, tp=2, slots=2)
+    for r in results:  # the experts whole (not cut by TP), the dense layers cut
+        run = r["runs"][0]
+        shapes = {global_param_name(k, EXPERTS // 2, run["ep_rank"]): v.shape for k, v in run["params"].items()}
+        full = sim["params"][0]
+        assert all(shapes[k] == full[k].shape for k in shapes if ".experts." in k)
+        assert any(shapes[k] != full[k].shape for k in shapes if ".experts." not in k)
