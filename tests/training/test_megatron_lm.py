@@ -330,7 +330,7 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
         ((), dict(num_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2), None, None),
         ((), dict(num_experts=8, moe_router_enable_expert_bias=True), NotSupportedYet, "--moe-router-enable-expert-bias"),
         ((), dict(num_experts=8, expert_model_parallel_size=2, tensor_model_parallel_size=2,
-                  expert_tensor_parallel_size=1), NotSupportedYet, "--expert-tensor-parallel-size"),
+                  expert_tensor_parallel_size=1), None, None),
         ((), dict(num_experts=8, moe_use_upcycling=True), NotSupportedYet, "--moe-use-upcycling"),
         (("--local-sgd-async",), dict(num_experts=8, expert_model_parallel_size=2, train_iters=100), None, None),
         ((), dict(use_precision_aware_optimizer=True), ConfigError, "precision-aware"),
