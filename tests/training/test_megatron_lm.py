@@ -366,7 +366,7 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
         ((), dict(gtp_weight_remat_size=2), NotSupportedYet, "--tensor-parallel-num-weight-shards"),
     ],
     ids=["ok", "no-distopt", "workers-do-not-divide", "cp-counts-as-data-parallel",
-         "layerwise-needs-overlap-param-gather", "step-end-without-overlap", "fp16", "loss-scale",
+         "layerwise-needs-overlap-param-gather", "step-end-without-overlap", "fp16", "loss-scale", "fp16-megatron-fsdp",
          "fsdp2", "fsdp2-without-distopt", "megatron-fsdp", "megatron-fsdp-no-shard", "megatron-fsdp-one-instance",
          "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "megatron-fsdp-bf16-main-params", "megatron-fsdp-moe", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
