@@ -24,6 +24,8 @@ worker's own iteration). So:
 * ``--check-weight-hash-across-dp-replicas-interval``: replicas are equal only right after a
   sync, so the check owed since each multiple of the interval (A-EDiT: of global progress) is
   made at the first sync at or after it (:func:`replicas_equal`), with Megatron's own code.
+  Megatron also checks once before the loop; after a resume from a checkpoint taken between
+  syncs (each worker saved its own model) that check is owed at the first sync too.
 * ``--exit-duration-in-mins`` (EDiT): the run stops (and saves, with ``--save``) at the first
   warmup step or sync at or after the time, on every worker at once, at most one sync interval
   late. A-EDiT's is asked by :mod:`megatron_edit.training.global_budget` at its real syncs,
@@ -71,6 +73,9 @@ def replicas_equal(controllers) -> bool:
     return True
 
 
+HASH_CHECK = "check_weight_hash_across_dp_replicas_interval"
+
+
 def _get_args():
     from megatron.training.global_vars import get_args
 
@@ -99,6 +104,8 @@ class ChecksAtMeetings:
         """--check-weight-hash-across-dp-replicas-interval: a check is owed since a multiple of
         the interval passed (EDiT: iterations; A-EDiT: global progress at its real syncs)."""
         self._hash_progress = 0.0
+        self._held_interval: Optional[int] = None
+        """The interval while Megatron's own start-of-training check is held (see wrap_train)."""
 
     def controllers(self) -> List:
         runtime = self.runtime_ref()
@@ -149,8 +156,8 @@ class ChecksAtMeetings:
 
         def post_training_step_callbacks(*args, **kwargs):
             megatron_args = _get_args()
-            name = "check_weight_hash_across_dp_replicas_interval"
-            interval = getattr(megatron_args, name, None)
+            name = HASH_CHECK
+            interval = getattr(megatron_args, name, None) or self._held_interval
             controllers = self.controllers()
             if interval is None or not controllers:
                 return original(*args, **kwargs)
@@ -166,6 +173,27 @@ class ChecksAtMeetings:
             return result
 
         return post_training_step_callbacks
+
+    def wrap_train(self, original):
+        """Megatron checks the replicas' hashes once before its loop, at the iteration it
+        resumed from. Resumed from a checkpoint taken between syncs, the workers hold their own
+        models there by design: that check is owed at the first sync instead (made by
+        :meth:`wrap_post_training_step_callbacks`), and Megatron's option is off inside ``train``
+        (its loop reads it nowhere else)."""
+        def train(*args, **kwargs):
+            megatron_args = _get_args()
+            interval = getattr(megatron_args, HASH_CHECK, None)
+            controllers = self.controllers()
+            if interval is None or not controllers or replicas_equal(controllers):
+                return original(*args, **kwargs)
+            self.hash_check_due, self._held_interval = True, interval
+            try:
+                with _without(megatron_args, HASH_CHECK):
+                    return original(*args, **kwargs)
+            finally:
+                self._held_interval = None
+
+        return train
 
     def _hash_interval_passed(self, controller, iteration: int, interval: int) -> bool:
         c = controller.config

@@ -301,8 +301,10 @@ def add_global_budget_patches(
               "EDiT: the run's last sync at Megatron's last optimizer step (--train-iters or "
               "--train-samples, less --iterations-to-skip); torchft: the loop starts at the step a heal "
               "put the worker at; A-EDiT: the loop may run to --train-iters x workers (data sets built for that)"),
-        patch("a-edit-common-iteration", "train", budget.wrap_train,
-              "A-EDiT: train returns --train-iters, the common iteration, on every worker"),
+        patch("a-edit-common-iteration", "train", lambda original: budget.wrap_train(meetings.wrap_train(original)),
+              "A-EDiT: train returns --train-iters, the common iteration, on every worker; "
+              "--check-weight-hash-across-dp-replicas-interval: resumed between syncs, the check "
+              "before the loop is made at the first sync"),
         patch("a-edit-save-exit-at-sync", "checkpoint_and_decide_exit",
               lambda original: heals.wrap_checkpoint_and_decide_exit(budget.wrap_checkpoint_and_decide_exit(
                   meetings.wrap_checkpoint_and_decide_exit(original))),

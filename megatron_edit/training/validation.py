@@ -239,22 +239,7 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             "outer step each worker keeps part of its own progress, so replicas differ by design "
             "even right after a sync and Megatron's check would fail at the first one. Add "
             "--local-sgd-outer-merge-alpha 0 (every worker takes the new anchor), or drop the flag.")
-    if interval is not None and not local.use_async:
-        # Megatron checks every interval iterations (made at the first sync at or after each:
-        # megatron_edit.training.meetings) and once at the start of training, at the iteration
-        # of the checkpoint it resumed from: replicas are identical there only if it was taken
-        # at a sync (A-EDiT takes checkpoints only at syncs).
-        h = local.local_sgd_sync_interval
-        aligned = lambda n: n is None or n % h == 0  # noqa: E731
-        checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
-        if checkpoints and not (aligned(getattr(args, "save_interval", None)) and aligned(local.local_sgd_warmup_steps)
-                                and aligned(getattr(args, "exit_interval", None))):
-            raise ConfigError(
-                f"--check-weight-hash-across-dp-replicas-interval={interval} with --use-local-sgd and "
-                "checkpoints: Megatron checks the replicas again when training resumes, and they are equal "
-                "only if the checkpoint was taken right after a sync. Use --save-interval, --exit-interval and "
-                f"--local-sgd-warmup-steps multiples of --local-sgd-sync-interval ({h}), or drop the flag."
-            )
+
 
 _BETWEEN_SYNCS = (
     "a collective across all ranks between syncs: a barrier that holds every EDiT worker to the "

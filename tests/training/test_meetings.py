@@ -86,3 +86,22 @@ def test_a_edit_replica_hash_check_at_real_syncs(tmp_path):
     assert len(checks) >= 3 and checks[0] == 0, checks  # the start, global iterations 4 (first sync) and 12
     plans = {r["iteration"] for r in ranks[0]["records"] if any("async_plan.py:plan:" in f for f in r["stack"])}
     assert set(checks[1:]) <= plans, (checks, sorted(plans))  # rank 0's own iterations of its syncs
+
+
+@pytest.mark.timeout(900)
+def test_edit_resumed_between_syncs_makes_megatrons_start_check_at_the_first_sync(tmp_path):
+    """--check-weight-hash-across-dp-replicas-interval with a checkpoint taken between syncs
+    (refused before: Megatron checks the replicas before its loop, where each worker holds its
+    own model). Saved at iteration 6 (syncs every 4), resumed there: the check before the loop
+    is made at the sync of iteration 8, and passes, as do the later ones."""
+    flags = TINY + [
+        "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2", "--overlap-grad-reduce",
+        "--overlap-param-gather", "--use-local-sgd", "--local-sgd-sync-interval", str(H),
+        "--local-sgd-warmup-steps", "0", "--train-iters", "12", "--save", "ckpt", "--save-interval", "6",
+        "--ckpt-format", "torch_dist", "--check-weight-hash-across-dp-replicas-interval", str(H)]
+    first = _torchrun(CHECKOUT / "pretrain_gpt.py", flags, tmp_path)
+    assert _hash_checks(first) == [0, 4, 8, 12], _hash_checks(first)
+    resumed = _torchrun(CHECKOUT / "pretrain_gpt.py", flags + ["--load", "ckpt", "--ckpt-step", "6"], tmp_path)
+    assert sorted(_lines(resumed)) == list(range(7, 13)), sorted(_lines(resumed))
+    assert _hash_checks(resumed) == [8, 12], _hash_checks(resumed)
+
