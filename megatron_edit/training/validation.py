@@ -206,13 +206,13 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             "first save would fail after training. Use --ckpt-format torch_dist (Megatron's "
             "default)."
         )
-    if getattr(args, "ckpt_assume_constant_structure", False):
+    if getattr(args, "ckpt_assume_constant_structure", False) and local.auto_overlap:
+        # Every other EDiT entry is in every checkpoint (megatron_edit.mcore.checkpoint.constant).
         raise ConfigError(
-            "--ckpt-assume-constant-structure with --use-local-sgd: EDiT's checkpoint entries "
-            "change between saves (the anchor and outer state appear after the warmup, "
-            "local_sgd.in_flight.* only while a delayed exchange is in flight), and Megatron "
-            "would reuse the first save's plan, silently leaving the new entries out of later "
-            "checkpoints (their load is then refused). Drop the flag.")
+            "--ckpt-assume-constant-structure with --local-sgd-auto-overlap: the delay and exchange "
+            "format it changes between syncs decide which EDiT entries a checkpoint holds (a delayed "
+            "exchange in flight, error-feedback residuals), and Megatron would reuse the first saves' "
+            "plan, leaving out the new entries. Drop one of the two flags.")
     _check_cross_worker_options(local, args)
     interval = getattr(args, "check_weight_hash_across_dp_replicas_interval", None)
     if interval is not None and max(local.allowed_fragments) > 1:

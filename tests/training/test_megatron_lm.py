@@ -358,9 +358,10 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
         # Before: refused only at the first save, after training, leaving an empty folder.
         ((), dict(ckpt_format="torch", save="ckpt"), ConfigError, "--ckpt-format torch_dist"),
         ((), dict(ckpt_format="torch_dist", save="ckpt"), None, None),
-        # Before: the cached save plan left later entries (anchor, in-flight exchange) out.
-        ((), dict(ckpt_assume_constant_structure=True, save="ckpt"), ConfigError,
-         "--ckpt-assume-constant-structure with --use-local-sgd: .*Drop the flag"),
+        # Megatron's cached save plan: every EDiT entry is in every checkpoint (before: refused).
+        ((), dict(ckpt_assume_constant_structure=True, save="ckpt"), None, None),
+        (("--local-sgd-auto-overlap",), dict(ckpt_assume_constant_structure=True, save="ckpt"), ConfigError,
+         "--ckpt-assume-constant-structure with --local-sgd-auto-overlap: .*Drop one of the two flags"),
         ((), dict(optimizer="muon", use_distributed_optimizer=False), NotSupportedYet, "--optimizer muon"),
         ((), dict(optimizer="sgd"), None, None),
         ((), dict(optimizer_cuda_graph=True), ConfigError, "--optimizer-cuda-graph"),
@@ -372,7 +373,8 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
          "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "megatron-fsdp-bf16-main-params", "megatron-fsdp-moe", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
          "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-auto-fragments", "hash-check-async",
-         "ckpt-format-torch", "ckpt-format-torch-dist", "ckpt-constant-structure", "emerging-optimizer", "sgd",
+         "ckpt-format-torch", "ckpt-format-torch-dist", "ckpt-constant-structure",
+         "ckpt-constant-structure-auto-overlap", "emerging-optimizer", "sgd",
          "optimizer-cuda-graph", "gtp-remat"],
 )
 def test_validation_through_the_package_provider(argv, options, error, match):
@@ -680,9 +682,8 @@ def test_validation_through_megatrons_validate_args(probe):
     assert "--use-distributed-optimizer" in cases["no-distributed-optimizer"][1]
     assert cases["bad-sync-interval"][0] == "ConfigError"
     assert "--local-sgd-sync-interval" in cases["bad-sync-interval"][1]
-    # Megatron's cached save plan would leave EDiT's later entries out: refused before any work.
-    assert cases["ckpt-constant-structure"][0] == "ConfigError"
-    assert "--ckpt-assume-constant-structure with --use-local-sgd" in cases["ckpt-constant-structure"][1]
+    # Megatron's cached save plan: EDiT's entries are constant in structure (mcore.checkpoint.constant).
+    assert cases["ckpt-constant-structure"] is None
     # A delayed merge that keeps local progress (default alpha 0.5): replicas differ after a sync.
     assert cases["hash-check-delay"][0] == "ConfigError"
     assert "--local-sgd-outer-merge-alpha 0.5" in cases["hash-check-delay"][1]

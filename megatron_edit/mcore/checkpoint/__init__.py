@@ -9,6 +9,8 @@ modules (``tests/test_layout.py`` checks it), which are its own business:
   checkpoints (torch.distributed.checkpoint), and the load fitted to them;
 * :mod:`.record`: the run record (layout, counters, configuration) and its checks;
 * :mod:`.space`: per-parameter tensors in model space, so another layout can read them;
+* :mod:`.constant`: every EDiT entry in every checkpoint of a run (placeholders), for Megatron's
+  cached save plan (``--ckpt-assume-constant-structure``);
 * :mod:`.resume`: exact, elastic and synchronous → EDiT resume;
 * :mod:`.keys`: checkpoint keys, per-worker renaming and replica ids;
 * :mod:`.guard`: a damaged or incomplete checkpoint named in one line before the load;

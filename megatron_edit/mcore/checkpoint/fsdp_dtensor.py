@@ -51,8 +51,9 @@ from typing import Optional
 import torch
 
 from .keys import PREFIX, CheckpointStateError
+from .constant import put, varying_entries
 from .record import outer_state_keys, run_record, slice_record
-from .resume import ANCHOR, IN_FLIGHT, RESULT_RESIDUAL, launch_prefix, outer_prefix, residual_prefix
+from .resume import RESULT_RESIDUAL, residual_prefix
 
 FSDP_DTENSOR = "fsdp_dtensor"
 """Megatron's name of this optimizer format (``distrib_optim_sharding_type``)."""
@@ -123,14 +124,15 @@ class DTensorSpace:
         return prefix[len(PREFIX):]
 
     def save_entries(self, prefix: str, tensors, replica_last: int) -> _Entries:
-        """DTensors viewing one flat tensor per shard (None: zeros); empty unless
-        ``replica_last`` is 0 (only worker 0 writes what every worker holds)."""
+        """DTensors viewing one flat tensor per shard (None for a shard, or ``tensors`` None:
+        zeros, placeholders of :mod:`.constant`); empty unless ``replica_last`` is 0 (only
+        worker 0 writes what every worker holds)."""
         out = _Entries(self._tail(prefix))
         if replica_last != 0:
             return out
         for name, param, slot, start in self.params:
             n = param.to_local().numel()
-            flat = tensors[slot] if slot is not None else None
+            flat = tensors[slot] if slot is not None and tensors is not None else None
             if flat is None:
                 local = torch.zeros(n, dtype=torch.float32, device=param.device)
             else:
@@ -195,17 +197,9 @@ def fsdp_save_state_dict(optimizer, controller, state: dict, model_state) -> dic
     if torch.distributed.get_rank() == 0:
         part["record"], part["slice"] = blob(record), blob(slice_)
     controller.outer_state.synchronize()  # offloaded state: no copy in flight while we read it
-    outer = controller.outer_optimizer
-    if outer is not None:
-        part["anchor"] = space.save_entries(ANCHOR, [s.anchor for s in controller.shards], layout.worker)
-        present = {k for s in controller.shards for k in outer.state.get(s.anchor, {}) if k in tensor_keys}
-        part["outer"] = {k: space.save_entries(outer_prefix(k), [outer.state.get(s.anchor, {}).get(k)
-                                                                 for s in controller.shards], layout.worker)
-                         for k in sorted(present)}
-    if flight is not None:
-        part["in_flight"] = space.save_entries(IN_FLIGHT, [d for d, _ in flight[1]], layout.worker)
-        if flight[0]["keep"]:
-            part["in_flight_launch"] = space.save_entries(launch_prefix(layout.worker), [p for _, p in flight[1]], 0)
+    # Every kind, in every checkpoint of the run: placeholders where it holds nothing (.constant).
+    for path, (prefix, tensors, replica_last) in varying_entries(controller, tensor_keys, flight).items():
+        put(part, path, space.save_entries(prefix, tensors, replica_last))
     if residuals:
         part["residual"] = space.save_entries(residual_prefix(layout.worker), [s.residual for s in controller.shards], 0)
         part["result_residual"] = space.save_entries(RESULT_RESIDUAL, _result_residuals(controller), layout.worker)

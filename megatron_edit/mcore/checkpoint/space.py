@@ -148,11 +148,18 @@ class ModelSpace:
         torch.distributed.all_gather(parts, local, group=self.group)
         return torch.cat(parts)
 
-    def save_entries(self, prefix: str, tensors: Sequence[Optional[torch.Tensor]], replica_last: int) -> dict:
+    def save_entries(self, prefix: str, tensors: Optional[Sequence[Optional[torch.Tensor]]],
+                     replica_last: int) -> dict:
         """Checkpoint entries of one shard-length tensor per shard (a collective inside the
-        worker), for the parameters this rank writes."""
+        worker), for the parameters this rank writes. ``tensors`` None: placeholders
+        (:mod:`.constant`), zeros without a collective (every rank of the worker passes None)."""
         out = {}
         for slot, owned in enumerate(self.owned):
+            if tensors is None:
+                for o in owned:
+                    data = torch.zeros(o.param.shape, dtype=torch.float32, device=self.shards[slot].device)
+                    out[self.names[id(o.param)]] = self.entry(prefix, o.param, data, replica_last)
+                continue
             bucket = self._gather(slot, tensors[slot])
             for o in owned:
                 data = bucket[o.bucket_start : o.bucket_start + o.param.numel()].view(o.param.shape).clone()

@@ -110,12 +110,11 @@ from .record import (
     slice_key,
     slice_record,
 )
+from .constant import put, varying_entries
 from .resume import (
     ANCHOR,
-    IN_FLIGHT,
     RESULT_RESIDUAL,
     ResumePlan,
-    launch_prefix,
     load_time_sync,
     merge_residuals,
     outer_prefix,
@@ -167,22 +166,9 @@ def local_sgd_sharded_state_dict(optimizer, controller, state: dict, model_shard
         part["plan"] = LocalNonpersistentObject(ResumePlan(optimizer, controller, state, space, sharding_type))
         return part
     controller.outer_state.synchronize()  # offloaded state: no copy in flight while we read it
-    outer = controller.outer_optimizer
-    if outer is not None:
-        part["anchor"] = space.save_entries(ANCHOR, [s.anchor for s in controller.shards], layout.worker)
-        present = {k for s in controller.shards for k in outer.state.get(s.anchor, {}) if k in tensor_keys}
-        part["outer"] = {
-            k: space.save_entries(outer_prefix(k), [outer.state.get(s.anchor, {}).get(k) for s in controller.shards],
-                                  layout.worker)
-            for k in sorted(present)
-        }
-    if flight is not None:  # the reduced pseudo-gradient (the same on every worker), launch params
-        zeros = [torch.zeros(s.numel, dtype=torch.float32, device=s.device) for s in controller.shards]
-        part["in_flight"] = space.save_entries(
-            IN_FLIGHT, [d if d is not None else z for (d, _), z in zip(flight[1], zeros)], layout.worker)
-        if flight[0]["keep"]:
-            part["in_flight_launch"] = space.save_entries(
-                launch_prefix(layout.worker), [p if p is not None else z for (_, p), z in zip(flight[1], zeros)], 0)
+    # Every kind, in every checkpoint of the run: placeholders where it holds nothing (.constant).
+    for path, (prefix, tensors, replica_last) in varying_entries(controller, tensor_keys, flight).items():
+        put(part, path, space.save_entries(prefix, tensors, replica_last))
     if residuals:
         part["residual"] = space.save_entries(residual_prefix(layout.worker),
                                               [s.residual for s in controller.shards], 0)
