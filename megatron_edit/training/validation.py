@@ -184,7 +184,9 @@ def _check_moe_args(local, args: argparse.Namespace) -> None:
         raise NotSupportedYet("--moe-use-upcycling with --use-local-sgd is not supported yet.")
     fsdp = bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_custom_fsdp", False))
     check_moe_options(local, args, (getattr(args, "expert_model_parallel_size", 1) or 1) > 1, fsdp=fsdp)
-    if getattr(args, "moe_router_enable_expert_bias", False) and getattr(args, "save", None) and not local.use_async:
+    workers = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if getattr(args, "moe_router_enable_expert_bias", False) and getattr(args, "save", None) and workers > 1 \
+            and not local.use_async:
         # A checkpoint holds one copy of the expert biases, equal on every worker only right after
         # a sync (mcore.expert_bias; A-EDiT saves only at syncs).
         h = local.local_sgd_sync_interval
