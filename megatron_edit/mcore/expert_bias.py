@@ -79,7 +79,8 @@ class ExpertBiases:
 
     def check_save(self, steps_done: int) -> None:
         """Refuse a checkpoint where the workers' biases may differ: it holds one copy."""
-        if self.sync_group.size == 1 or steps_done <= self.warmup_steps or steps_done == self.agreed_at:
+        apart = self.sync_group.size > 1 and steps_done > self.warmup_steps and steps_done != self.agreed_at
+        if not apart:
             return
         raise ConfigError(
             f"megatron_edit: a checkpoint after step {steps_done} with --moe-router-enable-expert-bias and "
