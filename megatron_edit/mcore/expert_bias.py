@@ -42,6 +42,9 @@ from .wrap_registry import Patch, PatchRegistry, VersionRange
 _FINALIZE = "megatron.core.distributed.finalize_model_grads"
 _UPDATE = f"{_FINALIZE}:_update_router_expert_bias"
 _GROUP = "megatron.core.parallel_state:get_tensor_and_data_parallel_group"
+GROUP_FROM_PARALLEL_STATE = VersionRange("0.12.0", "0.18.0")
+"""Releases whose ``get_updated_expert_bias`` reads the counts' group from ``parallel_state``
+(the patch ``moe-expert-bias-group`` applies to them only; 0.18+ pass it in)."""
 
 
 def expert_biases(model_chunks) -> List:
@@ -153,8 +156,7 @@ def add_expert_bias_patches(registry: PatchRegistry, runtime_ref: Callable[[], O
     full = compat.release_range(_UPDATE)
     registry.add(Patch("moe-expert-bias-counts", _UPDATE, wrap_update, full, compat.params(_UPDATE),
                        "MoE expert bias: token counts all-reduced inside the worker between syncs"))
-    before = VersionRange(compat.SUPPORTED.minimum, "0.18.0")  # 0.18+ pass the group in
-    registry.add(Patch("moe-expert-bias-group", _GROUP, wrap_group, before, compat.params(_GROUP),
+    registry.add(Patch("moe-expert-bias-group", _GROUP, wrap_group, GROUP_FROM_PARALLEL_STATE, compat.params(_GROUP),
                        "MoE expert bias (0.12-0.17): the count group is the worker's inside the update"))
 
 
