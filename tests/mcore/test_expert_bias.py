@@ -87,8 +87,9 @@ def _local_update(bias, reduced):
     return bias + torch.sign(reduced.sum(-1, keepdim=True) / reduced.shape[-1] - reduced) * RATE
 
 
-def _check_run(runs, controllers=1):
-    """``runs``: one run's results, by rank."""
+def _check_run(runs, controllers=1, launches=()):
+    """``runs``: one run's results, by rank; ``launches``: steps after which a delayed sync's
+    exchange is launched (its traffic crosses workers there too)."""
     workers = [r["worker"] for r in runs]
     assert sorted(workers) == [0, 0, 1, 1]
     for r in runs:
@@ -119,7 +120,7 @@ def _check_run(runs, controllers=1):
         phases = {}
         for phase, name, ranks, numel in r["traffic"]:
             phases.setdefault(phase, []).append((name, len(ranks), numel))
-        assert set(phases) == {"step 1"} | {f"step {s}" for s in SYNCS}, sorted(phases)
+        assert set(phases) == {"step 1"} | {f"step {s}" for s in [*SYNCS, *launches]}, sorted(phases)
         for s in SYNCS:
             assert phases[f"step {s}"].count(("all_reduce", 2, bias_numel)) == 1, phases[f"step {s}"]
     # after the final sync: one model on every worker, biases included
@@ -171,3 +172,14 @@ def test_expert_bias_checkpoint_at_a_sync_resumes_exactly_and_between_syncs_is_r
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
     with pytest.raises(RankError, match="checkpoint after step 5 with --moe-router-enable-expert-bias"):
         run_ranks(moe_checkpoint_job, WORLD, MOE, local, str(tmp_path / "step5"), 5, save_at=5, timeout=280)
+
+
+@pytest.mark.one_lane  # an algorithm's variant (see conftest)
+@pytest.mark.timeout(300)
+def test_expert_bias_with_a_delayed_outer_step_is_averaged_at_the_apply():
+    """The delayed outer step (tau 1, alpha 0.5): the exchange of the syncs of steps 3 and 5 is
+    launched after steps 2 and 4, the biases are averaged at the apply (after steps 3 and 5, the
+    same rule and checks as without a delay), the run's last step 6 is a blocking sync."""
+    runs = [dict(EDIT, sync_mode="step_end", outer_step_delay=1, outer_merge_alpha=0.5)]
+    results = run_ranks(expert_bias_job, WORLD, runs, STEPS, timeout=250)
+    _check_run([r[0] for r in results], launches=(2, 4))
