@@ -115,6 +115,38 @@ def mean_divisor(sync_group) -> int:
     return max(1, getattr(sync_group, "contributors", sync_group.size))
 
 
+def average_over_workers(tensors, sync_group) -> None:
+    """Each of ``tensors`` (small, float32) := its mean over the workers, in place: one blocking
+    all-reduce of them all over the sync group, counted as sync traffic. Every worker ends with
+    the same bits (one reduced sum, divided by the same count)."""
+    tensors = list(tensors)
+    if not tensors or sync_group.size == 1:
+        return
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    sync_group.all_reduce_sum(flat, async_op=False)
+    flat /= mean_divisor(sync_group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def group_within(group: dist.ProcessGroup, within: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The ranks of ``group`` that are also in ``within``, as a process group of their own (e.g.
+    a worker's part of a group that spans every worker). A collective over the default group
+    (``all_gather_object``, then one ``new_group`` per distinct part, in the same order on every
+    rank): every rank must call it at the same point, with its own two groups."""
+    mine = sorted(set(dist.get_process_group_ranks(group)) & set(dist.get_process_group_ranks(within)))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    found = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        built = dist.new_group(list(ranks))
+        if list(ranks) == mine:
+            found = built
+    return found
+
+
 def default_store():
     """The job's key-value store (the one ``torch.distributed`` rendezvoused through): EDiT's
     arrival checks (:mod:`.arrival`) write their keys there."""

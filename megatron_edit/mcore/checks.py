@@ -113,11 +113,13 @@ def check_optimizer_options(config, has_grad_scaler: bool, megatron_fsdp: bool =
         )
 
 
-def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_parallel: bool) -> None:
+def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_parallel: bool,
+                      fsdp: bool = False) -> None:
     """MoE: refuse what would cross workers between syncs or is not covered yet.
 
     ``expert_parallel``: the DDP model has expert-parallel buffers (expert parallelism > 1: a
-    second distributed optimizer, and a second EDiT controller, for the experts)."""
+    second distributed optimizer, and a second EDiT controller, for the experts); ``fsdp``: the
+    model is Megatron-FSDP's."""
     import torch
 
     c = transformer_config
@@ -129,9 +131,7 @@ def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_para
             "yet: needs GPU work (context parallelism runs on transformer-engine's attention, so the "
             "experts' data-parallel groups with it were not built or checked on the CPU).")
     if getattr(c, "moe_router_enable_expert_bias", False):
-        raise NotSupportedYet(
-            "--moe-router-enable-expert-bias with --use-local-sgd is not supported yet: the expert-bias "
-            "update all-reduces token counts over every data-parallel rank (across workers) each step.")
+        _check_expert_bias(local_cfg, fsdp)
     balancing = getattr(c, "moe_router_load_balancing_type", "aux_loss")
     if "global_aux_loss" in ([balancing] if isinstance(balancing, str) else list(balancing)):
         raise NotSupportedYet(
@@ -142,3 +142,17 @@ def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_para
             raise ConfigError("--moe-grouped-gemm needs CUDA (the grouped_gemm package): on CPU use sequential experts.")
         if getattr(c, "moe_token_dispatcher_type", "allgather") == "flex":
             raise ConfigError("--moe-token-dispatcher-type flex needs CUDA: on CPU use allgather or alltoall.")
+
+
+def _check_expert_bias(local_cfg: LocalSGDConfig, fsdp: bool) -> None:
+    """``--moe-router-enable-expert-bias``: counted inside the worker, averaged at each sync
+    (:mod:`megatron_edit.mcore.expert_bias`), on the torch backend with DDP."""
+    if local_cfg.sync_backend == "torchft":
+        raise NotSupportedYet(
+            "--moe-router-enable-expert-bias with --local-sgd-sync-backend torchft is not supported yet: "
+            "a heal copies a peer's parameters and EDiT state but not the routers' expert biases (buffers), "
+            "and a round that does not commit would have to undo their average.")
+    if fsdp:
+        raise NotSupportedYet(
+            "--moe-router-enable-expert-bias with --use-local-sgd on Megatron-FSDP is not supported yet: "
+            "the expert biases' count group and their average at each sync were checked with DDP only.")

@@ -55,6 +55,11 @@ multi-rank tests; 0.17+ need Python 3.12)::
                                          ... + grad_finalize_pgs                           0.14.0
                                          ... + pg_collection (instead)                     0.15.0
                                          ... + force_all_reduce                            0.16.0
+    finalize_model_grads.                (model, config); the counts' group read from      0.12.0
+      _update_router_expert_bias         parallel_state inside get_updated_expert_bias
+      (MoE expert bias)                  ... + tp_dp_cp_group (passed down)                0.18.0
+    parallel_state.                      (with_context_parallel)                           0.12.0
+      get_tensor_and_data_parallel_group (check_initialized, with_context_parallel)        0.15.0
     get_megatron_optimizer               (config, model_chunks, no_weight_decay_cond,      0.12.0
                                          scale_lr_cond, lr_mult, use_gloo_process_groups)
                                          ... + default_skip_embedding_weight_decay,        0.14.0

@@ -57,6 +57,7 @@ from .controller_progress import RunProgress
 from .controller_settings import ControllerSettings
 from .controller_state import ControllerState
 from .delayed import DelayedOuterStep
+from .expert_bias import ExpertBiases
 from .fragments import SyncShards, frozen_layout, group_sizes, partition_sizes, split_layers
 from .fsdp import fsdp_model_of
 from .process_state import PROCESS
@@ -169,6 +170,8 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         self.sync_shards = SyncShards(self.sync.groups, self.config, parts)
         """Which shards each sync exchanges: all, or a streaming fragment's."""
         self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
+        # MoE routers' expert biases, averaged over the workers at each sync (.expert_bias), or None
+        self.expert_biases = ExpertBiases.of(optimizer, self.layout.expert, self.sync_group, self.config.local_sgd_warmup_steps)
         self.sync.commit_gate = self.backend.commit_gate  # (torchft: applied only where committed)
 
     def _arrivals(self, inter) -> Arrivals:
@@ -393,6 +396,8 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         )
         if skip:
             self.backend.close_skipped()
+        if self.expert_biases is not None and not delay:  # (a delayed sync's at its apply)
+            self.expert_biases.average(step)
         return started
 
     def _on_sync_done(self, report: SyncReport) -> None:

@@ -26,10 +26,14 @@ chained-skipped-step                   still counts and syncs when due (:mod:`.s
 sched-step-global-progress             A-EDiT: the learning-rate schedule follows the workers'
                                        global progress, not this worker's step count;
                                        torchft: it follows a heal to the peer's progress
+moe-expert-bias-counts                 MoE expert bias: the routers' token counts all-reduced
+moe-expert-bias-group                  inside the worker between syncs (0.12-0.17: through
+                                       the group getter, inside the update only)
 =====================================  =====================================================
 
 Megatron-FSDP's own attachment points (its gradient reduce and parameter gather) are declared
-in :mod:`megatron_edit.mcore.fsdp_wraps` and added here.
+in :mod:`megatron_edit.mcore.fsdp_wraps` and added here; the expert-bias patches in
+:mod:`megatron_edit.mcore.expert_bias` (which also averages the biases at each sync).
 
 The wrappers consult :class:`~megatron_edit.mcore.runtime.LocalSGDRuntime`. Checkpoint patches
 (EDiT state in torch_dist checkpoints, megatron-core's load fixes) are declared in
@@ -42,6 +46,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from . import compat
+from .expert_bias import add_expert_bias_patches
 from .fsdp_wraps import add_fsdp_patches
 from .skipped_step import add_skipped_step_patches
 from .wrap_registry import Patch, PatchRegistry
@@ -179,4 +184,5 @@ def build_registry(runtime_ref: Callable[[], Optional[LocalSGDRuntime]]) -> Patc
         "gradient norm / zero count inside the worker, never across workers (0.12.x: all ranks)")
     add_skipped_step_patches(registry, runtime_ref)
     add_fsdp_patches(registry, runtime_ref)
+    add_expert_bias_patches(registry, runtime_ref)
     return registry

@@ -77,6 +77,8 @@ class DelayedOuterStep:
         if self.in_flight and (step == self.apply_at or self._is_last(step)):
             c.sync.complete(c.sync.members, write_model=False, merge_alpha=self.alpha)
             self.apply_at = None
+            if c.expert_biases is not None and not self._is_last(step):  # (the last: its own sync)
+                c.expert_biases.average(step)
         if self._is_last(step) and c.start_sync(step):
             c.complete_at_step_end()  # Megatron's main -> model copy follows
 

@@ -51,6 +51,7 @@ trains another model than DDP)."""
 
 _V12 = VersionRange("0.12.0", "0.13.0")
 _V13_14 = VersionRange("0.13.0", "0.15.0")
+_V12_14 = VersionRange("0.12.0", "0.15.0")
 _V12_15 = VersionRange("0.12.0", "0.16.0")
 _V15_17 = VersionRange("0.15.0", "0.18.0")
 _V16_17 = VersionRange("0.16.0", "0.18.0")
@@ -108,6 +109,15 @@ SIGNATURES: Dict[str, Tuple[Tuple[VersionRange, Tuple[str, ...]], ...]] = {
         (VersionRange("0.14.0", "0.15.0"), ("model", "num_tokens", "grad_finalize_pgs")),
         (VersionRange("0.15.0", "0.16.0"), ("model", "num_tokens", "pg_collection")),
         (_V16_19, ("model", "num_tokens", "pg_collection", "force_all_reduce")),
+    ),
+    # MoE expert bias (megatron_edit.mcore.expert_bias): 0.18 passes the count group in.
+    "megatron.core.distributed.finalize_model_grads:_update_router_expert_bias": (
+        (VersionRange("0.12.0", "0.18.0"), ("model", "config")),
+        (_V18_19, ("model", "config", "tp_dp_cp_group")),
+    ),
+    f"{_PS}:get_tensor_and_data_parallel_group": (
+        (_V12_14, ("with_context_parallel",)),
+        (VersionRange("0.15.0", "0.20.0"), ("check_initialized", "with_context_parallel")),
     ),
     "megatron.core.optimizer:get_megatron_optimizer": (
         (VersionRange("0.12.0", "0.14.0"),

@@ -21,6 +21,7 @@ from . import compat
 from .async_plan import AsyncPlan, FollowerPlan
 from .checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
 from .controller import LocalSGD
+from .expert_bias import register_model
 from .fsdp import check_fsdp_release
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class LocalSGDRuntime:
         self._reducing_locally: "weakref.WeakSet" = weakref.WeakSet()
         # optimizer -> all ranks of its worker, where gradient statistics are reduced
         self.grad_stats_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # DDP model chunk -> (its dense controller, the worker's part of Megatron's tensor x data x
+        # context-parallel group): MoE expert-bias counts between syncs (mcore.expert_bias)
+        self.expert_bias_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         # Megatron-FSDP (megatron_edit.mcore.fsdp): the models built while patched, their
         # pipelines, and each pipeline's controller once an optimizer is built over it
         self.registered_fsdp: "weakref.WeakSet" = weakref.WeakSet()
@@ -112,7 +116,7 @@ class LocalSGDRuntime:
         check_megatron_options(self.configs.local, transformer_config, ddp_config)
         if getattr(transformer_config, "num_moe_experts", None):
             ep = getattr(transformer_config, "expert_model_parallel_size", 1) or 1
-            check_moe_options(self.configs.local, transformer_config, expert_parallel=ep > 1)
+            check_moe_options(self.configs.local, transformer_config, expert_parallel=ep > 1, fsdp=True)
 
     def on_fsdp_init(self, wrapper) -> None:
         """A Megatron-FSDP model (``FullyShardedDataParallel``) was built while patched."""
@@ -172,6 +176,7 @@ class LocalSGDRuntime:
         worker = compat.instance_group(controller.sync_group.group)
         if worker is not None:
             self.grad_stats_groups[optimizer] = worker
+        register_model(self, optimizer, controller, worker)  # a collective with expert biases
         for group in controller.group_shards:
             self.group_owner[group] = controller
         if controller.fsdp is not None:

@@ -484,7 +484,9 @@ def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None,
     from gpt_utils import named_params
 
     ddp.start_param_sync(force_sync=True)
-    out.update(params=named_params(ddp), controllers=states())
+    out.update(params=named_params(ddp), controllers=states(),
+               expert_biases=[m.expert_bias.clone() for m in ddp.module.modules()  # MoE expert bias: buffers
+                              if getattr(m, "expert_bias", None) is not None])
     me.unpatch_megatron_for_local_sgd()
     return out
 

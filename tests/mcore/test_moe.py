@@ -329,7 +329,6 @@ def _moe_config(**overrides):
 
 @pytest.mark.parametrize("overrides,expert_parallel,use_async,match", [
     (dict(context_parallel_size=2), False, False, "--context-parallel-size"),
-    (dict(moe_router_enable_expert_bias=True), False, False, "--moe-router-enable-expert-bias"),
     (dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"]), False, False, "global_aux_loss"),
     (dict(moe_grouped_gemm=True), False, False, "--moe-grouped-gemm"),
     (dict(moe_token_dispatcher_type="flex"), False, False, "flex"),
@@ -354,6 +353,22 @@ def test_moe_options_accepted():
     check_moe_options(LocalSGDConfig(), _moe_config(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), True)
     check_moe_options(LocalSGDConfig(use_async=True), _moe_config(moe_token_dispatcher_type="allgather"), False)
     check_moe_options(LocalSGDConfig(use_async=True), _moe_config(), True)
+    # the expert bias: counted inside the worker, averaged at each sync (tests/mcore/test_expert_bias.py)
+    check_moe_options(LocalSGDConfig(), _moe_config(moe_router_enable_expert_bias=True), True)
+    check_moe_options(LocalSGDConfig(use_async=True), _moe_config(moe_router_enable_expert_bias=True), False)
+
+
+def test_moe_expert_bias_refused_with_torchft_and_megatron_fsdp():
+    from megatron_edit import LocalSGDConfig
+    from megatron_edit.mcore.checks import check_moe_options
+
+    bias = _moe_config(moe_router_enable_expert_bias=True)
+    ft = LocalSGDConfig(sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510")
+    with pytest.raises(Exception, match="--moe-router-enable-expert-bias with --local-sgd-sync-backend torchft"):
+        check_moe_options(ft, bias, False)
+    with pytest.raises(Exception, match="--moe-router-enable-expert-bias with --use-local-sgd on Megatron-FSDP"):
+        check_moe_options(LocalSGDConfig(), bias, False, fsdp=True)
+    check_moe_options(ft, _moe_config(), False)  # without the bias: accepted
 
 
 @pytest.mark.timeout(400)

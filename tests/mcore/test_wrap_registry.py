@@ -78,11 +78,15 @@ def test_core_patch_signatures_come_from_compat():
     """One table of Megatron signatures per release: megatron_edit.mcore.compat.SIGNATURES."""
     from megatron_edit.mcore import compat
 
+    from megatron_edit.mcore.expert_bias import GROUP_FROM_PARALLEL_STATE
+
     for patch in build_registry(lambda: None).patches:
         fsdp = patch.id.startswith("fsdp-")  # Megatron-FSDP's: checked on fewer releases
         if not fsdp or compat.FSDP_SUPPORTED.contains(INSTALLED):
             assert patch.params == compat.params(patch.target, INSTALLED), patch.id
-        assert patch.versions == (compat.FSDP_SUPPORTED if fsdp else compat.SUPPORTED), patch.id
+        # the expert bias's group getter: only where Megatron reads that group from parallel_state
+        expected = GROUP_FROM_PARALLEL_STATE if patch.id == "moe-expert-bias-group" else compat.SUPPORTED
+        assert patch.versions == (compat.FSDP_SUPPORTED if fsdp else expected), patch.id
 
 
 def test_patch_applies_every_patch(originals):

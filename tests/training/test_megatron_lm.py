@@ -328,7 +328,12 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
          "--megatron-fsdp-main-params-dtype bf16 with EDiT on Megatron-FSDP"),
         ((), dict(FSDP, num_experts=8, moe_token_dispatcher_type="alltoall"), None, None),
         ((), dict(num_experts=8, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2), None, None),
-        ((), dict(num_experts=8, moe_router_enable_expert_bias=True), NotSupportedYet, "--moe-router-enable-expert-bias"),
+        ((), dict(num_experts=8, moe_router_enable_expert_bias=True), None, None),
+        ((), dict(num_experts=8, moe_router_enable_expert_bias=True, save="ckpt", save_interval=8), None, None),
+        ((), dict(num_experts=8, moe_router_enable_expert_bias=True, save="ckpt", save_interval=6), ConfigError,
+         "--moe-router-enable-expert-bias with --use-local-sgd and --save"),
+        ((), dict(FSDP, num_experts=8, moe_router_enable_expert_bias=True), NotSupportedYet,
+         "--moe-router-enable-expert-bias with --use-local-sgd on Megatron-FSDP"),
         ((), dict(num_experts=8, expert_model_parallel_size=2, tensor_model_parallel_size=2,
                   expert_tensor_parallel_size=1), None, None),
         ((), dict(num_experts=8, moe_use_upcycling=True), NotSupportedYet, "--moe-use-upcycling"),
@@ -370,7 +375,8 @@ FSDP = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads
     ids=["ok", "no-distopt", "workers-do-not-divide", "cp-counts-as-data-parallel",
          "layerwise-needs-overlap-param-gather", "step-end-without-overlap", "fp16", "loss-scale", "fp16-megatron-fsdp",
          "fsdp2", "fsdp2-without-distopt", "megatron-fsdp", "megatron-fsdp-no-shard", "megatron-fsdp-one-instance",
-         "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "megatron-fsdp-bf16-main-params", "megatron-fsdp-moe", "moe", "moe-expert-bias", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
+         "megatron-fsdp-tp", "megatron-fsdp-save", "megatron-fsdp-torch-dist-load", "megatron-fsdp-bf16-main-params", "megatron-fsdp-moe", "moe", "moe-expert-bias", "moe-expert-bias-save-at-syncs",
+         "moe-expert-bias-save-between-syncs", "moe-expert-bias-megatron-fsdp", "moe-etp", "moe-upcycling", "moe-ep-async", "precision-aware", "overlap-with-optimizer-step", "cuda-graphs",
          "fp8-param-gather", "fp8-compute-with-bf16-params", "per-token-loss", "hash-check-aligned", "hash-check-misaligned", "hash-check-warmup",
          "hash-check-save-interval", "hash-check-resume-aligned", "hash-check-auto-fragments", "hash-check-async",
          "ckpt-format-torch", "ckpt-format-torch-dist", "ckpt-constant-structure",
@@ -755,16 +761,16 @@ ONE_WORKER = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap
 LAUNCH_REFUSED = [
     (ONE_WORKER + ["--local-sgd-fragments", "2", "--check-weight-hash-across-dp-replicas-interval", "4"],
      "--check-weight-hash-across-dp-replicas-interval=4 with --local-sgd-fragments 2"),
-    (ONE_WORKER + ["--num-experts", "4", "--moe-router-enable-expert-bias", "--moe-router-score-function",
-                   "sigmoid", "--disable-bias-linear"],
-     "--moe-router-enable-expert-bias"),
+    (ONE_WORKER + ["--num-experts", "4", "--moe-router-load-balancing-type", "global_aux_loss",
+                   "--disable-bias-linear"],
+     "--moe-router-load-balancing-type global_aux_loss"),
     (["--local-sgd-sync-interval", "8"], "--local-sgd-sync-interval does nothing without --use-local-sgd"),
 ]
 
 
 @needs_checkout
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("args, fragment", LAUNCH_REFUSED, ids=["fragments-hash-check", "moe-expert-bias",
+@pytest.mark.parametrize("args, fragment", LAUNCH_REFUSED, ids=["fragments-hash-check", "moe-global-aux-loss",
                                                                 "edit-flag-without-use-local-sgd"])
 def test_a_refusal_through_megatron_lm_is_one_line_before_anything_is_built(args, fragment):
     """Before: Megatron printed its ~700-line argument table first (or, for an EDiT flag without

@@ -224,8 +224,10 @@ FT = ("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "1", "--l
     ((), dict(dataloader_type="external"), True, NotSupportedYet, "--dataloader-type external with"),
     ((), dict(hybrid_context_parallel=True), True, NotSupportedYet, "--hybrid-context-parallel with"),
     ((), dict(train_samples=800), True, NotSupportedYet, "--train-samples with --local-sgd-sync-backend torchft"),
+    ((), dict(num_experts=8, moe_router_enable_expert_bias=True), True, NotSupportedYet,
+     "--moe-router-enable-expert-bias with --local-sgd-sync-backend torchft"),
 ], ids=["ok", "instances", "no-supervisor", "async", "moe-ep2", "moe-ep2-async", "external-data", "hybrid-cp",
-        "train-samples"])
+        "train-samples", "moe-expert-bias"])
 def test_the_torchft_route_through_megatron_lm_refuses_what_it_cannot_run(monkeypatch, argv, options, supervised,
                                                                         error, match):
     if supervised:

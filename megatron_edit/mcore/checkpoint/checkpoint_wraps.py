@@ -93,6 +93,8 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
                 if is_loading:
                     return fsdp_load_requests(self, controller, state)
                 return fsdp_save_state_dict(self, controller, state, bound.arguments["model_sharded_state_dict"])
+            if not is_loading and controller.expert_biases is not None:
+                controller.expert_biases.check_save(controller.steps_done)  # one copy is saved
             if not is_loading and self.ddp_config.overlap_param_gather:
                 controller.gather_params_in_worker()
             state = original(*bound.args, **bound.kwargs)
@@ -141,6 +143,8 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
             result = fixed(self, state_dict, *args, **kwargs)
             if part is not None:
                 load_local_sgd_state(self, controller, part, state_dict)
+            if controller.expert_biases is not None:  # every worker loaded the one copy
+                controller.expert_biases.loaded(controller.steps_done)
             return result
 
         return wrapper
