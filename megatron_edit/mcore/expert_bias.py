@@ -18,8 +18,8 @@ Under EDiT:
   fragment's sync; with A-EDiT, at every sync of its plan, skipped exchanges included). The
   biases are buffers, not parameters: the outer step does not touch them. After the run's last
   sync every worker holds one model, biases included.
-* **Checkpoints** hold one copy of the biases (worker 0's model keys): a save is exact where they
-  agree (in the warmup, right after a sync) and refused between syncs (:meth:`ExpertBiases.check_save`).
+* **Checkpoints** hold every worker's biases (:mod:`megatron_edit.mcore.checkpoint.expert_bias`):
+  a resume is exact also between syncs.
 
 Which releases: ``_update_router_expert_bias(model, config)`` reads the group from
 ``parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)`` inside
@@ -79,18 +79,6 @@ class ExpertBiases:
     def loaded(self, steps_done: int) -> None:
         """A checkpoint was loaded: every worker has its (one) copy of the biases."""
         self.agreed_at = steps_done
-
-    def check_save(self, steps_done: int) -> None:
-        """Refuse a checkpoint where the workers' biases may differ: it holds one copy."""
-        apart = self.sync_group.size > 1 and steps_done > self.warmup_steps and steps_done != self.agreed_at
-        if not apart:
-            return
-        raise ConfigError(
-            f"megatron_edit: a checkpoint after step {steps_done} with --moe-router-enable-expert-bias and "
-            "--use-local-sgd: between syncs each worker has its own router expert biases and a checkpoint "
-            "holds one copy, so the resume would not be exact. Save right after a sync (Megatron-LM: "
-            "--save-interval, --exit-interval and --local-sgd-warmup-steps multiples of "
-            "--local-sgd-sync-interval).")
 
 
 def worker_count_group(optimizer, worker_group):

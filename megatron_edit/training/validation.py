@@ -188,20 +188,6 @@ def _check_moe_args(local, args: argparse.Namespace) -> None:
         raise NotSupportedYet("--moe-use-upcycling with --use-local-sgd is not supported yet.")
     fsdp = bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_custom_fsdp", False))
     check_moe_options(local, args, (getattr(args, "expert_model_parallel_size", 1) or 1) > 1, fsdp=fsdp)
-    workers = getattr(args, "num_distributed_optimizer_instances", 1) or 1
-    if getattr(args, "moe_router_enable_expert_bias", False) and getattr(args, "save", None) and workers > 1 \
-            and not local.use_async:
-        # A checkpoint holds one copy of the expert biases, equal on every worker only right after
-        # a sync (mcore.expert_bias; A-EDiT saves only at syncs).
-        h = local.local_sgd_sync_interval
-        aligned = lambda n: n is None or n % h == 0  # noqa: E731
-        if not (aligned(getattr(args, "save_interval", None)) and aligned(local.local_sgd_warmup_steps)
-                and aligned(getattr(args, "exit_interval", None))):
-            raise ConfigError(
-                "--moe-router-enable-expert-bias with --use-local-sgd and --save: each worker has its own "
-                "router expert biases between syncs and a checkpoint holds one copy, so a save must follow "
-                "a sync. Use --save-interval, --exit-interval and --local-sgd-warmup-steps multiples of "
-                f"--local-sgd-sync-interval ({h}).")
 
 
 def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:

@@ -466,11 +466,16 @@ def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None,
                 outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} for s in c.shards]))
         return out
 
-    first, out = 1, dict(ep_rank=ps.get_expert_model_parallel_rank())
+    def biases():  # MoE expert bias: buffers
+        return [m.expert_bias.clone() for m in ddp.module.modules() if getattr(m, "expert_bias", None) is not None]
+
+    first, out = 1, dict(ep_rank=ps.get_expert_model_parallel_rank(), worker=opt.chained_optimizers[0]
+                         .distributed_optimizer_instance_id if hasattr(opt, "chained_optimizers") else None)
     if load_at is not None:
         _load(ddp, opt, path)
         first = load_at + 1
         out["loaded"] = states()
+        out["loaded_biases"] = biases()
     # data cut for 4 data-parallel ranks whatever the layout (as train_job)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batches = make_batches(steps, WORLD * MICRO_BATCH)
@@ -481,12 +486,11 @@ def moe_checkpoint_job(rank, world, model, local_sgd, path, steps, save_at=None,
         if step == save_at:
             _save(ddp, opt, path)
             out["saved"] = states()
+            out["saved_biases"] = biases()
     from gpt_utils import named_params
 
     ddp.start_param_sync(force_sync=True)
-    out.update(params=named_params(ddp), controllers=states(),
-               expert_biases=[m.expert_bias.clone() for m in ddp.module.modules()  # MoE expert bias: buffers
-                              if getattr(m, "expert_bias", None) is not None])
+    out.update(params=named_params(ddp), controllers=states(), expert_biases=biases())
     me.unpatch_megatron_for_local_sgd()
     return out
 

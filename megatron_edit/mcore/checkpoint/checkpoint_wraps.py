@@ -93,8 +93,6 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
                 if is_loading:
                     return fsdp_load_requests(self, controller, state)
                 return fsdp_save_state_dict(self, controller, state, bound.arguments["model_sharded_state_dict"])
-            if not is_loading and controller.expert_biases is not None:
-                controller.expert_biases.check_save(controller.steps_done)  # one copy is saved
             if not is_loading and self.ddp_config.overlap_param_gather:
                 controller.gather_params_in_worker()
             state = original(*bound.args, **bound.kwargs)

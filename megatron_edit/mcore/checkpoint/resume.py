@@ -50,6 +50,7 @@ import torch
 
 from ...config import FLAG_NAMES
 from ..process_state import PROCESS
+from .expert_bias import fit_requests as fit_bias_requests
 from .keys import PREFIX, WORKER_KEY, CheckpointStateError, is_local_sgd_key, retarget
 from .record import (
     FULLY_RESHARDABLE,
@@ -301,6 +302,11 @@ class ResumePlan:
                 logger.warning(note)
         if not self.slice_loaded:
             del part["slice"]
+        key = getattr(self.record_request(), "key", None) or ""
+        biases = fit_bias_requests(c, saved, key[: -len(RECORD_KEY)] if key.endswith(RECORD_KEY) else "",
+                                   self.mode == "same-workers", n)
+        if biases is not None:
+            part["expert_bias"] = biases
         return self._bucket_mismatch(saved)
 
     def _fit_identical(self, record, parallel) -> Optional[str]:

@@ -111,6 +111,7 @@ from .record import (
     slice_record,
 )
 from .constant import put, varying_entries
+from .expert_bias import restore as restore_biases, save_entry as bias_entry
 from .resume import (
     ANCHOR,
     RESULT_RESIDUAL,
@@ -169,6 +170,9 @@ def local_sgd_sharded_state_dict(optimizer, controller, state: dict, model_shard
     # Every kind, in every checkpoint of the run: placeholders where it holds nothing (.constant).
     for path, (prefix, tensors, replica_last) in varying_entries(controller, tensor_keys, flight).items():
         put(part, path, space.save_entries(prefix, tensors, replica_last))
+    biases = bias_entry(controller)  # MoE router expert biases: every worker's own
+    if biases is not None:
+        part["expert_bias"] = biases
     if residuals:
         part["residual"] = space.save_entries(residual_prefix(layout.worker),
                                               [s.residual for s in controller.shards], 0)
@@ -249,6 +253,7 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict, pl
             load_time_sync(controller, plan.decode_mains(part.get("workers")), record["num_workers"],
                            skip=identical, alone_as=plan.source if plan.torchft else None)
     merge_residuals(controller, plan, part)
+    restore_biases(controller, part.get("expert_bias"))
     extra = (part.get("slice") or {}).get("extra_state") if plan.slice_loaded else None
     if plan.slice_loaded:
         _load_extra_state(controller, extra)
