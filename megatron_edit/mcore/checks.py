@@ -133,10 +133,16 @@ def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_para
     if getattr(c, "moe_router_enable_expert_bias", False):
         _check_expert_bias(local_cfg, fsdp)
     balancing = getattr(c, "moe_router_load_balancing_type", "aux_loss")
-    if "global_aux_loss" in ([balancing] if isinstance(balancing, str) else list(balancing)):
+    types = [balancing] if isinstance(balancing, str) else list(balancing)
+    if "global_aux_loss" in types:
         raise NotSupportedYet(
             "--moe-router-load-balancing-type global_aux_loss with --use-local-sgd is not supported yet: "
             "it all-reduces token counts over every data-parallel rank (across workers) each step.")
+    if "quantile_balancing" in types:  # 0.19+
+        raise NotSupportedYet(
+            "--moe-router-load-balancing-type quantile_balancing with --use-local-sgd is not supported "
+            "yet: it all-reduces each router's quantile estimate (qb_beta) over every data-parallel "
+            "rank (across workers) each step, and the bias is a buffer the sync does not average.")
     if not torch.cuda.is_available():
         if getattr(c, "moe_grouped_gemm", False):
             raise ConfigError("--moe-grouped-gemm needs CUDA (the grouped_gemm package): on CPU use sequential experts.")

@@ -330,6 +330,7 @@ def _moe_config(**overrides):
 @pytest.mark.parametrize("overrides,expert_parallel,use_async,match", [
     (dict(context_parallel_size=2), False, False, "--context-parallel-size"),
     (dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"]), False, False, "global_aux_loss"),
+    (dict(moe_router_load_balancing_type="quantile_balancing"), False, False, "quantile_balancing"),
     (dict(moe_grouped_gemm=True), False, False, "--moe-grouped-gemm"),
     (dict(moe_token_dispatcher_type="flex"), False, False, "flex"),
 ])
