@@ -48,10 +48,11 @@ def validate_local_sgd_args(args: argparse.Namespace) -> None:
         raise NotSupportedYet(
             f"--optimizer {get('optimizer')} with --use-local-sgd is not supported yet: EDiT's outer "
             "step works over any inner optimizer (its pseudo-gradient is the change of the "
-            "parameters), but megatron_edit keeps its anchor and outer state on the distributed "
-            "optimizer's element-wise shards, and Megatron-LM trains Muon-like optimizers (whose "
-            "update needs a whole matrix) with its layer-wise optimizer, which gives each rank whole "
-            "parameters instead. Use --optimizer adam or sgd with --use-distributed-optimizer."
+            "parameters), but Megatron trains Muon-like optimizers (whose update needs a whole "
+            "matrix) with its layer-wise optimizer, which refuses --num-distributed-optimizer-"
+            "instances > 1, the instances that are EDiT's workers (and megatron_edit keeps its state "
+            "on the distributed optimizer's element-wise shards). Use --optimizer adam or sgd with "
+            "--use-distributed-optimizer."
         )
     # The same checks the DDP / optimizer patches run, on Megatron's flags.
     model_options = SimpleNamespace(
