@@ -181,8 +181,10 @@ class AutoOverlap:
     def _measure(self) -> Measurement:
         """This rank's measurement of the sync just done (see the module's docstring)."""
         report, c = self._report, self.controller
-        step_s = statistics.median(self._step_times)  # H/F >= 2: at least one step since the last sync
         exposed = report.exposed_wait_seconds if report.delay else report.seconds
+        if not self._step_times:  # no inner step timed since the load (resumed one step before a sync)
+            return Measurement(0.0, self._local_exchange or {f: 0.0 for f in self.formats}, exposed, fresh=False)
+        step_s = statistics.median(self._step_times)  # H/F >= 2: at least one step since the last sync
         measured = None
         if self.timed and (not report.delay or report.launch_wait_seconds is not None):
             # timed: a sync without a delay blocks; a delayed one waited at its launch
@@ -230,6 +232,8 @@ class AutoOverlap:
         was_timed, self._report = self.timed, None
         self._step_times = []
         m = self._agree(mine) if pending is None else self._finish_agreement(pending)
+        if m.step_s <= 0:  # a rank timed no inner step since its load: this sync measured nothing
+            return
         if was_timed:
             self._to_measure -= 1
             if self._to_measure > 0:

@@ -448,3 +448,20 @@ def test_a_re_decision_takes_more_fragments_only_where_those_in_force_no_longer_
     _sync(ctl, 40, 0.01)
     _sync(ctl, 48, 0.45)
     assert ctl.applied[-1] == (3, "fp32", 2) and ctl.config.fragments == 2
+
+
+@NEEDS_CHECKPOINTS
+@pytest.mark.timeout(400)
+def test_a_resume_one_step_before_a_sync_measures_from_its_own_clocks(tmp_path):
+    """Saved after step 5 (H = 2: the sync after 6 is next) and resumed with the machine's own
+    clocks, nothing injected. Before, the first sync after the resume had no inner step timed
+    since the load and its measurement crashed (``StatisticsError: no median for empty data``);
+    now that sync's measurement is left out, every rank alike, and the next one decides."""
+    from checkpoint_runs import DP_RESHARDABLE, train_job
+
+    at5 = str(tmp_path / "at5")
+    run_ranks(train_job, WORLD, local_sgd=AUTO, steps=5, saves={5: [(at5, DP_RESHARDABLE)]}, timeout=300)
+    resumed = run_ranks(train_job, WORLD, local_sgd=AUTO, steps=10, load=(at5, DP_RESHARDABLE, 5), timeout=300)
+    settings = {tuple((rep.step, rep.delay, rep.exchange_dtype) for rep in r["reports"]) for r in resumed}
+    assert len(settings) == 1, settings  # every rank took the same settings at each sync
+    assert [s for s, _, _ in settings.pop()] == [6, 8, 10]
