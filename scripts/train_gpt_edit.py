@@ -277,6 +277,14 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
         check_flags(argparse.Namespace(**checked))
     except ConfigError as e:
         parser.fail(_in_main_job_terms(str(e)))
+    if args.local_sgd_exchange_topk_density is not None:  # the workers are known here (imports torch)
+        from megatron_edit.exchange.sparse import check_sparse_workers
+
+        try:
+            check_sparse_workers(args.workers, args.local_sgd_exchange_topk_density, args.local_sgd_exchange_topk_chunk,
+                                 args.local_sgd_exchange_dtype)
+        except ConfigError as e:
+            parser.fail(_in_main_job_terms(str(e)))
     w, h = args.local_sgd_warmup_steps, args.local_sgd_sync_interval
     if w >= args.steps:
         parser.fail(f"--local-sgd-warmup-steps {w} >= --steps {args.steps}: every step would be "
@@ -303,6 +311,16 @@ def _check_megatron_fsdp(args: argparse.Namespace, parser: Rank0ArgumentParser) 
     if args.local_sgd_sync_backend == "torchft" and args.mode != "baseline":
         parser.fail("--use-megatron-fsdp with --local-sgd-sync-backend torchft is not supported yet: EDiT on "
                     "Megatron-FSDP exchanges across its HSDP instances in one job; use the torch backend.")
+    if args.bucket_size != parser.get_default("bucket_size"):
+        parser.fail(f"--bucket-size {args.bucket_size} does nothing with --use-megatron-fsdp: Megatron-FSDP "
+                    "cuts its buckets by its communication unit (here twice a layer's parameters); drop it.")
+    if args.mode != "baseline":
+        from megatron_edit.mcore.fsdp import check_fsdp_local_settings
+
+        try:
+            check_fsdp_local_settings(argparse.Namespace(cpu_offload=args.local_sgd_cpu_offload))
+        except ConfigError as e:
+            parser.fail(str(e))
 
 
 DEFAULT_PROCESSES = 4

@@ -47,6 +47,14 @@ def _refusal(job, monkeypatch, capsys, argv, rank="0", world="4"):
     return captured.out + captured.err
 
 
+def _fsdp_here() -> bool:
+    from megatron_edit.mcore import compat
+    from megatron_edit.mcore.releases import FSDP_SUPPORTED
+
+    return FSDP_SUPPORTED.contains(compat.megatron_core_version())
+
+
+_FSDP_HERE = _fsdp_here()
 REFUSED = [
     # (argv, what the one line must say). Before: ZeroDivisionError (the interval ones after
     # step 1), a bare AssertionError from Megatron's scheduler, or a run that exits 0.
@@ -103,6 +111,15 @@ REFUSED = [
     # Before: refused only once the model was built, naming Megatron-LM's --ddp-bucket-size.
     (["--local-sgd-sync-interval", "8", "--local-sgd-fragments", "8"],
      "--local-sgd-fragments 8 needs at least 8 DDP buckets, but --bucket-size 20000 makes at most 7"),
+    # Before: ran with no word (first contact, round four); other releases refuse the flag itself
+    (["--use-megatron-fsdp", "--local-sgd-cpu-offload"],
+     "--local-sgd-cpu-offload with EDiT on Megatron-FSDP (--use-megatron-fsdp) is not supported yet"
+     if _FSDP_HERE else "--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core"),
+    (["--use-megatron-fsdp", "--bucket-size", "5000"], "--bucket-size 5000 does nothing with --use-megatron-fsdp"
+     if _FSDP_HERE else "--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core"),
+    # Before: refused after the data was loaded (14-27 s)
+    (["--local-sgd-exchange-topk-density", "0.2", "--local-sgd-exchange-dtype", "int2", "--workers", "4"],
+     "an all-gather of 4 workers' payloads sends more bytes than the dense int4 exchange"),
 ]
 
 

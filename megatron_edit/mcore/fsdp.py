@@ -50,11 +50,22 @@ def check_fsdp_release(version: Optional[str] = None) -> None:
         )
 
 
+def check_fsdp_local_settings(local_cfg) -> None:
+    """The EDiT settings that are not built on Megatron-FSDP (``local_cfg``: a
+    :class:`LocalSGDConfig`, or anything with its fields)."""
+    if getattr(local_cfg, "cpu_offload", False):
+        raise NotSupportedYet(
+            "--local-sgd-cpu-offload with EDiT on Megatron-FSDP (--use-megatron-fsdp) is not supported "
+            "yet: the offload of EDiT's anchor and outer state was built and checked with the "
+            "distributed optimizer's buffers only; drop --local-sgd-cpu-offload.")
+
+
 def check_fsdp_options(local_cfg: LocalSGDConfig, transformer_config, ddp_config,
                        version: Optional[str] = None) -> None:
     """Refuse, naming the flag, what EDiT on Megatron-FSDP cannot do or does not do yet (the
     checks every EDiT path shares are :func:`megatron_edit.mcore.checks.check_megatron_options`'s)."""
     check_fsdp_release(version)
+    check_fsdp_local_settings(local_cfg)
     strategy = getattr(ddp_config, "data_parallel_sharding_strategy", "no_shard")
     if strategy != "optim_grads_params":
         raise NotSupportedYet(

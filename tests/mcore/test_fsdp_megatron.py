@@ -130,6 +130,12 @@ def test_fsdp_accepts_the_checked_combinations():
             check_fsdp_options(LocalSGDConfig(sync_mode=mode, **local), _model(), _fsdp_config(), version="0.16.1")
 
 
+def test_fsdp_refuses_the_cpu_offload_of_edit_state():
+    """Before: ran with no word; the offload is built and checked on the distributed optimizer's
+    buffers only."""
+    _refused(NotSupportedYet, "--local-sgd-cpu-offload", local=LocalSGDConfig(cpu_offload=True))
+
+
 @pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.20.0"])
 def test_fsdp_refused_on_unchecked_releases(version):
     message = _refused(ConfigError, "--use-megatron-fsdp", version=version)
