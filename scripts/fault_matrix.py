@@ -197,11 +197,22 @@ def truncate_data(path: Path) -> str:
     return target.name
 
 
-def main() -> int:
+ROWS = ("kill-between", "kill-exchange", "kill-save", "hang",
+        *(f"nan-{dtype}{excluded}" for dtype in ("fp32", "int8", "int4") for excluded in ("", "-excluded")),
+        "elastic-2-to-4-int8-penalty", "elastic-2-to-1-int8-penalty", "garbled-record", "truncated-file",
+        "torchft-kill-between", "torchft-node-dies")
+"""Every row's name, in the order the matrix runs them."""
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
+    parser.add_argument("--rows", default=None,
+                        help=f"comma-separated row names (default: all): {', '.join(ROWS)}")
     parser.add_argument("--out", default=None, help="also write the table to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    unknown = [] if args.rows is None else [r for r in args.rows.split(",") if r not in ROWS]
+    if unknown:
+        parser.error(f"--rows: no row named {', '.join(unknown)}; the rows are {', '.join(ROWS)}.")
     root = Path(tempfile.mkdtemp(prefix="fault_matrix_"))
     rows, failed = [], 0
 

@@ -5,6 +5,7 @@ lane); ``-m slow`` selects the others."""
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -122,3 +123,13 @@ def test_the_suite_sees_a_process_a_test_left_behind():
     finally:
         os.kill(pid, 9)
     assert _ended(pid) and pid not in conftest._session_processes()
+
+
+def test_an_unknown_row_is_refused_naming_the_rows():
+    """Before: ``--rows elastic`` ran 0 rows and exited 0. Every row the tests name is one of
+    the script's."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "fault_matrix.py"), "--rows", "kill-between,elastic"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--rows: no row named elastic; the rows are kill-between" in out.stderr, out.stderr
+    named = re.search(r"the rows are (.*)\.$", out.stderr.strip()).group(1).split(", ")
+    assert set(ROWS) <= set(named) and "torchft-node-dies" in named
