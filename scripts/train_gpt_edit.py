@@ -718,9 +718,12 @@ def describe_edit(controller, args) -> str:
                  f"({','.join(map(str, auto.fragments))}) chosen from the first {MEASURE_SYNCS} syncs, timed with "
                  f"the settings above, and again every {auto.user.auto_every} syncs")
     exchange = c.exchange_dtype
-    if exchange != "fp32":
-        exchange += (f" (a scale per {c.exchange_block_size} values"
-                     f"{', error feedback' if c.exchange_error_feedback else ''})")
+    feedback = ", error feedback" if c.error_feedback else ""
+    if c.exchange_topk_density is not None:  # the sparse exchange: its own layout, error feedback by default
+        exchange = (f"top-k: the largest {c.exchange_topk_density:g} of each chunk of {c.exchange_topk_chunk} "
+                    f"values, sent in {c.exchange_dtype}{feedback}")
+    elif exchange != "fp32":
+        exchange += f" (a scale per {c.exchange_block_size} values{feedback})"
     arrivals = controller.arrivals
     timeout = ("" if arrivals is None else
                f"; sync timeout {arrivals.timeout:g} s"

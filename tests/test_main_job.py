@@ -207,6 +207,10 @@ def test_the_header_names_the_exchange_the_timeout_the_model_and_a_edits_budget(
                                     "MoE: 4 experts per layer, top-2, expert parallelism 2")
     text = _header(job, ["--local-sgd-async", "--local-sgd-sync-time", "2"])
     assert "a budget of 240 worker-steps" in text and "the last at step" not in text
+    # Before: "exchange int2 (a scale per 256 values)": no top-k, error feedback said off
+    text = _header(job, ["--local-sgd-exchange-topk-density", "0.05", "--local-sgd-exchange-dtype", "int2"])
+    assert text.splitlines()[1].startswith(
+        "exchange top-k: the largest 0.05 of each chunk of 4096 values, sent in int2, error feedback; ")
 
 
 def test_the_parameter_count_known_before_torch_is_the_models(job):
