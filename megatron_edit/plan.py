@@ -92,6 +92,10 @@ def main(argv=None) -> int:
     # The job can choose while it runs (--local-sgd-auto-overlap), best started from this choice:
     # its first, measured syncs run with the setting it starts with.
     fragments = sorted(f for f in {1, 2, choice.fragments} if h % f == 0 and h // f >= 2)
+    if choice.fragments not in fragments:  # H / F < 2: no room for a delay, nothing to choose
+        print(f"not chosen while the job runs: --local-sgd-auto-overlap needs --local-sgd-sync-interval / "
+              f"--local-sgd-fragments >= 2 (room for a delay); H = {h}")
+        return 0
     print(f"or chosen while the job runs, starting there: --local-sgd-auto-overlap --local-sgd-auto-formats "
           f"{','.join(args.formats)} --local-sgd-auto-fragments {','.join(map(str, fragments))} {start}")
     return 0

@@ -40,6 +40,16 @@ def test_the_auto_flags_start_from_the_choice_and_are_a_valid_config(capsys):
     assert config.allowed_fragments == (1, 2) and config.outer_step_delay == 3
 
 
+def test_no_auto_line_that_would_fail_when_pasted(capsys):
+    """H = 1 leaves no room for a delay: before, the line printed an empty
+    --local-sgd-auto-fragments, which fails when pasted."""
+    assert plan_cli.main(["--params", "1.3e9", "--workers", "4", "--link-mbit", "100", "--step-ms", "500",
+                          "--sync-interval", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--local-sgd-auto-fragments  " not in out and "--local-sgd-auto-overlap --local-sgd-auto-formats" not in out
+    assert "not chosen while the job runs: --local-sgd-auto-overlap needs" in out
+
+
 def test_several_formats_and_scientific_notation(capsys):
     assert plan_cli.main(["--params", "1.3e9", "--workers", "4", "--link-mbit", "1000", "--step-ms", "900",
                           "--sync-interval", "64", "--formats", "fp32,int8,int4"]) == 0
