@@ -68,6 +68,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def bind_problem(bind: str) -> Optional[str]:
+    """Why the Lighthouse cannot listen at ``--bind`` (host:port), in one line; None when it can."""
+    import socket
+
+    host, sep, port = bind.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        return (f"--bind {bind}: give host:port, e.g. 0.0.0.0:29510 (every interface) or 127.0.0.1:0 (a port "
+                "the OS picks).")
+    host = host.strip("[]")
+    if int(port) == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"--bind {bind}: the host {host!r} does not resolve ({e.strerror or e})."
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            return (f"--bind {bind}: cannot listen there ({e.strerror or e}); choose another port, or "
+                    "stop what holds it.")
+    return None
+
+
 def served_address(bind: str, address: str) -> str:
     """The Lighthouse's address the workers are told: torchft's own (``address``, with this
     host's name) with ``--bind``'s host where that names one (not 0.0.0.0 / ::): a host name
@@ -171,9 +197,12 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     from .exchange.addresses import is_loopback
     from .exchange.run_gate import START_GATE_ENV, refusal, release_claim, start_gate_value
 
-    lighthouse = LighthouseServer(bind=args.bind, min_replicas=min_replicas_of(args.command),
-                                  join_timeout_ms=args.join_timeout_ms,
-                                  heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    try:
+        lighthouse = LighthouseServer(bind=args.bind, min_replicas=min_replicas_of(args.command),
+                                      join_timeout_ms=args.join_timeout_ms,
+                                      heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    except RuntimeError as e:  # torchft's own message (taken between the check and the start)
+        _fail(f"--bind {args.bind}: the Lighthouse cannot listen there ({e}).")
     address = served_address(args.bind, lighthouse.address())
     # The start gate's store listens on every interface; the workers reach it at the host the
     # Lighthouse's address names.
@@ -310,6 +339,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               "needs its own id.")
     if args.workers < 1 or args.max_relaunches < 0:
         _fail("--workers must be >= 1 and --max-relaunches >= 0.")
+    problem = bind_problem(args.bind)
+    if problem:
+        _fail(problem)
     try:
         import torchft  # noqa: F401
     except ImportError:

@@ -356,6 +356,31 @@ def test_the_supervisor_relaunches_a_worker_only_once_every_process_of_its_job_i
     assert [(folder / f"relaunch-rank{r}").read_text() for r in range(2)] == ["gone", "gone"]
 
 
+@pytest.mark.parametrize("bind, fragment", [
+    ("localhost", "--bind localhost: give host:port"),
+    ("127.0.0.1:http", "--bind 127.0.0.1:http: give host:port"),
+    ("127.0.0.1:70000", "--bind 127.0.0.1:70000: give host:port"),
+    ("held", "cannot listen there (Address already in use); choose another port"),
+])
+def test_a_bind_address_it_cannot_listen_at_is_one_line_naming_bind(bind, fragment, capsys):
+    """Before: a Rust traceback ("invalid socket address", "Address already in use (os error
+    98)") naming neither --bind nor the port."""
+    import socket
+
+    from megatron_edit import supervise
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        if bind == "held":
+            bind = f"127.0.0.1:{held.getsockname()[1]}"
+        with pytest.raises(SystemExit) as info:
+            supervise.main(["--workers", "2", "--bind", bind, "--serve"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and fragment in err and err.startswith("megatron_edit.supervise: --bind"), err
+
+
 def test_the_lighthouse_takes_the_workers_min_replicas():
     from megatron_edit.supervise import min_replicas_of
 
