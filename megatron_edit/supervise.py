@@ -19,7 +19,7 @@ A run starts with all its workers: every job also gets ``MEGATRON_EDIT_FT_START_
 store of this process), where each worker's controller waits, once its torchft Manager is up and
 before its first quorum, until every worker has arrived (up to ``--start-timeout-s``), so the
 first quorum holds all N. A relaunched worker finds them arrived, goes on at once and heals from
-the others at their next sync. Needs torchft (``pip install megatron_edit[ft]``).
+the others at their next sync. Needs torchft (``pip install torchft==0.2.0``).
 
 Several nodes (a worker's job spans nodes, or the workers run on different ones): the jobs are
 started and restarted by the cluster's scheduler, and this process only serves the Lighthouse
@@ -345,7 +345,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         import torchft  # noqa: F401
     except ImportError:
-        _fail("torchft is not installed; pip install megatron_edit[ft] (torchft==0.2.0).")
+        _fail("torchft is not installed; pip install torchft==0.2.0 (in a checkout: pip install -e '.[ft]').")
     args.command = command
     return supervise(args)
 

@@ -5,7 +5,7 @@
     python scripts/train_gpt_edit.py --num-experts 4 --expert-model-parallel-size 2  # MoE
     python scripts/train_gpt_edit.py --local-sgd-sync-backend torchft  # each worker its own job
 
-With --local-sgd-sync-backend torchft (pip install megatron_edit[ft]) each worker is its own job
+With --local-sgd-sync-backend torchft (pip install torchft==0.2.0) each worker is its own job
 of --nproc-per-node / --workers ranks: started with python, this runs torchft's Lighthouse and
 the worker jobs through megatron_edit.supervise (a dead worker's job is relaunched fresh and
 heals from the others at their next sync; the first sync waits for every worker). Each job

@@ -581,7 +581,7 @@ def test_torchft_backend_checks(monkeypatch):
 def test_torchft_backend_without_torchft_is_one_line(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "torchft" else object())
     message = _raises(LocalSGDConfig, ConfigError, "sync_backend", **FT)
-    assert "pip install megatron_edit[ft]" in message and "\n" not in message
+    assert "pip install torchft==0.2.0" in message and "\n" not in message
 
 
 # --- auto_overlap (settings from the measured link) -------------------------------------------

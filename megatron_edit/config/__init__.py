@@ -362,7 +362,7 @@ class LocalSGDConfig:
         "--local-sgd-sync-backend", "torch", choices=SYNC_BACKENDS,
         help="torch: all workers in one torch.distributed world; torchft: each worker its own job, "
              "the exchange across workers over torchft (a worker may die and come back; needs "
-             "pip install megatron_edit[ft]).")
+             "pip install torchft==0.2.0).")
     """How the workers meet at a sync. ``torch``: one ``torch.distributed`` world holds every
     worker (``num_distributed_optimizer_instances`` of them), one dead rank stops the run.
     ``torchft``: each worker is its own job (its own world, ``num_distributed_optimizer_instances``
@@ -519,8 +519,8 @@ class LocalSGDConfig:
             return
         if importlib.util.find_spec("torchft") is None:
             raise ConfigError(
-                f"{_name('sync_backend')} torchft: torchft is not installed; pip install megatron_edit[ft] "
-                "(torchft==0.2.0).")
+                f"{_name('sync_backend')} torchft: torchft is not installed; pip install torchft==0.2.0 "
+                "(in a checkout: pip install -e '.[ft]').")
         if self.replica_id is None:
             raise ConfigError(
                 f"{_name('replica_id')}: {FLAG_NAMES['sync_backend']} torchft needs this worker's id (an integer >= 0, "

@@ -38,7 +38,7 @@ all-reduces inside the worker make every event of a round happen to all its rank
   so is the rest of its worker, whose ranks that had counted the round set their step back (the
   worker heals at the next quorum if others committed).
 
-torchft is an optional dependency (``pip install megatron_edit[ft]``): its Manager is started
+torchft is an optional dependency (``pip install torchft==0.2.0``): its Manager is started
 in :mod:`.torchft_manager`. Its quantized all-reduce (``should_quantize``) is CUDA
 only; megatron_edit's own quantized exchange (all-to-all + all-gather) runs over this group.
 """

@@ -2,7 +2,7 @@
 reached), its quorum order, its heal server and its log lines (what :class:`~megatron_edit.exchange.
 fault_tolerant.FaultTolerantSyncGroup` runs its rounds over).
 
-torchft is an optional dependency (``pip install megatron_edit[ft]``): imported only by
+torchft is an optional dependency (``pip install torchft==0.2.0``): imported only by
 :func:`start_manager`.
 """
 

@@ -211,7 +211,7 @@ FT = ("--local-sgd-sync-backend", "torchft", "--local-sgd-replica-id", "1", "--l
       "http://127.0.0.1:29510")
 
 
-@pytest.mark.skipif(not HAVE_TORCHFT, reason="needs the torchft extra (pip install megatron_edit[ft])")
+@pytest.mark.skipif(not HAVE_TORCHFT, reason="needs the torchft extra (pip install torchft==0.2.0)")
 @pytest.mark.parametrize("argv, options, supervised, error, match", [
     ((), {}, True, None, None),
     ((), dict(num_distributed_optimizer_instances=2), True, ConfigError,
@@ -249,7 +249,7 @@ EDIT = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param
         "--local-sgd-sync-interval", str(H), "--local-sgd-warmup-steps", "0"]
 needs_checkout = pytest.mark.skipif(
     not HAVE_CHECKOUT or not HAVE_TORCHFT,
-    reason=HOW_TO_RUN if not HAVE_CHECKOUT else "needs the torchft extra (pip install megatron_edit[ft])")
+    reason=HOW_TO_RUN if not HAVE_CHECKOUT else "needs the torchft extra (pip install torchft==0.2.0)")
 
 
 def _supervised(workdir, extra, script=None, supervisor=(), workers=2, ranks=2, timeout=600):
