@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from .algorithm.overlap_plan import FORMATS, exposed_seconds, bound_fraction, plan
+from .config import delay_limit
 
 
 def _positive(kind):
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     print(f"flags: {start}")
     # The job can choose while it runs (--local-sgd-auto-overlap), best started from this choice:
     # its first, measured syncs run with the setting it starts with.
-    fragments = sorted(f for f in {1, 2, choice.fragments} if h % f == 0 and h // f >= 2)
+    fragments = sorted(f for f in {1, 2, choice.fragments} if h % f == 0 and delay_limit(h, f) >= 2)
     if choice.fragments not in fragments:  # H / F < 2: no room for a delay, nothing to choose
         print(f"not chosen while the job runs: --local-sgd-auto-overlap needs --local-sgd-sync-interval / "
               f"--local-sgd-fragments >= 2 (room for a delay); H = {h}")

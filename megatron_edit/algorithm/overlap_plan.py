@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
-from ..config import AUTO_FORMATS
+from ..config import AUTO_FORMATS, delay_limit
 from .quantize import encoded_bytes
 
 # Most precise first: the order in which formats are tried (the config's list of them).
@@ -145,13 +145,13 @@ def choose(step_s: float, exchange_s: Dict[str, float], interval: int, formats: 
             return make(fmt, 0, splits[0], True)
         for frags in splits:
             delay = max(1, math.ceil(margin * c / (frags * step_s)))
-            if delay < interval // frags and delay <= cap:
+            if delay < delay_limit(interval, frags) and delay <= cap:
                 return make(fmt, delay, frags, True)
     # Nothing hides it: the fastest predicted step among the allowed settings.
     candidates = [make(fmt, 0, frags, False) for fmt in ordered for frags in splits[:1]]
     for fmt in ordered:
         for frags in splits:
-            delay = min(interval // frags - 1, cap)
+            delay = min(delay_limit(interval, frags) - 1, cap)
             if delay >= 1:
                 candidates.append(make(fmt, delay, frags, False))
     return min(candidates, key=lambda ch: (ch.exposed_s, ch.fragments, ordered.index(ch.exchange_dtype)))
@@ -172,7 +172,7 @@ def keep_fragments(previous: Choice, new: Choice, step_s: float, exchange_s: Dic
             or previous.exchange_dtype not in exchange_s:
         return new
     frags, delay, c = previous.fragments, previous.outer_step_delay, exchange_s[previous.exchange_dtype]
-    if not (1 <= delay <= cap and delay < interval // frags and keep_margin * c <= frags * delay * step_s):
+    if not (1 <= delay <= cap and delay < delay_limit(interval, frags) and keep_margin * c <= frags * delay * step_s):
         return new
     exposed = exposed_seconds(c, step_s, delay, frags)
     return Choice(previous.exchange_dtype, delay, frags, c, exposed, bound_fraction(step_s, exposed, interval), True)

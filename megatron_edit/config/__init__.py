@@ -17,25 +17,28 @@ Each field of :class:`LocalSGDConfig` and :class:`GTAConfig` declares its comman
 (:func:`megatron_edit.flags.flag`): :data:`FLAG_NAMES`, the parser of
 :mod:`megatron_edit.arguments` and its args -> config mapping are generated from it.
 
-The package: :class:`LocalSGDConfig` and :class:`OuterOptimizerConfig` with their checks here
-(every field's checks next to it, the style of megatron-core's and torchtitan's configs);
+The package: :class:`LocalSGDConfig`'s fields here (each with its flag and documentation) and
+the checks of single fields in its ``__post_init__``; the checks of its groups of settings in
+mixins, one concept each: the exchange (``megatron_edit.config.exchange``: formats, error
+feedback, top-k), the overlap (``megatron_edit.config.overlap``: the delayed outer step, its
+merge, fragments, the automatic overlap, and the rule tau < H/F as :func:`delay_limit`) and the
+sync backend (``megatron_edit.config.backend``); :class:`OuterOptimizerConfig` with the outer
+optimizer's class and keyword checks in ``megatron_edit.config.outer_optimizer``;
 :class:`GTAConfig` in ``megatron_edit.config.gta``; the exceptions, the value kinds and the type
-checks in ``megatron_edit.config.values``; the outer optimizer's class and keyword checks in
-``megatron_edit.config.outer_optimizer``. Every name is importable from ``megatron_edit.config``.
-This module is long because each field's declaration, documentation and checks stay together.
+checks in ``megatron_edit.config.values``. Every name is importable from ``megatron_edit.config``.
+This module is long because each field's declaration, documentation and flag stay together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Optional
 
 from ..flags import documented, field_docs, flag, flag_names  # noqa: F401 (field_docs: re-exported)
 from .outer_optimizer import (  # noqa: F401 (re-exported)
     DEFAULT_OUTER_KWARGS,
+    OuterOptimizerConfig,
     OUTER_OPTIMIZERS,
     TOPK_OUTER_KWARGS,
     _check_outer_kwargs,
@@ -43,6 +46,9 @@ from .outer_optimizer import (  # noqa: F401 (re-exported)
     resolve_optimizer_class,
 )
 from .gta import GTA_CONSENSUS, GTA_SPARSIFICATION, REDUCERS, GTAConfig  # noqa: F401 (re-exported)
+from .backend import SYNC_BACKENDS, BackendSettings  # noqa: F401 (re-exported)
+from .exchange import EXCHANGE_DTYPES, TOPK_DTYPES, TOPK_MAX_CHUNK, ExchangeSettings  # noqa: F401 (re-exported)
+from .overlap import AUTO_FORMATS, OverlapSettings, delay_limit  # noqa: F401 (re-exported)
 from .values import (  # noqa: F401 (re-exported)
     FLAG_NAMES,
     ConfigError,
@@ -59,18 +65,11 @@ from .values import (  # noqa: F401 (re-exported)
 
 
 SYNC_MODES = ("layerwise", "step_end")
-EXCHANGE_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4", "int2")
-TOPK_DTYPES = ("fp32", "int8", "int4", "int2")
-"""Formats of the values a top-k exchange sends (megatron_edit.algorithm.topk)."""
-TOPK_MAX_CHUNK = 1 << 16
-"""The largest top-k chunk: its indices take 16 bits (megatron_edit.algorithm.topk.MAX_CHUNK)."""
-SYNC_BACKENDS = ("torch", "torchft")
-AUTO_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")  # the dense formats, most precise first
 
 
 @documented
 @dataclass
-class LocalSGDConfig:
+class LocalSGDConfig(ExchangeSettings, BackendSettings, OverlapSettings):
     """When and how data-parallel workers synchronise (EDiT / A-EDiT)."""
 
     use_async: bool = flag("--local-sgd-async", False,
@@ -453,247 +452,6 @@ class LocalSGDConfig:
             raise ConfigError(
                 f"{_name('weight_softmax_temperature')}: only used with norm-weighted averaging; "
                 f"add {FLAG_NAMES['pseudo_gradnorm_reduce']}.")
-
-    @property
-    def error_feedback(self) -> bool:
-        """Whether error feedback is on: ``exchange_error_feedback``, or when it is None, whether
-        the exchange is top-k (``exchange_topk_density``)."""
-        if self.exchange_error_feedback is None:
-            return self.exchange_topk_density is not None
-        return self.exchange_error_feedback
-
-    def _check_topk(self) -> None:
-        """The sparse exchange's settings (``exchange_topk_density``, ``exchange_topk_chunk``)."""
-        d, chunk, dtype = self.exchange_topk_density, self.exchange_topk_chunk, self.exchange_dtype
-        _require(d is None or 0.0 < d <= 1.0, "exchange_topk_density",
-                 f"must be in (0, 1] (got {d!r}): the fraction of each chunk's entries sent, e.g. 0.02; "
-                 "None: the dense exchange.")
-        _require(chunk >= 2, "exchange_topk_chunk", f"must be an integer >= 2 (got {chunk!r}); 4096 is the default.")
-        _require(chunk <= TOPK_MAX_CHUNK, "exchange_topk_chunk",
-                 f"{chunk} needs {(chunk - 1).bit_length()} index bits; indices take at most 16 bits "
-                 f"(chunks of at most {TOPK_MAX_CHUNK} elements): use a smaller chunk, e.g. 4096.")
-        if d is None:
-            if chunk != 4096:
-                raise ConfigError(
-                    f"{_name('exchange_topk_chunk')}: only used by the top-k exchange; add "
-                    f"{FLAG_NAMES['exchange_topk_density']} (e.g. 0.02) or drop the flag.")
-            if dtype == "int2":
-                raise ConfigError(
-                    f"{_name('exchange_dtype')}: int2 is for the top-k exchange's kept values (a dense "
-                    f"tensor in 2 bits loses most of its entries); add {FLAG_NAMES['exchange_topk_density']} "
-                    "(e.g. 0.02), or use int4 for a dense exchange.")
-            return
-        if dtype not in TOPK_DTYPES:
-            raise ConfigError(
-                f"{_name('exchange_dtype')}: the top-k exchange sends its values in one of {TOPK_DTYPES}, "
-                f"not {dtype}; choose one of them, or drop {FLAG_NAMES['exchange_topk_density']}.")
-        if self.exchange_block_size != 256:
-            raise ConfigError(
-                f"{_name('exchange_block_size')}: the top-k exchange has one scale per chunk "
-                f"({FLAG_NAMES['exchange_topk_chunk']}); drop {FLAG_NAMES['exchange_block_size']}.")
-
-    @property
-    def lighthouse_address(self) -> Optional[str]:
-        """The torchft Lighthouse's address: ``lighthouse``, else ``$TORCHFT_LIGHTHOUSE``."""
-        return self.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE") or None
-
-    def _check_sync_backend(self) -> None:
-        """``sync_backend`` and the torchft backend's settings (``lighthouse``, ``replica_id``,
-        ``min_replicas``); what the torchft backend does not run yet is refused."""
-        backend = self.sync_backend
-        _require(isinstance(backend, str) and backend in SYNC_BACKENDS, "sync_backend",
-                 f"must be one of {SYNC_BACKENDS} (got {backend!r}).")
-        _require(_is_int(self.min_replicas) and self.min_replicas >= 1, "min_replicas",
-                 f"must be an integer >= 1 (got {self.min_replicas!r}).")
-        _require(self.replica_id is None or (_is_int(self.replica_id) and self.replica_id >= 0), "replica_id",
-                 f"must be an integer >= 0 or None (got {self.replica_id!r}).")
-        _require(self.lighthouse is None or (isinstance(self.lighthouse, str) and self.lighthouse), "lighthouse",
-                 f"must be an address such as http://host:29510, or None (got {self.lighthouse!r}).")
-        ft_only = [f for f, default in (("lighthouse", None), ("replica_id", None), ("min_replicas", 1))
-                   if getattr(self, f) != default]
-        if backend == "torch":
-            if ft_only:
-                raise ConfigError(
-                    f"{_name(ft_only[0])}: only used by the torchft backend; add "
-                    f"{FLAG_NAMES['sync_backend']} torchft or drop the flag.")
-            return
-        if importlib.util.find_spec("torchft") is None:
-            raise ConfigError(
-                f"{_name('sync_backend')} torchft: torchft is not installed; pip install torchft==0.2.0 "
-                "(in a checkout: pip install -e '.[ft]').")
-        if self.replica_id is None:
-            raise ConfigError(
-                f"{_name('replica_id')}: {FLAG_NAMES['sync_backend']} torchft needs this worker's id (an integer >= 0, "
-                "the same on all its ranks, different for every worker).")
-        if self.lighthouse_address is None:
-            raise ConfigError(
-                f"{_name('lighthouse')}: {FLAG_NAMES['sync_backend']} torchft needs the Lighthouse's address "
-                "(http://host:port); give the flag or set TORCHFT_LIGHTHOUSE.")
-        if self.local_sgd_warmup_steps > 0:
-            raise NotSupportedYet(
-                f"{_name('local_sgd_warmup_steps')} with {FLAG_NAMES['sync_backend']} torchft is not supported yet; "
-                "drop one of the two (the torch backend runs it).")
-
-    @property
-    def allowed_formats(self) -> tuple:
-        """The exchange formats ``auto_overlap`` may choose (``auto_formats``, else
-        ``exchange_dtype`` alone), most precise first."""
-        if self.auto_formats is None:
-            return (self.exchange_dtype,)
-        return tuple(f for f in AUTO_FORMATS if f in self._auto_format_names())
-
-    def _auto_format_names(self) -> list:
-        return [n.strip() for n in str(self.auto_formats).split(",")]
-
-    @property
-    def allowed_fragments(self) -> tuple:
-        """The numbers of fragments ``auto_overlap`` may choose (``auto_fragments``, else
-        ``fragments`` alone), fewest first."""
-        if self.auto_fragments is None:
-            return (self.fragments,)
-        return tuple(sorted(int(n) for n in self._auto_fragment_names()))
-
-    def _auto_fragment_names(self) -> list:
-        return [n.strip() for n in str(self.auto_fragments).split(",")]
-
-    def _check_auto(self) -> None:
-        """``auto_overlap`` and its settings (``auto_formats``, ``auto_fragments``, ``auto_every``)."""
-        _require(self.auto_every >= 1, "auto_every", f"must be an integer >= 1 (got {self.auto_every!r}).")
-        if self.auto_formats is not None:
-            names = self._auto_format_names()
-            bad = [n for n in names if n not in AUTO_FORMATS]
-            _require(not bad and len(set(names)) == len(names), "auto_formats",
-                     f"must be a comma-separated list of distinct formats of {', '.join(AUTO_FORMATS)} "
-                     f"(got {self.auto_formats!r}).")
-        if self.auto_fragments is not None:
-            names, h = self._auto_fragment_names(), self.local_sgd_sync_interval
-            numbers = [int(n) for n in names if n.isdigit() and int(n) >= 1]
-            _require(len(numbers) == len(names) == len(set(numbers)), "auto_fragments",
-                     f"must be a comma-separated list of distinct integers >= 1 (got {self.auto_fragments!r}).")
-            bad = [int(n) for n in names if h % int(n) or h // int(n) < 2]
-            _require(not bad, "auto_fragments",
-                     f"{bad[0] if bad else ''} must divide {FLAG_NAMES['local_sgd_sync_interval']} {h} and leave "
-                     "H/F >= 2 (room for a delay tau < H/F); give divisors of H up to H/2.")
-        if not self.auto_overlap:
-            given = [f for f, default in (("auto_formats", None), ("auto_fragments", None), ("auto_every", 20))
-                     if getattr(self, f) != default]
-            if given:
-                raise ConfigError(f"{_name(given[0])}: only used by {FLAG_NAMES['auto_overlap']}; add it "
-                                  "or drop the flag.")
-            return
-        why = None
-        if self.use_async:
-            why = f"{FLAG_NAMES['use_async']} (A-EDiT plans its own syncs; it runs no delay)"
-        elif self.sync_backend != "torch":
-            why = f"{FLAG_NAMES['sync_backend']} {self.sync_backend} (the torch backend only, yet)"
-        elif self.exchange_topk_density is not None:
-            why = f"{FLAG_NAMES['exchange_topk_density']} (the top-k exchange's residual follows its format)"
-        elif self.error_feedback:
-            why = f"{FLAG_NAMES['exchange_error_feedback']} (the residual follows the format)"
-        if why is not None:
-            raise NotSupportedYet(f"{_name('auto_overlap')} with {why} is not supported yet; drop one of the two.")
-        if self.exchange_dtype not in self.allowed_formats:
-            raise ConfigError(
-                f"{_name('auto_formats')}: the run starts in {FLAG_NAMES['exchange_dtype']} "
-                f"{self.exchange_dtype}, which is not among {self.auto_formats}; add it, or start in one of them.")
-        if self.fragments not in self.allowed_fragments:
-            raise ConfigError(
-                f"{_name('auto_fragments')}: the run starts with {FLAG_NAMES['fragments']} {self.fragments}, "
-                f"which is not among {self.auto_fragments}; add it, or start with one of them.")
-        if self.local_sgd_sync_interval // self.fragments < 2:
-            raise ConfigError(
-                f"{_name('auto_overlap')}: {FLAG_NAMES['local_sgd_sync_interval']} "
-                f"{self.local_sgd_sync_interval} / {FLAG_NAMES['fragments']} {self.fragments} leaves no room "
-                "for a delay (tau < H/F); drop the flag or sync less often.")
-
-    @property
-    def merge_alpha(self) -> float:
-        """The lerp merge's alpha in effect: ``outer_merge_alpha``, or 0.5 when it is None."""
-        return 0.5 if self.outer_merge_alpha is None else float(self.outer_merge_alpha)
-
-    @property
-    def merge_rule(self) -> str:
-        """The merge rule in effect: ``outer_merge_rule``, or ``lerp`` when it is None."""
-        return self.outer_merge_rule or "lerp"
-
-    def _check_delay(self) -> None:
-        """The delayed outer step's and the fragments' settings (``outer_step_delay``,
-        ``outer_merge_alpha``, ``fragments``)."""
-        tau, alpha = self.outer_step_delay, self.outer_merge_alpha
-        _require(tau >= 0, "outer_step_delay", f"must be an integer >= 0 (got {tau!r}); 0: no delay.")
-        _require(alpha is None or 0.0 <= alpha <= 1.0, "outer_merge_alpha", f"must be in [0, 1] (got {alpha!r}).")
-        rule = self.outer_merge_rule
-        _require(rule in (None, "lerp", "keep_local"), "outer_merge_rule",
-                 f"must be 'lerp', 'keep_local' or None (got {rule!r}).")
-        if rule is not None and tau == 0 and not self.auto_overlap:
-            raise ConfigError(
-                f"{_name('outer_merge_rule')}: the merge only follows a delayed outer step; add "
-                f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
-        if rule == "keep_local" and alpha not in (None, 0.0):
-            raise ConfigError(
-                f"{_name('outer_merge_alpha')}: alpha is the lerp rule's; keep_local keeps the local "
-                f"steps whole. Drop one of {FLAG_NAMES['outer_merge_alpha']} and "
-                f"{FLAG_NAMES['outer_merge_rule']} keep_local.")
-        if alpha is not None and tau == 0 and not self.auto_overlap:
-            raise ConfigError(
-                f"{_name('outer_merge_alpha')}: the merge only follows a delayed outer step; add "
-                f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
-        if tau and self.use_async:
-            raise NotSupportedYet(
-                f"{_name('outer_step_delay')}: a delayed outer step with {FLAG_NAMES['use_async']} "
-                "(A-EDiT) is not supported yet; drop one of the two.")
-        if tau >= self.local_sgd_sync_interval:
-            raise ConfigError(
-                f"{_name('outer_step_delay')}: {tau} must be < {FLAG_NAMES['local_sgd_sync_interval']} "
-                f"({self.local_sgd_sync_interval}): an exchange must be applied before the next one is "
-                "launched (one in flight at a time).")
-        f, h = self.fragments, self.local_sgd_sync_interval
-        _require(f >= 1, "fragments", f"must be an integer >= 1 (got {f!r}); 1: no fragments.")
-        if f > 1 and self.use_async:
-            raise NotSupportedYet(
-                f"{_name('fragments')}: streaming fragments with {FLAG_NAMES['use_async']} (A-EDiT) "
-                "are not supported yet; drop one of the two.")
-        if h % f:
-            raise ConfigError(
-                f"{_name('fragments')}: {f} must divide {FLAG_NAMES['local_sgd_sync_interval']} ({h}): "
-                "one fragment is synchronised every H/F steps.")
-        if f > 1 and tau >= h // f:
-            raise ConfigError(
-                f"{_name('outer_step_delay')}: {tau} must be < H/F = {h // f} with {f} fragments "
-                f"({FLAG_NAMES['local_sgd_sync_interval']} {h}): a fragment's exchange must be applied "
-                "before the next fragment's is launched (one in flight at a time).")
-
-
-@documented
-@dataclass
-class OuterOptimizerConfig:
-    """The outer optimizer: steps the anchor with the averaged pseudo-gradient as its gradient."""
-
-    outer_optim_class: Union[str, type] = flag("--outer-optimizer", "torch.optim.SGD", by_hand=True)
-    """Any torch optimizer class, as a class, a dotted path, or one of ``sgd``, ``adam``,
-    ``adamw``. SGD with lr 1 and no momentum is plain parameter averaging."""
-
-    outer_optim_kwargs: Dict[str, Any] = flag(
-        "--outer-optimizer-lr / --outer-optimizer-momentum / --outer-optimizer-kwargs", by_hand=True,
-        default_factory=lambda: dict(DEFAULT_OUTER_KWARGS))
-    """Keyword arguments of the outer optimizer's constructor (default: the paper's Nesterov
-    SGD, lr 0.7, momentum 0.9; with the sparse exchange, where no outer optimizer is given,
-    :func:`default_outer_config`: SGD lr 1 without momentum)."""
-
-    def __post_init__(self) -> None:
-        cls = resolve_optimizer_class(self.outer_optim_class)
-        kwargs = self.outer_optim_kwargs
-        _require(
-            isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs),
-            "outer_optim_kwargs",
-            f"must be a dict of keyword arguments (got {type(kwargs).__name__}).",
-        )
-        _check_outer_kwargs(cls, kwargs)  # no optimizer is built to check them
-
-    @property
-    def optimizer_class(self) -> type:
-        return resolve_optimizer_class(self.outer_optim_class)
-
 
 # Field -> flag, for every message (megatron_edit.config.values), from the fields' metadata.
 FLAG_NAMES.update(flag_names(LocalSGDConfig, OuterOptimizerConfig, GTAConfig))

@@ -10,7 +10,10 @@ import importlib
 import inspect
 from typing import Any, Dict, Type, Union
 
-from .values import ConfigError, _got, _is_bool, _is_int, _is_number, _is_tensor, _name
+from dataclasses import dataclass
+
+from ..flags import documented, flag
+from .values import ConfigError, _got, _is_bool, _is_int, _is_number, _is_tensor, _name, _require
 
 
 # The paper's outer optimizer (Nesterov SGD), the default of OuterOptimizerConfig.
@@ -116,3 +119,34 @@ def _check_outer_kwargs(cls: type, kwargs: Dict[str, Any]) -> None:
         if isinstance(value, (list, tuple)) and not all(_is_number(v) for v in value):
             fail(f"{key} must hold finite numbers ({_got(value)}).")
     check_outer_numbers(kwargs, cls.__name__)
+
+
+@documented
+@dataclass
+class OuterOptimizerConfig:
+    """The outer optimizer: steps the anchor with the averaged pseudo-gradient as its gradient."""
+
+    outer_optim_class: Union[str, type] = flag("--outer-optimizer", "torch.optim.SGD", by_hand=True)
+    """Any torch optimizer class, as a class, a dotted path, or one of ``sgd``, ``adam``,
+    ``adamw``. SGD with lr 1 and no momentum is plain parameter averaging."""
+
+    outer_optim_kwargs: Dict[str, Any] = flag(
+        "--outer-optimizer-lr / --outer-optimizer-momentum / --outer-optimizer-kwargs", by_hand=True,
+        default_factory=lambda: dict(DEFAULT_OUTER_KWARGS))
+    """Keyword arguments of the outer optimizer's constructor (default: the paper's Nesterov
+    SGD, lr 0.7, momentum 0.9; with the sparse exchange, where no outer optimizer is given,
+    :func:`default_outer_config`: SGD lr 1 without momentum)."""
+
+    def __post_init__(self) -> None:
+        cls = resolve_optimizer_class(self.outer_optim_class)
+        kwargs = self.outer_optim_kwargs
+        _require(
+            isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs),
+            "outer_optim_kwargs",
+            f"must be a dict of keyword arguments (got {type(kwargs).__name__}).",
+        )
+        _check_outer_kwargs(cls, kwargs)  # no optimizer is built to check them
+
+    @property
+    def optimizer_class(self) -> type:
+        return resolve_optimizer_class(self.outer_optim_class)

@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from ..algorithm import overlap_plan, quantize
 from ..algorithm.overlap_plan import Choice, Measurement
-from ..config import LocalSGDConfig
+from ..config import LocalSGDConfig, delay_limit
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +138,9 @@ class AutoOverlap:
                     f"--local-sgd-auto-formats ({','.join(self.formats)}) does not allow; add it to the "
                     "formats, or resume without --local-sgd-auto-overlap.")
         h = self.user.local_sgd_sync_interval
-        if delay >= h // f:
+        if delay >= delay_limit(h, f):
             return (f"megatron_edit: the checkpoint was saved with --local-sgd-outer-step-delay {delay}, which "
-                    f"this run's H/F = {h // f} does not allow (tau < H/F); resume with the saved "
+                    f"this run's H/F = {delay_limit(h, f)} does not allow (tau < H/F); resume with the saved "
                     "--local-sgd-sync-interval and --local-sgd-fragments.")
         self.controller.apply_settings(delay, dtype, f)
         fresh = (delay, dtype, f) == (self.user.outer_step_delay, self.user.exchange_dtype, self.user.fragments)

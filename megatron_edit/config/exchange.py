@@ -1,0 +1,57 @@
+"""The exchange's settings of :class:`~megatron_edit.config.LocalSGDConfig` (the format, its block
+of scales, error feedback, the sparse top-k exchange): the formats and their checks, a part of
+:mod:`megatron_edit.config`, which re-exports it. The fields themselves are declared, with their
+flags and documentation, on :class:`~megatron_edit.config.LocalSGDConfig`.
+"""
+
+from __future__ import annotations
+
+from .values import FLAG_NAMES, ConfigError, _name, _require
+
+EXCHANGE_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4", "int2")
+TOPK_DTYPES = ("fp32", "int8", "int4", "int2")
+"""Formats of the values a top-k exchange sends (megatron_edit.algorithm.topk)."""
+TOPK_MAX_CHUNK = 1 << 16
+"""The largest top-k chunk: its indices take 16 bits (megatron_edit.algorithm.topk.MAX_CHUNK)."""
+
+
+class ExchangeSettings:
+    """The exchange's derived values and checks, mixed into LocalSGDConfig."""
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether error feedback is on: ``exchange_error_feedback``, or when it is None, whether
+        the exchange is top-k (``exchange_topk_density``)."""
+        if self.exchange_error_feedback is None:
+            return self.exchange_topk_density is not None
+        return self.exchange_error_feedback
+
+    def _check_topk(self) -> None:
+        """The sparse exchange's settings (``exchange_topk_density``, ``exchange_topk_chunk``)."""
+        d, chunk, dtype = self.exchange_topk_density, self.exchange_topk_chunk, self.exchange_dtype
+        _require(d is None or 0.0 < d <= 1.0, "exchange_topk_density",
+                 f"must be in (0, 1] (got {d!r}): the fraction of each chunk's entries sent, e.g. 0.02; "
+                 "None: the dense exchange.")
+        _require(chunk >= 2, "exchange_topk_chunk", f"must be an integer >= 2 (got {chunk!r}); 4096 is the default.")
+        _require(chunk <= TOPK_MAX_CHUNK, "exchange_topk_chunk",
+                 f"{chunk} needs {(chunk - 1).bit_length()} index bits; indices take at most 16 bits "
+                 f"(chunks of at most {TOPK_MAX_CHUNK} elements): use a smaller chunk, e.g. 4096.")
+        if d is None:
+            if chunk != 4096:
+                raise ConfigError(
+                    f"{_name('exchange_topk_chunk')}: only used by the top-k exchange; add "
+                    f"{FLAG_NAMES['exchange_topk_density']} (e.g. 0.02) or drop the flag.")
+            if dtype == "int2":
+                raise ConfigError(
+                    f"{_name('exchange_dtype')}: int2 is for the top-k exchange's kept values (a dense "
+                    f"tensor in 2 bits loses most of its entries); add {FLAG_NAMES['exchange_topk_density']} "
+                    "(e.g. 0.02), or use int4 for a dense exchange.")
+            return
+        if dtype not in TOPK_DTYPES:
+            raise ConfigError(
+                f"{_name('exchange_dtype')}: the top-k exchange sends its values in one of {TOPK_DTYPES}, "
+                f"not {dtype}; choose one of them, or drop {FLAG_NAMES['exchange_topk_density']}.")
+        if self.exchange_block_size != 256:
+            raise ConfigError(
+                f"{_name('exchange_block_size')}: the top-k exchange has one scale per chunk "
+                f"({FLAG_NAMES['exchange_topk_chunk']}); drop {FLAG_NAMES['exchange_block_size']}.")

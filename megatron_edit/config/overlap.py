@@ -1,0 +1,152 @@
+"""The overlap's settings of :class:`~megatron_edit.config.LocalSGDConfig`: the delayed outer step
+and its merge, streaming fragments, and what the automatic overlap may choose among, with their
+checks; a part of :mod:`megatron_edit.config`, which re-exports it. The fields are declared on
+:class:`~megatron_edit.config.LocalSGDConfig`.
+
+One rule here is used across the package: a delay must be below H/F (:func:`delay_limit`), so
+that an exchange is applied before the next one (of the next fragment) is launched.
+"""
+
+from __future__ import annotations
+
+from .values import FLAG_NAMES, ConfigError, NotSupportedYet, _name, _require
+
+AUTO_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")  # the dense formats, most precise first
+
+
+def delay_limit(sync_interval: int, fragments: int = 1) -> int:
+    """The bound on the delay of the outer step: tau < H/F (one exchange in flight at a time)."""
+    return sync_interval // fragments
+
+
+class OverlapSettings:
+    """The overlap's derived values and checks, mixed into LocalSGDConfig."""
+
+    @property
+    def allowed_formats(self) -> tuple:
+        """The exchange formats ``auto_overlap`` may choose (``auto_formats``, else
+        ``exchange_dtype`` alone), most precise first."""
+        if self.auto_formats is None:
+            return (self.exchange_dtype,)
+        return tuple(f for f in AUTO_FORMATS if f in self._auto_format_names())
+
+    def _auto_format_names(self) -> list:
+        return [n.strip() for n in str(self.auto_formats).split(",")]
+
+    @property
+    def allowed_fragments(self) -> tuple:
+        """The numbers of fragments ``auto_overlap`` may choose (``auto_fragments``, else
+        ``fragments`` alone), fewest first."""
+        if self.auto_fragments is None:
+            return (self.fragments,)
+        return tuple(sorted(int(n) for n in self._auto_fragment_names()))
+
+    def _auto_fragment_names(self) -> list:
+        return [n.strip() for n in str(self.auto_fragments).split(",")]
+
+    def _check_auto(self) -> None:
+        """``auto_overlap`` and its settings (``auto_formats``, ``auto_fragments``, ``auto_every``)."""
+        _require(self.auto_every >= 1, "auto_every", f"must be an integer >= 1 (got {self.auto_every!r}).")
+        if self.auto_formats is not None:
+            names = self._auto_format_names()
+            bad = [n for n in names if n not in AUTO_FORMATS]
+            _require(not bad and len(set(names)) == len(names), "auto_formats",
+                     f"must be a comma-separated list of distinct formats of {', '.join(AUTO_FORMATS)} "
+                     f"(got {self.auto_formats!r}).")
+        if self.auto_fragments is not None:
+            names, h = self._auto_fragment_names(), self.local_sgd_sync_interval
+            numbers = [int(n) for n in names if n.isdigit() and int(n) >= 1]
+            _require(len(numbers) == len(names) == len(set(numbers)), "auto_fragments",
+                     f"must be a comma-separated list of distinct integers >= 1 (got {self.auto_fragments!r}).")
+            bad = [int(n) for n in names if h % int(n) or delay_limit(h, int(n)) < 2]
+            _require(not bad, "auto_fragments",
+                     f"{bad[0] if bad else ''} must divide {FLAG_NAMES['local_sgd_sync_interval']} {h} and leave "
+                     "H/F >= 2 (room for a delay tau < H/F); give divisors of H up to H/2.")
+        if not self.auto_overlap:
+            given = [f for f, default in (("auto_formats", None), ("auto_fragments", None), ("auto_every", 20))
+                     if getattr(self, f) != default]
+            if given:
+                raise ConfigError(f"{_name(given[0])}: only used by {FLAG_NAMES['auto_overlap']}; add it "
+                                  "or drop the flag.")
+            return
+        why = None
+        if self.use_async:
+            why = f"{FLAG_NAMES['use_async']} (A-EDiT plans its own syncs; it runs no delay)"
+        elif self.sync_backend != "torch":
+            why = f"{FLAG_NAMES['sync_backend']} {self.sync_backend} (the torch backend only, yet)"
+        elif self.exchange_topk_density is not None:
+            why = f"{FLAG_NAMES['exchange_topk_density']} (the top-k exchange's residual follows its format)"
+        elif self.error_feedback:
+            why = f"{FLAG_NAMES['exchange_error_feedback']} (the residual follows the format)"
+        if why is not None:
+            raise NotSupportedYet(f"{_name('auto_overlap')} with {why} is not supported yet; drop one of the two.")
+        if self.exchange_dtype not in self.allowed_formats:
+            raise ConfigError(
+                f"{_name('auto_formats')}: the run starts in {FLAG_NAMES['exchange_dtype']} "
+                f"{self.exchange_dtype}, which is not among {self.auto_formats}; add it, or start in one of them.")
+        if self.fragments not in self.allowed_fragments:
+            raise ConfigError(
+                f"{_name('auto_fragments')}: the run starts with {FLAG_NAMES['fragments']} {self.fragments}, "
+                f"which is not among {self.auto_fragments}; add it, or start with one of them.")
+        if delay_limit(self.local_sgd_sync_interval, self.fragments) < 2:
+            raise ConfigError(
+                f"{_name('auto_overlap')}: {FLAG_NAMES['local_sgd_sync_interval']} "
+                f"{self.local_sgd_sync_interval} / {FLAG_NAMES['fragments']} {self.fragments} leaves no room "
+                "for a delay (tau < H/F); drop the flag or sync less often.")
+
+    @property
+    def merge_alpha(self) -> float:
+        """The lerp merge's alpha in effect: ``outer_merge_alpha``, or 0.5 when it is None."""
+        return 0.5 if self.outer_merge_alpha is None else float(self.outer_merge_alpha)
+
+    @property
+    def merge_rule(self) -> str:
+        """The merge rule in effect: ``outer_merge_rule``, or ``lerp`` when it is None."""
+        return self.outer_merge_rule or "lerp"
+
+    def _check_delay(self) -> None:
+        """The delayed outer step's and the fragments' settings (``outer_step_delay``,
+        ``outer_merge_alpha``, ``fragments``)."""
+        tau, alpha = self.outer_step_delay, self.outer_merge_alpha
+        _require(tau >= 0, "outer_step_delay", f"must be an integer >= 0 (got {tau!r}); 0: no delay.")
+        _require(alpha is None or 0.0 <= alpha <= 1.0, "outer_merge_alpha", f"must be in [0, 1] (got {alpha!r}).")
+        rule = self.outer_merge_rule
+        _require(rule in (None, "lerp", "keep_local"), "outer_merge_rule",
+                 f"must be 'lerp', 'keep_local' or None (got {rule!r}).")
+        if rule is not None and tau == 0 and not self.auto_overlap:
+            raise ConfigError(
+                f"{_name('outer_merge_rule')}: the merge only follows a delayed outer step; add "
+                f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
+        if rule == "keep_local" and alpha not in (None, 0.0):
+            raise ConfigError(
+                f"{_name('outer_merge_alpha')}: alpha is the lerp rule's; keep_local keeps the local "
+                f"steps whole. Drop one of {FLAG_NAMES['outer_merge_alpha']} and "
+                f"{FLAG_NAMES['outer_merge_rule']} keep_local.")
+        if alpha is not None and tau == 0 and not self.auto_overlap:
+            raise ConfigError(
+                f"{_name('outer_merge_alpha')}: the merge only follows a delayed outer step; add "
+                f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
+        if tau and self.use_async:
+            raise NotSupportedYet(
+                f"{_name('outer_step_delay')}: a delayed outer step with {FLAG_NAMES['use_async']} "
+                "(A-EDiT) is not supported yet; drop one of the two.")
+        if tau >= delay_limit(self.local_sgd_sync_interval):
+            raise ConfigError(
+                f"{_name('outer_step_delay')}: {tau} must be < {FLAG_NAMES['local_sgd_sync_interval']} "
+                f"({self.local_sgd_sync_interval}): an exchange must be applied before the next one is "
+                "launched (one in flight at a time).")
+        f, h = self.fragments, self.local_sgd_sync_interval
+        _require(f >= 1, "fragments", f"must be an integer >= 1 (got {f!r}); 1: no fragments.")
+        if f > 1 and self.use_async:
+            raise NotSupportedYet(
+                f"{_name('fragments')}: streaming fragments with {FLAG_NAMES['use_async']} (A-EDiT) "
+                "are not supported yet; drop one of the two.")
+        if h % f:
+            raise ConfigError(
+                f"{_name('fragments')}: {f} must divide {FLAG_NAMES['local_sgd_sync_interval']} ({h}): "
+                "one fragment is synchronised every H/F steps.")
+        if f > 1 and tau >= delay_limit(h, f):
+            raise ConfigError(
+                f"{_name('outer_step_delay')}: {tau} must be < H/F = {delay_limit(h, f)} with {f} fragments "
+                f"({FLAG_NAMES['local_sgd_sync_interval']} {h}): a fragment's exchange must be applied "
+                "before the next fragment's is launched (one in flight at a time).")
