@@ -470,7 +470,7 @@ def test_error_feedback_residuals_keep_their_units_when_the_averaging_changes(tm
 
 
 def test_residual_units_keep_what_a_residual_adds_to_the_next_result():
-    from megatron_edit.mcore.checkpoint.resume import residual_units
+    from megatron_edit.mcore.checkpoint.after_load import residual_units
 
     workers, r = 4, 1.0
     # the mean divides the sum by the workers, a weighted sum does not

@@ -11,8 +11,10 @@ modules (``tests/test_layout.py`` checks it), which are its own business:
 * :mod:`.space`: per-parameter tensors in model space, so another layout can read them;
 * :mod:`.constant`: every EDiT entry in every checkpoint of a run (placeholders), for Megatron's
   cached save plan (``--ckpt-assume-constant-structure``);
-* :mod:`.resume`: exact, elastic and synchronous → EDiT resume;
-* :mod:`.keys`: checkpoint keys, per-worker renaming and replica ids;
+* :mod:`.resume`: exact, elastic and synchronous → EDiT resume (fitting the load requests);
+* :mod:`.after_load`: the work after the load (the load-time outer step, residuals, the model);
+* :mod:`.expert_bias`: each worker's MoE router expert biases;
+* :mod:`.keys`: checkpoint keys (Megatron's and EDiT's own), per-worker renaming and replica ids;
 * :mod:`.guard`: a damaged or incomplete checkpoint named in one line before the load;
 * :mod:`.checkpoint_wraps`: the wrap patches of ``DistributedOptimizer`` and ``dist_checkpointing``;
 * :mod:`.load_fixes`: workarounds for megatron-core's own checkpoint-load defects (also usable
@@ -27,7 +29,7 @@ from .keys import CheckpointStateError
 from .load_fixes import FSDP_EMPTY_SHARD_BUG, FSDP_LOAD_FIXES, LOAD_FIXES, TORCH_ADAM_LOAD_BUGS, add_load_fix_patches
 from .checkpoint_wraps import add_checkpoint_patches
 from .record import FORMAT, check_run_record
-from .resume import residual_share
+from .after_load import residual_share
 from .state import NOT_YET, SUPPORTED, SUPPORTED_SHARDING_TYPES
 
 __all__ = [

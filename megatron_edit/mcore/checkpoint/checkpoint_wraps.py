@@ -35,7 +35,7 @@ from .keys import (
     sharding_type_of,
     unalias_from_model,
 )
-from .resume import capture_of
+from .after_load import capture_of
 from .fsdp_dtensor import fsdp_save_state_dict
 from .fsdp_load import fsdp_load_requests, load_fsdp_state, prepare_fsdp_load
 from ..process_state import PROCESS

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from .resume import ANCHOR, IN_FLIGHT, launch_prefix, outer_prefix
+from .keys import ANCHOR, IN_FLIGHT, launch_prefix, outer_prefix
 
 Tensors = Optional[List[Optional[object]]]
 """One shard-length tensor per shard (None for a shard: zeros), or None: all placeholders."""

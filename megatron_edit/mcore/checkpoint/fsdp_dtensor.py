@@ -53,7 +53,7 @@ import torch
 from .keys import PREFIX, CheckpointStateError
 from .constant import put, varying_entries
 from .record import outer_state_keys, run_record, slice_record
-from .resume import RESULT_RESIDUAL, residual_prefix
+from .keys import RESULT_RESIDUAL, residual_prefix
 
 FSDP_DTENSOR = "fsdp_dtensor"
 """Megatron's name of this optimizer format (``distrib_optim_sharding_type``)."""

@@ -30,7 +30,8 @@ from .fsdp_dtensor import (
 )
 from .keys import CheckpointStateError
 from .record import outer_state_keys
-from .resume import ANCHOR, RESULT_RESIDUAL, ResumePlan, outer_prefix
+from .keys import ANCHOR, RESULT_RESIDUAL, outer_prefix
+from .resume import ResumePlan
 
 
 def fsdp_load_requests(optimizer, controller, state: dict) -> dict:

@@ -48,6 +48,26 @@ def is_local_sgd_key(key: str) -> bool:
     return key.startswith(PREFIX) or f".{PREFIX}" in key
 
 
+# --------------------------------------------------------------------------- EDiT's own keys
+ANCHOR = f"{PREFIX}anchor."
+RESULT_RESIDUAL = f"{PREFIX}result_residual."
+IN_FLIGHT = f"{PREFIX}in_flight."
+"""A delayed outer step's reduced pseudo-gradient, in flight at the save (worker 0 writes)."""
+
+
+def outer_prefix(state_key: str) -> str:
+    return f"{PREFIX}outer.{state_key}."
+
+
+def residual_prefix(worker: int) -> str:
+    return f"{PREFIX}residual.worker_{worker}."
+
+
+def launch_prefix(worker: int) -> str:
+    """The keep_local merge: worker k's parameters at the launch of the exchange in flight."""
+    return f"{PREFIX}in_flight_launch.worker_{worker}."
+
+
 # --------------------------------------------------------------------------- save layout
 def sharding_type_of(state: dict, kwargs: dict) -> str:
     return state.get("param_state_sharding_type") or kwargs.get("sharding_type") or (

@@ -112,17 +112,9 @@ from .record import (
 )
 from .constant import put, varying_entries
 from .expert_bias import restore as restore_biases, save_entry as bias_entry
-from .resume import (
-    ANCHOR,
-    RESULT_RESIDUAL,
-    ResumePlan,
-    load_time_sync,
-    merge_residuals,
-    outer_prefix,
-    refresh_model_from_mains,
-    residual_prefix,
-    restart_from_anchor,
-)
+from .after_load import load_time_sync, merge_residuals, refresh_model_from_mains, restart_from_anchor
+from .keys import ANCHOR, RESULT_RESIDUAL, outer_prefix, residual_prefix
+from .resume import ResumePlan
 from .space import ModelSpace, model_tensors_by_param
 from ..fault_tolerant import backend_of
 from ..sync_backend import STATE_KEY
