@@ -80,6 +80,7 @@ def test_the_controller_reads_the_clock_before_waiting_for_the_others():
     ctl.sync_group = _OneWorker()
     ctl.shards = []
     ctl._last_sync_step = 0
+    ctl.expert_biases = None  # (a MoE model's router biases, averaged at each sync)
     started = {}
     ctl.sync = types.SimpleNamespace(start=lambda *a, **k: started.setdefault("args", a) is not None)
     assert ctl.start_sync(8)
