@@ -9,9 +9,9 @@ copy) restart from the anchor.
 
 Every worker's per-layer pseudo-gradient norms are exchanged once per sync (one small
 all-gather for all layers) before any bucket, so every rank of every worker takes the same
-decisions: the penalty's (:mod:`megatron_edit.algorithm.penalty`), and whether a non-finite
-pseudo-gradient stops the run (:class:`NonFinitePseudoGradient`; with anomaly elimination on,
-its worker is excluded instead). No NaN or Inf reaches the exchange's encoders or the anchor.
+decisions (:mod:`.decisions`): the penalty's, and whether a non-finite pseudo-gradient stops
+the run (:class:`~.decisions.NonFinitePseudoGradient`; with anomaly elimination on, its worker is
+excluded instead). No NaN or Inf reaches the exchange's encoders or the anchor.
 
 A sync runs in phases that a caller can spread over time:
 
@@ -37,26 +37,21 @@ This module is long because the phases share one sync's state. The collectives g
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ..algorithm import asynchronous, penalty
+from ..algorithm import penalty
 from ..config import GTAConfig, LocalSGDConfig
+from .decisions import NonFinitePseudoGradient, SyncDecisions  # noqa: F401 (NonFinitePseudoGradient: its callers')
 from .groups import mean_divisor
 from .in_flight import SyncInProgress
 from .outer_state import OuterState
 from .quantized import QuantizedExchange
 from .reducers import GTAReducer, MeanReducer, QuantizedReducer, SparseReducer
-from .report import SyncReport
+from .report import SyncReport, report_of
 from .shard import BucketShard
 from .sparse import SparseExchange
-
-
-class NonFinitePseudoGradient(FloatingPointError):
-    """A worker's pseudo-gradient holds NaN or Inf and the penalty's anomaly elimination is off
-    (it would have excluded the worker): the sync stops before anything is exchanged, so the
-    value never reaches the anchor. Raised on every rank of every worker at the same sync."""
 
 
 class OuterSync:
@@ -87,17 +82,14 @@ class OuterSync:
         self.outer = outer_state
         self.on_done = on_done
         self._index_layers()
-        self._penalty = config.skip_anomaly or config.pseudo_gradnorm_reduce
         self._gta = gta_config.reducer == "gta"
         self.quantized: Optional[QuantizedExchange] = None
         """The quantized exchange's protocol (None: fp32 exchange)."""
         self.sparse: Optional[SparseExchange] = None
         """The sparse (top-k) exchange's protocol (None: dense)."""
         self.use_config(config)
-        self.ewma = penalty.EWMAStats.zeros(self.num_workers, len(self.layer_names))
-        self.ewma_by_worker: Dict[int, penalty.EWMAStats] = {}
-        """Over a group whose workers change (torchft): each worker's statistics under its replica
-        id (``ewma`` is then unused)."""
+        self.decisions = SyncDecisions(config, self._gta, self.num_workers, len(self.layer_names))
+        """The penalty's running statistics and decisions (:mod:`.decisions`)."""
         self._sync: Optional[SyncInProgress] = None
         self.commit_gate: Optional[Callable[[], bool]] = None
         """Asked once per sync, after every exchange of it is in and before any outer step:
@@ -109,8 +101,7 @@ class OuterSync:
         between syncs): per-layer lists and the penalty's statistics follow the new names (a
         layer cut differently starts its statistics afresh)."""
         assert self._sync is None, "an exchange is in flight"
-        assert not self.ewma_by_worker, "relabel_layers: per-replica statistics (torchft) are not relabelled"
-        self.ewma = self.ewma.relabel(self.layer_names, layer_names)
+        self.decisions.relabel(self.layer_names, layer_names)
         self.layer_names = list(layer_names)
         self._index_layers()
 
@@ -137,6 +128,24 @@ class OuterSync:
             )
 
     @property
+    def ewma(self):
+        """The anomaly detector's statistics (:attr:`SyncDecisions.ewma`)."""
+        return self.decisions.ewma
+
+    @ewma.setter
+    def ewma(self, stats) -> None:
+        self.decisions.ewma = stats
+
+    @property
+    def ewma_by_worker(self):
+        """Per replica id, over torchft (:attr:`SyncDecisions.ewma_by_worker`)."""
+        return self.decisions.ewma_by_worker
+
+    @ewma_by_worker.setter
+    def ewma_by_worker(self, stats) -> None:
+        self.decisions.ewma_by_worker = stats
+
+    @property
     def num_workers(self) -> int:
         """Workers in the sync group (over torchft: in the current sync)."""
         return self.sync_group.size
@@ -145,7 +154,7 @@ class OuterSync:
     def exchanges_weighted_sum(self) -> bool:
         """Whether each worker sends its weighted pseudo-gradient and the result is their sum
         (penalty or step weights), rather than the sum divided by the workers (plain mean)."""
-        return self._penalty or self.config.use_step_weight
+        return self.decisions.penalty or self.config.use_step_weight
 
     @property
     def in_progress(self) -> bool:
@@ -199,15 +208,6 @@ class OuterSync:
         self._sync.seconds += time.perf_counter() - t0
         return True
 
-    def _set_weights(self, weights: torch.Tensor, excluded: Optional[torch.Tensor]) -> None:
-        c = self.config
-        if c.use_step_weight:
-            if excluded is None:
-                excluded = torch.zeros_like(weights, dtype=torch.bool)
-            weights = asynchronous.blend_step_weights(weights, self._sync.worker_steps, excluded, c.step_weight_ratio)
-        self._sync.weights = weights
-        self._sync.own_weights = weights[self.sync_group.rank]
-
     @torch.no_grad()
     def _delta(self, shard: BucketShard) -> torch.Tensor:
         """Delta = anchor - current, into a new buffer (released when the shard's step is done)."""
@@ -236,52 +236,15 @@ class OuterSync:
                 sync.of(shard).launch_params = shard.read_current(torch.empty_like(sync.of(shard).delta))
         own = self._layer_norms(sync.members)
         norms = self.sync_group.all_gather(own).cpu()  # the decisions are taken on the host
-        excluded = None
-        trained = getattr(self.sync_group, "trained", None)  # a group whose workers change (torchft)
-        if c.skip_anomaly and trained is not None:
-            excluded, self.ewma_by_worker = penalty.detect_anomalies_by_worker(
-                norms, self.ewma_by_worker, self.sync_group.replica_ids, trained, c.ewma_alpha, c.ewma_warmup_steps,
-                c.ewma_threshold, sync.layers)
-        elif c.skip_anomaly:
-            excluded, self.ewma = penalty.detect_anomalies(
-                norms, self.ewma, c.ewma_alpha, c.ewma_warmup_steps, c.ewma_threshold, sync.layers
-            )
-        elif self._penalty and trained is not None:  # a worker that did not train has no weight
-            excluded = (~trained).unsqueeze(1).expand_as(norms).clone()
-        self._refuse_non_finite(norms, excluded)
-        if self._penalty:
-            temperature = c.weight_softmax_temperature if c.weight_softmax_temperature is not None else 1.0
-            self._set_weights(penalty.averaging_weights(norms, excluded, c.pseudo_gradnorm_reduce, temperature),
-                              excluded)
-        elif self._gta or c.use_step_weight:  # explicit weights: start from the mean
-            W, L = self.sync_group.size, len(self.layer_names)
-            # the mean of those that trained (torchft: one that has just joined weighs 0)
-            present = torch.ones(W, dtype=torch.bool) if trained is None else trained
-            share = present.to(torch.float64) / max(1, int(present.sum()))
-            self._set_weights(share.unsqueeze(1).expand(W, L).clone(), None)
-        sync.norms, sync.excluded = norms, excluded
-        sync.skipped = penalty.skipped_layers(excluded, len(self.layer_names))
-
-    def _refuse_non_finite(self, norms: torch.Tensor, excluded: Optional[torch.Tensor]) -> None:
-        """Stop (the same decision on every rank) when a worker's pseudo-gradient is NaN / Inf in
-        a layer it is not excluded from; nothing has been exchanged yet."""
-        bad = ~torch.isfinite(norms)
-        if excluded is not None:
-            bad &= ~excluded
-        if not bool(bad.any()):
-            return
-        sync, me = self._sync, self.sync_group.rank
-        workers = sorted({int(w) for w in bad.nonzero()[:, 0]})
-        layers = [self.layer_names[int(i)] for i in bad.any(dim=0).nonzero()[:, 0]]
-        self._sync = None  # every shard's Delta goes with it
-        raise NonFinitePseudoGradient(
-            f"megatron_edit: the pseudo-gradient of worker{'s' if len(workers) > 1 else ''} "
-            f"{', '.join(map(str, workers))} is not finite (NaN or Inf) at the sync after step "
-            f"{sync.step} (this is worker {me}; layers {layers[:4]}{' ...' if len(layers) > 4 else ''}). "
-            "The run stops before the exchange, so the anchor is still finite: resume from the last "
-            "checkpoint; with --local-sgd-skip-anomaly (LocalSGDConfig.skip_anomaly) such a worker "
-            "is excluded from the sync instead."
-        )
+        try:
+            decision = self.decisions.take(c, norms, self.sync_group, sync.layers, sync.worker_steps,
+                                           self.layer_names, sync.step)
+        except NonFinitePseudoGradient:
+            self._sync = None  # every shard's Delta goes with it
+            raise
+        sync.weights = decision.weights
+        sync.own_weights = None if decision.weights is None else decision.weights[self.sync_group.rank]
+        sync.norms, sync.excluded, sync.skipped = norms, decision.excluded, decision.skipped
 
     def _plan(self) -> None:
         """The reducers of this sync, with its weights, and the one of each shard: the only
@@ -526,42 +489,7 @@ class OuterSync:
         if self._sync is None or self.pending:
             return
         sync, self._sync = self._sync, None
-        clip = None
-        if self.config.clip_pseudo_grad is not None and not sync.skipped_sync:
-            # Stacked on the device; read on the host only when a log asks (SyncReport.scalars).
-            # A layer outside this sync's fragment is not clipped here: 1.
-            one = next(iter(sync.clip_coef.values())).new_ones(()) if sync.clip_coef else torch.ones(())
-            clip = torch.stack([sync.clip_coef.get(i, one) for i in range(len(self.layer_names))])
-        report = SyncReport(
-            step=sync.step,
-            mode=self.config.sync_mode,
-            buckets=len(sync.members),
-            fragment=sync.fragment,
-            fragments=self.config.fragments,
-            payload_bytes=self.sync_group.counters.payload_bytes - sync.bytes_at_start,
-            seconds=sync.seconds,
-            workers=self.num_workers,
-            trained=getattr(self.sync_group, "contributors", None) if getattr(self.sync_group, "dynamic", False) else None,
-            steps_since_last=sync.steps_since_last,
-            outer_lr=self.outer.lr,
-            worker=self.sync_group.rank,
-            layer_names=self.layer_names,
-            norms=sync.norms,
-            weights=sync.weights,
-            excluded=sync.excluded,
-            skipped=sync.skipped,
-            clip_coef=clip,
-            skipped_sync=sync.skipped_sync,
-            worker_steps=sync.worker_steps,
-            worker_seconds=sync.worker_seconds,
-            worker_idle=sync.worker_idle,
-            final=sync.final,
-            exchange_dtype=self.config.exchange_dtype,
-            quantization_error=self._exchange_error(),
-            delay=sync.delay,
-            exposed_wait_seconds=sync.exposed_wait,
-            launch_wait_seconds=sync.launch_wait,
-            committed=sync.committed is not False,
-        )
+        report = report_of(sync, self.config, self.sync_group, self.layer_names, self.outer.lr,
+                           self._exchange_error())
         if self.on_done is not None:
             self.on_done(report)

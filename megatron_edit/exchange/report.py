@@ -126,3 +126,47 @@ class SyncReport:
             out["local-sgd/idle-seconds-max"] = float(self.worker_idle.max())
             out["local-sgd/final-sync"] = float(self.final)
         return out
+
+
+def report_of(sync, config, sync_group, layer_names, outer_lr: float, exchange_error) -> SyncReport:
+    """The report of a sync that ended (``sync``: its :class:`~.in_flight.SyncInProgress`),
+    on this rank of ``sync_group``; ``exchange_error``: what the quantized or sparse exchange
+    changed (None: exact)."""
+    clip = None
+    if config.clip_pseudo_grad is not None and not sync.skipped_sync:
+        # Stacked on the device; read on the host only when a log asks (SyncReport.scalars).
+        # A layer outside this sync's fragment is not clipped here: 1.
+        one = next(iter(sync.clip_coef.values())).new_ones(()) if sync.clip_coef else torch.ones(())
+        clip = torch.stack([sync.clip_coef.get(i, one) for i in range(len(layer_names))])
+    report = SyncReport(
+        step=sync.step,
+        mode=config.sync_mode,
+        buckets=len(sync.members),
+        fragment=sync.fragment,
+        fragments=config.fragments,
+        payload_bytes=sync_group.counters.payload_bytes - sync.bytes_at_start,
+        seconds=sync.seconds,
+        workers=sync_group.size,
+        trained=getattr(sync_group, "contributors", None) if getattr(sync_group, "dynamic", False) else None,
+        steps_since_last=sync.steps_since_last,
+        outer_lr=outer_lr,
+        worker=sync_group.rank,
+        layer_names=layer_names,
+        norms=sync.norms,
+        weights=sync.weights,
+        excluded=sync.excluded,
+        skipped=sync.skipped,
+        clip_coef=clip,
+        skipped_sync=sync.skipped_sync,
+        worker_steps=sync.worker_steps,
+        worker_seconds=sync.worker_seconds,
+        worker_idle=sync.worker_idle,
+        final=sync.final,
+        exchange_dtype=config.exchange_dtype,
+        quantization_error=exchange_error,
+        delay=sync.delay,
+        exposed_wait_seconds=sync.exposed_wait,
+        launch_wait_seconds=sync.launch_wait,
+        committed=sync.committed is not False,
+    )
+    return report
