@@ -21,6 +21,7 @@ fsdp_dtensor`` saves it (docs/concepts/megatron-fsdp.md).
 
 import argparse
 import os
+import shutil
 import tempfile
 import warnings
 
@@ -147,8 +148,15 @@ def main():
     args = parser.parse_args()
     fsdp = args.megatron_fsdp
     # torch's deprecation notices about what megatron-core calls (ShardedTensor in every save and
-    # load, all_gather_into_tensor in the parameter gather): nothing to act on here
+    # load, all_gather_into_tensor in the parameter gather), megatron-core's notes that Transformer
+    # Engine / Apex are absent (never there on a CPU), its own deprecation of a default it sets
+    # itself and its read of a non-leaf .grad on the CPU: nothing to act on here
+    from megatron_edit.launch import quiet_upstream_warnings
+
     warnings.filterwarnings("ignore", category=FutureWarning)
+    quiet_upstream_warnings(cpu=not torch.cuda.is_available())
+    warnings.filterwarnings("ignore", category=UserWarning, message=r"full scope is deprecated")
+    warnings.filterwarnings("ignore", category=UserWarning, message=r"The \.grad attribute of a Tensor that is not a leaf")
     torch.set_num_threads(1)
     if not torch.cuda.is_available():
         from megatron_edit.cpu import adapter
@@ -164,7 +172,11 @@ def main():
         me.OuterOptimizerConfig("sgd", {"lr": 0.8, "momentum": 0.0}),
     )
     path = args.dir or os.path.join(tempfile.gettempdir(), "megatron_edit_example_ckpt")
+    if args.dir is None and dist.get_rank() == 0:  # the example's own folder: a rerun starts afresh
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
     ddp, optimizer = build(fsdp=fsdp)
+    me.set_train_iters(optimizer, STEPS)  # the run's length: its last step is a sync (one model at the end)
     uninterrupted = {}
     for step in range(1, STEPS + 1):
         uninterrupted[step] = train_step(ddp, optimizer, step)
@@ -172,6 +184,7 @@ def main():
             save(ddp, optimizer, path, fsdp)
 
     ddp, optimizer = build(fsdp=fsdp)  # a fresh model and optimizer, as a restarted job would build
+    me.set_train_iters(optimizer, STEPS)
     load(ddp, optimizer, path, fsdp)
     (edit,) = me.get_local_sgd(optimizer)
     resumed = {step: train_step(ddp, optimizer, step) for step in range(SAVE_AT + 1, STEPS + 1)}

@@ -45,3 +45,9 @@ def test_the_save_and_resume_example_runs_and_resumes_exactly(tmp_path, fsdp):
     assert proc.returncode == 0, out[-3000:]
     assert "resume exact: yes" in out and "step 10: loss" in out, out[-3000:]
     assert "FutureWarning" not in out
+    # Before: the result buried in 75 lines (megatron-core's notes that TE / Apex are absent,
+    # the package's own "the run's length is unknown" about its own example)
+    assert out.strip().splitlines()[-1] == "resume exact: yes", out[-3000:]
+    assert "not installed" not in out and "the run's length is unknown" not in out, out[-3000:]
+    # (Megatron-FSDP warns of its own prefetched all-gathers still pending at the save)
+    assert fsdp or "UserWarning" not in out, out[-3000:]
