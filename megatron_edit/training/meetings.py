@@ -76,6 +76,17 @@ def replicas_equal(controllers) -> bool:
 HASH_CHECK = "check_weight_hash_across_dp_replicas_interval"
 
 
+def replicas_equal_at_start(controllers) -> bool:
+    """Whether every worker holds the same model before the training loop: a fresh start, a load
+    that left every fragment identical (another number of workers, a synchronous checkpoint, or
+    one saved right after a sync), or a step where the workers meet with equal models."""
+    if all(c.steps_done == 0 for c in controllers):
+        return True
+    if all(c.identical_fragments == list(range(c.config.fragments)) for c in controllers):
+        return True
+    return replicas_equal(controllers)
+
+
 def _get_args():
     from megatron.training.global_vars import get_args
 
@@ -184,7 +195,7 @@ class ChecksAtMeetings:
             megatron_args = _get_args()
             interval = getattr(megatron_args, HASH_CHECK, None)
             controllers = self.controllers()
-            if interval is None or not controllers or replicas_equal(controllers):
+            if interval is None or not controllers or replicas_equal_at_start(controllers):
                 return original(*args, **kwargs)
             self.hash_check_due, self._held_interval = True, interval
             try:

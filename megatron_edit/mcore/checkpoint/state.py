@@ -218,6 +218,7 @@ def load_local_sgd_state(optimizer, controller, part: dict, state_dict: dict, pl
     controller.outer_state.synchronize()  # offloaded state: no copy in flight while we write it
     if plan.mode == "synchronous":
         controller.resume_from_synchronous(plan.adam_step(state_dict))
+        controller.mark_identical(range(controller.config.fragments), only=True)  # one model, every worker
         if backend_of(controller) is not None:  # every torchft job loads it: level, none heals
             backend_of(controller).start_from_torch_backend()
         _log_resume(controller, "a checkpoint of synchronous training", "Adam state kept, " + (
