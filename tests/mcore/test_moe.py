@@ -403,6 +403,7 @@ def test_moe_expert_parallel_checkpoint_resumes_exactly(tmp_path):
         run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, load_at=4, ep=1, timeout=280)
 
 
+@pytest.mark.one_lane  # an algorithm's variant on a checkpoint path (see conftest)
 @pytest.mark.timeout(400)
 def test_moe_expert_tensor_parallel_1_under_tensor_parallel_2_checkpoint_resumes_exactly(tmp_path):
     """TP=2, ETP=1, EP=2, 2 workers: saved between syncs (step 4) and resumed there, the run ends
