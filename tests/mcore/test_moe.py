@@ -364,7 +364,8 @@ def test_moe_expert_bias_refused_with_torchft_and_megatron_fsdp():
     from megatron_edit.mcore.checks import check_moe_options
 
     bias = _moe_config(moe_router_enable_expert_bias=True)
-    ft = LocalSGDConfig(sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510")
+    ft = LocalSGDConfig()  # the torchft backend's settings, set past the config's torchft-installed check
+    ft.sync_backend, ft.replica_id, ft.lighthouse = "torchft", 0, "http://127.0.0.1:29510"
     with pytest.raises(Exception, match="--moe-router-enable-expert-bias with --local-sgd-sync-backend torchft"):
         check_moe_options(ft, bias, False)
     with pytest.raises(Exception, match="--moe-router-enable-expert-bias with --use-local-sgd on Megatron-FSDP"):
