@@ -171,7 +171,7 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         """Which shards each sync exchanges: all, or a streaming fragment's."""
         self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
         # MoE routers' expert biases, averaged over the workers at each sync (.expert_bias), or None
-        self.expert_biases = ExpertBiases.of(optimizer, self.layout.expert, self.sync_group, self.config.local_sgd_warmup_steps)
+        self.expert_biases = ExpertBiases.of(optimizer, self.layout.expert, self.sync_group)
         self.sync.commit_gate = self.backend.commit_gate  # (torchft: applied only where committed)
 
     def _arrivals(self, inter) -> Arrivals:

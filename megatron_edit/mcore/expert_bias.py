@@ -57,28 +57,20 @@ def expert_biases(model_chunks) -> List:
 class ExpertBiases:
     """The routers' expert biases of one model, averaged over the workers at each sync."""
 
-    def __init__(self, biases: List, sync_group, warmup_steps: int):
+    def __init__(self, biases: List, sync_group):
         self.biases = biases
         self.sync_group = sync_group
-        self.warmup_steps = warmup_steps
-        self.agreed_at: Optional[int] = None
-        """The step count after which the biases were last made equal on every worker."""
 
     @classmethod
-    def of(cls, optimizer, expert: bool, sync_group, warmup_steps: int) -> Optional["ExpertBiases"]:
+    def of(cls, optimizer, expert: bool, sync_group) -> Optional["ExpertBiases"]:
         """For the optimizer of the dense parameters (the routers are dense layers; with expert
         parallelism the experts' optimizer has none); None without expert biases."""
         biases = [] if expert else expert_biases(optimizer.model_chunks)
-        return cls(biases, sync_group, warmup_steps) if biases else None
+        return cls(biases, sync_group) if biases else None
 
     def average(self, step: int) -> None:
         """At the sync after ``step``: every bias := its mean over the workers."""
         average_over_workers(self.biases, self.sync_group)
-        self.agreed_at = step
-
-    def loaded(self, steps_done: int) -> None:
-        """A checkpoint was loaded: every worker has its (one) copy of the biases."""
-        self.agreed_at = steps_done
 
 
 def worker_count_group(optimizer, worker_group):

@@ -404,6 +404,18 @@ def test_moe_expert_parallel_checkpoint_resumes_exactly(tmp_path):
         run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, load_at=4, ep=1, timeout=280)
 
 
+def _assert_resumed_exactly(whole, resumed):
+    """Every rank's parameters and both controllers' step count, anchors and mains at step 6:
+    the resumed run's equal the uninterrupted one's, bit for bit."""
+    for a, b in zip(whole, resumed):
+        assert len(a["controllers"]) == 2
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+        for ca, cb in zip(a["controllers"], b["controllers"]):
+            assert ca["steps_done"] == cb["steps_done"] == 6
+            for what in ("anchors", "mains"):
+                assert all(torch.equal(x, y) for x, y in zip(ca[what], cb[what])), what
+
+
 @pytest.mark.one_lane  # an algorithm's variant on a checkpoint path (see conftest)
 @pytest.mark.timeout(400)
 def test_moe_expert_tensor_parallel_1_under_tensor_parallel_2_checkpoint_resumes_exactly(tmp_path):
@@ -419,13 +431,7 @@ def test_moe_expert_tensor_parallel_1_under_tensor_parallel_2_checkpoint_resumes
     kw = dict(tp=2, etp=1, timeout=280)
     whole = run_ranks(moe_checkpoint_job, WORLD, model, local, path, 6, save_at=4, **kw)
     resumed = run_ranks(moe_checkpoint_job, WORLD, model, local, path, 6, load_at=4, **kw)
-    for a, b in zip(whole, resumed):
-        assert len(a["controllers"]) == 2
-        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
-        for ca, cb in zip(a["controllers"], b["controllers"]):
-            assert ca["steps_done"] == cb["steps_done"] == 6
-            for what in ("anchors", "mains"):
-                assert all(torch.equal(x, y) for x, y in zip(ca[what], cb[what])), what
+    _assert_resumed_exactly(whole, resumed)
 
 
 @pytest.mark.timeout(400)
@@ -444,13 +450,7 @@ def test_moe_expert_parallel_checkpoint_with_a_delayed_exchange_in_flight_resume
     local = dict(local_sgd_sync_interval=2, sync_mode="step_end", outer_step_delay=1)
     whole = run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, save_at=3, timeout=280)
     resumed = run_ranks(moe_checkpoint_job, WORLD, MOE, local, path, 6, load_at=3, timeout=280)
-    for a, b in zip(whole, resumed):
-        assert len(a["controllers"]) == 2
-        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
-        for ca, cb in zip(a["controllers"], b["controllers"]):
-            assert ca["steps_done"] == cb["steps_done"] == 6
-            for what in ("anchors", "mains"):
-                assert all(torch.equal(x, y) for x, y in zip(ca[what], cb[what])), what
+    _assert_resumed_exactly(whole, resumed)
 
 
 @pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)

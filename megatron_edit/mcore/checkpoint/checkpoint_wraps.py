@@ -141,8 +141,6 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
             result = fixed(self, state_dict, *args, **kwargs)
             if part is not None:
                 load_local_sgd_state(self, controller, part, state_dict)
-            if controller.expert_biases is not None:  # every worker loaded the one copy
-                controller.expert_biases.loaded(controller.steps_done)
             return result
 
         return wrapper
