@@ -176,12 +176,17 @@ def gate(directory: str, name: str, expected: int, timeout: float = 120.0) -> No
         time.sleep(0.05)
 
 
-def wait_file(path: str, timeout: float = 300.0) -> None:
-    """Wait until ``path`` exists (a job's signal to another; TimeoutError after ``timeout``)."""
+def wait_file(path: str, timeout: float = 300.0, jobs=()) -> None:
+    """Wait until ``path`` exists (a job's signal to another; TimeoutError after ``timeout``);
+    a rank of ``jobs`` (the test process's jobs) that fails meanwhile raises its traceback, and
+    one that ends without writing it raises at once."""
     end = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > end:
             raise TimeoutError(f"no {path} after {timeout}s")
+        for job in jobs:
+            if job.poll(wait=0.0) and not os.path.exists(path):
+                raise AssertionError(f"a job ended without writing {path}")
         time.sleep(0.05)
 
 

@@ -302,6 +302,23 @@ SPEEDS = {0: 1.0, 1: 2.0, 2: 1.0}
 """Fake seconds a step of each worker takes in the 3 x 2 run (worker 1 half as fast)."""
 
 
+def _first_round_together(directory: str, name: str, expected: int) -> None:
+    """Make this rank's first sync round wait at a gate until ``expected`` ranks have reached
+    theirs (their Managers heartbeating, so that torchft's Lighthouse puts every worker in the
+    first quorum instead of the first ``min_replicas`` to ask)."""
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    begin, first = FaultTolerantSyncGroup.begin, [True]
+
+    def together(self, contributed):
+        if first[0]:
+            first[0] = False
+            ft_jobs.gate(directory, name, expected, timeout=240.0)
+        return begin(self, contributed)
+
+    FaultTolerantSyncGroup.begin = together
+
+
 def _three_by_two_job(rank, world_size, worker, lighthouse, ctl, joiner):
     """Worker ``worker``'s job (2 ranks): A-EDiT over torchft, step-end sync, a budget of 20
     iterations, a fake clock of :data:`SPEEDS`. The first job of worker 2 writes a file after its
@@ -317,6 +334,8 @@ def _three_by_two_job(rank, world_size, worker, lighthouse, ctl, joiner):
     _worker_world()
     if joiner:
         _announce_join(os.path.join(ctl, f"joiner-in-quorum-{rank}"))
+    else:  # the first round: all three workers' Managers up first (a late worker 2 would heal
+        _first_round_together(os.path.join(ctl, "start"), f"w{worker}-r{rank}", 6)  # past step 5)
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)
@@ -361,7 +380,7 @@ def test_a_relaunched_a_edit_worker_of_two_ranks_takes_its_counters_from_one_pee
         addr = server.address()
         first = [start(_three_by_two_job, 2, w, addr, ctl, False, timeout=3 * TIMEOUT - 60) for w in range(3)]
         for r in range(2):
-            ft_jobs.wait_file(os.path.join(ctl, f"victim-at-5-{r}"), timeout=3 * TIMEOUT - 60)
+            ft_jobs.wait_file(os.path.join(ctl, f"victim-at-5-{r}"), timeout=3 * TIMEOUT - 60, jobs=first)
         first[2].kill()
         open(os.path.join(ctl, "victim-dead"), "w").close()
         joiner = start(_three_by_two_job, 2, 2, addr, ctl, True, timeout=3 * TIMEOUT - 60)
@@ -391,15 +410,7 @@ def _final_victim_job(rank, world_size, worker, lighthouse, ctl):
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
     _worker_world()
-    begin, first = FaultTolerantSyncGroup.begin, [True]
-
-    def together(self, contributed):  # the first round: both Managers up first
-        if first[0]:
-            first[0] = False
-            ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}", 2, timeout=240.0)
-        return begin(self, contributed)
-
-    FaultTolerantSyncGroup.begin = together
+    _first_round_together(os.path.join(ctl, "join"), f"w{worker}", 2)  # both Managers up first
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)
@@ -445,7 +456,7 @@ def test_a_edits_final_sync_whose_peer_dies_inside_it_is_planned_again_and_the_b
         addr = server.address()
         survivor = start(_final_victim_job, 1, 0, addr, ctl, timeout=2 * TIMEOUT - 60)
         victim = start(_final_victim_job, 1, 1, addr, ctl, timeout=2 * TIMEOUT - 60)
-        ft_jobs.wait_file(os.path.join(ctl, "victim-in-final"), timeout=2 * TIMEOUT - 60)
+        ft_jobs.wait_file(os.path.join(ctl, "victim-in-final"), timeout=2 * TIMEOUT - 60, jobs=[survivor, victim])
         victim.kill()
         (out,) = survivor.results()
     reports = out["reports"]
