@@ -179,15 +179,32 @@ def gate(directory: str, name: str, expected: int, timeout: float = 120.0) -> No
 def wait_file(path: str, timeout: float = 300.0, jobs=()) -> None:
     """Wait until ``path`` exists (a job's signal to another; TimeoutError after ``timeout``);
     a rank of ``jobs`` (the test process's jobs) that fails meanwhile raises its traceback, and
-    one that ends without writing it raises at once."""
-    end = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            raise TimeoutError(f"no {path} after {timeout}s")
-        for job in jobs:
-            if job.poll(wait=0.0) and not os.path.exists(path):
-                raise AssertionError(f"a job ended without writing {path}")
-        time.sleep(0.05)
+    a job that ends without writing it raises at once."""
+    def written() -> bool:
+        if os.path.exists(path):
+            return True
+        if any(job.poll(wait=0.0) for job in jobs) and not os.path.exists(path):
+            raise AssertionError(f"a job ended without writing {path}")
+        return False
+
+    until(written, path, timeout=timeout)
+
+
+def first_round_together(directory: str, name: str, expected: int) -> None:
+    """Inside a job's rank: its first sync round waits at :func:`gate` until ``expected`` ranks
+    have reached theirs (their Managers heartbeating, so that torchft's Lighthouse puts every
+    worker in the first quorum instead of the first ``min_replicas`` to ask)."""
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    begin, first = FaultTolerantSyncGroup.begin, [True]
+
+    def together(self, contributed):
+        if first[0]:
+            first[0] = False
+            gate(directory, name, expected, timeout=300.0)
+        return begin(self, contributed)
+
+    FaultTolerantSyncGroup.begin = together
 
 
 def events(ctl: str, worker: int, rank: int) -> list:

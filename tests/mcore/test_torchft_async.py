@@ -302,23 +302,6 @@ SPEEDS = {0: 1.0, 1: 2.0, 2: 1.0}
 """Fake seconds a step of each worker takes in the 3 x 2 run (worker 1 half as fast)."""
 
 
-def _first_round_together(directory: str, name: str, expected: int) -> None:
-    """Make this rank's first sync round wait at a gate until ``expected`` ranks have reached
-    theirs (their Managers heartbeating, so that torchft's Lighthouse puts every worker in the
-    first quorum instead of the first ``min_replicas`` to ask)."""
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
-
-    begin, first = FaultTolerantSyncGroup.begin, [True]
-
-    def together(self, contributed):
-        if first[0]:
-            first[0] = False
-            ft_jobs.gate(directory, name, expected, timeout=240.0)
-        return begin(self, contributed)
-
-    FaultTolerantSyncGroup.begin = together
-
-
 def _three_by_two_job(rank, world_size, worker, lighthouse, ctl, joiner):
     """Worker ``worker``'s job (2 ranks): A-EDiT over torchft, step-end sync, a budget of 20
     iterations, a fake clock of :data:`SPEEDS`. The first job of worker 2 writes a file after its
@@ -334,8 +317,8 @@ def _three_by_two_job(rank, world_size, worker, lighthouse, ctl, joiner):
     _worker_world()
     if joiner:
         _announce_join(os.path.join(ctl, f"joiner-in-quorum-{rank}"))
-    else:  # the first round: all three workers' Managers up first (a late worker 2 would heal
-        _first_round_together(os.path.join(ctl, "start"), f"w{worker}-r{rank}", 6)  # past step 5)
+    else:  # all three workers in the first quorum (a late worker 2 would heal past its step 5)
+        ft_jobs.first_round_together(os.path.join(ctl, "start"), f"w{worker}-r{rank}", 6)
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)
@@ -410,7 +393,7 @@ def _final_victim_job(rank, world_size, worker, lighthouse, ctl):
     from gpt_utils import make_batches, rank_micro_batches, train_step
 
     _worker_world()
-    _first_round_together(os.path.join(ctl, "join"), f"w{worker}", 2)  # both Managers up first
+    ft_jobs.first_round_together(os.path.join(ctl, "join"), f"w{worker}", 2)  # both Managers up first
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)

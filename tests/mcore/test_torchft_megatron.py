@@ -736,15 +736,7 @@ def _exchange_victim_worker(rank, world_size, worker, lighthouse, ctl, stuck_at=
     host, port = ft_jobs.job_store_address()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
-    begin, first = FaultTolerantSyncGroup.begin, [True]
-
-    def together(self, contributed):  # the join round: both Managers up first (see _healing_worker)
-        if first[0]:
-            first[0] = False
-            ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}", WORKERS, timeout=300.0)
-        return begin(self, contributed)
-
-    FaultTolerantSyncGroup.begin = together
+    ft_jobs.first_round_together(os.path.join(ctl, "join"), f"w{worker}", WORKERS)  # both Managers up first
     local = dict(local_sgd_sync_interval=2, sync_mode="layerwise", sync_backend="torchft", replica_id=worker,
                  lighthouse=lighthouse, sync_timeout=120.0)
     ddp, opt, c = cr._setup(local, instances=1)
