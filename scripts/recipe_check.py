@@ -494,8 +494,6 @@ RULES = [
      ("samples_to_iters",)),
     (r"--moe-router-load-balancing-type global_aux_loss", "blocker",
      "--moe-router-load-balancing-type global_aux_loss", ("drop", ["--moe-router-load-balancing-type"])),
-    (r"^--context-parallel-size > 1 with MoE", "blocker", "--context-parallel-size > 1 with MoE",
-     ("drop", ["--context-parallel-size", "--hierarchical-context-parallel-sizes", "--cp-comm-type"])),
     (r"^--expert-tensor-parallel-size \d+ different from", "blocker",
      "--expert-tensor-parallel-size != TP (MoE)", ("drop", ["--expert-tensor-parallel-size"])),
     (r"^--rerun-mode report_stats", "blocker", "--rerun-mode report_stats", ("drop", ["--rerun-mode"])),

@@ -308,6 +308,9 @@ def _train(rank, spec, tp, pp):
         if spec["snapshot_every_step"]:
             ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync too
             out["snapshots"][step] = full_params(ddp)
+        biases = [m.expert_bias for m in ddp.modules() if getattr(m, "expert_bias", None) is not None]
+        if biases:  # MoE routers' expert biases (--moe-router-enable-expert-bias), after each step
+            out.setdefault("expert_biases", {})[step] = torch.stack([b.detach().clone() for b in biases])
     if controllers:
         out["pending_at_end"] = controllers[0].sync_in_progress
         out["in_flight_at_end"] = any(c.delayed is not None and c.delayed.in_flight for c in controllers)

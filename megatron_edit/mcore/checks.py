@@ -113,25 +113,16 @@ def check_optimizer_options(config, has_grad_scaler: bool, megatron_fsdp: bool =
         )
 
 
-def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_parallel: bool,
-                      fsdp: bool = False) -> None:
+def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_parallel: bool) -> None:
     """MoE: refuse what would cross workers between syncs or is not covered yet.
 
-    ``expert_parallel``: the DDP model has expert-parallel buffers (expert parallelism > 1: a
-    second distributed optimizer, and a second EDiT controller, for the experts); ``fsdp``: the
-    model is Megatron-FSDP's."""
+    ``expert_parallel``: the model has expert-parallel buffers (expert parallelism > 1: with DDP
+    a second distributed optimizer, and a second EDiT controller, for the experts)."""
     import torch
 
     c = transformer_config
-    tp = getattr(c, "tensor_model_parallel_size", 1)
-    etp = getattr(c, "expert_tensor_parallel_size", None)
-    if getattr(c, "context_parallel_size", 1) > 1:
-        raise NotSupportedYet(
-            "--context-parallel-size > 1 with MoE (--num-experts) and --use-local-sgd is not supported "
-            "yet: needs GPU work (context parallelism runs on transformer-engine's attention, so the "
-            "experts' data-parallel groups with it were not built or checked on the CPU).")
     if getattr(c, "moe_router_enable_expert_bias", False):
-        _check_expert_bias(local_cfg, fsdp)
+        _check_expert_bias(local_cfg)
     balancing = getattr(c, "moe_router_load_balancing_type", "aux_loss")
     types = [balancing] if isinstance(balancing, str) else list(balancing)
     if "global_aux_loss" in types:
@@ -150,15 +141,11 @@ def check_moe_options(local_cfg: LocalSGDConfig, transformer_config, expert_para
             raise ConfigError("--moe-token-dispatcher-type flex needs CUDA: on CPU use allgather or alltoall.")
 
 
-def _check_expert_bias(local_cfg: LocalSGDConfig, fsdp: bool) -> None:
+def _check_expert_bias(local_cfg: LocalSGDConfig) -> None:
     """``--moe-router-enable-expert-bias``: counted inside the worker, averaged at each sync
-    (:mod:`megatron_edit.mcore.expert_bias`), on the torch backend with DDP."""
+    (:mod:`megatron_edit.mcore.expert_bias`), on the torch backend (DDP or Megatron-FSDP)."""
     if local_cfg.sync_backend == "torchft":
         raise NotSupportedYet(
             "--moe-router-enable-expert-bias with --local-sgd-sync-backend torchft is not supported yet: "
             "a heal copies a peer's parameters and EDiT state but not the routers' expert biases (buffers), "
             "and a round that does not commit would have to undo their average.")
-    if fsdp:
-        raise NotSupportedYet(
-            "--moe-router-enable-expert-bias with --use-local-sgd on Megatron-FSDP is not supported yet: "
-            "the expert biases' count group and their average at each sync were checked with DDP only.")

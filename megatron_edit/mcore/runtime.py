@@ -23,6 +23,7 @@ from .checks import check_megatron_options, check_moe_options, check_optimizer_o
 from .controller import LocalSGD
 from .expert_bias import register_model
 from .fsdp import check_fsdp_release
+from .worker_layout import check_worker_holds, groups_a_step_uses
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class LocalSGDRuntime:
         check_megatron_options(self.configs.local, transformer_config, ddp_config)
         if getattr(transformer_config, "num_moe_experts", None):
             ep = getattr(transformer_config, "expert_model_parallel_size", 1) or 1
-            check_moe_options(self.configs.local, transformer_config, expert_parallel=ep > 1, fsdp=True)
+            check_moe_options(self.configs.local, transformer_config, expert_parallel=ep > 1)
 
     def on_fsdp_init(self, wrapper) -> None:
         """A Megatron-FSDP model (``FullyShardedDataParallel``) was built while patched."""
@@ -176,6 +177,10 @@ class LocalSGDRuntime:
         worker = compat.instance_group(controller.sync_group.group)
         if worker is not None:
             self.grad_stats_groups[optimizer] = worker
+            if controller.fsdp is None:
+                ranks = torch.distributed.get_process_group_ranks
+                check_worker_holds(ranks(worker), {name: ranks(group) for name, group
+                                                   in groups_a_step_uses(optimizer, controller.layout).items()})
         register_model(self, optimizer, controller, worker)  # a collective with expert biases
         for group in controller.group_shards:
             self.group_owner[group] = controller

@@ -12,8 +12,9 @@ controller is built; the controller, the checkpoint and the runtime take it from
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Sequence
 
+from ..config import ConfigError
 from . import compat
 
 
@@ -68,3 +69,37 @@ def is_expert_optimizer(optimizer) -> bool:
     """Whether ``optimizer``'s buffers are its model chunks' expert-parallel buffers."""
     experts = {id(b) for chunk in optimizer.model_chunks for b in getattr(chunk, "expert_parallel_buffers", ())}
     return bool(optimizer.buffers) and all(id(b) in experts for b in optimizer.buffers)
+
+
+def groups_a_step_uses(optimizer, layout: WorkerLayout) -> Dict[str, Any]:
+    """The process groups one training step of ``optimizer``'s model communicates over (between
+    syncs, every one of them must lie inside the worker): the optimizer's data-parallel group,
+    the tensor-parallel group (for the expert optimizer, the expert tensor x model-parallel
+    group the token dispatchers use), and the context- and pipeline-parallel groups."""
+    from megatron.core import parallel_state
+
+    chunk = optimizer.model_chunks[0]
+    groups = {"data-parallel (the distributed optimizer's)": optimizer.data_parallel_group,
+              "expert tensor x expert model-parallel" if layout.expert else "tensor-parallel": layout.tp_group,
+              "pipeline-parallel": compat.pipeline_parallel_group(chunk)}
+    if parallel_state.model_parallel_is_initialized():
+        groups["context-parallel"] = parallel_state.get_context_parallel_group()
+    return {name: group for name, group in groups.items() if group is not None}
+
+
+def check_worker_holds(worker: Sequence[int], groups: Dict[str, Sequence[int]]) -> None:
+    """Every group a step uses lies inside the worker (``worker``, ``groups``: global ranks):
+    what Megatron's rank layout gives for every tensor / context / pipeline / expert parallelism
+    with ``num_distributed_optimizer_instances`` (checked on real megatron-core's
+    ``initialize_model_parallel`` in the tests); a layout that crosses workers would mix them
+    every step, so it stops the run before the first one."""
+    inside = set(worker)
+    for name, ranks in groups.items():
+        outside = sorted(set(ranks) - inside)
+        if outside:
+            raise ConfigError(
+                f"megatron_edit: the {name} group (ranks {sorted(ranks)}) crosses EDiT workers: "
+                f"ranks {outside} are not in this rank's worker {sorted(inside)} (one instance of "
+                "--num-distributed-optimizer-instances), so workers would exchange data every step. "
+                "Use a parallel layout whose tensor, context, pipeline and expert groups each lie "
+                "inside one distributed-optimizer instance.")

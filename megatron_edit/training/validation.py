@@ -187,8 +187,7 @@ def _check_moe_args(local, args: argparse.Namespace) -> None:
             "(checked with 0.16.x and 0.19.x, whose MoE metrics logging is kept inside the worker).")
     if getattr(args, "moe_use_upcycling", False):
         raise NotSupportedYet("--moe-use-upcycling with --use-local-sgd is not supported yet.")
-    fsdp = bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_custom_fsdp", False))
-    check_moe_options(local, args, (getattr(args, "expert_model_parallel_size", 1) or 1) > 1, fsdp=fsdp)
+    check_moe_options(local, args, (getattr(args, "expert_model_parallel_size", 1) or 1) > 1)
 
 
 def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:

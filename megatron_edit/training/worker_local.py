@@ -4,6 +4,10 @@ Megatron-LM reduces figures for its log over every data-parallel rank (or every 
 step: each such collective is a barrier across workers, and with A-EDiT a deadlock risk.
 :class:`WorkerLocalCollectives` keeps them inside the worker; what cannot be is refused by
 :mod:`megatron_edit.training.validation`.
+
+This module is long because it holds one small wrapper per such reduction of Megatron-LM's
+(the loss, the MoE metrics of 0.16 and 0.19, the timers, the data-parallel group getters), all
+of one rule, with the patch table that declares them.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class WorkerLocalCollectives:
     def __init__(self, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]):
         self.runtime_ref = runtime_ref
         self._local = threading.local()
+        self._crossing = {}  # process group -> whether it spans workers
 
     # ------------------------------------------------------------ state
     def controllers(self) -> list:
@@ -126,6 +131,18 @@ class WorkerLocalCollectives:
         from megatron.core import parallel_state
 
         return parallel_state.get_intra_distributed_optimizer_instance_group(check_initialized=False)
+
+    def _crosses_workers(self, group) -> bool:
+        """Whether ``group`` (None: no group) holds ranks of another worker (decided once per
+        group)."""
+        if group is None:
+            return False
+        known = self._crossing.get(group)
+        if known is None:
+            from torch.distributed import get_process_group_ranks as ranks
+
+            known = self._crossing[group] = not set(ranks(group)) <= set(ranks(self.worker_group()))
+        return known
 
     # ------------------------------------------------------------ wrappers
     def wrap_reporting_region(self, original):
@@ -208,9 +225,10 @@ class WorkerLocalCollectives:
             if not self.controllers():
                 return original(track_names, pg_collection=pg_collection)
             # MoE logging (track_moe_metrics, every iteration): the tracked losses are averaged
-            # over the data-parallel group; give it the worker's (context parallelism with MoE
-            # is refused, so it is the data-parallel group without CP). Entries reduced over a
-            # group spanning data parallelism (global aux loss) are refused at start-up.
+            # over the data-parallel group (without CP); give it the worker's part (with CP:
+            # every entry averaged over it was first summed over a group holding CP, so the CP
+            # ranks' values are equal and averaging them changes nothing). Entries reduced over
+            # a group spanning data parallelism (global aux loss) are refused at start-up.
             from megatron.core import parallel_state
 
             worker = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
@@ -229,7 +247,7 @@ class WorkerLocalCollectives:
                 return original(tracker, metric_names, pg_collection)
             # 0.19: the MoE metrics (every iteration) are averaged over pg_collection's
             # dp_cp_gtp_remat, or every data-parallel rank without a collection; give it the
-            # worker's (context parallelism and GTP remat with MoE are refused: the same ranks).
+            # worker's (GTP remat is refused: the same ranks, CP included).
             from megatron.core import parallel_state
 
             worker = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
@@ -238,7 +256,20 @@ class WorkerLocalCollectives:
             else:
                 local = copy.copy(pg_collection)
             local.dp_cp_gtp_remat = worker
-            return original(tracker, metric_names, local)
+            # An entry averaged over a group of its own that spans the workers (the router's
+            # z-loss: tensor x data x context parallel) is averaged over the whole worker
+            # instead: its values are equal across the pipeline stages after the first
+            # reduction, so that is the worker's part of the entry's group.
+            crossing = [entry for name in (metric_names or ()) for entry in [tracker._metrics.get(name)]
+                        if entry is not None and self._crosses_workers(entry.avg_group)]
+            saved = [entry.avg_group for entry in crossing]
+            for entry in crossing:
+                entry.avg_group = self.worker_group()
+            try:
+                return original(tracker, metric_names, local)
+            finally:
+                for entry, group in zip(crossing, saved):
+                    entry.avg_group = group
 
         return _sync_metrics
 

@@ -545,7 +545,8 @@ def _fsdp_state(ddp, opt, ctl) -> dict:
     # this rank's shard has no Adam state that means anything)
     adam = [{k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in opt.optimizer.state[p].items()}
             for g in opt.optimizer.param_groups for p in g["params"] if p.to_local().numel()]
-    out = dict(params=full_params(ddp), adam=adam)
+    out = dict(params=full_params(ddp), adam=adam,
+               expert_biases=[m.expert_bias.clone() for m in ddp.modules() if getattr(m, "expert_bias", None) is not None])
     if ctl is not None:
         outer = ctl.outer_optimizer
         out.update(

@@ -7,7 +7,8 @@ biases included. Checked against an independent computation from each rank's own
 import pytest
 import torch
 
-from dist import run_ranks
+from dist import run_fsdp_ranks, run_ranks
+from edit_runs import ON_EXPERT_PARALLEL_FSDP, ON_FSDP_RELEASE
 from megatron_edit.mcore import compat
 
 pytestmark = pytest.mark.skipif(not compat.version_at_least("0.16.0"),
@@ -186,3 +187,60 @@ def test_expert_bias_with_a_delayed_outer_step_is_averaged_at_the_apply():
     runs = [dict(EDIT, sync_mode="step_end", outer_step_delay=1, outer_merge_alpha=0.5)]
     results = run_ranks(expert_bias_job, WORLD, runs, STEPS, timeout=250)
     _check_run([r[0] for r in results], launches=(2, 4))
+
+
+@ON_FSDP_RELEASE
+@pytest.mark.timeout(600)
+# expert parallelism 1 in the default lane (0.16.1), 2 in the newest (0.19.2: 0.16 refuses it on Megatron-FSDP)
+@pytest.mark.parametrize("ep", [pytest.param(1, marks=pytest.mark.one_lane), pytest.param(2, marks=ON_EXPERT_PARALLEL_FSDP)])
+def test_expert_bias_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
+    """Megatron-FSDP (2 workers x 2 shards, layer-wise): after every step each rank's routers'
+    biases are bit for bit those of the same run on DDP + the distributed optimizer (counted
+    inside the worker between syncs, the mean over the workers at each sync), the workers'
+    biases differ between syncs and agree after each, and the parameters match to 1e-6."""
+    from edit_runs import FSDP_MOE, default_spec, megatron_runs  # (the 4 ranks' functions)
+
+    model = dict(FSDP_MOE, **{k: MOE[k] for k in MOE if k.startswith("moe_router_")})
+    specs = [default_spec(steps=6, model=model, local_sgd=dict(EDIT, sync_mode="layerwise"), outer=OUTER, fsdp=fsdp)
+             for fsdp in (False, True)]
+    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560, ep=ep)
+    for r in results:
+        ddp, fsdp = r["runs"]
+        assert [rep.step for rep in fsdp["reports"]] == [rep.step for rep in ddp["reports"]] == [3, 5]
+        assert sorted(fsdp["expert_biases"]) == list(range(1, 7))
+        for step in range(1, 7):
+            assert torch.equal(fsdp["expert_biases"][step], ddp["expert_biases"][step]), step
+        assert max((fsdp["params"][k] - ddp["params"][k]).abs().max().item() for k in ddp["params"]) <= 1e-6
+    by_worker = {r["runs"][1]["worker"]: r["runs"][1]["expert_biases"] for r in results}
+    for step in range(1, 7):
+        assert torch.equal(by_worker[0][step], by_worker[1][step]) == (step in (1, 3, 5)), step
+
+
+@pytest.mark.one_lane  # the fsdp_dtensor checkpoint path: no megatron-core release difference past the FSDP test above
+@ON_FSDP_RELEASE
+@pytest.mark.timeout(600)
+def test_expert_bias_on_megatron_fsdp_checkpoint_between_syncs_resumes_exactly_and_elastically(tmp_path):
+    """Megatron-FSDP's fsdp_dtensor checkpoint, 2 workers, saved after step 7 (between the syncs
+    of steps 5 and 8: the workers' biases differ): resumed with 2 workers it ends bit for bit
+    where the uninterrupted run ends (step 10), biases, parameters and EDiT state; resumed with 1
+    worker the biases are the mean of the two saved workers' (the rule of a sync)."""
+    from checkpoint_runs import fsdp_train_job
+    from edit_runs import FSDP_MOE
+
+    model = dict(FSDP_MOE, **{k: MOE[k] for k in MOE if k.startswith("moe_router_")})
+    path = str(tmp_path / "ckpt")
+    whole = run_fsdp_ranks(fsdp_train_job, WORLD, saves=(7,), path=path, snapshots=(7,), model=model, timeout=400)
+    resumed = run_fsdp_ranks(fsdp_train_job, WORLD, load=7, path=path, model=model, timeout=400)
+    saved = {r["worker"]: r["snapshots"][7]["expert_biases"] for r in whole}
+    assert len(saved[0]) == 2 and not all(torch.equal(a, b) for a, b in zip(saved[0], saved[1]))
+    for a, b in zip(whole, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a["snapshots"][7]["expert_biases"], b["loaded"]["expert_biases"]))
+        for key in ("expert_biases", "params", "anchors", "mains", "steps_done"):
+            x, y = a["final"][key], b["final"][key]
+            assert (x == y) if isinstance(x, int) else all(
+                torch.equal(x[k], y[k]) for k in x) if isinstance(x, dict) else all(
+                torch.equal(u, v) for u, v in zip(x, y)), key
+    one = run_fsdp_ranks(fsdp_train_job, WORLD, instances=1, load=7, path=path, model=model, timeout=400)
+    mean = [((x.double() + y.double()) / 2).to(x.dtype) for x, y in zip(saved[0], saved[1])]
+    for r in one:
+        assert all(torch.equal(x, y) for x, y in zip(r["loaded"]["expert_biases"], mean)), "the mean over the saved workers"

@@ -328,7 +328,6 @@ def _moe_config(**overrides):
 
 
 @pytest.mark.parametrize("overrides,expert_parallel,use_async,match", [
-    (dict(context_parallel_size=2), False, False, "--context-parallel-size"),
     (dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"]), False, False, "global_aux_loss"),
     (dict(moe_router_load_balancing_type="quantile_balancing"), False, False, "quantile_balancing"),
     (dict(moe_grouped_gemm=True), False, False, "--moe-grouped-gemm"),
@@ -359,7 +358,7 @@ def test_moe_options_accepted():
     check_moe_options(LocalSGDConfig(use_async=True), _moe_config(moe_router_enable_expert_bias=True), False)
 
 
-def test_moe_expert_bias_refused_with_torchft_and_megatron_fsdp():
+def test_moe_expert_bias_refused_with_torchft():
     from megatron_edit import LocalSGDConfig
     from megatron_edit.mcore.checks import check_moe_options
 
@@ -368,8 +367,6 @@ def test_moe_expert_bias_refused_with_torchft_and_megatron_fsdp():
     ft.sync_backend, ft.replica_id, ft.lighthouse = "torchft", 0, "http://127.0.0.1:29510"
     with pytest.raises(Exception, match="--moe-router-enable-expert-bias with --local-sgd-sync-backend torchft"):
         check_moe_options(ft, bias, False)
-    with pytest.raises(Exception, match="--moe-router-enable-expert-bias with --use-local-sgd on Megatron-FSDP"):
-        check_moe_options(LocalSGDConfig(), bias, False, fsdp=True)
     check_moe_options(ft, _moe_config(), False)  # without the bias: accepted
 
 

@@ -289,24 +289,39 @@ def test_moe_metrics_are_averaged_over_the_worker(monkeypatch):
 def test_moe_metrics_tracker_averages_over_the_worker(monkeypatch):
     """0.19: MoEMetricsTracker.report (every iteration in training_log) averages the MoE metrics
     over pg_collection.dp_cp_gtp_remat (every data-parallel rank without a collection): with
-    EDiT running, over the worker's (a copy of the collection); without EDiT, untouched."""
+    EDiT running, over the worker's (a copy of the collection); without EDiT, untouched.
+    An entry averaged over a group of its own that spans the workers (the router's z-loss, over
+    tensor x data x context parallel) is averaged over the whole worker during the call."""
+    import torch.distributed
     from megatron.core import parallel_state
 
     monkeypatch.setattr(parallel_state, "get_data_parallel_group",
                         lambda **kwargs: "worker" if kwargs.get("partial_data_parallel") else "all dp")
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: "pp")
+    monkeypatch.setattr(parallel_state, "get_intra_distributed_optimizer_instance_group",
+                        lambda **kwargs: "whole worker", raising=False)
+    members = {"whole worker": [0, 1, 2, 3], "tp_dp_cp": [0, 1, 4, 5], "tp_cp": [0, 1]}
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", members.__getitem__)
     seen = []
-    original = lambda tracker, names, pg_collection=None: seen.append((tracker, names, pg_collection))  # noqa: E731
+
+    def original(tracker, names, pg_collection=None):
+        seen.append((tracker, names, pg_collection, {n: e.avg_group for n, e in tracker._metrics.items()}))
+
+    tracker = SimpleNamespace(_metrics={"load_balancing_loss": SimpleNamespace(avg_group=None),
+                                        "z_loss": SimpleNamespace(avg_group="tp_dp_cp"),
+                                        "seq_load_balancing_loss": SimpleNamespace(avg_group="tp_cp")})
     collection = SimpleNamespace(pp="pp", dp_cp_gtp_remat="all dp", tp="tp")
     sync = _worker_local(_Controller(6)).wrap_moe_sync_metrics(original)
-    sync("tracker", ["load_balancing_loss"], collection)
-    sync("tracker", ["z_loss"])
-    assert seen[0][:2] == ("tracker", ["load_balancing_loss"])
+    sync(tracker, ["load_balancing_loss"], collection)
+    sync(tracker, ["z_loss", "seq_load_balancing_loss"])
+    assert seen[0][:2] == (tracker, ["load_balancing_loss"])
     assert (seen[0][2].dp_cp_gtp_remat, seen[0][2].pp, seen[0][2].tp) == ("worker", "pp", "tp")
     assert collection.dp_cp_gtp_remat == "all dp"  # the caller's collection is untouched
     assert (seen[1][2].dp_cp_gtp_remat, seen[1][2].pp) == ("worker", "pp")
-    WorkerLocalCollectives(lambda: None).wrap_moe_sync_metrics(original)("tracker", None, collection)
-    assert seen[2][2] is collection
+    assert seen[1][3] == {"load_balancing_loss": None, "z_loss": "whole worker", "seq_load_balancing_loss": "tp_cp"}
+    assert tracker._metrics["z_loss"].avg_group == "tp_dp_cp"  # restored after the call
+    WorkerLocalCollectives(lambda: None).wrap_moe_sync_metrics(original)(tracker, ["z_loss"], collection)
+    assert seen[2][2] is collection and seen[2][3]["z_loss"] == "tp_dp_cp"
 
 
 def test_inside_a_reporting_region_the_expert_group_and_the_models_groups_are_the_workers(monkeypatch):
@@ -514,6 +529,10 @@ def _why_allowed(record, sync_steps, warmup):
         return "warmup: gradients are reduced across workers"
     if it <= warmup and _has(record, "rerun_state_machine.py:_reduce_any"):
         return "warmup: a re-run redoes that reduction, every worker votes"
+    if it <= warmup and _where(record) == "training/training.py:train_step":
+        # (WorkerLocalCollectives.in_reporting: the workers step together, their gradients and
+        # token counts are everyone's, and so is the logged loss)
+        return "warmup: the logged loss is averaged over every data-parallel rank, as the gradients are"
     if (it in sync_steps or it - 1 in sync_steps) and _has(record, SYNC):
         return "the sync exchange (completes in the next forward pass)"
     synced = it <= warmup or it in sync_steps
@@ -664,7 +683,7 @@ def _skip_without_moe_route() -> None:
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory):
     _skip_without_moe_route()
-    options = [*PENALTY, *MOE, "--train-iters", str(MOE_ITERS),
+    options = [*PENALTY, *MOE, "--moe-z-loss-coeff", "0.001", "--train-iters", str(MOE_ITERS),
                "--check-weight-hash-across-dp-replicas-interval", str(H)]
     return _traffic_run(tmp_path_factory.mktemp("moe"), options)
 
@@ -680,6 +699,7 @@ def test_e2e_moe_with_expert_parallelism_trains_with_edit(moe_run):
     lines = _lines(moe_run.log)
     assert sorted(lines) == list(range(1, MOE_ITERS + 1))
     assert all(_field(line, "load_balancing_loss") is not None for line in lines.values())
+    assert all(_field(line, "z_loss") is not None for line in lines.values())
     losses = [_field(lines[i], "lm loss") for i in sorted(lines)]
     assert losses[-1] < losses[0] - 0.3, losses
     assert _synced_steps(moe_run.log) == MOE_SYNC_STEPS
@@ -691,7 +711,8 @@ def test_e2e_moe_with_expert_parallelism_trains_with_edit(moe_run):
 def test_e2e_moe_nothing_crosses_workers_between_syncs(moe_run):
     """The recorder's count of collectives across workers at the iterations between syncs is 0
     (before the worker-local MoE logging patches, the MoE metrics' data-parallel average crossed
-    at every iteration); the MoE metrics are still reduced, inside the worker."""
+    at every iteration, and on 0.19 the router's z-loss over its tensor x data x context-parallel
+    group); the MoE metrics are still reduced, inside the worker."""
     crossing = _crossing(moe_run)
     unexpected = [(rank, r["iteration"], r["op"], r["ranks"], r["stack"][-4:])
                   for rank, r in crossing if _why_allowed(r, MOE_SYNC_STEPS, W) is None]

@@ -13,7 +13,8 @@ key                                                         content             
                                                             in module order
 ==========================================================  ================================  ==================
 
-A resume with the saved number of workers gives each worker its own biases (an exact resume,
+(Megatron-FSDP's ``fsdp_dtensor`` checkpoints hold the same key, one byte entry per worker:
+:mod:`.fsdp_dtensor`.) A resume with the saved number of workers gives each worker its own biases (an exact resume,
 also between syncs); another number of workers gives every worker their mean over the saved
 workers (the rule of a sync, as the load-time outer step takes the mean of the parameters). A
 checkpoint without them (synchronous training, written before they were saved) leaves the
@@ -46,13 +47,11 @@ def save_entry(controller):
                          replica_id=(0, 0, layout.intra_rank))
 
 
-def fit_requests(controller, saved: dict, outer: str, same_workers: bool, saved_workers: int) -> Optional[Dict]:
-    """The load requests: ``{saved worker: request}`` (its own with the saved number of workers,
+def saved_keys(controller, saved: dict, outer: str, same_workers: bool, saved_workers: int) -> Optional[Dict[int, str]]:
+    """The keys to read: ``{saved worker: key}`` (its own with the saved number of workers,
     every saved worker's otherwise), or None when the checkpoint holds no biases of workers.
     ``saved``: the checkpoint's metadata; ``outer``: the prefix Megatron added to this
     optimizer's keys (``chained_<i>.``)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     if controller.expert_biases is None:
         return None
     layout = controller.layout
@@ -60,8 +59,24 @@ def fit_requests(controller, saved: dict, outer: str, same_workers: bool, saved_
     keys = {w: outer + bias_key(w, layout.dp_group_idx) for w in wanted}
     if not all(any(k == key or k.startswith(key + "/") for k in saved) for key in keys.values()):
         return None
-    return {w: ShardedObject(key, None, (1,), (0,), replica_id=(0, 0, layout.intra_rank))
+    return keys
+
+
+def fit_requests(controller, saved: dict, outer: str, same_workers: bool, saved_workers: int) -> Optional[Dict]:
+    """The ``torch_dist`` load requests, ``{saved worker: ShardedObject}`` (:func:`saved_keys`)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    keys = saved_keys(controller, saved, outer, same_workers, saved_workers)
+    if keys is None:
+        return None
+    return {w: ShardedObject(key, None, (1,), (0,), replica_id=(0, 0, controller.layout.intra_rank))
             for w, key in keys.items()}
+
+
+def values(controller) -> Optional[list]:
+    """This rank's worker's biases (copies, on the CPU), or None without expert biases."""
+    biases = controller.expert_biases
+    return None if biases is None else [b.detach().cpu().clone() for b in biases.biases]
 
 
 @torch.no_grad()

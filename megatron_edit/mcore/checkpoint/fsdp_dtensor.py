@@ -22,6 +22,8 @@ meta.*``
 ``optimizer.local_sgd.residual.worker_<k>.``   error feedback: worker k's residual       worker k
 ``optimizer.local_sgd.result_residual.<n>``    error feedback: the reduced result's      worker 0
 ``optimizer.local_sgd.in_flight[_launch]...``  a delayed outer step in flight            as torch_dist
+``optimizer.local_sgd.expert_bias.worker_<k>.  worker k's MoE router expert biases        worker k
+dp_group_idx_<g>``                             (bytes; ``.expert_bias``'s rules at load)
 ``optimizer.local_sgd.record`` / ``.slice``    run record, ``LocalSGD.extra_state()``    rank 0
 =============================================  =======================================  =========
 
@@ -52,12 +54,18 @@ import torch
 
 from .keys import PREFIX, CheckpointStateError
 from .constant import put, varying_entries
+from .expert_bias import bias_key, values as bias_values
 from .record import outer_state_keys, run_record, slice_record
 from .keys import RESULT_RESIDUAL, residual_prefix
 
 FSDP_DTENSOR = "fsdp_dtensor"
 """Megatron's name of this optimizer format (``distrib_optim_sharding_type``)."""
 LOCAL_KEY = PREFIX.rstrip(".")  # the optimizer state dict's key of EDiT's part
+
+
+def bias_tail(worker: int, dp_group_idx: int) -> str:
+    """Worker ``worker``'s expert biases: their key after ``local_sgd.`` (a byte entry)."""
+    return bias_key(worker, dp_group_idx)[len(PREFIX):]
 
 
 def worker_param_prefix(worker: int) -> str:
@@ -203,6 +211,9 @@ def fsdp_save_state_dict(optimizer, controller, state: dict, model_state) -> dic
     if residuals:
         part["residual"] = space.save_entries(residual_prefix(layout.worker), [s.residual for s in controller.shards], 0)
         part["result_residual"] = space.save_entries(RESULT_RESIDUAL, _result_residuals(controller), layout.worker)
+    biases = bias_values(controller)  # MoE router expert biases: every worker's own, by one of its ranks
+    if biases is not None and layout.intra_rank == 0:
+        part[bias_tail(layout.worker, layout.dp_group_idx)] = blob(biases)
     if layout.worker == 0:
         return dict(state, **{LOCAL_KEY: dcp_view(part)})
     part["mains"] = space.save_entries(worker_param_prefix(layout.worker), [s.flat_mains for s in controller.shards], 0)

@@ -19,10 +19,12 @@ from typing import Dict, List, Optional
 import torch
 
 from ..process_state import PROCESS
+from .expert_bias import saved_keys as saved_bias_keys
 from .fsdp_dtensor import (
     FSDP_DTENSOR,
     LOCAL_KEY,
     DTensorSpace,
+    bias_tail,
     unblob,
     dcp_view,
     has_residuals,
@@ -74,6 +76,7 @@ class FSDPResumePlan(ResumePlan):
         self.slice_loaded = False
         self.difference: Optional[str] = None
         self.identical: List[int] = []
+        self.bias_tails: Dict[int, str] = {}
         self._retarget_inner(self.layout.worker)  # an exact resume, until the record says otherwise
 
     def sync_view(self) -> None:
@@ -105,6 +108,22 @@ class FSDPResumePlan(ResumePlan):
 
     def _bucket_mismatch(self, saved) -> Optional[str]:
         return None  # per-parameter DTensors: DCP reshards them
+
+    def _fit_biases(self, saved: dict, outer: str, same_workers: bool, saved_workers: int) -> None:
+        """The saved workers' expert biases: byte entries, read into ``part`` by their key."""
+        keys = saved_bias_keys(self.controller, saved, outer, same_workers, saved_workers)
+        self.bias_tails = {} if keys is None else {w: bias_tail(w, self.layout.dp_group_idx) for w in keys}
+        for tail in self.bias_tails.values():
+            self.part[tail] = b""
+
+    def take_biases(self) -> None:
+        """After the DCP load: ``part["expert_bias"]`` := {saved worker: its biases}."""
+        flat = self.opt_dict.get(LOCAL_KEY) or {}
+        loaded = {w: unblob(flat.get(tail)) for w, tail in self.bias_tails.items()}
+        for tail in self.bias_tails.values():
+            self.part.pop(tail, None)
+        if loaded:
+            self.part["expert_bias"] = loaded
 
     def decode_mains(self, loaded) -> List[Dict[int, torch.Tensor]]:
         out: List[Dict[int, torch.Tensor]] = [{} for _ in self.space.shards]
@@ -272,4 +291,5 @@ def load_fsdp_state(optimizer, controller, load) -> None:
         plan.install_source_mains()
         if "slice" in plan.part:
             plan.part["slice"] = unblob((plan.opt_dict.get(LOCAL_KEY) or {}).get("slice"))
+        plan.take_biases()
     load_local_sgd_state(optimizer, controller, plan.part, plan.inner, plan=plan)

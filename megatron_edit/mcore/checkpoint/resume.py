@@ -282,11 +282,15 @@ class ResumePlan:
         if not self.slice_loaded:
             del part["slice"]
         key = getattr(self.record_request(), "key", None) or ""
-        biases = fit_bias_requests(c, saved, key[: -len(RECORD_KEY)] if key.endswith(RECORD_KEY) else "",
-                                   self.mode == "same-workers", n)
-        if biases is not None:
-            part["expert_bias"] = biases
+        self._fit_biases(saved, key[: -len(RECORD_KEY)] if key.endswith(RECORD_KEY) else "",
+                         self.mode == "same-workers", n)
         return self._bucket_mismatch(saved)
+
+    def _fit_biases(self, saved: dict, outer: str, same_workers: bool, saved_workers: int) -> None:
+        """MoE routers' expert biases: the saved workers' this load reads (:mod:`.expert_bias`)."""
+        biases = fit_bias_requests(self.controller, saved, outer, same_workers, saved_workers)
+        if biases is not None:
+            self.part["expert_bias"] = biases
 
     def _fit_identical(self, record, parallel) -> Optional[str]:
         """Elastic resume: which of this run's fragments restart from the saved anchor (every
