@@ -66,9 +66,15 @@ def test_several_formats_and_scientific_notation(capsys):
     (["--params", "1e6", "--workers", "2", "--link-mbit", "-1", "--step-ms", "10", "--sync-interval", "8"],
      "must be > 0"),
     (["--params", "1e6", "--workers", "2", "--link-mbit", "10", "--step-ms", "10", "--sync-interval", "8",
-      "--formats", "fp32,int2"], "comma-separated list"),
+      "--formats", "fp32,int2"], "write topk<density>-int2, e.g. topk0.02-int2"),
+    (["--params", "1e6", "--workers", "2", "--link-mbit", "10", "--step-ms", "10", "--formats", "topk1.5-int2"],
+     "density in (0, 1]"),
+    (["--params", "1e6", "--workers", "2", "--link-mbit", "10", "--step-ms", "10", "--formats", "topk0.02-bf16"],
+     "values one of fp32, int8, int4, int2"),
+    (["--params", "1e6", "--workers", "40", "--link-mbit", "10", "--step-ms", "10", "--formats", "topk0.02-int2"],
+     "--formats topk0.02-int2 with --workers 40: the top-k all-gather"),
     (["--params", "1e6", "--workers", "2", "--link-mbit", "10", "--step-ms", "10", "--sync-interv", "8"],
-     "required: --sync-interval"),  # no prefix matching
+     "unrecognized arguments: --sync-interv"),  # no prefix matching
 ])
 def test_bad_input_is_one_line_exit_2(argv, fragment):
     out = subprocess.run([sys.executable, "-m", "megatron_edit.plan", *argv], capture_output=True, text=True,
@@ -82,3 +88,66 @@ def test_the_error_is_one_line():
     out = subprocess.run([sys.executable, "-m", "megatron_edit.plan", "--params", "x"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+
+
+def _flags(line):
+    flags = line.split(": ", 1)[1].split()
+    return dict(zip(flags[0::2], flags[1::2]))
+
+
+def test_the_top_k_exchange_is_a_format_and_its_flags_are_a_valid_config(capsys):
+    """1.3B parameters, 4 workers, 100 Mbit/s, 500 ms steps, H = 32: before, the answer was int4 at
+    0.29 of the bound (not hidden); with the top-k exchange allowed it is hidden, and the printed
+    flags are a configuration the package accepts. Its time is the all-gather of the W - 1 other
+    workers' payloads (megatron_edit.exchange.sparse), against 2 (W - 1) / W of fp32's bytes."""
+    from megatron_edit.algorithm import topk
+    from megatron_edit.config import LocalSGDConfig
+
+    assert plan_cli.main(["--params", "1.3e9", "--workers", "4", "--link-mbit", "100", "--step-ms", "500",
+                          "--sync-interval", "32", "--formats", "fp32,int4,topk0.02-int2"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in
+            ("fp32", "int4", "topk0.02-int2")}
+    payload = topk.encoded_bytes(1_300_000_000, 0.02, 4096, "int2")
+    assert float(rows["topk0.02-int2"][1]) == pytest.approx(3 * payload / (100e6 / 8) * 1e3, abs=0.1)
+    assert float(rows["fp32"][1]) == pytest.approx(2 * 3 / 4 * 4 * 1.3e9 / (100e6 / 8) * 1e3, abs=0.1)
+    choice = next(line for line in out.splitlines() if line.startswith("choice:"))
+    assert "topk0.02-int2" in choice and "(not hidden)" not in choice
+    values = _flags(next(line for line in out.splitlines() if line.startswith("flags:")))
+    config = LocalSGDConfig(local_sgd_sync_interval=int(values["--local-sgd-sync-interval"]),
+                            exchange_dtype=values["--local-sgd-exchange-dtype"],
+                            exchange_topk_density=float(values["--local-sgd-exchange-topk-density"]),
+                            outer_step_delay=int(values["--local-sgd-outer-step-delay"]),
+                            fragments=int(values["--local-sgd-fragments"]))
+    assert config.exchange_dtype == "int2" and config.error_feedback
+    assert "not chosen while the job runs: --local-sgd-auto-overlap takes the dense formats only" in out
+    assert "--local-sgd-auto-overlap --local-sgd-auto-formats" not in out  # nothing that fails when pasted
+
+
+def test_without_an_interval_it_answers_the_smallest_that_hides_the_exchange(capsys):
+    """The H printed hides the exchange and H - 1 does not (the same model, asked directly), and
+    each format's row says from which H it alone is hidden; the loss line gives what the
+    convergence benchmark measured nearest to it."""
+    from megatron_edit.algorithm.overlap_plan import choose, format_seconds
+
+    formats = ["fp32", "int4", "topk0.03-int2"]
+    assert plan_cli.main(["--params", "1.3e9", "--workers", "4", "--link-mbit", "100", "--step-ms", "500",
+                          "--formats", ",".join(formats)]) == 0
+    out = capsys.readouterr().out
+    h = int(out.splitlines()[0].split("H = ")[1].split()[0])
+    assert "(the smallest that hides it)" in out.splitlines()[0]
+    times = format_seconds(1_300_000_000, 4, 100e6, formats)
+    assert choose(0.5, times, h, formats).hidden and not choose(0.5, times, h - 1, formats).hidden
+    rows = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.split() and line.split()[0] in formats}
+    for fmt, first in rows.items():
+        first = int(first)
+        assert choose(0.5, times, first, [fmt]).hidden and not choose(0.5, times, first - 1, [fmt]).hidden, fmt
+    assert int(rows["topk0.03-int2"]) == h
+    assert f"--local-sgd-sync-interval {h} " in out
+    assert "loss: not measured at H = 44 with topk0.03-int2; at H = 32 it ended +9.54%" in out
+
+
+def test_a_format_no_interval_hides_says_so_in_one_line(capsys):
+    assert plan_cli.main(["--params", "7e9", "--workers", "4", "--link-mbit", "1", "--step-ms", "100"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("no H up to 4096 hides the exchange") and out.count("\n") == 0

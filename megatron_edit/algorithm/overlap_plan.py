@@ -35,15 +35,69 @@ fewer fragments, then the more precise format) and the result says it is not hid
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
-from ..config import AUTO_FORMATS, delay_limit
+from ..config import AUTO_FORMATS, TOPK_DTYPES, delay_limit
+from . import topk
 from .quantize import encoded_bytes
 
 # Most precise first: the order in which formats are tried (the config's list of them).
 FORMATS = AUTO_FORMATS
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
+TOPK_CHUNK = 4096
+"""The top-k formats' chunk (``--local-sgd-exchange-topk-chunk``'s default)."""
+
+
+def topk_format(name: str) -> Optional[Tuple[float, str]]:
+    """A top-k format's ``(density, values)``: ``topk<density>-<values>``, e.g. ``topk0.02-int2``
+    (``--local-sgd-exchange-topk-density 0.02 --local-sgd-exchange-dtype int2``); None for a
+    dense format. Raises ValueError for a name that is neither."""
+    if name in FORMATS:
+        return None
+    match = re.fullmatch(r"topk([0-9.eE+-]+)-([a-z0-9]+)", name)
+    density = None
+    if match:
+        try:
+            density = float(match.group(1))
+        except ValueError:
+            density = None
+    if match is None or density is None or not 0.0 < density <= 1.0 or match.group(2) not in TOPK_DTYPES:
+        hint = (" (int2 is the top-k exchange's value format: write topk<density>-int2, e.g. topk0.02-int2)"
+                if name == "int2" else "")
+        raise ValueError(f"unknown exchange format {name!r}{hint}: one of {', '.join(FORMATS)}, or "
+                         f"topk<density>-<values> with density in (0, 1] and values one of "
+                         f"{', '.join(TOPK_DTYPES)} (e.g. topk0.02-int2)")
+    return density, match.group(2)
+
+
+def format_flags(name: str) -> str:
+    """The job's flags for an exchange format."""
+    sparse = topk_format(name)
+    if sparse is None:
+        return f"--local-sgd-exchange-dtype {name}"
+    return f"--local-sgd-exchange-dtype {sparse[1]} --local-sgd-exchange-topk-density {sparse[0]:g}"
+
+
+def wire_bytes(params: int, name: str, workers: int, block: int = 256) -> float:
+    """Bytes one worker sends in one exchange of ``params`` elements: a dense format's ring
+    all-reduce (or reduce-scatter + all-gather) carries ``2 (W - 1) / W`` of its payload, the
+    top-k exchange's all-gather the ``W - 1`` other workers' payloads
+    (:mod:`megatron_edit.exchange.sparse`)."""
+    sparse = topk_format(name)
+    if sparse is None:
+        return 2 * (workers - 1) / workers * exchange_bytes(params, name, block)
+    return (workers - 1) * topk.encoded_bytes(params, sparse[0], TOPK_CHUNK, sparse[1])
+
+
+def precision_order(formats: Sequence[str], params: int = 1 << 24) -> list:
+    """Most precise first: the dense formats in :data:`FORMATS`' order, then the top-k formats,
+    most bytes first (a higher density or more value bits)."""
+    dense = sorted((f for f in formats if topk_format(f) is None), key=FORMATS.index)
+    sparse = sorted((f for f in formats if topk_format(f) is not None),
+                    key=lambda f: -topk.encoded_bytes(params, topk_format(f)[0], TOPK_CHUNK, topk_format(f)[1]))
+    return dense + sparse
 
 
 def exchange_bytes(params: int, dtype: str, block: int = 256) -> int:
@@ -123,14 +177,15 @@ def choose(step_s: float, exchange_s: Dict[str, float], interval: int, formats: 
     if margin < 1:
         raise ValueError(f"the margin must be >= 1, got {margin}")
     formats = tuple(formats) if formats is not None else tuple(exchange_s)
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown or not formats:
-        raise ValueError(f"formats must be some of {', '.join(FORMATS)}, got {', '.join(formats) or 'none'}")
+    if not formats:
+        raise ValueError("formats must be some of " + ", ".join(FORMATS) + ", got none")
+    for f in formats:
+        topk_format(f)  # raises for an unknown one
     missing = [f for f in formats if f not in exchange_s]
     if missing:
         raise ValueError(f"no exchange time for {', '.join(missing)}")
     cap = interval // 2 if max_delay is None else max_delay
-    ordered = sorted(formats, key=FORMATS.index)
+    ordered = precision_order(formats)
     splits = _divisors(interval) if fragments is None else sorted(set(fragments))
     if not splits or any(f < 1 or interval % f for f in splits):
         raise ValueError(f"fragments must divide the sync interval {interval}, got {list(fragments)}")
@@ -182,9 +237,34 @@ def plan(params: int, workers: int, link_bits_per_s: float, step_s: float, inter
          formats: Sequence[str] = ("fp32",), block: int = 256, buckets: int = 1, latency_s: float = 0.0,
          margin: float = 1.2, max_delay: Optional[int] = None) -> Tuple[Dict[str, float], Choice]:
     """The exchange time of each format and the choice, from the model's size and the link."""
-    times = {fmt: exchange_seconds(exchange_bytes(params, fmt, block), workers, link_bits_per_s / 8, buckets,
-                                   latency_s) for fmt in formats}
+    times = format_seconds(params, workers, link_bits_per_s, formats, block, buckets, latency_s)
     return times, choose(step_s, times, interval, formats, margin, max_delay)
+
+
+def format_seconds(params: int, workers: int, link_bits_per_s: float, formats: Sequence[str], block: int = 256,
+                   buckets: int = 1, latency_s: float = 0.0) -> Dict[str, float]:
+    """Seconds of one exchange of the whole model in each format."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    if link_bits_per_s <= 0:
+        raise ValueError(f"the link rate must be > 0, got {link_bits_per_s}")
+    if workers == 1:
+        return {fmt: 0.0 for fmt in formats}
+    return {fmt: buckets * latency_s + wire_bytes(params, fmt, workers, block) / (link_bits_per_s / 8)
+            for fmt in formats}
+
+
+def smallest_interval(params: int, workers: int, link_bits_per_s: float, step_s: float,
+                      formats: Sequence[str], block: int = 256, margin: float = 1.2,
+                      max_delay: Optional[int] = None, largest: int = 4096) -> Optional[Tuple[int, Choice]]:
+    """The smallest H (up to ``largest``) for which :func:`choose` hides the exchange, with its
+    choice; None when no H up to ``largest`` does. ``max_delay`` None: H/2 for each H."""
+    times = format_seconds(params, workers, link_bits_per_s, formats, block)
+    for interval in range(1, largest + 1):
+        choice = choose(step_s, times, interval, formats, margin, max_delay)
+        if choice.hidden:
+            return interval, choice
+    return None
 
 
 def scale_to_formats(measured_s: float, measured_format: str, numel: int, formats: Sequence[str],

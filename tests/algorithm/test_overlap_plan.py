@@ -99,8 +99,10 @@ def test_the_most_precise_format_that_can_be_hidden():
 
 
 def test_bad_input_is_refused():
-    with pytest.raises(ValueError, match="formats must be"):
+    with pytest.raises(ValueError, match="write topk<density>-int2"):
         choose(0.1, {"fp32": 1.0}, 8, ["int2"])
+    with pytest.raises(ValueError, match="formats must be"):
+        choose(0.1, {"fp32": 1.0}, 8, [])
     with pytest.raises(ValueError, match="no exchange time for int8"):
         choose(0.1, {"fp32": 1.0}, 8, ["int8"])
     with pytest.raises(ValueError, match="margin"):
@@ -199,3 +201,24 @@ def test_a_re_decision_takes_more_fragments_only_where_those_in_force_no_longer_
     assert slower.fragments == 2 and keep_fragments(one, slower, 0.050, {"fp32": 0.215}, 8) == slower
     int8 = choose(0.059, {"fp32": 0.9, "int8": 0.215}, 8, ("fp32", "int8"), fragments=(1, 2))
     assert int8.exchange_dtype == "int8" and keep_fragments(one, int8, 0.059, {"fp32": 0.9, "int8": 0.215}, 8) == int8
+
+
+def test_top_k_formats_parse_order_and_their_wire_bytes():
+    """``topk<density>-<values>``: the sparse exchange's all-gather carries the W - 1 other
+    workers' payloads (indices, values, a scale per chunk); the dense formats 2 (W - 1) / W of
+    theirs. Most precise first: the dense formats, then the top-k ones by bytes."""
+    from megatron_edit.algorithm import topk
+    from megatron_edit.algorithm.overlap_plan import format_flags, precision_order, topk_format, wire_bytes
+
+    assert topk_format("topk0.02-int2") == (0.02, "int2") and topk_format("int4") is None
+    for bad in ("int2", "topk0-int2", "topk2-int2", "topk0.02-bf16", "topkx-int2", "top0.02-int2"):
+        with pytest.raises(ValueError):
+            topk_format(bad)
+    assert format_flags("topk0.02-int2") == "--local-sgd-exchange-dtype int2 --local-sgd-exchange-topk-density 0.02"
+    assert format_flags("int8") == "--local-sgd-exchange-dtype int8"
+    n = 1 << 24
+    assert wire_bytes(n, "topk0.02-int2", 4) == 3 * topk.encoded_bytes(n, 0.02, 4096, "int2")
+    assert wire_bytes(n, "fp32", 4) == 2 * 3 / 4 * 4 * n
+    assert wire_bytes(n, "topk0.02-int2", 2) / wire_bytes(n, "fp32", 2) == pytest.approx(0.009, abs=0.0005)
+    assert precision_order(["topk0.01-int2", "int4", "topk0.03-int2", "fp32"]) == \
+        ["fp32", "int4", "topk0.03-int2", "topk0.01-int2"]
