@@ -144,6 +144,15 @@ def build_parser() -> Rank0ArgumentParser:
     add("--data-dir", default=os.environ.get("MEGATRON_EDIT_DATA", "data-cache"),
         help="where the indexed dataset is built (once)")
     add("--seed", type=int, default=1234, help="random seed")
+    add("--save", default=None, metavar="DIR",
+        help="save megatron-core torch_dist checkpoints (EDiT's state included) here: after the last "
+             "step, and every --save-interval steps")
+    add("--save-interval", type=at_least_1, default=None, help="with --save: also save after every this many steps")
+    add("--load", default=None, metavar="DIR",
+        help="resume from the newest checkpoint --save wrote to DIR: exactly with the saved --workers, "
+             "elastically (one outer step at load) with another number")
+    add("--ckpt-step", type=at_least_1, default=None,
+        help="with --load: the saved step to resume from (default: the newest)")
     add("--num-experts", type=_int_at_least(2), default=None,
         help="MoE: this many experts per transformer layer (top-2 routing, sequential experts, "
              "the alltoall token dispatcher); default: a dense model")
@@ -242,6 +251,7 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
     ends every rank with exit code 2 and one line on rank 0 naming the flag."""
     _check_data_dir(args.data_dir, parser)
     resolve_warmup(args)
+    _checkpoints().check(args, parser.fail)
     if args.hidden % args.heads:
         parser.fail(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}.")
     if args.lr_warmup_steps >= args.steps:
@@ -293,6 +303,16 @@ def check_args(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
         parser.fail(f"--steps {args.steps} ends before the first sync, after step {w + h} "
                     f"(--local-sgd-warmup-steps {w} + --local-sgd-sync-interval {h}): the workers "
                     "would never sync; lower either, or raise --steps.")
+
+
+def _checkpoints():
+    """The main job's --save / --load (scripts/main_job_checkpoint.py, beside this script)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import main_job_checkpoint
+
+    return main_job_checkpoint
 
 
 def _check_megatron_fsdp(args: argparse.Namespace, parser: Rank0ArgumentParser) -> None:
@@ -830,6 +850,16 @@ def train(args, use_local_sgd, datasets):
     intra = worker_group()
     worker, lead = dp_rank // intra.size(), intra.rank() == 0
     first = 0  # steps already done: a torchft worker relaunched into a running job healed to the others' step
+    ckpt, resumed, history = _checkpoints(), None, {}
+    if use_local_sgd and args.load:
+        resumed = ckpt.saved_record(args.load, args.ckpt_step)
+        if resumed["processes"] != dist.get_world_size():
+            raise ConfigError(f"--load {args.load} was saved by {resumed['processes']} processes, this job has "
+                              f"{dist.get_world_size()}: resume with --nproc-per-node {resumed['processes']} "
+                              "(--workers may differ: an elastic resume).")
+        ckpt.load(ddp, optimizer, scheduler, args)
+        first = resumed["step"]
+        one_model = len(set(ckpt.all_ranks(ckpt.model_digest(ddp)))) == 1  # every rank, after the load
     if use_local_sgd and uses_torchft(args):  # this job is one worker: its slice of every global batch
         worker = args.local_sgd_replica_id
         global SYNC_LABEL
@@ -856,6 +886,10 @@ def train(args, use_local_sgd, datasets):
          f"{' (Megatron-FSDP)' if args.use_megatron_fsdp else ''} ===")
     if controllers:
         log0(describe_edit(controllers[0], args))
+    if resumed is not None:
+        log0(f"loaded step {first} of {args.load} ({resumed['workers']} workers saved, {args.workers} now): "
+             + ("each worker's own state" if resumed["workers"] == args.workers else
+                "one outer step over the saved workers, every worker from its result"))
     counts = dict(syncs=0, skipped=0, bytes=0)
     grad_bytes = 0
     valid = None
@@ -890,6 +924,7 @@ def train(args, use_local_sgd, datasets):
             it = data.batch_iterator(train_ds, args.micro_batch_size,
                                      start=dp_rank + step * args.micro_batch_size * dp, stride=dp)
         loss = worker_mean(out[0]["lm loss"].item(), intra)  # inside the worker only
+        history[step] = loss
         stop_if_not_finite(args, "training loss", loss, step, worker, lead, use_local_sgd)
         stop_if_not_finite(args, "gradient norm", grad_norm, step, worker, lead, use_local_sgd)
         if args.workers > 1 and not local_grads:
@@ -908,6 +943,9 @@ def train(args, use_local_sgd, datasets):
             stop_if_not_finite(args, "validation loss", valid, step, worker, lead, use_local_sgd)
             # A layer-wise sync due after this step completed inside the evaluation.
             log_syncs([c.drain_reports() for c in controllers], counts)
+        if use_local_sgd and args.save and (step == args.steps or (args.save_interval and step % args.save_interval == 0)):
+            ckpt.save(ddp, optimizer, scheduler, args, step, dist.get_world_size())
+            log0(f"          saved step {step} to {args.save}")
     for c in controllers:
         c.flush()  # nothing should be pending after the last evaluation; never leave a sync open
     if args.use_megatron_fsdp:  # no parameter all-gather (a prefetch) left in flight inside the worker
@@ -920,8 +958,18 @@ def train(args, use_local_sgd, datasets):
             c.backend.close()
     else:  # every worker is past its last sync here: the one collective across workers of the script
         final = gather_per_worker(valid)
+    last_line = None
+    if use_local_sgd and (args.save or args.load):  # (after the last sync: every rank here)
+        losses = {}
+        for r, h in enumerate(ckpt.all_ranks(history if lead else None)):
+            for s, v in (h or {}).items():
+                losses.setdefault(s, {})[r // intra.size()] = v
+        if args.save and dist.get_rank() == 0:
+            ckpt.write_losses(args, losses)
+        if resumed is not None:
+            last_line = ckpt.resume_line(args, resumed, losses, one_model)
     return dict(name=name, final=final, cross_bytes=counts["bytes"] + grad_bytes, seconds=elapsed,
-                syncs=counts["syncs"], skipped=counts["skipped"])
+                syncs=counts["syncs"], skipped=counts["skipped"], last_line=last_line)
 
 
 def summary(results) -> None:
@@ -1033,6 +1081,9 @@ def run_rank(args: argparse.Namespace, world: int) -> None:
         args.use_local_sgd = False
         results.append(train(args, False, (train_ds, valid_ds)))
     summary(results)
+    for r in results:
+        if r["last_line"]:
+            log0(r["last_line"])
     dist.destroy_process_group()
 
 

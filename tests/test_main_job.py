@@ -164,6 +164,15 @@ LAUNCHER_REFUSED = [
     (["--local-sgd-fragment", "4"], "unrecognized arguments: --local-sgd-fragment 4"),
     (["--local-sgd-sync-interval", "8", "--local-sgd-fragments", "8", "--bucket-size", "100000"],
      "--local-sgd-fragments 8 needs at least 8 DDP buckets, but --bucket-size 100000 makes at most 2"),
+    # --save / --load (scripts/main_job_checkpoint.py)
+    (["--save-interval", "4"], "--save-interval needs --save DIR"),
+    (["--ckpt-step", "4"], "--ckpt-step needs --load DIR"),
+    (["--load", str(ROOT / "no-such-checkpoints")], f"--load {ROOT / 'no-such-checkpoints'}: no checkpoint of "
+                                                     "this job's --save there."),
+    (["--save", str(ROOT / "ckpt"), "--mode", "both"], "--save with --mode both: the main job checkpoints its "
+                                                      "EDiT run"),
+    (["--save", str(ROOT / "ckpt"), "--local-sgd-sync-backend", "torchft"], "--save with --local-sgd-sync-backend "
+                                                                            "torchft"),
 ]
 
 
@@ -824,3 +833,35 @@ def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(
     assert "worker 1's heal reached some of its ranks only" in out, out[-3000:]
     assert re.search(r"worker 1 healed at its sync after step \d+: it is at the others' step \d+", out), out[-3000:]
     assert proc.returncode == 0 and "all 2 with one model" in out, out[-3000:]
+
+
+@pytest.mark.one_lane  # the main job's own checkpoints (megatron-core's are checked in every lane)
+@pytest.mark.timeout(400)
+def test_save_then_resume_exactly_and_elastically(data_dir, tmp_path):
+    """--save with --save-interval 5 (12 steps, syncs after 4, 6, ...: step 5 is between two) and
+    --load --ckpt-step 5: with the saved 2 workers the resumed steps repeat the saving run's
+    losses bit for bit (its last line says so); with 4 workers the load takes one outer step and
+    every worker starts from one model; a --ckpt-step not saved is one line naming the saved
+    steps, and --steps at or below the saved step leaves nothing to train."""
+    ckpt = str(tmp_path / "ckpt")
+    run = ["--steps", "12", *SHORT, "--eval-interval", "12", "--nproc-per-node", "4"]
+    code, out = torchrun(data_dir, *run, "--save", ckpt, "--save-interval", "5", python=True)
+    assert code == 0, out[-3000:]
+    assert "saved step 5 to" in out and "saved step 12 to" in out
+    code, out = torchrun(data_dir, *run, "--load", ckpt, "--ckpt-step", "5", python=True)
+    assert code == 0, out[-3000:]
+    _quiet(out)
+    assert out.strip().splitlines()[-1] == (f"resumed step 5 of {ckpt} (2 workers saved, 2 now): steps 6-12 "
+                                            "repeat the saving run's losses bit for bit: yes"), out[-2000:]
+    code, out = torchrun(data_dir, *run, "--load", ckpt, "--ckpt-step", "5", "--workers", "4", python=True)
+    assert code == 0, out[-3000:]
+    assert out.strip().splitlines()[-1] == (f"resumed step 5 of {ckpt} (2 workers saved, 4 now) elastically: one "
+                                            "outer step over the saved workers at load; every worker started "
+                                            "from one model: yes"), out[-2000:]
+    short = ["--steps", "5", *SHORT, "--nproc-per-node", "4"]
+    for argv, said in [([*run, "--load", ckpt, "--ckpt-step", "6"], "no checkpoint of this job's --save there "
+                                                                    "(steps saved: 5, 10, 12)."),
+                       ([*short, "--load", ckpt, "--ckpt-step", "5"], f"--load {ckpt} holds step 5: --steps 5 "
+                                                                      "leaves nothing to train")]:
+        code, out = torchrun(data_dir, *argv, python=True)
+        assert code == 2 and said in out and out.count("\n") == 1, out
