@@ -14,9 +14,10 @@ key                                                         content             
 ==========================================================  ================================  ==================
 
 (Megatron-FSDP's ``fsdp_dtensor`` checkpoints hold the same key, one byte entry per worker:
-:mod:`.fsdp_dtensor`.) A resume with the saved number of workers gives each worker its own biases (an exact resume,
-also between syncs); another number of workers gives every worker their mean over the saved
-workers (the rule of a sync, as the load-time outer step takes the mean of the parameters). A
+:mod:`.fsdp_dtensor`.) A resume with the saved number of workers gives each worker its own
+biases (an exact resume, also between syncs); another number of workers gives every worker
+their mean over the saved workers (the rule of a sync, as the load-time outer step takes the
+mean of the parameters). A
 checkpoint without them (synchronous training, written before they were saved) leaves the
 biases Megatron's model load put there: worker 0's, the only copy.
 """
