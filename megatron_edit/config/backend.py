@@ -57,5 +57,7 @@ class BackendSettings:
                 "(http://host:port); give the flag or set TORCHFT_LIGHTHOUSE.")
         if self.local_sgd_warmup_steps > 0:
             raise NotSupportedYet(
-                f"{_name('local_sgd_warmup_steps')} with {FLAG_NAMES['sync_backend']} torchft is not supported yet; "
-                "drop one of the two (the torch backend runs it).")
+                f"{_name('local_sgd_warmup_steps')} with {FLAG_NAMES['sync_backend']} torchft is not supported yet: "
+                "warmup all-reduces every step's gradients across the workers (across sites, every step "
+                "on the slow link). Warm up in one job with the torch backend, save, and start the torchft "
+                "run from that checkpoint (docs/concepts/torchft.md, 'Warmup'), or drop the flag.")
