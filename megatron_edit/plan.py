@@ -121,10 +121,11 @@ def main(argv=None) -> int:
         parser.error("--workers must be >= 2: one worker exchanges nothing")
     for fmt in args.formats:  # the job refuses these (megatron_edit.exchange.sparse.check_sparse_workers)
         sparse = topk_format(fmt)
-        if sparse is not None and args.workers >= dense_int4_cheaper_from(sparse[0], TOPK_CHUNK, sparse[1]):
+        cheaper = None if sparse is None else dense_int4_cheaper_from(sparse[0], TOPK_CHUNK, sparse[1])
+        if cheaper is not None and args.workers >= cheaper:
             parser.error(f"--formats {fmt} with --workers {args.workers}: the top-k all-gather of {args.workers} "
                          f"workers' payloads sends more bytes than the dense int4 exchange (cheaper from "
-                         f"{dense_int4_cheaper_from(sparse[0], TOPK_CHUNK, sparse[1])} workers on); allow int4 instead")
+                         f"{cheaper} workers on); allow int4 instead")
     step_s = args.step_ms / 1e3
     link = args.link_mbit * 1e6
     smallest = smallest_interval(args.params, args.workers, link, step_s, args.formats, args.block_size,

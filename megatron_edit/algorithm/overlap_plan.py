@@ -87,8 +87,13 @@ def wire_bytes(params: int, name: str, workers: int, block: int = 256) -> float:
     (:mod:`megatron_edit.exchange.sparse`)."""
     sparse = topk_format(name)
     if sparse is None:
-        return 2 * (workers - 1) / workers * exchange_bytes(params, name, block)
+        return ring_share(workers) * exchange_bytes(params, name, block)
     return (workers - 1) * topk.encoded_bytes(params, sparse[0], TOPK_CHUNK, sparse[1])
+
+
+def ring_share(workers: int) -> float:
+    """The share of a dense payload one worker sends in a ring all-reduce: ``2 (W - 1) / W``."""
+    return 2 * (workers - 1) / workers
 
 
 def precision_order(formats: Sequence[str], params: int = 1 << 24) -> list:
@@ -113,14 +118,19 @@ def exchange_bytes(params: int, dtype: str, block: int = 256) -> int:
 
 def exchange_seconds(payload_bytes: float, workers: int, link_bytes_per_s: float,
                      buckets: int = 1, latency_s: float = 0.0) -> float:
-    """Seconds of one exchange of ``payload_bytes`` per worker among ``workers`` workers."""
+    """Seconds of one dense exchange of ``payload_bytes`` per worker among ``workers`` workers."""
+    return _wire_seconds(ring_share(workers) * payload_bytes, workers, link_bytes_per_s, buckets, latency_s)
+
+
+def _wire_seconds(wire: float, workers: int, link_bytes_per_s: float, buckets: int, latency_s: float) -> float:
+    """Seconds to send ``wire`` bytes per worker (nothing with one worker)."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if link_bytes_per_s <= 0:
         raise ValueError(f"the link rate must be > 0, got {link_bytes_per_s}")
     if workers == 1:
         return 0.0
-    return buckets * latency_s + 2 * (workers - 1) / workers * payload_bytes / link_bytes_per_s
+    return buckets * latency_s + wire / link_bytes_per_s
 
 
 def exposed_seconds(exchange_s: float, step_s: float, delay: int, fragments: int = 1,
@@ -246,12 +256,8 @@ def format_seconds(params: int, workers: int, link_bits_per_s: float, formats: S
     """Seconds of one exchange of the whole model in each format."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    if link_bits_per_s <= 0:
-        raise ValueError(f"the link rate must be > 0, got {link_bits_per_s}")
-    if workers == 1:
-        return {fmt: 0.0 for fmt in formats}
-    return {fmt: buckets * latency_s + wire_bytes(params, fmt, workers, block) / (link_bits_per_s / 8)
-            for fmt in formats}
+    return {fmt: _wire_seconds(wire_bytes(params, fmt, workers, block), workers, link_bits_per_s / 8, buckets,
+                               latency_s) for fmt in formats}
 
 
 def smallest_interval(params: int, workers: int, link_bits_per_s: float, step_s: float,
