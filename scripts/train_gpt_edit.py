@@ -1085,6 +1085,8 @@ def run_rank(args: argparse.Namespace, world: int) -> None:
         if r["last_line"]:
             log0(r["last_line"])
     dist.destroy_process_group()
+    if any((r["last_line"] or "").endswith(": NO") for r in results):
+        raise SystemExit(1)  # a resume that did not match what was saved is not a success
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ the whole process group, so a hang fails the test instead of the suite.
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -854,6 +855,12 @@ def test_save_then_resume_exactly_and_elastically(data_dir, tmp_path):
     _quiet(out)
     assert out.strip().splitlines()[-1] == (f"resumed step 5 of {ckpt} (2 workers saved, 2 now): steps 6-12 "
                                             "repeat the saving run's losses bit for bit: yes"), out[-2000:]
+    losses = tmp_path / "ckpt" / "losses.json"  # a saving run whose step 9 went otherwise: NO, exit code 1
+    saved = json.loads(losses.read_text())
+    saved["losses"]["9"]["0"] += 1e-6
+    losses.write_text(json.dumps(saved))
+    code, out = torchrun(data_dir, *run, "--load", ckpt, "--ckpt-step", "5", python=True)
+    assert code == 1 and "steps 6-12 repeat the saving run's losses bit for bit: NO\n" in out, out[-2000:]
     code, out = torchrun(data_dir, *run, "--load", ckpt, "--ckpt-step", "5", "--workers", "1", python=True)
     assert code == 0, out[-3000:]
     assert out.strip().splitlines()[-1] == (f"resumed step 5 of {ckpt} (2 workers saved, 1 now) elastically: one "
