@@ -9,7 +9,7 @@ flight). The :class:`~megatron_edit.exchange.shard.BucketShard` keeps only what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,6 +71,28 @@ class SyncInProgress:
     layers: Optional[torch.Tensor] = None
     """Streaming fragments: [L] bool, the layers the members hold (None: every layer)."""
     shards: Dict[int, ShardInFlight] = field(default_factory=dict)  # id(shard) -> its record
+
+    def saved_meta(self, committed: Optional[bool]) -> dict:
+        """What a delayed sync's apply needs besides each shard's reduced Delta, for a checkpoint
+        taken while it is in flight (:meth:`from_saved`)."""
+        return dict(step=self.step, steps_since_last=self.steps_since_last, delay=self.delay,
+                    fragment=self.fragment, divisor=self.divisor,
+                    skipped=None if self.skipped is None else self.skipped.tolist(),
+                    keep=any(self.of(s).launch_params is not None for s in self.members), committed=committed)
+
+    @classmethod
+    def from_saved(cls, meta: dict, members: Sequence[BucketShard], deltas, launch, bytes_at_start: int):
+        """The sync of :meth:`saved_meta` again, exchanged (``deltas``: the reduced ones;
+        ``launch``: each member's launch params or None), waiting for its apply."""
+        sync = cls(meta["step"], meta["steps_since_last"], bytes_at_start, delay=meta["delay"],
+                   fragment=meta["fragment"], divisor=meta["divisor"], members=list(members),
+                   committed=meta.get("committed"))  # torchft: decided when it was saved
+        if meta["skipped"] is not None:
+            sync.skipped = torch.tensor(meta["skipped"], dtype=torch.bool)
+        for shard, delta, params in zip(members, deltas, launch):
+            record = sync.of(shard)
+            record.delta, record.exchanged, record.launch_params = delta, True, params
+        return sync
 
     def of(self, shard: BucketShard) -> ShardInFlight:
         """The shard's record at this sync."""

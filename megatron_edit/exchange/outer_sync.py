@@ -20,16 +20,13 @@ A sync runs in phases that a caller can spread over time:
 * :meth:`OuterSync.complete` waits for their exchange, applies the outer step, writes the
   parameters; the sync ends when no shard is pending.
 
-Layer-wise mode (:meth:`mark_pending`, :meth:`complete_group`): after the optimizer step every
-shard is pending and the first bucket group's exchange is launched; just before a group's
-parameters are gathered for the next forward pass its exchange is completed, after launching
-the next pending group's, so one exchange is in flight while layers compute. Step-end mode:
-:meth:`complete` of every shard at once.
+Layer-wise mode (:mod:`.layerwise`): the outer step of each bucket group is completed just
+before the next forward pass gathers its parameters. Step-end mode: :meth:`complete` of every
+shard at once.
 
 What a sync holds while it runs is in :mod:`.in_flight`, not in the shards; which reducer a
-shard gets (GTA, quantized, the mean) is chosen once per sync and shard, in :meth:`OuterSync._plan`.
-This module is long because the phases share one sync's state. The collectives go through
-``sync_group`` and ``worker_groups``
+shard gets (GTA, quantized, sparse, the mean) is chosen once per sync and shard
+(:func:`.reducers.choose`). The collectives go through ``sync_group`` and ``worker_groups``
 (:mod:`megatron_edit.exchange.groups`, or fakes with the same methods); the math is in
 :mod:`megatron_edit.algorithm`.
 """
@@ -44,17 +41,17 @@ import torch
 from ..algorithm import penalty
 from ..config import GTAConfig, LocalSGDConfig
 from .decisions import NonFinitePseudoGradient, SyncDecisions  # noqa: F401 (NonFinitePseudoGradient: its callers')
-from .groups import mean_divisor
+from . import reducers
 from .in_flight import SyncInProgress
+from .layerwise import LayerwisePhases
 from .outer_state import OuterState
 from .quantized import QuantizedExchange
-from .reducers import GTAReducer, MeanReducer, QuantizedReducer, SparseReducer
 from .report import SyncReport, report_of
 from .shard import BucketShard
 from .sparse import SparseExchange
 
 
-class OuterSync:
+class OuterSync(LayerwisePhases):
     """The outer syncs of one optimizer's shards, with the penalty's running statistics.
 
     ``groups``: the shards in bucket groups, in the order the forward pass gathers them.
@@ -117,15 +114,9 @@ class OuterSync:
         between syncs): the quantized or sparse exchange's protocol, or none for fp32."""
         assert getattr(self, "_sync", None) is None, "an exchange is in flight"
         self.config = config
-        self.quantized, self.sparse = None, None
-        exchanged = self.num_workers > 1 or getattr(self.sync_group, "dynamic", False)  # torchft: W may change
-        if config.exchange_topk_density is not None and exchanged:
-            self.sparse = SparseExchange(self.sync_group, config.exchange_topk_density, config.exchange_topk_chunk,
-                                         config.exchange_dtype, config.error_feedback)
-        elif config.exchange_dtype != "fp32" and exchanged:
-            self.quantized = QuantizedExchange(
-                self.sync_group, config.exchange_dtype, config.exchange_block_size, config.error_feedback
-            )
+        protocol = reducers.exchange_protocol(config, self.sync_group, self.num_workers)
+        self.quantized = protocol if isinstance(protocol, QuantizedExchange) else None
+        self.sparse = protocol if isinstance(protocol, SparseExchange) else None
 
     @property
     def ewma(self):
@@ -247,25 +238,14 @@ class OuterSync:
         sync.norms, sync.excluded, sync.skipped = norms, decision.excluded, decision.skipped
 
     def _plan(self) -> None:
-        """The reducers of this sync, with its weights, and the one of each shard: the only
-        place where GTA, the exchange's dtype and a shard's size choose."""
+        """The reducers of this sync, one per shard (:func:`.reducers.choose`)."""
         sync = self._sync
-        defer = sync.weights is None and self._defers_mean()  # the plain mean, divided by the step
-        sync.divisor = mean_divisor(self.sync_group) if defer else 1
-        if self._gta:
-            chosen = GTAReducer(self.sync_group, self.gta_config, sync.weights, sync.step,
-                                self.worker_groups.shard_rank)
-        else:
-            chosen = MeanReducer(self.sync_group, sync.own_weights, divide=sync.weights is None and not defer)
-        compressed, exchange = None, self.quantized or self.sparse
-        if not self._gta and self.quantized is not None and self.num_workers > 1:
-            compressed = QuantizedReducer(self.quantized, sync.own_weights, mean=sync.weights is None)
-        elif not self._gta and self.sparse is not None:
-            compressed = SparseReducer(self.sparse, sync.own_weights, mean=sync.weights is None)
-        for shard in sync.members:
-            # Tiny shards go in fp32: a few elements per worker weigh less than scales and padding.
-            pays = compressed is not None and exchange.pays_off(shard.numel)
-            sync.of(shard).reducer = compressed if pays else chosen
+        sync.divisor, chosen = reducers.choose(
+            sync.members, sync_group=self.sync_group, protocol=self.quantized or self.sparse,
+            gta_config=self.gta_config, weights=sync.weights, own_weights=sync.own_weights, step=sync.step,
+            shard_rank=self.worker_groups.shard_rank, defer=self._defers_mean())
+        for shard, reducer in zip(sync.members, chosen):
+            sync.of(shard).reducer = reducer
 
     # ------------------------------------------------------------------ exchange
     @torch.no_grad()
@@ -402,32 +382,6 @@ class OuterSync:
         if self._sync is not None and self._sync.committed is None:
             self._sync.committed = bool(applied)
 
-    # ------------------------------------------------------------------ layer-wise
-    def mark_pending(self) -> None:
-        """Layer-wise: every shard waits for its group's parameter gather; every group's
-        exchange starts now, in forward order, so each is in flight while earlier layers
-        compute (the backend runs them in launch order)."""
-        for shard in self._sync.members:
-            self._sync.of(shard).pending = True
-        self.launch(self._sync.members)  # in group order: the forward order
-
-    def complete_group(self, index: int) -> None:
-        """Layer-wise: group ``index`` is about to be gathered: complete its pending outer step.
-        GTA and the quantized exchange: the next group's second phase is started first, so it
-        overlaps this group's."""
-        shards = [s for s in self.groups[index] if self._is_pending(s)]
-        if not shards:
-            return
-        for later in self.groups[index + 1 :]:
-            # launched and not finished yet (clipping may have finished some early)
-            flying = [self._sync.of(s) for s in later if self._is_pending(s)]
-            for state in flying:
-                if state.flight is not None:
-                    state.reducer.advance(state.flight)
-            if flying:
-                break
-        self.complete(shards, write_model=True)
-
     def advance(self) -> None:
         """A delayed sync: start the second phase of every exchange in flight (GTA, the quantized
         exchange) once its first is in, in the shards' order (the same on every worker)."""
@@ -442,10 +396,7 @@ class OuterSync:
         {id(shard): (reduced Delta, launch params or None)})``, for :meth:`resume_in_flight`."""
         sync = self._sync
         self._finish_exchange(sync.members)
-        committed = self.settle_commit()
-        meta = dict(step=sync.step, steps_since_last=sync.steps_since_last, delay=sync.delay, fragment=sync.fragment,
-                    divisor=sync.divisor, skipped=None if sync.skipped is None else sync.skipped.tolist(),
-                    keep=any(sync.of(s).launch_params is not None for s in sync.members), committed=committed)
+        meta = sync.saved_meta(committed=self.settle_commit())
         return meta, {id(s): (sync.of(s).delta, sync.of(s).launch_params) for s in sync.members}
 
     def settle_commit(self) -> Optional[bool]:
@@ -459,25 +410,7 @@ class OuterSync:
 
     def resume_in_flight(self, meta: dict, members: Sequence[BucketShard], deltas, launch) -> None:
         """The sync of :meth:`finish_in_flight` again, exchanged, waiting for its apply."""
-        self._sync = sync = SyncInProgress(meta["step"], meta["steps_since_last"],
-                                           self.sync_group.counters.payload_bytes)
-        sync.delay, sync.fragment, sync.divisor = meta["delay"], meta["fragment"], meta["divisor"]
-        sync.committed = meta.get("committed")  # torchft: decided when it was saved
-        sync.members = list(members)
-        if meta["skipped"] is not None:
-            sync.skipped = torch.tensor(meta["skipped"], dtype=torch.bool)
-        for shard, delta, params in zip(members, deltas, launch):
-            record = sync.of(shard)
-            record.delta, record.exchanged, record.launch_params = delta, True, params
-
-    def _is_pending(self, shard: BucketShard) -> bool:
-        return self._sync is not None and self._sync.of(shard).pending  # between syncs: none
-
-    def flush(self) -> None:
-        """Complete every pending exchange now (before state is read or params change)."""
-        pending = [s for s in self.shards if self._is_pending(s)]
-        if pending:
-            self.complete(pending, write_model=True)
+        self._sync = SyncInProgress.from_saved(meta, members, deltas, launch, self.sync_group.counters.payload_bytes)
 
     # ------------------------------------------------------------------ end
     def _exchange_error(self) -> Optional[torch.Tensor]:

@@ -24,19 +24,21 @@ error feedback's residuals). The reducers:
 * :class:`SparseReducer`: the all-gather of every worker's top-k payload, summed in worker
   order (:mod:`.sparse`).
 
-A sync builds its reducers once, with that sync's weights, and picks one per shard; a delayed
-outer step (launch at one step, finish later) or streamed fragments drive the same interface.
+A sync builds its reducers once, with that sync's weights, and picks one per shard
+(:func:`choose`, the only place where GTA, the exchange's format and a shard's size choose); a
+delayed outer step (launch at one step, finish later) or streamed fragments drive the same
+interface.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..algorithm import gta, outer
-from ..config import GTAConfig
+from ..config import GTAConfig, LocalSGDConfig
 from .groups import mean_divisor
 from .quantized import QuantizedExchange
 from .shard import BucketShard
@@ -231,3 +233,48 @@ class SparseReducer(Reducer):
     def finish(self, flight: _SparseFlight) -> torch.Tensor:
         self.exchange.finish(flight.stage, flight.delta, self.mean)
         return flight.delta
+
+
+Protocol = Union[QuantizedExchange, SparseExchange, None]
+
+
+def exchange_protocol(config: LocalSGDConfig, sync_group, num_workers: int) -> Protocol:
+    """The compressed exchange ``config`` asks for (its format): the sparse (top-k) or the quantized
+    exchange's protocol, or None for fp32, or when one worker has nobody to exchange with (over
+    torchft the workers of a sync may change: a protocol all the same)."""
+    if not (num_workers > 1 or getattr(sync_group, "dynamic", False)):
+        return None
+    if config.exchange_topk_density is not None:
+        return SparseExchange(sync_group, config.exchange_topk_density, config.exchange_topk_chunk,
+                              config.exchange_dtype, config.error_feedback)
+    if config.exchange_dtype != "fp32":
+        return QuantizedExchange(sync_group, config.exchange_dtype, config.exchange_block_size,
+                                 config.error_feedback)
+    return None
+
+
+def choose(members: Sequence[BucketShard], *, sync_group, protocol: Protocol, gta_config: GTAConfig,
+           weights: Optional[torch.Tensor], own_weights: Optional[torch.Tensor], step: int, shard_rank: int,
+           defer: bool) -> Tuple[int, List[Reducer]]:
+    """The reducer of each of a sync's ``members``, with the sync's weights (None: the plain mean),
+    and the divisor left to the outer step. ``defer``: the plain mean's division is left to the
+    fused outer step (one pass less). GTA when configured; else the compressed exchange where it
+    pays off (tiny shards go in fp32: a few elements per worker weigh less than scales and
+    padding), the (weighted) mean elsewhere."""
+    defer = weights is None and defer
+    divisor = mean_divisor(sync_group) if defer else 1
+    gta_on = gta_config.reducer == "gta"
+    if gta_on:
+        chosen = GTAReducer(sync_group, gta_config, weights, step, shard_rank)
+    else:
+        chosen = MeanReducer(sync_group, own_weights, divide=weights is None and not defer)
+    compressed = None
+    if gta_on or protocol is None:
+        pass
+    elif isinstance(protocol, QuantizedExchange):
+        if sync_group.size > 1:
+            compressed = QuantizedReducer(protocol, own_weights, mean=weights is None)
+    else:
+        compressed = SparseReducer(protocol, own_weights, mean=weights is None)
+    return divisor, [compressed if compressed is not None and protocol.pays_off(shard.numel) else chosen
+                     for shard in members]
