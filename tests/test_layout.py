@@ -107,6 +107,19 @@ def test_long_modules_say_why():
             assert "This module is long because" in doc, f"{name}: {text.count(chr(10))} lines"
 
 
+def test_no_module_over_450_lines_and_no_function_over_100():
+    """One concept per module, read in one sitting; a function fits a screen or two."""
+    long_modules, long_functions = [], []
+    for name, (path, _) in MODULES.items():
+        text = path.read_text()
+        if text.count("\n") > 450:
+            long_modules.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                long_functions.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long_modules == [] and long_functions == []
+
+
 def test_the_graph_sees_lazy_imports():
     """A sanity check of the walker: api imports training.training_wraps inside a function."""
     assert "megatron_edit.training.training_wraps" in GRAPH["megatron_edit.api"]

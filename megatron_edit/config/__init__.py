@@ -20,11 +20,12 @@ Each field of :class:`LocalSGDConfig` and :class:`GTAConfig` declares its comman
 The package: :class:`LocalSGDConfig`'s fields here (each with its flag and documentation) and
 the checks of single fields in its ``__post_init__``; the checks of its groups of settings in
 mixins, one concept each: the exchange (``megatron_edit.config.exchange``: formats, error
-feedback, top-k), the overlap (``megatron_edit.config.overlap``: the delayed outer step, its
-merge, fragments, the automatic overlap, and the rule tau < H/F as :func:`delay_limit`) and the
-sync backend (``megatron_edit.config.backend``); :class:`OuterOptimizerConfig` with the outer
+feedback, top-k), the penalty (``megatron_edit.config.penalty``), the overlap
+(``megatron_edit.config.overlap``: the delayed outer step, its merge, fragments, the automatic
+overlap, and the rule tau < H/F as :func:`delay_limit`) and the sync backend (``megatron_edit.config.backend``); :class:`OuterOptimizerConfig` with the outer
 optimizer's class and keyword checks in ``megatron_edit.config.outer_optimizer``;
-:class:`GTAConfig` in ``megatron_edit.config.gta``; the exceptions, the value kinds and the type
+:class:`GTAConfig` in ``megatron_edit.config.gta``, with the checks across it and
+:class:`LocalSGDConfig` (:func:`check_combination`); the exceptions, the value kinds and the type
 checks in ``megatron_edit.config.values``. Every name is importable from ``megatron_edit.config``.
 This module is long because each field's declaration, documentation and flag stay together.
 """
@@ -45,10 +46,11 @@ from .outer_optimizer import (  # noqa: F401 (re-exported)
     check_outer_numbers,
     resolve_optimizer_class,
 )
-from .gta import GTA_CONSENSUS, GTA_SPARSIFICATION, REDUCERS, GTAConfig  # noqa: F401 (re-exported)
+from .gta import GTA_CONSENSUS, GTA_SPARSIFICATION, REDUCERS, GTAConfig, check_combination  # noqa: F401 (re-exported)
 from .backend import SYNC_BACKENDS, BackendSettings  # noqa: F401 (re-exported)
 from .exchange import EXCHANGE_DTYPES, TOPK_DTYPES, TOPK_MAX_CHUNK, ExchangeSettings  # noqa: F401 (re-exported)
 from .overlap import AUTO_FORMATS, OverlapSettings, delay_limit  # noqa: F401 (re-exported)
+from .penalty import PenaltySettings
 from .values import (  # noqa: F401 (re-exported)
     FLAG_NAMES,
     ConfigError,
@@ -69,7 +71,7 @@ SYNC_MODES = ("layerwise", "step_end")
 
 @documented
 @dataclass
-class LocalSGDConfig(ExchangeSettings, BackendSettings, OverlapSettings):
+class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, OverlapSettings):
     """When and how data-parallel workers synchronise (EDiT / A-EDiT)."""
 
     use_async: bool = flag("--local-sgd-async", False,
@@ -415,31 +417,10 @@ class LocalSGDConfig(ExchangeSettings, BackendSettings, OverlapSettings):
                  f"must be an integer >= 0 (got {self.min_total_global_steps!r}).")
         _require(0.0 <= self.step_weight_ratio <= 1.0, "step_weight_ratio",
                  f"must be in [0, 1] (got {self.step_weight_ratio!r}).")
-        _require(self.clip_pseudo_grad is None or self.clip_pseudo_grad > 0, "clip_pseudo_grad",
-                 f"must be a positive norm or None (got {self.clip_pseudo_grad!r}).")
-        _require(self.weight_softmax_temperature is None or self.weight_softmax_temperature > 0,
-                 "weight_softmax_temperature", f"must be > 0 or None (got {self.weight_softmax_temperature!r}).")
-        _require(0.0 < self.ewma_alpha <= 1.0, "ewma_alpha", f"must be in (0, 1] (got {self.ewma_alpha!r}).")
-        _require(self.ewma_warmup_steps >= 0, "ewma_warmup_steps",
-                 f"must be an integer >= 0 (got {self.ewma_warmup_steps!r}).")
-        _require(self.ewma_threshold > 0, "ewma_threshold", f"must be > 0 (got {self.ewma_threshold!r}).")
+        self._check_penalty()
         _require(isinstance(self.sync_mode, str) and self.sync_mode in SYNC_MODES, "sync_mode",
                  f"must be one of {SYNC_MODES} (got {self.sync_mode!r}).")
-        _require(self.exchange_dtype in EXCHANGE_DTYPES, "exchange_dtype",
-                 f"must be one of {EXCHANGE_DTYPES} (got {self.exchange_dtype!r}).")
-        _require(self.exchange_block_size >= 2 and self.exchange_block_size % 2 == 0, "exchange_block_size",
-                 f"must be an even integer >= 2 (got {self.exchange_block_size!r}); 256 is the default.")
-        scaled = self.auto_overlap and any(f in ("fp8", "int8", "int4") for f in self.allowed_formats)
-        if self.exchange_block_size != 256 and self.exchange_dtype in ("fp32", "bf16") and not scaled:
-            raise ConfigError(
-                f"{_name('exchange_block_size')}: only used by the scaled formats (fp8, int8, "
-                f"int4); {FLAG_NAMES['exchange_dtype']} is {self.exchange_dtype}.")
-        if self.exchange_error_feedback and self.exchange_dtype == "fp32" and self.exchange_topk_density is None:
-            raise ConfigError(
-                f"{_name('exchange_error_feedback')}: an fp32 exchange drops nothing; add "
-                f"{FLAG_NAMES['exchange_dtype']} bf16|fp8|int8|int4 (or "
-                f"{FLAG_NAMES['exchange_topk_density']}) or drop the flag.")
-        self._check_topk()
+        self._check_exchange()
         self._check_delay()
         self._check_sync_backend()
         self._check_auto()
@@ -448,10 +429,6 @@ class LocalSGDConfig(ExchangeSettings, BackendSettings, OverlapSettings):
             raise ConfigError(
                 f"{_name('use_step_weight')}: step weights only make sense when workers take "
                 f"different numbers of steps; add {FLAG_NAMES['use_async']}.")
-        if self.weight_softmax_temperature is not None and not self.pseudo_gradnorm_reduce:
-            raise ConfigError(
-                f"{_name('weight_softmax_temperature')}: only used with norm-weighted averaging; "
-                f"add {FLAG_NAMES['pseudo_gradnorm_reduce']}.")
 
 # Field -> flag, for every message (megatron_edit.config.values), from the fields' metadata.
 FLAG_NAMES.update(flag_names(LocalSGDConfig, OuterOptimizerConfig, GTAConfig))
@@ -468,23 +445,3 @@ def default_outer_config(local: Optional[LocalSGDConfig]) -> OuterOptimizerConfi
     if local is not None and local.exchange_topk_density is not None:
         return OuterOptimizerConfig(outer_optim_kwargs=dict(TOPK_OUTER_KWARGS))
     return OuterOptimizerConfig()
-
-
-def check_combination(local: LocalSGDConfig, gta: GTAConfig) -> None:
-    """Options of different configs that do not work together (ConfigError naming the flags)."""
-    if gta.reducer == "gta" and local.exchange_topk_density is not None:
-        raise ConfigError(
-            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['exchange_topk_density']}: GTA sparsifies and "
-            f"merges with sign consensus over a dense fp32 exchange; use one of the two."
-        )
-    if gta.reducer == "gta" and local.exchange_dtype != "fp32":
-        raise ConfigError(
-            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['exchange_dtype']} "
-            f"{local.exchange_dtype}: GTA's sign consensus and masks need the fp32 exchange; use "
-            f"the linear reducer with a quantized exchange, or GTA with fp32."
-        )
-    if gta.reducer == "gta" and local.auto_overlap and local.allowed_formats != ("fp32",):
-        raise ConfigError(
-            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['auto_formats']} {local.auto_formats}: GTA's sign "
-            "consensus and masks need the fp32 exchange; drop the formats other than fp32."
-        )

@@ -26,6 +26,25 @@ class ExchangeSettings:
             return self.exchange_topk_density is not None
         return self.exchange_error_feedback
 
+    def _check_exchange(self) -> None:
+        """The format (``exchange_dtype``), its block of scales, error feedback, then the top-k
+        exchange's settings."""
+        _require(self.exchange_dtype in EXCHANGE_DTYPES, "exchange_dtype",
+                 f"must be one of {EXCHANGE_DTYPES} (got {self.exchange_dtype!r}).")
+        _require(self.exchange_block_size >= 2 and self.exchange_block_size % 2 == 0, "exchange_block_size",
+                 f"must be an even integer >= 2 (got {self.exchange_block_size!r}); 256 is the default.")
+        scaled = self.auto_overlap and any(f in ("fp8", "int8", "int4") for f in self.allowed_formats)
+        if self.exchange_block_size != 256 and self.exchange_dtype in ("fp32", "bf16") and not scaled:
+            raise ConfigError(
+                f"{_name('exchange_block_size')}: only used by the scaled formats (fp8, int8, "
+                f"int4); {FLAG_NAMES['exchange_dtype']} is {self.exchange_dtype}.")
+        if self.exchange_error_feedback and self.exchange_dtype == "fp32" and self.exchange_topk_density is None:
+            raise ConfigError(
+                f"{_name('exchange_error_feedback')}: an fp32 exchange drops nothing; add "
+                f"{FLAG_NAMES['exchange_dtype']} bf16|fp8|int8|int4 (or "
+                f"{FLAG_NAMES['exchange_topk_density']}) or drop the flag.")
+        self._check_topk()
+
     def _check_topk(self) -> None:
         """The sparse exchange's settings (``exchange_topk_density``, ``exchange_topk_chunk``)."""
         d, chunk, dtype = self.exchange_topk_density, self.exchange_topk_chunk, self.exchange_dtype

@@ -71,3 +71,24 @@ class GTAConfig:
                 f"{_name('density')}: density < 1 needs a sparsification method "
                 f"({FLAG_NAMES['sparsification_method']} magnitude|random|rescaled_random)."
             )
+
+
+def check_combination(local, gta: GTAConfig) -> None:
+    """Options of :class:`~megatron_edit.config.LocalSGDConfig` (``local``) and the reducer's that
+    do not work together (ConfigError naming the flags)."""
+    if gta.reducer == "gta" and local.exchange_topk_density is not None:
+        raise ConfigError(
+            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['exchange_topk_density']}: GTA sparsifies and "
+            f"merges with sign consensus over a dense fp32 exchange; use one of the two."
+        )
+    if gta.reducer == "gta" and local.exchange_dtype != "fp32":
+        raise ConfigError(
+            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['exchange_dtype']} "
+            f"{local.exchange_dtype}: GTA's sign consensus and masks need the fp32 exchange; use "
+            f"the linear reducer with a quantized exchange, or GTA with fp32."
+        )
+    if gta.reducer == "gta" and local.auto_overlap and local.allowed_formats != ("fp32",):
+        raise ConfigError(
+            f"{FLAG_NAMES['reducer']} gta with {FLAG_NAMES['auto_formats']} {local.auto_formats}: GTA's sign "
+            "consensus and masks need the fp32 exchange; drop the formats other than fp32."
+        )

@@ -26,7 +26,8 @@ shard at once.
 
 What a sync holds while it runs is in :mod:`.in_flight`, not in the shards; which reducer a
 shard gets (GTA, quantized, sparse, the mean) is chosen once per sync and shard
-(:func:`.reducers.choose`). The collectives go through ``sync_group`` and ``worker_groups``
+(:func:`.reducers.choose`). This module is long because the phases share one sync's state.
+The collectives go through ``sync_group`` and ``worker_groups``
 (:mod:`megatron_edit.exchange.groups`, or fakes with the same methods); the math is in
 :mod:`megatron_edit.algorithm`.
 """
