@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..algorithm import schedule
-from ..config import FLAG_NAMES, GTAConfig, LocalSGDConfig, OuterOptimizerConfig
+from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from ..exchange.arrival import Arrivals, short_timeout_warning
 from ..exchange.groups import WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
@@ -58,10 +58,10 @@ from .controller_settings import ControllerSettings
 from .controller_state import ControllerState
 from .delayed import DelayedOuterStep
 from .expert_bias import ExpertBiases
-from .fragments import SyncShards, frozen_layout, group_sizes, partition_sizes, split_layers
+from .fragments import SyncShards, cut_fragments
 from .fsdp import fsdp_model_of
 from .process_state import PROCESS
-from .shards import ShardLayout, build_layout
+from .shards import build_layout
 from .sync_backend import backend_for
 from .worker_layout import WorkerLayout
 
@@ -135,20 +135,10 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         self.async_plan = AsyncPlan(self.config, self.sync_group, schedule_group)
         """A-EDiT's schedule (unused by synchronous EDiT)."""
         self.worker_groups = WorkerGroups(shard_group=self.layout.shard_group, tp_group=self.layout.tp_group)
-        parts = None  # streaming fragments: a layer in two of them is two layers for the decisions
         allowed = self.auto.fragments if self.auto is not None else (self.config.fragments,)
-        self._recut: Optional[Tuple[ShardLayout, List[float]]] = None
-        """``auto_overlap`` choosing the fragments: the layout before any cut and the bucket
-        groups' sizes, what a change of F cuts from (:meth:`_use_fragments`); else None."""
-        if max(allowed) > 1 and buckets.group_order:
-            sizes = group_sizes(buckets, self.worker_groups)
-            if len(allowed) > 1:
-                for f in allowed:  # every choice must be possible: refused now, not mid-run
-                    partition_sizes(sizes, f, FLAG_NAMES["auto_fragments"])
-                self._recut = (frozen_layout(buckets), sizes)
-            if self.config.fragments > 1:
-                parts = partition_sizes(sizes, self.config.fragments, FLAG_NAMES["fragments"])
-                buckets = split_layers(buckets, parts)
+        buckets, parts, self._recut = cut_fragments(buckets, self.worker_groups, self.config.fragments, allowed)
+        """``_recut``: ``auto_overlap`` choosing the fragments: the layout before any cut and the
+        bucket groups' sizes, what a change of F cuts from (:meth:`_use_fragments`); else None."""
         self.shards = buckets.shards
         self.group_order = buckets.group_order
         self.group_shards = buckets.group_shards

@@ -115,6 +115,25 @@ def split_layers(layout: ShardLayout, parts: Sequence[Sequence[int]]) -> ShardLa
     )
 
 
+def cut_fragments(layout: ShardLayout, worker_groups, fragments: int, allowed: Sequence[int]):
+    """A controller's layout cut for ``fragments`` streaming fragments (a layer in two of them is
+    two layers for the decisions): ``(layout, parts or None, recut)``. ``allowed``: every number of
+    fragments ``auto_overlap`` may choose, each checked now (refused at start, not mid-run);
+    ``recut``: with more than one, the layout before any cut and the bucket groups' sizes, what a
+    change of F cuts from (else None)."""
+    parts, recut = None, None
+    if max(allowed) > 1 and layout.group_order:
+        sizes = group_sizes(layout, worker_groups)
+        if len(allowed) > 1:
+            for f in allowed:
+                partition_sizes(sizes, f, FLAG_NAMES["auto_fragments"])
+            recut = (frozen_layout(layout), sizes)
+        if fragments > 1:
+            parts = partition_sizes(sizes, fragments, FLAG_NAMES["fragments"])
+            layout = split_layers(layout, parts)
+    return layout, parts, recut
+
+
 class SyncShards:
     """The shards due for exchange after each step (synchronous EDiT)."""
 

@@ -16,6 +16,7 @@ that cannot carry EDiT state yet, saving or loading an EDiT optimizer is refused
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from typing import Callable, Optional
 
 from ...config import NotSupportedYet
@@ -60,6 +61,170 @@ def _bind(original, self, args, kwargs) -> inspect.BoundArguments:
     return bound
 
 
+def _wrap_state_dict(controller_of, original):
+    fixed = fix_state_dict(original)  # megatron-core's own load defects, for every optimizer
+
+    def wrapper(self, *args, **kwargs):
+        controller = controller_of(self)
+        if controller is not None:
+            controller.flush()
+        return fixed(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_sharded_state_dict(controller_of, original):
+    def wrapper(self, *args, **kwargs):
+        controller = controller_of(self)
+        if controller is None:
+            return original(self, *args, **kwargs)
+        bound = _bind(original, self, args, kwargs)
+        is_loading = bound.arguments["is_loading"]
+        if controller.in_step:
+            raise RuntimeError("megatron_edit: a checkpoint cannot be taken inside an optimizer step.")
+        controller.flush()  # a due layer-wise sync completes now, with the same numbers
+        if controller.fsdp is not None:  # Megatron-FSDP: its own format (Megatron refuses others)
+            state = original(*bound.args, **bound.kwargs)
+            if is_loading:
+                return fsdp_load_requests(self, controller, state)
+            return fsdp_save_state_dict(self, controller, state, bound.arguments["model_sharded_state_dict"])
+        if not is_loading and self.ddp_config.overlap_param_gather:
+            controller.gather_params_in_worker()
+        state = original(*bound.args, **bound.kwargs)
+        sharding_type = sharding_type_of(state, bound.arguments)
+        if sharding_type not in SUPPORTED_SHARDING_TYPES:
+            raise NotSupportedYet(
+                f"megatron_edit: the distributed optimizer checkpoint format {sharding_type!r} "
+                f"cannot hold each EDiT worker's state; use 'dp_reshardable' (Megatron-LM's "
+                f"default) or 'fully_reshardable' (--dist-ckpt-optim-fully-reshardable)."
+            )
+        refuse_broken_fully_reshardable(self, sharding_type)
+        layout = controller.layout
+        model_state = bound.arguments["model_sharded_state_dict"]
+        if layout.worker > 0:
+            rename_for_worker(state, sharding_type, layout)
+            if is_loading:
+                unalias_from_model(state, self)
+        # Built before worker k's model entries are dropped: EDiT's per-parameter entries
+        # take their keys from them.
+        state["local_sgd"] = local_sgd_sharded_state_dict(self, controller, state, model_state,
+                                                          sharding_type, is_loading)
+        if layout.worker > 0 and not is_loading:
+            drop_worker_model_entries(model_state, self)
+        return state
+
+    return wrapper
+
+
+def _wrap_load_state_dict(controller_of, original):
+    fixed = fix_load_state_dict(original)
+
+    def wrapper(self, state_dict, *args, **kwargs):
+        controller = controller_of(self)
+        if controller is None:
+            return fixed(self, state_dict, *args, **kwargs)
+        if controller.fsdp is not None:
+            return load_fsdp_state(self, controller, lambda inner: fixed(self, inner, *args, **kwargs))
+        part = state_dict.get("local_sgd") if isinstance(state_dict, dict) else None
+        is_checkpoint = isinstance(state_dict, dict) and "param_state" in state_dict
+        if is_checkpoint and part is None:
+            raise CheckpointStateError(
+                "megatron_edit: the optimizer state being loaded has no EDiT (local SGD) part: it "
+                "was not loaded through this EDiT optimizer's sharded_state_dict(is_loading=True)."
+            )
+        if part is not None:
+            state_dict = {k: v for k, v in state_dict.items() if k != "local_sgd"}
+        result = fixed(self, state_dict, *args, **kwargs)
+        if part is not None:
+            load_local_sgd_state(self, controller, part, state_dict)
+        return result
+
+    return wrapper
+
+
+def _wrap_set_main_param_state(original):
+    fixed = fix_set_main_param_state(original)
+
+    def wrapper(self, model_param, tensors, *args, **kwargs):
+        captured = capture_of(self)
+        if captured is not None:  # decoding another saved worker's main params
+            captured[model_param] = tensors
+            return None
+        return fixed(self, model_param, tensors, *args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_dist_load(runtime_ref, original):
+    def wrapper(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        runtime = runtime_ref()
+        if runtime is None or len(runtime.controllers) == 0:
+            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        prepare_load(sharded_state_dict, checkpoint_dir, original)
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - named and re-raised
+            raise CheckpointStateError(damaged_message(checkpoint_dir, e)) from e
+
+    return wrapper
+
+
+def _wrap_dcp_load(runtime_ref, original):
+    def wrapper(state_dict, *args, **kwargs):
+        runtime = runtime_ref()
+        if runtime is not None and len(runtime.controllers) and PROCESS.checkpoint_plans:
+            bound = inspect.signature(original).bind(state_dict, *args, **kwargs).arguments
+            reader = bound.get("storage_reader")
+            path = getattr(reader, "path", None) or bound.get("checkpoint_id")
+            if path is None:
+                raise CheckpointStateError(
+                    "megatron_edit: an EDiT optimizer on Megatron-FSDP reads fsdp_dtensor checkpoints "
+                    "from a folder: give torch.distributed.checkpoint.load a checkpoint_id or a "
+                    "FileSystemReader.")
+            prepare_fsdp_load(state_dict, path)
+        return original(state_dict, *args, **kwargs)
+
+    return wrapper
+
+
+def _refuse_legacy(controller_of, what):
+    def wrap(original):
+        def wrapper(self, *args, **kwargs):
+            if any(controller_of(o) is not None for o in getattr(self, "chained_optimizers", [self])):
+                raise NotSupportedYet(
+                    f"megatron_edit: {what} with local SGD is not supported: the legacy "
+                    f"'torch' checkpoint format gathers the optimizer state of one EDiT "
+                    f"worker only, so the other workers' local state would be lost. Use "
+                    f"--ckpt-format torch_dist (megatron.core.dist_checkpointing)."
+                )
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    return wrap
+
+
+def _refuse_before_support(controller_of, what):
+    def wrap(original):
+        def wrapper(self, *args, **kwargs):
+            if controller_of(self) is not None:
+                from ..compat import megatron_core_version
+
+                raise NotSupportedYet(
+                    f"megatron_edit: {what} of a local-SGD optimizer needs megatron-core "
+                    f"{SUPPORTED} (EDiT state in torch_dist checkpoints); megatron-core "
+                    f"{megatron_core_version()} is installed. Checkpointing EDiT on it is not "
+                    f"supported yet: upgrade megatron-core, or train without saving the optimizer."
+                )
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    return wrap
+
+
 def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Optional[object]]) -> PatchRegistry:
     """Declare the checkpoint patches on ``registry`` (after :func:`build_registry`'s)."""
 
@@ -67,198 +232,44 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
         runtime = runtime_ref()
         return runtime.controllers.get(optimizer) if runtime is not None else None
 
-    def wrap_state_dict(original):
-        fixed = fix_state_dict(original)  # megatron-core's own load defects, for every optimizer
-
-        def wrapper(self, *args, **kwargs):
-            controller = controller_of(self)
-            if controller is not None:
-                controller.flush()
-            return fixed(self, *args, **kwargs)
-
-        return wrapper
-
-    def wrap_sharded_state_dict(original):
-        def wrapper(self, *args, **kwargs):
-            controller = controller_of(self)
-            if controller is None:
-                return original(self, *args, **kwargs)
-            bound = _bind(original, self, args, kwargs)
-            is_loading = bound.arguments["is_loading"]
-            if controller.in_step:
-                raise RuntimeError("megatron_edit: a checkpoint cannot be taken inside an optimizer step.")
-            controller.flush()  # a due layer-wise sync completes now, with the same numbers
-            if controller.fsdp is not None:  # Megatron-FSDP: its own format (Megatron refuses others)
-                state = original(*bound.args, **bound.kwargs)
-                if is_loading:
-                    return fsdp_load_requests(self, controller, state)
-                return fsdp_save_state_dict(self, controller, state, bound.arguments["model_sharded_state_dict"])
-            if not is_loading and self.ddp_config.overlap_param_gather:
-                controller.gather_params_in_worker()
-            state = original(*bound.args, **bound.kwargs)
-            sharding_type = sharding_type_of(state, bound.arguments)
-            if sharding_type not in SUPPORTED_SHARDING_TYPES:
-                raise NotSupportedYet(
-                    f"megatron_edit: the distributed optimizer checkpoint format {sharding_type!r} "
-                    f"cannot hold each EDiT worker's state; use 'dp_reshardable' (Megatron-LM's "
-                    f"default) or 'fully_reshardable' (--dist-ckpt-optim-fully-reshardable)."
-                )
-            refuse_broken_fully_reshardable(self, sharding_type)
-            layout = controller.layout
-            model_state = bound.arguments["model_sharded_state_dict"]
-            if layout.worker > 0:
-                rename_for_worker(state, sharding_type, layout)
-                if is_loading:
-                    unalias_from_model(state, self)
-            # Built before worker k's model entries are dropped: EDiT's per-parameter entries
-            # take their keys from them.
-            state["local_sgd"] = local_sgd_sharded_state_dict(self, controller, state, model_state,
-                                                              sharding_type, is_loading)
-            if layout.worker > 0 and not is_loading:
-                drop_worker_model_entries(model_state, self)
-            return state
-
-        return wrapper
-
-    def wrap_load_state_dict(original):
-        fixed = fix_load_state_dict(original)
-
-        def wrapper(self, state_dict, *args, **kwargs):
-            controller = controller_of(self)
-            if controller is None:
-                return fixed(self, state_dict, *args, **kwargs)
-            if controller.fsdp is not None:
-                return load_fsdp_state(self, controller, lambda inner: fixed(self, inner, *args, **kwargs))
-            part = state_dict.get("local_sgd") if isinstance(state_dict, dict) else None
-            is_checkpoint = isinstance(state_dict, dict) and "param_state" in state_dict
-            if is_checkpoint and part is None:
-                raise CheckpointStateError(
-                    "megatron_edit: the optimizer state being loaded has no EDiT (local SGD) part: it "
-                    "was not loaded through this EDiT optimizer's sharded_state_dict(is_loading=True)."
-                )
-            if part is not None:
-                state_dict = {k: v for k, v in state_dict.items() if k != "local_sgd"}
-            result = fixed(self, state_dict, *args, **kwargs)
-            if part is not None:
-                load_local_sgd_state(self, controller, part, state_dict)
-            return result
-
-        return wrapper
-
-    def wrap_set_main_param_state(original):
-        fixed = fix_set_main_param_state(original)
-
-        def wrapper(self, model_param, tensors, *args, **kwargs):
-            captured = capture_of(self)
-            if captured is not None:  # decoding another saved worker's main params
-                captured[model_param] = tensors
-                return None
-            return fixed(self, model_param, tensors, *args, **kwargs)
-
-        return wrapper
-
-    def wrap_dist_load(original):
-        def wrapper(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-            runtime = runtime_ref()
-            if runtime is None or len(runtime.controllers) == 0:
-                return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-            prepare_load(sharded_state_dict, checkpoint_dir, original)
-            from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
-            try:
-                return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - named and re-raised
-                raise CheckpointStateError(damaged_message(checkpoint_dir, e)) from e
-
-        return wrapper
-
-    def wrap_dcp_load(original):
-        def wrapper(state_dict, *args, **kwargs):
-            runtime = runtime_ref()
-            if runtime is not None and len(runtime.controllers) and PROCESS.checkpoint_plans:
-                bound = inspect.signature(original).bind(state_dict, *args, **kwargs).arguments
-                reader = bound.get("storage_reader")
-                path = getattr(reader, "path", None) or bound.get("checkpoint_id")
-                if path is None:
-                    raise CheckpointStateError(
-                        "megatron_edit: an EDiT optimizer on Megatron-FSDP reads fsdp_dtensor checkpoints "
-                        "from a folder: give torch.distributed.checkpoint.load a checkpoint_id or a "
-                        "FileSystemReader.")
-                prepare_fsdp_load(state_dict, path)
-            return original(state_dict, *args, **kwargs)
-
-        return wrapper
-
-    def refuse_legacy(what):
-        def wrap(original):
-            def wrapper(self, *args, **kwargs):
-                if any(controller_of(o) is not None for o in getattr(self, "chained_optimizers", [self])):
-                    raise NotSupportedYet(
-                        f"megatron_edit: {what} with local SGD is not supported: the legacy "
-                        f"'torch' checkpoint format gathers the optimizer state of one EDiT "
-                        f"worker only, so the other workers' local state would be lost. Use "
-                        f"--ckpt-format torch_dist (megatron.core.dist_checkpointing)."
-                    )
-                return original(self, *args, **kwargs)
-
-            return wrapper
-
-        return wrap
-
-    def refuse_before_support(what):
-        def wrap(original):
-            def wrapper(self, *args, **kwargs):
-                if controller_of(self) is not None:
-                    from ..compat import megatron_core_version
-
-                    raise NotSupportedYet(
-                        f"megatron_edit: {what} of a local-SGD optimizer needs megatron-core "
-                        f"{SUPPORTED} (EDiT state in torch_dist checkpoints); megatron-core "
-                        f"{megatron_core_version()} is installed. Checkpointing EDiT on it is not "
-                        f"supported yet: upgrade megatron-core, or train without saving the optimizer."
-                    )
-                return original(self, *args, **kwargs)
-
-            return wrapper
-
-        return wrap
-
     for method, what in (("state_dict", "saving the state"), ("sharded_state_dict", "saving or loading the state"),
                          ("load_state_dict", "loading the state")):
         target = f"{_DISTOPT}.{method}"
-        registry.add(Patch(f"ckpt-not-yet-{method.replace('_', '-')}", target, refuse_before_support(what),
-                           NOT_YET, compat.params(target),
+        registry.add(Patch(f"ckpt-not-yet-{method.replace('_', '-')}", target,
+                           _refuse_before_support(controller_of, what), NOT_YET, compat.params(target),
                            "before 0.16: refuse to checkpoint EDiT (its state would be missing)"))
 
     v = SUPPORTED
-    registry.add(Patch("ckpt-distopt-state-dict", f"{_DISTOPT}.state_dict", wrap_state_dict, v, ("self",),
+    registry.add(Patch("ckpt-distopt-state-dict", f"{_DISTOPT}.state_dict", partial(_wrap_state_dict, controller_of),
+                       v, ("self",),
                        "complete a pending sync; 0.16-0.19 w/o apex/TE, every optimizer: zero Adam state "
                        "before 'step' is read"))
     registry.add(Patch("ckpt-distopt-sharded-state-dict", f"{_DISTOPT}.sharded_state_dict",
-                       wrap_sharded_state_dict, v,
+                       partial(_wrap_sharded_state_dict, controller_of), v,
                        ("self", "model_sharded_state_dict", "is_loading", "sharding_type", "metadata"),
                        "EDiT state (per-parameter anchor, outer state, residuals; counters) + each "
                        "worker's optimizer state under its own keys in torch_dist checkpoints"))
-    registry.add(Patch("ckpt-distopt-load-state-dict", f"{_DISTOPT}.load_state_dict", wrap_load_state_dict, v,
-                       ("self", "state_dict"),
+    registry.add(Patch("ckpt-distopt-load-state-dict", f"{_DISTOPT}.load_state_dict",
+                       partial(_wrap_load_state_dict, controller_of), v, ("self", "state_dict"),
                        "restore EDiT state (with an outer step at load after a worker-count change) "
                        "and each worker's model; 0.16-0.19 w/o apex/TE, every optimizer: load under "
                        "no_grad, one Adam step tensor per param with the checkpoint's value"))
     registry.add(Patch("ckpt-distopt-set-main-param-state", f"{_DISTOPT}._set_main_param_and_optimizer_states",
-                       wrap_set_main_param_state, v, ("self", "model_param", "tensors"),
+                       _wrap_set_main_param_state, v, ("self", "model_param", "tensors"),
                        "decode other saved workers' main params; 0.16-0.19 w/o apex/TE, every "
                        "optimizer: copy under no_grad, tolerate a missing per-param Adam step"))
     # Megatron-FSDP's fsdp_dtensor checkpoints are read by torch.distributed.checkpoint itself
     # (Megatron-LM 0.16 calls the deprecated load_state_dict; megatron-core users call load).
     for name, params in (("load", ("state_dict",)), ("load_state_dict", ("state_dict", "storage_reader"))):
         registry.add(Patch(f"ckpt-dcp-{name.replace('_', '-')}", f"torch.distributed.checkpoint:{name}",
-                           wrap_dcp_load, FSDP_SUPPORTED, params,
+                           partial(_wrap_dcp_load, runtime_ref), FSDP_SUPPORTED, params,
                            "EDiT on Megatron-FSDP: read the EDiT record first and fit the fsdp_dtensor "
                            "load to the checkpoint; clear errors for what is missing"))
     for patch_id, method, wrap, params, description in FSDP_LOAD_FIXES:  # plain Megatron-FSDP too
         registry.add(Patch(patch_id, f"{_DISTOPT}.{method}", wrap, FSDP_EMPTY_SHARD_BUG, params, description))
     dist_load = "megatron.core.dist_checkpointing:load"
-    registry.add(Patch("ckpt-dist-checkpointing-load", dist_load, wrap_dist_load, v, compat.params(dist_load),
+    registry.add(Patch("ckpt-dist-checkpointing-load", dist_load, partial(_wrap_dist_load, runtime_ref), v,
+                       compat.params(dist_load),
                        "read the EDiT record first and fit the load to the checkpoint; clear errors "
                        "for what is missing or cannot reshard"))
     # The legacy format: a ChainedOptimizer of several optimizers bypasses the
@@ -266,7 +277,7 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
     for owner, name in ((_DISTOPT, "distopt"), (_CHAINED, "chained")):
         for method in ("save_parameter_state", "load_parameter_state"):
             registry.add(Patch(f"ckpt-refuse-legacy-{name}-{method.split('_')[0]}", f"{owner}.{method}",
-                               refuse_legacy(f"--ckpt-format torch ({method})"), compat.SUPPORTED,
+                               _refuse_legacy(controller_of, f"--ckpt-format torch ({method})"), compat.SUPPORTED,
                                ("self", "filename"),
                                "refuse the legacy torch checkpoint format with local SGD"))
     return registry
