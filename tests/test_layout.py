@@ -3,10 +3,12 @@
 Every ``megatron_edit`` module's imports (module level and inside functions) are read with
 ``ast``: there must be no import cycle, and each layer imports only the layers before it:
 
-    config, arguments  <  algorithm  <  exchange  <  mcore  <  cpu  <  training  <  entry points
+    algorithm  <  config, arguments  <  exchange  <  mcore  <  cpu  <  training  <  entry points
 
-``algorithm`` (pure math) never touches ``torch.distributed`` or Megatron; ``exchange`` never
-imports Megatron. A module over 400 lines says why in its docstring.
+``algorithm`` (pure math) imports nothing above it and never touches ``torch.distributed`` or
+Megatron; the configuration takes its formats and the delay's bound from it
+(:mod:`megatron_edit.algorithm.formats`, :func:`megatron_edit.algorithm.schedule.delay_limit`);
+``exchange`` never imports Megatron. A module over 400 lines says why in its docstring.
 """
 
 import ast
@@ -18,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_edit"
 
-LAYERS = {"config": 0, "arguments": 0, "flags": 0, "algorithm": 1, "exchange": 2, "mcore": 3, "cpu": 4, "training": 5}
+LAYERS = {"algorithm": 0, "config": 1, "arguments": 1, "flags": 1, "exchange": 2, "mcore": 3, "cpu": 4, "training": 5}
 ENTRY = 6  # api, launch, plan, supervise and wraps (the CLIs) and __init__
 
 

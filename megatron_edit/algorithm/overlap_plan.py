@@ -39,12 +39,11 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
-from ..config import AUTO_FORMATS, TOPK_DTYPES, delay_limit
 from . import topk
+from .formats import DENSE as FORMATS  # most precise first: the order in which formats are tried
+from .formats import TOPK_VALUES as TOPK_DTYPES
 from .quantize import encoded_bytes
-
-# Most precise first: the order in which formats are tried (the config's list of them).
-FORMATS = AUTO_FORMATS
+from .schedule import delay_limit
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 TOPK_CHUNK = 4096
 """The top-k formats' chunk (``--local-sgd-exchange-topk-chunk``'s default)."""

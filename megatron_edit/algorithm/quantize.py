@@ -31,8 +31,7 @@ from typing import Tuple
 
 import torch
 
-DTYPES = ("fp32", "bf16", "fp8", "int8", "int4")
-"""Exchange formats, in order of size."""
+from .formats import DENSE as DTYPES  # noqa: F401 (the exchange formats, in order of size)
 
 _MAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
 

@@ -19,3 +19,9 @@ def grads_are_local(steps_done: int, warmup_steps: int) -> bool:
     """Whether the step now running (number ``steps_done + 1``) reduces gradients only inside
     the worker. Warmup steps reduce them across all data-parallel ranks."""
     return steps_done >= warmup_steps
+
+
+def delay_limit(sync_interval: int, fragments: int = 1) -> int:
+    """The bound on the delay of the outer step: tau < H/F (one exchange in flight at a time, the
+    previous one, of the previous fragment, applied before the next is launched)."""
+    return sync_interval // fragments

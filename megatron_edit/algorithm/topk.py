@@ -42,11 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-VALUE_DTYPES = ("fp32", "int8", "int4", "int2")
-"""Formats of the kept values."""
-
-MAX_CHUNK = 1 << 16
-"""The largest chunk: its indices take 16 bits."""
+from .formats import TOPK_MAX_CHUNK as MAX_CHUNK  # the largest chunk: its indices take 16 bits
+from .formats import TOPK_VALUES as VALUE_DTYPES  # the formats of the kept values
 
 _MAX = {"int8": 127.0, "int4": 7.0, "int2": 1.0}
 _BITS = {"fp32": 32, "int8": 8, "int4": 4, "int2": 2}

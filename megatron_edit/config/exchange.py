@@ -6,13 +6,12 @@ flags and documentation, on :class:`~megatron_edit.config.LocalSGDConfig`.
 
 from __future__ import annotations
 
+from ..algorithm.formats import DENSE, TOPK_MAX_CHUNK  # noqa: F401 (TOPK_MAX_CHUNK: re-exported)
+from ..algorithm.formats import TOPK_VALUES as TOPK_DTYPES
 from .values import FLAG_NAMES, ConfigError, _name, _require
 
-EXCHANGE_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4", "int2")
-TOPK_DTYPES = ("fp32", "int8", "int4", "int2")
-"""Formats of the values a top-k exchange sends (megatron_edit.algorithm.topk)."""
-TOPK_MAX_CHUNK = 1 << 16
-"""The largest top-k chunk: its indices take 16 bits (megatron_edit.algorithm.topk.MAX_CHUNK)."""
+EXCHANGE_DTYPES = DENSE + ("int2",)
+"""What ``exchange_dtype`` takes: the dense formats, and int2 for the top-k exchange's values."""
 
 
 class ExchangeSettings:

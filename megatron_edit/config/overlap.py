@@ -3,20 +3,16 @@ and its merge, streaming fragments, and what the automatic overlap may choose am
 checks; a part of :mod:`megatron_edit.config`, which re-exports it. The fields are declared on
 :class:`~megatron_edit.config.LocalSGDConfig`.
 
-One rule here is used across the package: a delay must be below H/F (:func:`delay_limit`), so
-that an exchange is applied before the next one (of the next fragment) is launched.
+One rule is used across the package: a delay must be below H/F
+(:func:`megatron_edit.algorithm.schedule.delay_limit`, re-exported here), so that an exchange is
+applied before the next one (of the next fragment) is launched.
 """
 
 from __future__ import annotations
 
+from ..algorithm.formats import DENSE as AUTO_FORMATS  # what auto_overlap chooses among, most precise first
+from ..algorithm.schedule import delay_limit  # noqa: F401 (re-exported)
 from .values import FLAG_NAMES, ConfigError, NotSupportedYet, _name, _require
-
-AUTO_FORMATS = ("fp32", "bf16", "fp8", "int8", "int4")  # the dense formats, most precise first
-
-
-def delay_limit(sync_interval: int, fragments: int = 1) -> int:
-    """The bound on the delay of the outer step: tau < H/F (one exchange in flight at a time)."""
-    return sync_interval // fragments
 
 
 class OverlapSettings:

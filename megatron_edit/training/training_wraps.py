@@ -53,6 +53,7 @@ import importlib.util
 import inspect
 import io
 import sys
+from functools import partial
 from typing import Callable, Dict, List, Optional
 
 from ..config import ConfigError, NotSupportedYet
@@ -168,6 +169,75 @@ def _startup_patches_applied() -> bool:
     return getattr(utils.compile_helpers, "_megatron_edit_patch", None) is not None
 
 
+def _wrap_parse_args(runtime_ref, original):
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        if runtime_ref() is not None:
+            extra_args_provider = with_local_sgd_args(extra_args_provider)
+        return original(extra_args_provider, ignore_unknown_args)
+
+    return parse_args
+
+
+def _wrap_validate_args(runtime_ref, original):
+    def validate_args(args, *rest, **kwargs):
+        if runtime_ref() is None:
+            return original(args, *rest, **kwargs)
+        # What Megatron prints while it validates (on rank 0 the whole argument table, about
+        # 700 lines) is held back until EDiT's checks pass: a refusal is then the only line.
+        held = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+                result = original(args, *rest, **kwargs)
+                validate_local_sgd_args(args)
+        except (ConfigError, NotSupportedYet):
+            raise  # EDiT's refusal: one line, without Megatron's table
+        except BaseException:
+            sys.stdout.write(held.getvalue())  # Megatron's own error: with what led to it
+            raise
+        sys.stdout.write(held.getvalue())
+        sys.stdout.flush()
+        return result
+
+    return validate_args
+
+
+def _wrap_training_log(runtime_ref, state, original):
+    signature = inspect.signature(original)
+
+    def training_log(*args, **kwargs):
+        runtime = runtime_ref()
+        if runtime is None or not runtime.controllers:
+            return original(*args, **kwargs)
+        from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
+
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        state.pending = training_log_fields(
+            state.metrics(runtime),
+            list(runtime.controllers.values()),
+            get_args(),
+            bound.arguments["iteration"],
+            get_tensorboard_writer(),
+            get_wandb_writer(),
+            bound.arguments.get("is_first_iteration", False),
+        ) or None
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state.pending = None
+
+    return training_log
+
+
+def _wrap_print_rank_last(state, original):
+    def print_rank_last(message):
+        if state.pending:  # inside training_log: this is its console line
+            message, state.pending = message + state.pending, None
+        return original(message)
+
+    return print_rank_last
+
+
 def add_training_patches(
     registry: PatchRegistry, runtime_ref: Callable[[], Optional[LocalSGDRuntime]]
 ) -> List[str]:
@@ -187,71 +257,6 @@ def add_training_patches(
         registry.add(patch)
         added.append(patch.id)
 
-    def wrap_parse_args(original):
-        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-            if runtime_ref() is not None:
-                extra_args_provider = with_local_sgd_args(extra_args_provider)
-            return original(extra_args_provider, ignore_unknown_args)
-
-        return parse_args
-
-    def wrap_validate_args(original):
-        def validate_args(args, *rest, **kwargs):
-            if runtime_ref() is None:
-                return original(args, *rest, **kwargs)
-            # What Megatron prints while it validates (on rank 0 the whole argument table, about
-            # 700 lines) is held back until EDiT's checks pass: a refusal is then the only line.
-            held = io.StringIO()
-            try:
-                with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
-                    result = original(args, *rest, **kwargs)
-                    validate_local_sgd_args(args)
-            except (ConfigError, NotSupportedYet):
-                raise  # EDiT's refusal: one line, without Megatron's table
-            except BaseException:
-                sys.stdout.write(held.getvalue())  # Megatron's own error: with what led to it
-                raise
-            sys.stdout.write(held.getvalue())
-            sys.stdout.flush()
-            return result
-
-        return validate_args
-
-    def wrap_training_log(original):
-        signature = inspect.signature(original)
-
-        def training_log(*args, **kwargs):
-            runtime = runtime_ref()
-            if runtime is None or not runtime.controllers:
-                return original(*args, **kwargs)
-            from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
-
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            state.pending = training_log_fields(
-                state.metrics(runtime),
-                list(runtime.controllers.values()),
-                get_args(),
-                bound.arguments["iteration"],
-                get_tensorboard_writer(),
-                get_wandb_writer(),
-                bound.arguments.get("is_first_iteration", False),
-            ) or None
-            try:
-                return original(*args, **kwargs)
-            finally:
-                state.pending = None
-
-        return training_log
-
-    def wrap_print_rank_last(original):
-        def print_rank_last(message):
-            if state.pending:  # inside training_log: this is its console line
-                message, state.pending = message + state.pending, None
-            return original(message)
-
-        return print_rank_last
-
     def declare(pid, target, wrap, description):
         # initialize stops binding parse_args / validate_args in 0.18 (scripts call
         # arguments.parse_and_validate_args): the table's release range says so.
@@ -260,14 +265,14 @@ def add_training_patches(
     if not is_native(_ARGS):
         for module in (_ARGS, _INIT):  # until 0.18 initialize binds both names at import
             where = module.rsplit(".", 1)[1]
-            declare(f"lm-parse-args-{where}", f"{module}:parse_args", wrap_parse_args,
+            declare(f"lm-parse-args-{where}", f"{module}:parse_args", partial(_wrap_parse_args, runtime_ref),
                     "add the EDiT flags to Megatron's parser, whatever extra_args_provider")
-            declare(f"lm-validate-args-{where}", f"{module}:validate_args", wrap_validate_args,
+            declare(f"lm-validate-args-{where}", f"{module}:validate_args", partial(_wrap_validate_args, runtime_ref),
                     "check the EDiT flags with Megatron's options at start-up")
     if not is_native(_TRAINING):
-        declare("lm-training-log", f"{_TRAINING}:training_log", wrap_training_log,
+        declare("lm-training-log", f"{_TRAINING}:training_log", partial(_wrap_training_log, runtime_ref, state),
                 "EDiT sync metrics to TensorBoard / W&B at Megatron's intervals")
-        declare("lm-print-rank-last", f"{_TRAINING}:print_rank_last", wrap_print_rank_last,
+        declare("lm-print-rank-last", f"{_TRAINING}:print_rank_last", partial(_wrap_print_rank_last, state),
                 "EDiT sync metrics on training_log's console line")
     added += add_worker_local_patches(registry, runtime_ref)
     added += add_global_budget_patches(registry, runtime_ref)

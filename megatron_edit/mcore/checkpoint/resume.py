@@ -35,8 +35,8 @@ default) stores buckets, so TP, PP and the buckets must stay (a message names th
 
 A checkpoint saved while a delayed outer step's exchange was in flight holds its reduced
 pseudo-gradient (``local_sgd.in_flight.*``); it resumes with the same workers, TP and PP only.
-This module is long because every kind of resume fits its load requests in one place
-(:meth:`ResumePlan.prepare`), before anything large is read. The keys it asks for are
+Every kind of resume fits its load requests in one place (:meth:`ResumePlan.prepare`), before
+anything large is read; what it refuses is :mod:`.compatibility`'s, the keys it asks for are
 :mod:`.keys`'s; the work after the load (the load-time outer step, residuals, the model rebuilt
 from the main params) is :mod:`.after_load`'s.
 """
@@ -44,7 +44,6 @@ from the main params) is :mod:`.after_load`'s.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Dict, List, Optional
 
 import torch
@@ -52,23 +51,20 @@ import torch
 from ...config import FLAG_NAMES
 from ..process_state import PROCESS
 from .expert_bias import fit_requests as fit_bias_requests
+from . import compatibility
 from .after_load import adam_step_of, decode_mains
 from .keys import (
     IN_FLIGHT,
     PREFIX,
-    WORKER_KEY,
     CheckpointStateError,
-    is_local_sgd_key,
     launch_prefix,
     residual_prefix,
     retarget,
 )
 from .record import (
     FULLY_RESHARDABLE,
-    OLD_FORMATS,
     RECORD_KEY,
     check_run_record,
-    format_message,
     expert_sizes,
     identical_fragments,
     layout_difference,
@@ -77,8 +73,6 @@ from .record import (
 )
 
 logger = logging.getLogger(__name__)
-# A run record's key (sharded objects carry a "/shard_..." suffix), with Megatron's prefix.
-_RECORD_KEY = re.compile(r"^(.*?)local_sgd\.record(?:/|$)")
 
 _MAIN_KEYS = ("param", "fp32_param")  # the main params in Megatron's per-parameter optimizer state
 
@@ -156,19 +150,9 @@ class ResumePlan:
         self.prepared = True
         part = self.part
         if record is None:
-            ours = [k for k in saved if is_local_sgd_key(k) and not WORKER_KEY.search(k)]
-            if any(".record.dp_group_idx_" in k for k in ours):  # format 1: a record per slice
-                return format_message(next(iter(OLD_FORMATS)), "the checkpoint")
-            records = sorted({m.group(1) for k in ours for m in [_RECORD_KEY.match(k)] if m})
-            if records:  # records under other optimizer prefixes: another ChainedOptimizer
-                return (f"megatron_edit: the checkpoint holds EDiT records of other optimizers "
-                        f"({', '.join(r or '(none)' for r in records)}) than this run's: its model has "
-                        "another number of distributed optimizers (MoE: expert parallelism 1 keeps "
-                        "the experts in the dense optimizer, more a second one). EDiT's state cannot "
-                        "follow an expert-parallel change yet; keep --expert-model-parallel-size.")
-            if ours:
-                return (f"megatron_edit: the checkpoint has EDiT state but no EDiT record "
-                        f"({PREFIX}record): it is incomplete or corrupted.")
+            refused = compatibility.unrecorded_state(saved)
+            if refused:
+                return refused
             self.mode = "synchronous"
             self._retarget_inner(0)
             for key in [k for k in part if k != "plan"]:
@@ -191,50 +175,16 @@ class ResumePlan:
         now = dict(num_workers=layout.num_workers, worker_size=layout.worker_size, tensor_parallel=tp,
                    pipeline_parallel=pp)
         self.difference = layout_difference(record, now)
-        saved_ep, ep = tuple(record.get("expert_parallel", (1, 1))), expert_sizes(self.optimizer)
-        if saved_ep != ep:
-            return (f"megatron_edit: the checkpoint was saved with expert parallelism {saved_ep[0]} "
-                    f"(expert TP {saved_ep[1]}), this run has {ep[0]} (expert TP {ep[1]}): EDiT's "
-                    "state cannot follow an expert-parallel change yet; keep "
-                    "--expert-model-parallel-size and --expert-tensor-parallel-size.")
-        if record["sharding_type"] != self.sharding_type:
-            return (f"megatron_edit: the checkpoint's optimizer state is in Megatron's "
-                    f"{record['sharding_type']!r} format, this run loads {self.sharding_type!r}: "
-                    f"load it with metadata {{'distrib_optim_sharding_type': "
-                    f"{record['sharding_type']!r}}} (Megatron-LM does so by itself).")
-        if (record["tensor_parallel"], record["pipeline_parallel"]) != (tp, pp) and \
-                record["sharding_type"] not in FULLY_RESHARDABLE:
-            return (f"megatron_edit: the checkpoint was saved with TP={record['tensor_parallel']}, "
-                    f"PP={record['pipeline_parallel']}, this run has TP={tp}, PP={pp}. EDiT's state "
-                    f"reshards, but Megatron's {record['sharding_type']!r} optimizer format stores "
-                    f"buckets and cannot follow a TP / PP change: save with 'fully_reshardable' "
-                    f"(--dist-ckpt-optim-fully-reshardable), or keep TP and PP.")
+        refused = compatibility.layout_refusal(record, self.sharding_type, (tp, pp), expert_sizes(self.optimizer))
+        if refused:
+            return refused
         n, m, workers = record["num_workers"], layout.worker, layout.num_workers
         self.mode = "same-workers" if n == workers else "elastic"
         self.torchft = c.backend.dynamic
-        if self.torchft and self.mode == "elastic":  # a torch-backend checkpoint, one torchft worker
-            self.source = c.config.replica_id % n
-            if self.source != m:
-                self._retarget_inner(self.source)  # its inner optimizer state: saved worker replica id mod N
-            # Every other saved worker's main params: the load-time outer step is computed in the
-            # job alone (no collective outside a torchft round), the same in every job.
-            part["workers"] = {k: self._mains_request(k) for k in range(n) if k != self.source}
-        else:
-            self.source = m % n
-            if m % n != m:
-                self._retarget_inner(m % n)  # worker m's inner optimizer state: saved worker m mod N
-            if self.mode == "elastic":
-                part["workers"] = {k: self._mains_request(k) for k in range(m + workers, n, workers)}
-        tensor_keys, _ = outer_state_keys(c)
-        if not record["anchor_taken"]:
-            part["anchor"], part["outer"] = {}, {}
-        else:
-            unknown = sorted(set(record["outer_tensor_state"]) - set(tensor_keys))
-            if unknown:
-                return (f"megatron_edit: the checkpoint's outer optimizer state has {unknown}, which "
-                        f"{c.outer_config.optimizer_class.__name__} does not use: the outer "
-                        f"optimizer changed ({record.get('outer_class')} saved).")
-            part["outer"] = {k: v for k, v in part["outer"].items() if k in record["outer_tensor_state"]}
+        self._fit_workers(n, m, workers)
+        refused = self._fit_outer(record)
+        if refused:
+            return refused
         self._fit_residuals(record, m, n, workers)
         if self.mode == "elastic" and record["anchor_taken"]:
             refused = self._fit_identical(record, (tp, pp))
@@ -242,30 +192,61 @@ class ResumePlan:
                 return refused
         flight = record.get("in_flight")
         if flight is not None:
-            if self.mode != "same-workers":
-                now = "a torchft worker loads it as 1" if self.torchft else f"{workers} now"
-                return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
-                        f"step was in flight (launched after step {flight['apply_at'] - flight['delay']}, "
-                        f"due after step {flight['apply_at']}); it resumes with the same number of "
-                        f"workers only ({n} saved, {now}). Resume with {n} workers"
-                        f"{' of the torch backend' if self.torchft else ''}, or from a checkpoint saved "
-                        "outside the exchange's window.")
-            if (record["tensor_parallel"], record["pipeline_parallel"]) != (tp, pp):
-                return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
-                        f"step was in flight (due after step {flight['apply_at']}); it resumes with the "
-                        f"same tensor / pipeline parallel sizes only (saved TP={record['tensor_parallel']}, "
-                        f"PP={record['pipeline_parallel']}; now TP={tp}, PP={pp}).")
-            if c.delayed is None:
-                return (f"megatron_edit: the checkpoint was saved while the exchange of a delayed outer "
-                        f"step was in flight (due after step {flight['apply_at']}); resume with "
-                        f"--local-sgd-outer-step-delay {flight['delay']} (this run has no delay).")
-            changed = self._in_flight_settings_changed(record, flight)
-            if changed:
-                return changed
+            refused = compatibility.in_flight_refusal(record, flight, c.config, workers, self.torchft, (tp, pp))
+            if refused:
+                return refused
             part["in_flight"] = self._requests(IN_FLIGHT, m == 0)
             if flight["keep"]:
                 part["in_flight_launch"] = self._requests(launch_prefix(m), True)
         self.slice_loaded = (n, record["tensor_parallel"], record["pipeline_parallel"]) == (workers, tp, pp)
+        refused = self._fit_fragments(record)
+        if refused:
+            return refused
+        if not self.slice_loaded:
+            del part["slice"]
+        key = getattr(self.record_request(), "key", None) or ""
+        self._fit_biases(saved, key[: -len(RECORD_KEY)] if key.endswith(RECORD_KEY) else "",
+                         self.mode == "same-workers", n)
+        return self._bucket_mismatch(saved)
+
+    def _fit_workers(self, n: int, m: int, workers: int) -> None:
+        """Which saved workers this worker ``m`` of ``workers`` reads, of the ``n`` saved: the
+        inner optimizer state's and, elastically, the main params of the load-time outer step."""
+        if self.torchft and self.mode == "elastic":  # a torch-backend checkpoint, one torchft worker
+            self.source = self.controller.config.replica_id % n
+            if self.source != m:
+                self._retarget_inner(self.source)  # its inner optimizer state: saved worker replica id mod N
+            # Every other saved worker's main params: the load-time outer step is computed in the
+            # job alone (no collective outside a torchft round), the same in every job.
+            self.part["workers"] = {k: self._mains_request(k) for k in range(n) if k != self.source}
+        else:
+            self.source = m % n
+            if m % n != m:
+                self._retarget_inner(m % n)  # worker m's inner optimizer state: saved worker m mod N
+            if self.mode == "elastic":
+                self.part["workers"] = {k: self._mains_request(k) for k in range(m + workers, n, workers)}
+
+    def _fit_outer(self, record: dict) -> Optional[str]:
+        """The outer optimizer's state: none before the anchor; a refusal for state the outer
+        optimizer does not use."""
+        c = self.controller
+        tensor_keys, _ = outer_state_keys(c)
+        if not record["anchor_taken"]:
+            self.part["anchor"], self.part["outer"] = {}, {}
+        else:
+            unknown = sorted(set(record["outer_tensor_state"]) - set(tensor_keys))
+            if unknown:
+                return (f"megatron_edit: the checkpoint's outer optimizer state has {unknown}, which "
+                        f"{c.outer_config.optimizer_class.__name__} does not use: the outer "
+                        f"optimizer changed ({record.get('outer_class')} saved).")
+            kept = record["outer_tensor_state"]
+            self.part["outer"] = {k: v for k, v in self.part["outer"].items() if k in kept}
+        return None
+
+    def _fit_fragments(self, record: dict) -> Optional[str]:
+        """Another number of streaming fragments: refused where the per-layer state is loaded
+        (the same slice), else a note that the run syncs the new fragments from here."""
+        c = self.controller
         saved_fragments = (record.get("config") or {}).get("fragments", 1)
         if saved_fragments != c.config.fragments:
             if self.slice_loaded:  # its per-layer state is the saved fragments' (<layer>@fragment<f>)
@@ -279,12 +260,7 @@ class ResumePlan:
             if torch.distributed.get_rank() == 0 and note not in PROCESS.warned:  # once, not per optimizer
                 PROCESS.warned.add(note)
                 logger.warning(note)
-        if not self.slice_loaded:
-            del part["slice"]
-        key = getattr(self.record_request(), "key", None) or ""
-        self._fit_biases(saved, key[: -len(RECORD_KEY)] if key.endswith(RECORD_KEY) else "",
-                         self.mode == "same-workers", n)
-        return self._bucket_mismatch(saved)
+        return None
 
     def _fit_biases(self, saved: dict, outer: str, same_workers: bool, saved_workers: int) -> None:
         """MoE routers' expert biases: the saved workers' this load reads (:mod:`.expert_bias`)."""
@@ -320,34 +296,6 @@ class ResumePlan:
                     "an elastic resume there needs the saved fragments; keep TP, PP and the bucket size, "
                     "or resume from a checkpoint saved at another step.")
         self.identical = identical
-        return None
-
-    def _in_flight_settings_changed(self, record, flight) -> Optional[str]:
-        """A delayed exchange in flight is applied by the rule it was launched with: a resume
-        that changes the delay, the merge or the fragments is refused (naming the flag)."""
-        c = self.controller.config
-        saved = record.get("config", {})
-        saved_rule = saved.get("outer_merge_rule") or ("keep_local" if flight.get("keep") else "lerp")
-        due = f"(due after step {flight['apply_at']})"
-        what = ("megatron_edit: the checkpoint was saved while the exchange of a delayed outer step was in "
-                f"flight {due}")
-        if flight["delay"] != c.outer_step_delay:
-            return (f"{what}, launched with {FLAG_NAMES['outer_step_delay']} {flight['delay']}; this run has "
-                    f"{c.outer_step_delay}. Resume with {FLAG_NAMES['outer_step_delay']} {flight['delay']}, or "
-                    "from a checkpoint saved outside the exchange's window.")
-        if saved_rule != c.merge_rule or (
-                saved_rule == "lerp" and saved.get("merge_alpha") not in (None, c.merge_alpha)):
-            was = saved_rule if saved_rule != "lerp" or saved.get("merge_alpha") is None else \
-                f"lerp, {FLAG_NAMES['outer_merge_alpha']} {saved['merge_alpha']}"
-            now = c.merge_rule if c.merge_rule != "lerp" else \
-                f"lerp, {FLAG_NAMES['outer_merge_alpha']} {c.merge_alpha}"
-            return (f"{what}, to be merged by {FLAG_NAMES['outer_merge_rule']} {was}; this run has {now}. "
-                    f"Resume with the saved merge, or from a checkpoint saved outside the exchange's window.")
-        saved_f = int(saved.get("fragments", 1))
-        if saved_f != c.fragments:
-            return (f"{what}, for fragment {flight['fragment']} of {FLAG_NAMES['fragments']} {saved_f}; this "
-                    f"run has {c.fragments}. Resume with {FLAG_NAMES['fragments']} {saved_f}, or from a "
-                    "checkpoint saved outside the exchange's window.")
         return None
 
     def _fit_residuals(self, record, m: int, n: int, workers: int) -> None:
