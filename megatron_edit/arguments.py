@@ -346,14 +346,25 @@ def _local_and_gta(args: argparse.Namespace) -> Tuple[LocalSGDConfig, GTAConfig]
     return local, gta
 
 
+_PARSED: List[Tuple[str, Tuple[LocalSGDConfig, OuterOptimizerConfig, GTAConfig]]] = []
+"""The last flags turned into configs in this process, and those configs (:func:`configs_from_args`)."""
+
+
 def configs_from_args(
     args: argparse.Namespace,
 ) -> Optional[Tuple[LocalSGDConfig, OuterOptimizerConfig, GTAConfig]]:
-    """Parsed flags -> configs (validated; ConfigError names the flag), None if local SGD is off."""
+    """Parsed flags -> configs (validated; ConfigError names the flag), None if local SGD is off.
+    Once per process: Megatron-LM's start-up checks and the runtime attaching EDiT ask for the
+    same flags, and get the same configs (the flags are parsed again only when they changed)."""
     if not _checked_namespace(args):
         return None
+    flags = repr(sorted((dest, getattr(args, dest, None)) for dest in
+                        [*local_sgd_defaults(), "distributed_timeout_minutes"]))
+    if _PARSED and _PARSED[0][0] == flags:
+        return _PARSED[0][1]
     local, gta = _local_and_gta(args)
     outer = OuterOptimizerConfig(outer_optim_class=args.outer_optimizer, outer_optim_kwargs=_outer_kwargs(args))
+    _PARSED[:] = [(flags, (local, outer, gta))]
     return local, outer, gta
 
 

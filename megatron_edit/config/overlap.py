@@ -100,6 +100,19 @@ class OverlapSettings:
         """The merge rule in effect: ``outer_merge_rule``, or ``lerp`` when it is None."""
         return self.outer_merge_rule or "lerp"
 
+    @property
+    def merge_keeps_local(self) -> bool:
+        """Whether the merge of a delayed outer step keeps part of each worker's own progress
+        (``keep_local``, or ``lerp`` with alpha > 0): the replicas then differ right after a
+        delayed sync, by design (the one rule for it)."""
+        return self.merge_rule == "keep_local" or self.merge_alpha > 0
+
+    @property
+    def keeps_launch_params(self) -> bool:
+        """Whether a delayed exchange keeps each worker's parameters at its launch until the apply
+        (the ``keep_local`` merge adds the progress made since)."""
+        return bool(self.outer_step_delay) and self.merge_rule == "keep_local"
+
     def _check_delay(self) -> None:
         """The delayed outer step's and the fragments' settings (``outer_step_delay``,
         ``outer_merge_alpha``, ``fragments``)."""

@@ -221,7 +221,7 @@ class OuterSync(LayerwisePhases):
         """Per-layer norms of every worker (one all-gather), then the decisions: the penalty's,
         and the stop for a non-finite pseudo-gradient that is not excluded."""
         c, sync = self.config, self._sync
-        keep = sync.delay and c.outer_merge_rule == "keep_local"
+        keep = sync.delay and c.keeps_launch_params
         for shard in sync.members:
             sync.of(shard).delta = self._delta(shard)
             if keep:  # the merge adds the progress made since: keep where the worker was

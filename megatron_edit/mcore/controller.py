@@ -396,9 +396,9 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
             if self.backend.dynamic and self.config.use_async:  # its steps reached the anchor
                 self.async_plan.applied()
             c = self.config
-            # A delayed merge that keeps local progress (lerp alpha > 0, keep_local) leaves the
-            # workers different by design; a blocking sync or an alpha-0 merge makes them equal.
-            if not report.delay or (c.merge_rule == "lerp" and c.merge_alpha == 0.0):
+            # A delayed merge that keeps local progress leaves the workers different by design; a
+            # blocking sync or an alpha-0 merge makes them equal.
+            if not report.delay or not c.merge_keeps_local:
                 synced = range(c.fragments) if report.fragment is None else (report.fragment,)
                 for f in synced:
                     self._identical_after[f] = report.step

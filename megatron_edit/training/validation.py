@@ -223,15 +223,13 @@ def _check_megatron_lm_options(local, args: argparse.Namespace) -> None:
             f"--check-weight-hash-across-dp-replicas-interval={interval} with {given}: each sync makes "
             "one fragment identical on every worker, never the whole model (until the run's last "
             f"step), so Megatron's check could never pass. Drop the flag, or {given.split()[0]}.")
-    if interval is not None and local.auto_overlap and (
-            local.outer_merge_rule == "keep_local" or local.merge_alpha > 0):
+    if interval is not None and local.auto_overlap and local.merge_keeps_local:
         raise ConfigError(
             f"--check-weight-hash-across-dp-replicas-interval={interval} with --local-sgd-auto-overlap: "
             "the delay it may choose merges with a rule that keeps each worker's own progress, so "
             "replicas may differ right after a sync and Megatron's check would fail. Add "
             "--local-sgd-outer-merge-alpha 0, or drop the flag.")
-    if interval is not None and local.outer_step_delay and (
-            local.outer_merge_rule == "keep_local" or local.merge_alpha > 0):
+    if interval is not None and local.outer_step_delay and local.merge_keeps_local:
         merge = ("--local-sgd-outer-merge-rule keep_local" if local.outer_merge_rule == "keep_local"
                  else f"--local-sgd-outer-merge-alpha {local.merge_alpha:g}")
         raise ConfigError(

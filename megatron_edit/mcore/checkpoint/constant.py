@@ -40,8 +40,7 @@ Tensors = Optional[List[Optional[object]]]
 def keeps_launch_params(controller) -> bool:
     """Whether this configuration's delayed exchanges keep the launch parameters (the
     ``keep_local`` merge: :meth:`OuterSync._decide`)."""
-    c = controller.config
-    return bool(c.outer_step_delay) and c.outer_merge_rule == "keep_local"
+    return controller.config.keeps_launch_params
 
 
 def varying_entries(controller, tensor_keys, flight) -> Dict[Tuple[str, ...], Tuple[str, Tensors, int]]:
