@@ -73,24 +73,23 @@ def _wrap_grad_sync(runtime_ref: Callable[[], Optional[LocalSGDRuntime]], origin
     return wrapper
 
 
-def _wrap_ddp_init(runtime_ref, original):
-    def wrapper(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        runtime = runtime_ref()
-        if runtime:
-            runtime.on_ddp_init(self)
+def _after_init(hook: str):
+    """A wrap of a constructor that then tells the runtime (its method ``hook``)."""
 
-    return wrapper
+    def wrap(runtime_ref, original):
+        def wrapper(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            runtime = runtime_ref()
+            if runtime:
+                getattr(runtime, hook)(self)
+
+        return wrapper
+
+    return wrap
 
 
-def _wrap_optimizer_init(runtime_ref, original):
-    def wrapper(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        runtime = runtime_ref()
-        if runtime:
-            runtime.on_optimizer_init(self)
-
-    return wrapper
+_wrap_ddp_init = _after_init("on_ddp_init")
+_wrap_optimizer_init = _after_init("on_optimizer_init")
 
 
 def _wrap_start_param_sync(runtime_ref, original):

@@ -28,6 +28,14 @@ from .worker_layout import check_worker_holds, groups_a_step_uses
 logger = logging.getLogger(__name__)
 
 
+
+def _refuse_without_optimizer(model: str) -> None:
+    """A model registered for EDiT that trains without a distributed optimizer over it."""
+    raise RuntimeError(
+        f"megatron_edit: {model} with --use-local-sgd, but no Megatron DistributedOptimizer was "
+        "built over it (get_megatron_optimizer with use_distributed_optimizer=True); EDiT cannot "
+        "run and will not silently fall back to synchronous training.")
+
 class Configs(NamedTuple):
     """The three configs of one EDiT run, as one typed bundle (a tuple: ``local, outer, gta =
     configs`` unpacks it, and it compares equal to the plain tuple of the same configs)."""
@@ -133,12 +141,7 @@ class LocalSGDRuntime:
         attached); refuses one registered for EDiT without a distributed optimizer over it."""
         controller = self.fsdp_pipelines.get(pipeline)
         if controller is None and pipeline in self._registered_fsdp_pipelines:
-            raise RuntimeError(
-                "megatron_edit: this Megatron-FSDP model was built with --use-local-sgd, but no "
-                "Megatron DistributedOptimizer was built over it (get_megatron_optimizer with "
-                "use_distributed_optimizer=True); EDiT cannot run and will not silently fall "
-                "back to synchronous training."
-            )
+            _refuse_without_optimizer("this Megatron-FSDP model was built")
         return controller
 
     def on_optimizer_init(self, optimizer) -> None:
@@ -227,12 +230,7 @@ class LocalSGDRuntime:
     def controller_for_group(self, bucket_group) -> Optional[LocalSGD]:
         controller = self.group_owner.get(bucket_group)
         if controller is None and bucket_group in self.registered_groups:
-            raise RuntimeError(
-                "megatron_edit: this model was wrapped in DDP with --use-local-sgd, but no "
-                "Megatron DistributedOptimizer was built over it (get_megatron_optimizer with "
-                "use_distributed_optimizer=True); EDiT cannot run and will not silently fall "
-                "back to synchronous training."
-            )
+            _refuse_without_optimizer("this model was wrapped in DDP")
         return controller
 
     @contextmanager
