@@ -237,7 +237,7 @@ def instrument_gathers() -> None:
 def validation_loss(args, ddp, valid_ds) -> float:
     """The held-out samples' loss, shared over every rank (one model on every worker: after the
     run's last, blocking, sync)."""
-    losses = bc.job.validation_losses(args, ddp, valid_ds, dist.get_rank(), dist.get_world_size())
+    losses = bc.main_job_model.validation_losses(args, ddp, valid_ds, dist.get_rank(), dist.get_world_size())
     total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
     dist.all_reduce(total)
     return (total[0] / total[1]).item()
