@@ -30,7 +30,7 @@ from dist import run_ranks
 from megatron_edit.mcore import checkpoint as checkpointing, compat
 
 # EDiT state in checkpoints needs megatron-core 0.16.x; before, saving it is refused
-# (tests/test_checkpointing_not_yet.py).
+# (tests/mcore/checkpoint/test_checkpointing_not_yet.py).
 pytestmark = pytest.mark.skipif(
     not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}",
