@@ -235,7 +235,7 @@ def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters, f
     """A-EDiT on the MoE GPT with EP=2 (2 workers, a dense and an expert controller), each
     worker's fake clock advancing ``seconds_per_step[worker]`` per step, until the budget of
     ``train_iters`` synchronous iterations is used. ``ft``: ``(worker, lighthouse)``, this job
-    is that worker alone over the torchft backend (tests/mcore/test_torchft_moe.py), on the
+    is that worker alone over the torchft backend (tests/torchft_backend/test_torchft_moe.py), on the
     micro-batches its ranks have in the one-world run."""
     import os
 
@@ -247,7 +247,7 @@ def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters, f
 
     instances = 2
     if ft is not None:
-        import ft_jobs
+        import ft_jobs  # tests/torchft_backend/ft_jobs.py, on the path of the torchft tests' ranks
 
         host, port = ft_jobs.job_store_address()
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)

@@ -18,9 +18,9 @@ pytest.importorskip("torchft")
 import ft_jobs  # noqa: E402
 from dist import run_ranks  # noqa: E402
 from edit_runs import async_runs, default_spec  # noqa: E402
-from test_edit_megatron import OUTER  # noqa: E402
 
 TIMEOUT = 300
+OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
 
 
 def _max_diff(a: dict, b: dict) -> float:

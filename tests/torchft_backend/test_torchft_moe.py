@@ -9,11 +9,19 @@ from its peer.
 torchft is the optional ``ft`` extra: installed in CI's default lane, skipped where it is not."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("torchft")
+
+# The A-EDiT MoE job is tests/mcore/test_moe.py's (its torch-backend test runs it too): its folder
+# on the path (pytest puts it there for the tests in that folder only), here and in the ranks.
+MCORE_TESTS = str(Path(__file__).resolve().parents[1] / "mcore")
+if MCORE_TESTS not in sys.path:
+    sys.path.insert(0, MCORE_TESTS)
 
 import ft_jobs  # noqa: E402
 from dist import run_ranks  # noqa: E402
