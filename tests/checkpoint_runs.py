@@ -385,10 +385,6 @@ def _equal(a, b, what):
         assert a == b, (what, a, b)
 
 
-def _same_params(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a)
-
-
 # A-EDiT on a fake clock (worker w takes SECONDS_PER_STEP[w] s a step), syncing every 4 s, with a
 # global budget; used by the elastic A-EDiT resume test.
 AEDIT = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1,
