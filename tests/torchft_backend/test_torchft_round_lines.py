@@ -4,8 +4,6 @@ the rounds themselves run in tests/torchft_backend/test_torchft_megatron.py)."""
 import logging
 from types import SimpleNamespace
 
-import pytest
-
 from megatron_edit.mcore import torchft_round
 
 
