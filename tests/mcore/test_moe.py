@@ -12,6 +12,7 @@ expert).
 import pytest
 import torch
 
+from compare import max_difference
 from dist import run_ranks
 from megatron_edit.mcore import compat
 from edit_runs import default_spec, megatron_runs, simulate_edit
@@ -111,8 +112,7 @@ def test_moe_expert_parallel_1_and_2_match_the_simulation_in_both_modes():
                 assert experts["state_bytes"] == 8 * sum(experts["shard_numels"])
                 assert experts["layer_names"] == ["decoder.layers.0.mlp.experts", "decoder.layers.1.mlp.experts"]
                 assert not any(n.endswith(".mlp.experts") for n in dense["layer_names"])
-    assert worker0[1].keys() == worker0[2].keys()
-    worst = max((worker0[1][k] - worker0[2][k]).abs().max().item() for k in worker0[1])
+    worst = max_difference(worker0[1], worker0[2])
     assert worst <= SIM_ATOL, f"EP=2 vs EP=1: {worst:.3g}"
 
 
@@ -235,7 +235,7 @@ def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters, f
     """A-EDiT on the MoE GPT with EP=2 (2 workers, a dense and an expert controller), each
     worker's fake clock advancing ``seconds_per_step[worker]`` per step, until the budget of
     ``train_iters`` synchronous iterations is used. ``ft``: ``(worker, lighthouse)``, this job
-    is that worker alone over the torchft backend (tests/mcore/test_torchft_moe.py), on the
+    is that worker alone over the torchft backend (tests/torchft_backend/test_torchft_moe.py), on the
     micro-batches its ranks have in the one-world run."""
     import os
 
@@ -247,7 +247,7 @@ def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters, f
 
     instances = 2
     if ft is not None:
-        import ft_jobs
+        import ft_jobs  # tests/torchft_backend/ft_jobs.py, on the path of the torchft tests' ranks
 
         host, port = ft_jobs.job_store_address()
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
