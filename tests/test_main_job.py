@@ -321,30 +321,8 @@ def test_a_rank_that_stops_ends_through_os_exit(job, monkeypatch, capsys, raised
     # ended rank 1 with SIGABRT ("terminate called without an active exception"), so the job
     # reported signal 6, not exit code 1. Once the process group exists, a rank that stops ends
     # through os._exit after its message (before: the SystemExit propagated here).
-    from megatron_edit.cpu import adapter
-
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setattr(adapter, "activate", lambda: None)
-    monkeypatch.setattr(job.dist, "init_process_group", lambda *a, **k: None)
-    monkeypatch.setattr(job.torch, "set_num_threads", lambda n: None)
-    monkeypatch.setattr(job, "setup_logging", lambda debug: None)  # process-wide otherwise
-    monkeypatch.setattr(job, "quiet_upstream_warnings", lambda: None)
-    monkeypatch.setattr(job.USER_STOP, "install", lambda: None)  # pytest keeps its Ctrl-C
-
-    def run_rank(args, world):
-        raise raised
-
-    def exit_now(status):
-        raise _Ended(status)
-
-    monkeypatch.setattr(job, "run_rank", run_rank)
-    monkeypatch.setattr(job.os, "_exit", exit_now)
-    with pytest.raises(_Ended) as ended:
-        job.main([])
-    assert ended.value.args == (code,)
-    err = capsys.readouterr().err
+    ended, err, _ = _ended_rank(job, monkeypatch, capsys, raised)
+    assert ended == code
     assert (printed in err) if printed else err == "", err
 
 

@@ -223,7 +223,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
                steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid(),
                counters=(c.steps_done, c._last_sync_step, c.last_step, c.global_progress),
                partial_heals=c.backend.group.partial_heals,
-               ewma={w: stats.state_dict() for w, stats in c.sync.ewma_by_worker.items()})
+               ewma={w: stats.state_dict() for w, stats in c.sync.decisions.ewma_by_worker.items()})
     c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
@@ -445,7 +445,7 @@ def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=Non
     out = cr._state(ddp, opt, ctl)
     out.update(manager=ctl.backend.group.manager.state_dict(), loaded=loaded,
                reports=[(r.step, r.workers, r.committed) for r in ctl.drain_reports()],
-               ewma={w: st.state_dict() for w, st in ctl.sync.ewma_by_worker.items()})
+               ewma={w: st.state_dict() for w, st in ctl.sync.decisions.ewma_by_worker.items()})
     ctl.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out

@@ -215,7 +215,7 @@ def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode,
                anchors=[[s.anchor.clone() for s in c.shards] for c in controllers],
                momentum=[[c.outer_optimizer.state[a]["momentum_buffer"].clone()
                           for a in c.outer_optimizer.param_groups[0]["params"]] for c in controllers],
-               ewma=[{w: stats.state_dict() for w, stats in c.sync.ewma_by_worker.items()} for c in controllers])
+               ewma=[{w: stats.state_dict() for w, stats in c.sync.decisions.ewma_by_worker.items()} for c in controllers])
     for c in controllers:
         c.backend.close()
     me.unpatch_megatron_for_local_sgd()
@@ -321,7 +321,7 @@ def _moe_checkpoint_job(rank, world_size, worker, lighthouse, folder, save_at, l
             steps_done=c.steps_done, reports=[(r.step, r.workers, r.committed, r.delay) for r in c.drain_reports()],
             anchors=[s.anchor.clone() for s in c.shards],
             outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} for s in c.shards],
-            ewma={w: st.state_dict() for w, st in c.sync.ewma_by_worker.items()}))
+            ewma={w: st.state_dict() for w, st in c.sync.decisions.ewma_by_worker.items()}))
     for c in controllers:
         c.backend.close()
     me.unpatch_megatron_for_local_sgd()
