@@ -424,15 +424,18 @@ def test_load_fixes_alone_patch_and_revert_and_give_way_to_the_full_registry(ori
     from megatron_edit import patch_megatron_load_fixes, unpatch_megatron_load_fixes
     from megatron_edit.mcore.checkpoint import FSDP_EMPTY_SHARD_BUG, FSDP_LOAD_FIXES, LOAD_FIXES, TORCH_ADAM_LOAD_BUGS
 
-    if not TORCH_ADAM_LOAD_BUGS.contains(INSTALLED):
-        assert patch_megatron_load_fixes() == []
+    from megatron_edit.mcore.checkpoint.load_fixes import METADATA_FIX
+
+    if not TORCH_ADAM_LOAD_BUGS.contains(INSTALLED):  # the metadata fix only (every release)
+        assert patch_megatron_load_fixes() == [METADATA_FIX[0]]
+        assert unpatch_megatron_load_fixes() == [METADATA_FIX[0]]
         return
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     fixes = list(LOAD_FIXES) + (list(FSDP_LOAD_FIXES) if FSDP_EMPTY_SHARD_BUG.contains(INSTALLED) else [])
     methods = [method for _, method, *_ in fixes]
     before = {m: inspect.getattr_static(DistributedOptimizer, m) for m in methods}
-    assert patch_megatron_load_fixes() == [patch_id for patch_id, *_ in fixes]
+    assert patch_megatron_load_fixes() == [patch_id for patch_id, *_ in fixes] + [METADATA_FIX[0]]
     for m in methods:
         assert inspect.getattr_static(DistributedOptimizer, m).__wrapped__ is before[m]
     assert patch_megatron_for_local_sgd(LocalSGDConfig()) == EXPECTED_IDS  # the fixes give way

@@ -44,6 +44,7 @@ from ..releases import FSDP_SUPPORTED
 from .load_fixes import (
     FSDP_EMPTY_SHARD_BUG,
     FSDP_LOAD_FIXES,
+    METADATA_FIX,
     refuse_broken_fully_reshardable,
     fix_load_state_dict,
     fix_set_main_param_state,
@@ -265,6 +266,7 @@ def add_checkpoint_patches(registry: PatchRegistry, runtime_ref: Callable[[], Op
                            partial(_wrap_dcp_load, runtime_ref), FSDP_SUPPORTED, params,
                            "EDiT on Megatron-FSDP: read the EDiT record first and fit the fsdp_dtensor "
                            "load to the checkpoint; clear errors for what is missing"))
+    registry.add(Patch(*METADATA_FIX))  # any torch_dist checkpoint on torch 2.15+, EDiT or not
     for patch_id, method, wrap, params, description in FSDP_LOAD_FIXES:  # plain Megatron-FSDP too
         registry.add(Patch(patch_id, f"{_DISTOPT}.{method}", wrap, FSDP_EMPTY_SHARD_BUG, params, description))
     dist_load = "megatron.core.dist_checkpointing:load"

@@ -46,6 +46,15 @@ hangs at the save (or pairs different parameters); and once it has state, the ``
 shard stays behind the others', while DCP keeps one rank's ``step`` per parameter (a resume then
 read a step count 1 short). Fix: such parameters get the zero state, their ``step`` is the
 others', and the state is listed in the parameters' order on every rank.
+
+A seventh, with torch 2.15 and newer (:data:`TENSOR_STRIDES_BUG`, every release 0.12 - 0.19;
+not an optimizer's: any ``torch_dist`` checkpoint): torch's checkpoint metadata gained
+``TensorProperties.strides`` (pytorch/pytorch#192248), and megatron-core's
+``TorchDistLoadShardedStrategy.load_tensors_metadata`` passes every field of it to
+``torch.empty`` (``TypeError: empty() got an unexpected keyword argument 'strides'``), so reading
+a checkpoint's metadata (``dist_checkpointing.load_sharded_metadata``: EDiT's load guard, Megatron-LM's
+metadata reads) fails. Fix: the metadata it reads without the strides (the meta tensors it builds
+carry a shape and a dtype only; strides were never read). Found by CI's lane on the newest torch.
 """
 
 from __future__ import annotations
@@ -232,6 +241,57 @@ FSDP_LOAD_FIXES = (
 """The same, for Megatron-FSDP's format (:data:`FSDP_EMPTY_SHARD_BUG`)."""
 
 
+TENSOR_STRIDES_BUG = VersionRange("0.12.0", "0.20.0")
+"""megatron-core versions whose ``load_tensors_metadata`` fails on torch 2.15's metadata (fix 7)."""
+_TENSORS_METADATA = ("megatron.core.dist_checkpointing.strategies.torch:"
+                     "TorchDistLoadShardedStrategy.load_tensors_metadata")
+
+
+def fix_tensors_metadata(original):
+    """Fix 7 around ``TorchDistLoadShardedStrategy.load_tensors_metadata``: its metadata without
+    ``TensorProperties.strides`` (a no-op on a torch without them)."""
+    import dataclasses
+    import sys
+
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    has_strides = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
+
+    def wrapper(self, checkpoint_dir, metadata=None):
+        if not has_strides:
+            return original(self, checkpoint_dir, metadata)
+        if metadata is None:  # as the original reads it (0.12: torch's FileSystemReader)
+            module = sys.modules[_TENSORS_METADATA.split(":")[0]]  # imported: it defines self's class
+            reader = getattr(module, "_get_filesystem_reader", None)
+            if reader is None:
+                from torch.distributed.checkpoint import FileSystemReader as reader
+            metadata = reader(checkpoint_dir).read_metadata()
+        stripped = {}
+        for key, entry in metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata) and "strides" in vars(entry.properties):
+                entry = dataclasses.replace(entry, properties=_without_strides(entry.properties))
+            stripped[key] = entry
+        return original(self, checkpoint_dir, dataclasses.replace(metadata, state_dict_metadata=stripped))
+
+    return wrapper
+
+
+def _without_strides(properties):
+    import copy
+
+    out = copy.copy(properties)
+    del vars(out)["strides"]  # the class default (None) stays readable; **vars(out) omits it
+    return out
+
+
+METADATA_FIX = ("fix-dist-ckpt-tensors-metadata", _TENSORS_METADATA, fix_tensors_metadata, TENSOR_STRIDES_BUG,
+                ("self", "checkpoint_dir", "metadata"),
+                "torch 2.15+ with every release: read a torch_dist checkpoint's tensor metadata without "
+                "TensorProperties.strides, which megatron-core passes to torch.empty (fix 7)")
+"""(patch id, target, wrap, versions, parameters, description) of fix 7: a patch of its own in
+both registries (EDiT's checkpoint patches and :func:`add_load_fix_patches`)."""
+
+
 def add_load_fix_patches(registry: PatchRegistry) -> PatchRegistry:
     """The fixes as patches of their own, for plain Megatron (EDiT's checkpoint patches compose
     the same wraps into theirs: never apply both registries)."""
@@ -239,4 +299,5 @@ def add_load_fix_patches(registry: PatchRegistry) -> PatchRegistry:
         registry.add(Patch(patch_id, f"{_DISTOPT}.{method}", wrap, TORCH_ADAM_LOAD_BUGS, params, description))
     for patch_id, method, wrap, params, description in FSDP_LOAD_FIXES:
         registry.add(Patch(patch_id, f"{_DISTOPT}.{method}", wrap, FSDP_EMPTY_SHARD_BUG, params, description))
+    registry.add(Patch(*METADATA_FIX))
     return registry
