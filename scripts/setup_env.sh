@@ -7,10 +7,13 @@
 #
 # torch is installed first and pinned, so nothing else pulls another build:
 #  - Python 3.11: torch 2.13.0, the CPU build (a wheel on this machine's local index);
-#  - Python 3.12 (megatron-core 0.17+ needs it): torch 2.8.0 from the package index. There is no
-#    CPU build here for 3.12, so it is the CUDA build (it runs on the CPU; about 6 GB with its
-#    CUDA libraries). 2.8 is the oldest whose triton finds its driver lazily: with an older one,
-#    importing megatron.training (shipped in megatron-core 0.17+ wheels) fails without a GPU.
+#  - Python 3.12 (megatron-core 0.17+ needs it): torch 2.15.0, the newest release the package
+#    index serves (CI's newest lane: the newest megatron-core on the newest torch). There is no
+#    CPU build here for 3.12, so it is the CUDA build (it runs on the CPU; about 5.5 GB with its
+#    CUDA libraries). Where this machine's pip configuration caps torch at the releases on its
+#    disk (/etc/xdg/pip: torch<=2.14.1), PIP_CONSTRAINT=/dev/null lifts the cap for this venv's
+#    installs only. (2.8 is the oldest whose triton finds its driver lazily: with an older one,
+#    importing megatron.training, shipped in megatron-core 0.17+ wheels, fails without a GPU.)
 # megatron-core 0.17+ ships Megatron-LM's megatron/training, so its Python dependencies
 # (scripts/requirements-megatron-lm.txt) are installed too: the training patches are then
 # checked against it. PyPI's `apex` is an unrelated package and is never installed.
@@ -37,7 +40,7 @@ if [ "$minor" -ge 17 ] && [ "$py" != 3.12 ] && [ "$py" != 3.13 ]; then
 fi
 case "$py" in
     3.11|3.10) TORCH=${TORCH:-2.13.0} ;;
-    *) TORCH=${TORCH:-2.8.0} ;;
+    *) TORCH=${TORCH:-2.15.0}; export PIP_CONSTRAINT=${PIP_CONSTRAINT:-/dev/null} ;;
 esac
 # The CUDA build of torch for Python 3.12 is several GB from the package index, and a download
 # cut short there once failed CI (pip's own resume gave up at 683.7 of 706.8 MB of one wheel).
