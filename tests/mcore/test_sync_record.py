@@ -28,6 +28,7 @@ from dist import run_ranks
 from edit_runs import async_runs, default_spec, megatron_runs
 from megatron_edit.exchange.record import FIELDS, agreed, rank_part
 from megatron_edit.exchange.report import SyncReport
+from megatron_edit.mcore import compat
 from megatron_edit.mcore.sync_record import SyncRecord
 from test_edit_megatron import OUTER
 
@@ -151,6 +152,35 @@ def _check_settings(name, records):
         assert records[0]["topk_density"] == (0.05 if name == "topk" else None)
     else:
         assert all(r["residual_norm"] is None and r["exchange_error_norm"] is None for r in records)
+
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", [dict(pp=2), pytest.param(dict(ep=2), marks=pytest.mark.skipif(
+    not compat.version_at_least("0.16.0"), reason="MoE with EDiT needs megatron-core 0.16+"))], ids=["pp2", "moe-ep2"])
+def test_a_worker_of_two_stages_or_two_optimizers_writes_one_record_of_all_its_ranks(tmp_path, layout):
+    """2 workers of 2 ranks: two pipeline stages (a controller each), or a MoE model with expert
+    parallelism (a dense and an expert controller on each rank). Each worker's record holds the
+    bytes of every controller of every rank, and the layers of every stage and optimizer."""
+    path = tmp_path / "r.jsonl"
+    moe = "ep" in layout
+    spec = default_spec(steps=4, last_step=4, outer=OUTER, model=MOE if moe else {},
+                        local_sgd=dict(local_sgd_sync_interval=2, sync_mode="step_end", sync_record=str(path)))
+    results = run_ranks(megatron_runs, 4, [spec], timeout=250, **layout)
+    records = _lines(path)
+    for worker, ranks in _by_worker(results, 0).items():
+        mine = [r for r in records if r["worker"] == worker]
+        controllers = [c for run in ranks for c in run["per_controller"]]
+        assert len(controllers) == (4 if moe else 2) and [r["step"] for r in mine] == [2, 4]
+        for k, r in enumerate(mine):
+            assert r["bytes_sent"] == sum(c["reports"][k].payload_bytes for c in controllers)
+            assert r["ranks"] == 2 and r["missing_ranks"] == []
+        # every layer once: the stages' (pp) or the dense and expert optimizers' (moe) layers
+        layers = (len(ranks[0]["per_controller"][0]["layer_names"]) + len(ranks[0]["per_controller"][1]["layer_names"])
+                  if moe else sum(len(run["per_controller"][0]["layer_names"]) for run in ranks))
+        assert all(r["layer_norms"]["layers"] == layers for r in mine), (layers, mine[0]["layer_norms"])
 
 
 @pytest.mark.timeout(300)
