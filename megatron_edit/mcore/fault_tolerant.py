@@ -151,6 +151,12 @@ class TorchftBackend:
         return self.round.last_heal
 
     @property
+    def arrival_wait(self) -> Optional[float]:
+        """Seconds the latest round's quorum took on this rank: the wait for the last worker (and a
+        heal's transfer), the sync record's arrival wait (:attr:`TorchftRound.quorum_seconds`)."""
+        return self.round.quorum_seconds
+
+    @property
     def commit_gate(self):
         """Whether this sync's outer step is applied (:meth:`commit`)."""
         return self.commit

@@ -288,8 +288,8 @@ class RecordFeed:
             fields["participants"] = fields["trained"] = None
         fields["join"] = bool(self.backend.joining)
         heal = self.backend.last_heal if self.slot == 0 else None  # (one round per process)
-        part = rank_part(report, trained, ids, self.representative,
-                         None if self.arrivals is None else self.arrivals.last_wait, heal)
+        wait = self.backend.arrival_wait if self.arrivals is None else self.arrivals.last_wait
+        part = rank_part(report, trained, ids, self.representative, wait, heal)
         last = bool(report.final) or (last_step is not None and report.step >= last_step)
         self.record.deliver(self.slot, fields, part, last)
 

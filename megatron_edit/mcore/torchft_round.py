@@ -99,6 +99,9 @@ class TorchftRound:
         self._heal: Optional[dict] = None
         """What this rank received when it healed at the open round's quorum, and how long the
         quorum took (None: it did not heal): :attr:`last_heal`."""
+        self.quorum_seconds: Optional[float] = None
+        """How long the latest round's quorum took on this rank (the wait for the last worker to
+        ask for it, and a heal's transfer; the sync record's arrival wait)."""
         group.register_state(STATE_KEY, self._load, self._save)
         group.start_digest = self._start_digest
         # (taken now: the job may have destroyed its process group by its end)
@@ -129,8 +132,9 @@ class TorchftRound:
             self.step, self.healed_sync_step, self._heal = step, None, None
             start = time.monotonic()
             self.group.begin(contributed)
+            self.quorum_seconds = time.monotonic() - start
             if self._heal is not None:  # (the quorum and the heal's transfer and load)
-                self._heal["seconds"] = time.monotonic() - start
+                self._heal["seconds"] = self.quorum_seconds
             if self.group.caught_up:
                 self._counters_from_one_source()
         else:  # every controller of the process syncs after the same steps (one config)

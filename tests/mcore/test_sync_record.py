@@ -41,7 +41,7 @@ def _lines(path):
 
 def _rank(store, path, rank, world, worker, worker_is_world=True):
     record = SyncRecord(str(path), worker, "torch", store, rank, world, worker_is_world, session=7, end_wait=0.2)
-    backend = SimpleNamespace(sync_group=SimpleNamespace(), joining=False, last_heal=None)
+    backend = SimpleNamespace(sync_group=SimpleNamespace(), joining=False, last_heal=None, arrival_wait=None)
     layout = SimpleNamespace(intra_rank=rank % 2, tp_group=None)
     return record, record.feed(SimpleNamespace(layout=layout, backend=backend, arrivals=None,
                                                config=SimpleNamespace(exchange_topk_density=None)))

@@ -306,6 +306,7 @@ def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(
     assert _event(syncs[6], "left") == [dict(event="left", workers=[1])] and syncs[6]["participants"] == [0]
     assert [s for s in (8, 10) if _event(syncs[s], "joined") == [dict(event="joined", workers=[1])]], survivor
     assert not syncs[8]["committed"] and all(syncs[s]["committed"] for s in (2, 4, 6, 10, 12))
+    assert all(r["arrival_wait_seconds"] >= 0 for r in survivor)  # (its rounds' quorums)
     victim = _records(ctl, 1)
     relaunched = len(victim) - 1 - [r["kind"] for r in victim][::-1].index("join")
     # (its sync 4 is written only if its rank 1's part was in when rank 0 ended that sync: the kill
