@@ -22,8 +22,8 @@ from .async_plan import AsyncPlan, FollowerPlan
 from .checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
 from .controller import LocalSGD
 from .expert_bias import register_model
-from .sync_record import SyncRecord
 from .fsdp import check_fsdp_release
+from .sync_record import SyncRecord
 from .worker_layout import check_worker_holds, groups_a_step_uses
 
 logger = logging.getLogger(__name__)

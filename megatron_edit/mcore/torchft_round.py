@@ -298,7 +298,8 @@ class TorchftRound:
 
     # ------------------------------------------------------------------ healing
     def _save(self) -> dict:
-        return dict(sync_step=self.step, members=[m.save() for m in self.members], from_worker=self.group.replica_id)
+        return dict(sync_step=self.step, members=[m.save() for m in self.members],
+                    from_worker=self.group.replica_id)  # (the heal's source, in the sync record)
 
     @property
     def last_heal(self) -> Optional[dict]:
