@@ -175,10 +175,13 @@ class SyncRecord:
             self._pending.pop(0)
             self._write(fields, when, {self.rank: mine, **parts}, missing)
 
-    def _wait_for(self, keys: List[str], deadline: float) -> List[str]:
-        """Those of ``keys`` not in the store by ``deadline`` (at once where it has passed)."""
+    def _missing(self, keys: List[str], deadline: float, forced: bool) -> Optional[List[str]]:
+        """Those of ``keys`` not in the store ([]: all there). Not ``forced``: one ``check``, and None
+        while some are missing; ``forced``: they are waited for until ``deadline``, then listed."""
         if not keys or self.store.check(keys):
             return []
+        if not forced:
+            return None
         remaining = deadline - time.monotonic()
         if remaining > 0:
             try:
@@ -186,7 +189,7 @@ class SyncRecord:
             except RuntimeError as error:  # DistStoreError, or a wrapped store's plain "Wait timeout"
                 if "timeout" not in str(error).lower():
                     raise
-        return [k for k in keys if not self.store.check([k])]
+        return [] if self.store.check(keys) else [k for k in keys if not self.store.check([k])]
 
     def _is_writer(self, deadline: float, forced: bool) -> bool:
         """Whether this rank is its worker's first (learnt once from the ranks' worker ids in the
@@ -194,9 +197,10 @@ class SyncRecord:
         if self._writer is not None:
             return self._writer
         keys = [self._member_key(r) for r in range(self.world)]
-        missing = set(self._wait_for(keys, deadline))
-        if missing and not forced:
+        missing = self._missing(keys, deadline, forced)
+        if missing is None:
             return False
+        missing = set(missing)
         known = [r for r, k in enumerate(keys) if k not in missing]
         ids = self.store.multi_get([keys[r] for r in known])
         ranks = [r for r, w in zip(known, ids) if int(w) == self.worker]
@@ -215,9 +219,10 @@ class SyncRecord:
         while some are missing (not ``forced``)."""
         keys = {r: self._key(index, r) for r in others}
         try:
-            gone = set(self._wait_for(list(keys.values()), deadline))
-            if gone and not forced:
+            gone = self._missing(list(keys.values()), deadline, forced)
+            if gone is None:
                 return None
+            gone = set(gone)
             present = [r for r in others if keys[r] not in gone]
             values = self.store.multi_get([keys[r] for r in present]) if present else []
             for r in present:
