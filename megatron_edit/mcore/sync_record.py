@@ -101,6 +101,8 @@ class SyncRecord:
         self._syncs = 0
         self._before: Optional[List[int]] = None
         """The previous record's participants (the ``left`` and ``joined`` events)."""
+        self.latest: Optional[dict] = None
+        """The last record this rank wrote (a worker's first rank), for a reader in the process."""
         self._fd: Optional[int] = None
         self._closed = False
         if self._ranks is None:
@@ -246,7 +248,8 @@ class SyncRecord:
         record = dict(schema=SCHEMA, kind=kind, run_id=self.run_id, worker=self.worker,
                       sync=self._syncs if kind == "sync" else None, time=round(when, 3), backend=self.backend,
                       **fields, **figures, events=events, ranks=len(self._ranks), missing_ranks=missing)
-        line = json.dumps({name: record[name] for name in FIELDS}, separators=(",", ":")) + "\n"
+        self.latest = {name: record[name] for name in FIELDS}
+        line = json.dumps(self.latest, separators=(",", ":")) + "\n"
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(self._fd, line.encode())  # one write per line: workers appending to one file do not mix

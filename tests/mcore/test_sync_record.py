@@ -69,6 +69,7 @@ def test_a_late_ranks_part_is_waited_for_by_nobody_and_a_missing_one_is_named(tm
     second.close()
     two = _lines(path)[1]
     assert (two["sync"], two["step"], two["bytes_sent"], two["missing_ranks"]) == (2, 4, 100, [1])
+    assert first.latest == two and second.latest is None  # (the writer's last, for a reader in its process)
 
 
 def test_each_workers_first_rank_writes_its_record(tmp_path):
