@@ -555,40 +555,33 @@ class _Warnings(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _worker(mlm: str, specs_path: str, out_path: str) -> None:
-    """One process: the launcher runs the first spec's script; the hook after the project's
-    validate_args checks every spec (all variants, repeated after each refusal) in process."""
-    specs = json.load(open(specs_path))
-    first = specs[0]
-    os.environ["RECIPE_MLM"] = mlm
-    MODELOPT_FLAGS.update(_modelopt_flags())
-    first_argv = variant_argv(first["argv"], VARIANTS[0], first.get("sync_interval", 8))
-    os.environ.update(RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      WORLD_SIZE=str(world_size(first_argv, first.get("recipe_gpus"))),
-                      CUDA_DEVICE_MAX_CONNECTIONS=cuda_device_max_connections(first_argv, first.get("env") or {}))
-    from megatron_edit import api, launch
-    from megatron_edit.config import ConfigError
+class _SpecCheck:
+    """Every spec's check, in process, from the hook that replaces Megatron's validate_args:
+    ``arguments`` (megatron.training.arguments), ``project_validate`` (the project's wrapper
+    around Megatron's validate_args), ``defaults`` (what the launcher's validate_args call
+    passed), ``script`` (the first spec's, as sys.argv[0])."""
 
-    warnings_handler = _Warnings()
-    logging.getLogger("megatron_edit").addHandler(warnings_handler)
-    results: List[dict] = []
-    state = {"launcher_reached_validation": False}
-    original_patch = api.patch_megatron_for_local_sgd
+    def __init__(self, script: str, warnings_handler: _Warnings, arguments, project_validate, defaults):
+        self.script, self.warnings_handler = script, warnings_handler
+        self.arguments, self.project_validate, self.defaults = arguments, project_validate, defaults
 
-    def validate_once(arguments, project_validate, argv, recipe_gpus, defaults, parsed=None, env=None):
+    def validate_once(self, argv, recipe_gpus, parsed=None, env=None):
         """(outcome, message, derived) of one parse + validate."""
+        from megatron_edit import launch
+        from megatron_edit.config import ConfigError
+
         os.environ["WORLD_SIZE"] = str(world_size(argv, recipe_gpus))
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = cuda_device_max_connections(argv, env or {})
-        warnings_handler.lines.clear()
+        self.warnings_handler.lines.clear()
         held = io.StringIO()
         try:
             with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
                 if parsed is None:
-                    sys.argv = [first["script"], *argv]
-                    args = arguments.parse_args(None, False)  # the project's wrapper: adds the EDiT flags
+                    sys.argv = [self.script, *argv]
+                    args = self.arguments.parse_args(None, False)  # the project's wrapper: adds the EDiT flags
                 else:
                     args = parsed
-                project_validate(args, defaults)
+                self.project_validate(args, self.defaults)
         except ConfigError as e:  # the project's refusal (NotSupportedYet is a ConfigError)
             return "refused", launch._in_megatron_lm_terms(str(e)), {}
         except SystemExit as e:  # argparse
@@ -604,53 +597,64 @@ def _worker(mlm: str, specs_path: str, out_path: str) -> None:
             "world_size", "data_parallel_size", "num_distributed_optimizer_instances",
             "use_distributed_optimizer", "overlap_param_gather", "overlap_grad_reduce", "train_iters",
             "local_sgd_sync_mode")}
-        derived["warnings"] = list(warnings_handler.lines)
+        derived["warnings"] = list(self.warnings_handler.lines)
         return "accepted", "", derived
 
-    def check_spec(arguments, project_validate, spec, defaults, first_parsed=None):
+    def check_spec(self, spec, first_parsed=None) -> dict:
+        """One spec's record: the shipped script's first word, then every variant."""
         record = {k: spec.get(k) for k in ("id", "path", "source", "script", "recipe_gpus", "test_type", "fixup",
                                            "sync_interval")}
         record["recipe_argv"] = spec["argv"]
         record["parallelism"] = parallelism(spec["argv"])
         record["variants"] = {}
         if spec.get("shipped_argv"):  # the upstream script unchanged: what Megatron says first
-            outcome, message, _ = validate_once(arguments, project_validate,
-                                                variant_argv(spec["shipped_argv"], VARIANTS[0],
-                                                             spec.get("sync_interval", 8)),
-                                                spec.get("recipe_gpus"), defaults, env=spec.get("env"))
+            outcome, message, _ = self.validate_once(variant_argv(spec["shipped_argv"], VARIANTS[0],
+                                                                  spec.get("sync_interval", 8)),
+                                                     spec.get("recipe_gpus"), env=spec.get("env"))
             record["shipped_unfixed"] = {"outcome": outcome, "message": message}
         for variant in VARIANTS:
-            argv = variant_argv(spec["argv"], variant, spec.get("sync_interval", 8))
-            steps = []
-            for attempt in range(20):
-                parsed = first_parsed if (variant == VARIANTS[0] and attempt == 0) else None
-                outcome, message, derived = validate_once(arguments, project_validate, argv,
-                                                          spec.get("recipe_gpus"), defaults, parsed,
-                                                          spec.get("env"))
-                step = {"outcome": outcome, "message": message, "world_size": int(os.environ["WORLD_SIZE"])}
-                if derived.get("where"):
-                    step["where"] = derived["where"]
-                if outcome == "accepted":
-                    step["derived"] = derived
-                    steps.append(step)
-                    break
-                rule = _rule_for(message, argv) if outcome == "refused" else None
-                if outcome == "megatron_error":
-                    rule = _megatron_rule(message, argv)
-                if rule is None:
-                    step["kind"] = "stuck"
-                    steps.append(step)
-                    break
-                kind, label, action = rule
-                step.update(kind=kind, flag=label, action=list(action[:1]))
-                steps.append(step)
-                new_argv = _apply(action, argv)
-                if new_argv == argv:
-                    step["kind"] = "stuck"
-                    break
-                argv = new_argv
-            record["variants"][variant] = {"steps": steps, "final_argv": argv}
+            record["variants"][variant] = self.check_variant(spec, variant,
+                                                             first_parsed if variant == VARIANTS[0] else None)
         return record
+
+    def check_variant(self, spec, variant, first_parsed=None) -> dict:
+        """One variant of a spec: validated, and after each refusal the rule's change applied
+        and validated again (at most 20 attempts) until accepted or stuck."""
+        argv = variant_argv(spec["argv"], variant, spec.get("sync_interval", 8))
+        steps = []
+        for attempt in range(20):
+            parsed = first_parsed if attempt == 0 else None
+            outcome, message, derived = self.validate_once(argv, spec.get("recipe_gpus"), parsed, spec.get("env"))
+            step = {"outcome": outcome, "message": message, "world_size": int(os.environ["WORLD_SIZE"])}
+            if derived.get("where"):
+                step["where"] = derived["where"]
+            if outcome == "accepted":
+                step["derived"] = derived
+                steps.append(step)
+                break
+            rule = _rule_for(message, argv) if outcome == "refused" else None
+            if outcome == "megatron_error":
+                rule = _megatron_rule(message, argv)
+            if rule is None:
+                step["kind"] = "stuck"
+                steps.append(step)
+                break
+            kind, label, action = rule
+            step.update(kind=kind, flag=label, action=list(action[:1]))
+            steps.append(step)
+            new_argv = _apply(action, argv)
+            if new_argv == argv:
+                step["kind"] = "stuck"
+                break
+            argv = new_argv
+        return {"steps": steps, "final_argv": argv}
+
+
+def _hook_validation(api, specs, warnings_handler: _Warnings, out_path: str, results: List[dict]) -> None:
+    """Once the launcher has patched Megatron for EDiT (api.patch_megatron_for_local_sgd), its
+    validate_args is replaced by the check of every spec (:class:`_SpecCheck`; the first with
+    what the launcher parsed), which writes ``out_path`` and ends the process."""
+    original_patch = api.patch_megatron_for_local_sgd
 
     def patch_and_hook(*a, **k):
         out = original_patch(*a, **k)
@@ -659,11 +663,11 @@ def _worker(mlm: str, specs_path: str, out_path: str) -> None:
         project_validate = arguments.validate_args  # the project's wrapper around Megatron's
 
         def stop_after_validation(args, defaults={}, *rest, **kw):  # noqa: B006 - Megatron's signature
-            state["launcher_reached_validation"] = True
+            check = _SpecCheck(specs[0]["script"], warnings_handler, arguments, project_validate, defaults)
             try:
                 for i, spec in enumerate(specs):
                     t0 = time.time()
-                    rec = check_spec(arguments, project_validate, spec, defaults, args if i == 0 else None)
+                    rec = check.check_spec(spec, args if i == 0 else None)
                     rec["seconds"] = round(time.time() - t0, 2)
                     rec["through_launcher"] = i == 0
                     results.append(rec)
@@ -677,6 +681,25 @@ def _worker(mlm: str, specs_path: str, out_path: str) -> None:
         return out
 
     api.patch_megatron_for_local_sgd = patch_and_hook
+
+
+def _worker(mlm: str, specs_path: str, out_path: str) -> None:
+    """One process: the launcher runs the first spec's script; the hook after the project's
+    validate_args checks every spec (all variants, repeated after each refusal) in process."""
+    specs = json.load(open(specs_path))
+    first = specs[0]
+    os.environ["RECIPE_MLM"] = mlm
+    MODELOPT_FLAGS.update(_modelopt_flags())
+    first_argv = variant_argv(first["argv"], VARIANTS[0], first.get("sync_interval", 8))
+    os.environ.update(RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      WORLD_SIZE=str(world_size(first_argv, first.get("recipe_gpus"))),
+                      CUDA_DEVICE_MAX_CONNECTIONS=cuda_device_max_connections(first_argv, first.get("env") or {}))
+    from megatron_edit import api, launch
+
+    warnings_handler = _Warnings()
+    logging.getLogger("megatron_edit").addHandler(warnings_handler)
+    results: List[dict] = []
+    _hook_validation(api, specs, warnings_handler, out_path, results)
     script = os.path.join(mlm, first["script"])
     launcher_argv = ["--cpu", script, *first_argv]
     sys.argv = ["megatron_edit.launch", *launcher_argv]

@@ -1,10 +1,12 @@
 """Shared pytest setup: the repository root and tests/ on sys.path (spawned ranks inherit it),
 the `slow`, `one_lane` and `cuda` markers.
 
-The test folders mirror the package's layers (algorithm/, exchange/, mcore/, training/, cpu/);
-the helpers every layer's tests share (dist.py: multi-rank runs; gpt_utils.py, edit_runs.py:
-tiny megatron-core GPT runs) sit in tests/ itself. Multi-rank tests use dist.run_ranks and carry
-a pytest-timeout mark.
+The test folders mirror the package's layers (config/, algorithm/, exchange/, mcore/ with
+mcore/checkpoint/, cpu/, training/); the torchft backend, which spans the layers, has its tests
+in torchft_backend/ (its README). The helpers the folders share (dist.py: multi-rank runs;
+gpt_utils.py, edit_runs.py, reference_runs.py, checkpoint_runs.py: tiny megatron-core GPT
+runs; compare.py: one helper per comparison of their results) sit in tests/ itself.
+Multi-rank tests use dist.run_ranks and carry a pytest-timeout mark.
 
 Every test ends what it starts: each process the tests start carries
 ``MEGATRON_EDIT_TEST_SESSION`` (set here, inherited by every child and grandchild, also by one

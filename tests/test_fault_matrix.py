@@ -23,10 +23,10 @@ ROWS = ["kill-between", "kill-exchange", "kill-save", "hang", "nan-fp32", "nan-f
         "elastic-2-to-4-int8-penalty", "elastic-2-to-1-int8-penalty"]
 # Not here: the torchft row (torchft-kill-between, python scripts/fault_matrix.py --rows
 # torchft-kill-between, about 3 minutes): its outcome needs the relaunched job to start before
-# the survivor ends the run, a matter of the machine's load; tests/mcore/test_torchft_megatron.py
+# the survivor ends the run, a matter of the machine's load; tests/torchft_backend/test_torchft_megatron.py
 # checks the same death and heal deterministically (its jobs wait for each other at files). Nor
 # torchft-node-dies (two network namespaces as nodes, needs root): its slow test is
-# tests/test_supervise.py::test_two_nodes_train_together_and_a_dead_node_heals_over_the_link.
+# tests/torchft_backend/test_supervise.py::test_two_nodes_train_together_and_a_dead_node_heals_over_the_link.
 CHECKPOINTS = {"kill-between", "kill-exchange", "kill-save", "garbled-record", "truncated-file",
                "elastic-2-to-4-int8-penalty", "elastic-2-to-1-int8-penalty"}
 

@@ -201,13 +201,15 @@ def _header(job, argv):
 
     from megatron_edit.arguments import configs_from_args
 
+    from main_job_report import describe_edit  # beside the script, which put scripts/ on sys.path
+
     args = job.build_parser().parse_args(argv)
     job.apply_outer_defaults(args)
     local, outer, _ = configs_from_args(argparse.Namespace(**{**vars(args), "use_local_sgd": True}))
     timeout = local.sync_timeout or 1800.0
     controller = SimpleNamespace(config=local, outer_config=outer, arrivals=SimpleNamespace(timeout=timeout),
                                  sync_shards=None)
-    return job.describe_edit(controller, args)
+    return describe_edit(controller, args)
 
 
 def test_the_header_names_the_exchange_the_timeout_the_model_and_a_edits_budget(job):
@@ -230,11 +232,12 @@ def test_the_header_names_the_exchange_the_timeout_the_model_and_a_edits_budget(
 def test_the_parameter_count_known_before_torch_is_the_models(job):
     """The fragments' bucket bound counts the model without building it: its vocabulary must be
     the data's, and its count the one the README's header prints for the default model."""
+    from main_job_flags import VOCAB_SIZE, dense_parameters
     from megatron_edit.cpu import data
 
-    assert job.VOCAB_SIZE == data.VOCAB_SIZE
+    assert VOCAB_SIZE == data.VOCAB_SIZE
     args = job.build_parser().parse_args([])
-    assert job.dense_parameters(args)[0] == 137_088  # "137,088 parameters on this rank"
+    assert dense_parameters(args)[0] == 137_088  # "137,088 parameters on this rank"
 
 
 @pytest.mark.parametrize("argv", [[], ["--mode", "baseline"], ["--mode", "both"],
@@ -290,16 +293,19 @@ def test_a_non_finite_value_is_printed_by_the_lead_first(job, monkeypatch, capsy
     # Once a rank ends at once (os._exit), a non-lead rank that stopped first had the
     # launcher stop the leads before they printed: no message. The lead prints at once; the
     # others wait for the launcher, and print only if still running after the wait.
+    from main_job_run import stop_if_not_finite
+    from megatron_edit.arguments import PEER_WAIT_S
+
     waits = []
     monkeypatch.setattr(job.time, "sleep", waits.append)
     args = argparse.Namespace(check_for_nan_in_loss_and_grad=True, outer_optimizer="sgd", lr=0.003)
     with pytest.raises(SystemExit) as info:
-        job.stop_if_not_finite(args, "validation loss", float("nan"), 4, 1, lead, True)
+        stop_if_not_finite(args, "validation loss", float("nan"), 4, 1, lead, True)
     assert info.value.code == 1
-    assert waits == ([] if lead else [job.PEER_WAIT_S])
+    assert waits == ([] if lead else [PEER_WAIT_S])
     err = capsys.readouterr().err
     assert err.startswith("train_gpt_edit.py: error: step 4: worker 1's validation loss is nan; stopping.")
-    job.stop_if_not_finite(args, "validation loss", 2.5, 4, 1, lead, True)  # finite: goes on
+    stop_if_not_finite(args, "validation loss", 2.5, 4, 1, lead, True)  # finite: goes on
 
 
 class _Ended(Exception):
@@ -319,30 +325,8 @@ def test_a_rank_that_stops_ends_through_os_exit(job, monkeypatch, capsys, raised
     # ended rank 1 with SIGABRT ("terminate called without an active exception"), so the job
     # reported signal 6, not exit code 1. Once the process group exists, a rank that stops ends
     # through os._exit after its message (before: the SystemExit propagated here).
-    from megatron_edit.cpu import adapter
-
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setattr(adapter, "activate", lambda: None)
-    monkeypatch.setattr(job.dist, "init_process_group", lambda *a, **k: None)
-    monkeypatch.setattr(job.torch, "set_num_threads", lambda n: None)
-    monkeypatch.setattr(job, "setup_logging", lambda debug: None)  # process-wide otherwise
-    monkeypatch.setattr(job, "quiet_upstream_warnings", lambda: None)
-    monkeypatch.setattr(job.USER_STOP, "install", lambda: None)  # pytest keeps its Ctrl-C
-
-    def run_rank(args, world):
-        raise raised
-
-    def exit_now(status):
-        raise _Ended(status)
-
-    monkeypatch.setattr(job, "run_rank", run_rank)
-    monkeypatch.setattr(job.os, "_exit", exit_now)
-    with pytest.raises(_Ended) as ended:
-        job.main([])
-    assert ended.value.args == (code,)
-    err = capsys.readouterr().err
+    ended, err, _ = _ended_rank(job, monkeypatch, capsys, raised)
+    assert ended == code
     assert (printed in err) if printed else err == "", err
 
 
@@ -380,12 +364,13 @@ def test_a_sync_timeout_ends_every_rank_with_one_line_from_one_of_them(job, monk
     """Every rank waiting at the sync raises SyncTimeout with the same line: the reporter prints
     it at once, the others wait for the launcher to stop them (before: a traceback per rank,
     each naming the rank its own sync group missed)."""
+    from megatron_edit.arguments import PEER_WAIT_S
     from megatron_edit.exchange.arrival import SyncTimeout
 
     line = "megatron_edit: sync 3 (after step 7): worker 1 (global ranks 2, 3) did not arrive ..."
     code, err, sleeps = _ended_rank(job, monkeypatch, capsys, SyncTimeout(line, reporter=reporter), rank="1")
     assert code == 1 and err == line + "\n", err
-    assert sleeps == ([] if reporter else [job.PEER_WAIT_S])
+    assert sleeps == ([] if reporter else [PEER_WAIT_S])
 
 
 def test_a_config_error_at_build_is_one_line_in_the_jobs_terms(job, monkeypatch, capsys):
@@ -656,6 +641,7 @@ def test_flag_table_matches_both_parsers(job):
     scripts/dev/gen_docs.py): every EDiT flag, its package default and the main job's."""
     import re as _re
 
+    from main_job_flags import MAIN_JOB_DEFAULTS, MAIN_JOB_FT_WARMUP, MAIN_JOB_OUTER_SGD
     from megatron_edit.arguments import SGD_DEFAULTS, local_sgd_args_provider
 
     page = (ROOT / "docs" / "reference" / "configuration.md").read_text()
@@ -680,10 +666,10 @@ def test_flag_table_matches_both_parsers(job):
         if flag == "--use-local-sgd":
             assert main_job.startswith("refused"), main_job
         elif flag == "--local-sgd-warmup-steps":  # resolved per sync backend
-            assert main_job == (f"{job.MAIN_JOB_DEFAULTS['local_sgd_warmup_steps']} "
-                                f"({job.MAIN_JOB_FT_WARMUP} with torchft)"), main_job
-        elif key in job.MAIN_JOB_OUTER_SGD:
-            assert main_job == f"{_as_text(job.MAIN_JOB_OUTER_SGD[key])} with SGD", (flag, main_job)
+            assert main_job == (f"{MAIN_JOB_DEFAULTS['local_sgd_warmup_steps']} "
+                                f"({MAIN_JOB_FT_WARMUP} with torchft)"), main_job
+        elif key in MAIN_JOB_OUTER_SGD:
+            assert main_job == f"{_as_text(MAIN_JOB_OUTER_SGD[key])} with SGD", (flag, main_job)
         elif main.get_default(dest) == expected:
             assert main_job == "=", (flag, main_job)
         else:

@@ -120,24 +120,6 @@ class OuterSync(LayerwisePhases):
         self.sparse = protocol if isinstance(protocol, SparseExchange) else None
 
     @property
-    def ewma(self):
-        """The anomaly detector's statistics (:attr:`SyncDecisions.ewma`)."""
-        return self.decisions.ewma
-
-    @ewma.setter
-    def ewma(self, stats) -> None:
-        self.decisions.ewma = stats
-
-    @property
-    def ewma_by_worker(self):
-        """Per replica id, over torchft (:attr:`SyncDecisions.ewma_by_worker`)."""
-        return self.decisions.ewma_by_worker
-
-    @ewma_by_worker.setter
-    def ewma_by_worker(self, stats) -> None:
-        self.decisions.ewma_by_worker = stats
-
-    @property
     def num_workers(self) -> int:
         """Workers in the sync group (over torchft: in the current sync)."""
         return self.sync_group.size

@@ -190,7 +190,7 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
     @property
     def ewma(self):
         """The anomaly detector's running statistics (per worker and layer)."""
-        return self.sync.ewma
+        return self.sync.decisions.ewma
 
     def capture_anchor(self) -> None:
         """Anchor := the current main params (at the end of warmup); outer state starts empty."""

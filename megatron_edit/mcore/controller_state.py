@@ -88,7 +88,7 @@ class ControllerState:
     def extra_state(self) -> dict:
         """The part of :meth:`state_dict` beyond the counters, identical on every rank: the
         anomaly detector's statistics and A-EDiT's plan (:meth:`AsyncPlan.state_dict`)."""
-        out = {"layer_names": list(self.layer_names), "ewma": self.sync.ewma.state_dict(),
+        out = {"layer_names": list(self.layer_names), "ewma": self.sync.decisions.ewma.state_dict(),
                "global_progress": self.global_progress, **self.async_plan.state_dict(self.at_sync)}
         delayed = getattr(self, "delayed", None)
         if delayed is not None and delayed.in_flight:  # a checkpoint mid-flight (DelayedOuterStep)
@@ -111,7 +111,7 @@ class ControllerState:
                 "--local-sgd-fragments (a layer cut by a fragment boundary is one layer per "
                 "fragment, <layer>@fragment<f>) differs from the saved run's."
             )
-        self.sync.ewma = EWMAStats.from_state_dict(state["ewma"])
+        self.sync.decisions.ewma = EWMAStats.from_state_dict(state["ewma"])
         if STATE_KEY in state:  # (torchft from a torch-backend checkpoint: the loader restarts it)
             self.backend.load_state_dict(state[STATE_KEY])
         self.global_progress = float(state.get("global_progress", self.steps_done))

@@ -277,10 +277,11 @@ class TorchftBackend:
 
     def _ledger(self) -> dict:
         """Every worker's penalty statistics (by replica id), as tensors."""
-        return {w: stats.state_dict() for w, stats in self.controller.sync.ewma_by_worker.items()}
+        return {w: stats.state_dict() for w, stats in self.controller.sync.decisions.ewma_by_worker.items()}
 
     def _set_ledger(self, ledger: dict) -> None:
-        self.controller.sync.ewma_by_worker = {int(w): EWMAStats.from_state_dict(s) for w, s in ledger.items()}
+        decisions = self.controller.sync.decisions
+        decisions.ewma_by_worker = {int(w): EWMAStats.from_state_dict(s) for w, s in ledger.items()}
 
 
 def backend_of(controller) -> Optional[TorchftBackend]:

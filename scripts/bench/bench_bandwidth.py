@@ -109,7 +109,7 @@ def measure(args, mode, train_ds, counter, t_step):
 
     def timed_forward(data_iterator, model):
         t = time.perf_counter()
-        out = bc.job.forward_step(data_iterator, model)
+        out = bc.main_job_model.forward_step(data_iterator, model)
         forward.append(time.perf_counter() - t)
         return out
 

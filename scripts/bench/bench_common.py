@@ -1,6 +1,6 @@
 """What the benchmarks share: set-up, one training step, a traffic counter, tables and plots.
 
-The benchmarks (``scripts/bench/bench_*.py``) train the main job's model (``train_gpt_edit.build``:
+The benchmarks (``scripts/bench/bench_*.py``) train the main job's model (``main_job_model.build``:
 a megatron-core GPT on the shipped text, the partial distributed optimizer with one instance
 per worker) and measure one thing each against a baseline measured in the same run. Every
 benchmark prints its table on rank 0 and writes its plot under ``scripts/bench/results/``.
@@ -13,13 +13,22 @@ import inspect
 import os
 import sys
 import time
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/: the main job
-import train_gpt_edit as job  # noqa: E402  (the main job's model, data and step)
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, SCRIPTS)  # the main job's modules (scripts/main_job_*.py)
+sys.path.insert(0, os.path.dirname(SCRIPTS))  # the repository: megatron_edit
+# As in the main job: megatron-core's warnings at import (no transformer-engine/apex on CPU) kept
+# out of the benchmarks' output.
+warnings.filterwarnings("ignore", module=r"megatron\.")
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+
+import main_job_flags  # noqa: E402  (the main job's flags)
+import main_job_model  # noqa: E402  (the main job's model, data and step)
 from megatron_edit.arguments import end_rank  # noqa: E402
 from megatron_edit.cpu import adapter as cpu_adapter  # noqa: E402
 
@@ -39,7 +48,7 @@ def run_main(main: Callable[[], None]) -> None:
 def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The benchmark's own flags, on top of the main job's (model size, data, EDiT flags)."""
     args, rest = parser.parse_known_args(argv)
-    base = job.parse_args(rest + ["--steps", "100000"])  # the scheduler's horizon, not a run length
+    base = main_job_flags.parse_args(rest + ["--steps", "100000"])  # the scheduler's horizon, not a run length
     for key, value in vars(args).items():
         setattr(base, key, value)
     return base
@@ -89,7 +98,7 @@ def build(args):
     """The main job's model and optimizer, patched for EDiT when ``args.use_local_sgd``."""
     import megatron_edit
 
-    ddp, optimizer, scheduler = job.build(args, bool(getattr(args, "use_local_sgd", False)))
+    ddp, optimizer, scheduler = main_job_model.build(args, bool(getattr(args, "use_local_sgd", False)))
     return ddp, optimizer, scheduler, megatron_edit.get_local_sgd(optimizer)
 
 
@@ -100,7 +109,7 @@ def train_step(args, ddp, optimizer, scheduler, batch, forward_step=None) -> Non
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     get_forward_backward_func()(
-        forward_step_func=forward_step or job.forward_step, data_iterator=iter([batch]), model=[ddp],
+        forward_step_func=forward_step or main_job_model.forward_step, data_iterator=iter([batch]), model=[ddp],
         num_microbatches=1,
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False,
     )

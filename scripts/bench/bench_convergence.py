@@ -200,7 +200,7 @@ def run_args_for(args, spec: str, seed: int):
 def evaluate_all_ranks(args, ddp, valid_ds) -> float:
     """Validation loss on the held-out samples, shared over every rank. Only where every worker
     holds the same model (synchronous training; EDiT right after a sync)."""
-    losses = bc.job.validation_losses(args, ddp, valid_ds, dist.get_rank(), dist.get_world_size())
+    losses = bc.main_job_model.validation_losses(args, ddp, valid_ds, dist.get_rank(), dist.get_world_size())
     total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
     dist.all_reduce(total)
     return (total[0] / total[1]).item()

@@ -237,7 +237,7 @@ def instrument_gathers() -> None:
 def validation_loss(args, ddp, valid_ds) -> float:
     """The held-out samples' loss, shared over every rank (one model on every worker: after the
     run's last, blocking, sync)."""
-    losses = bc.job.validation_losses(args, ddp, valid_ds, dist.get_rank(), dist.get_world_size())
+    losses = bc.main_job_model.validation_losses(args, ddp, valid_ds, dist.get_rank(), dist.get_world_size())
     total = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
     dist.all_reduce(total)
     return (total[0] / total[1]).item()
@@ -513,9 +513,13 @@ def auto_summary(results, stats) -> str:
     return "\n".join(lines)
 
 
-def report(args, results, alone, confirm=None):
-    h = args.interval
-    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+def _ms(s) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def _stats(args, results):
+    """(every mode's figures, the bound's tokens/s, the bound's ordinary step): each figure the
+    median over repetitions (of a median over syncs / steps where it is one), against the bound."""
     bound_runs = [analyse(args, r) for r in results["bound"]]
     bound_interval = median([b["interval"] for b in bound_runs])
     bound_tps = median([b["tokens_per_s"] for b in bound_runs])
@@ -536,6 +540,12 @@ def report(args, results, alone, confirm=None):
         agg["ratio_robust"] = bound_robust / agg["robust_interval"]
         agg["ratio_barrier"] = agg["tokens_per_s"] / bound_barrier_tps
         stats[name] = agg
+    return stats, bound_tps, bound_base
+
+
+def _tables(stats, h):
+    """(headers, rows, cost headers, cost rows): tokens/s against the bound, and the cost per sync."""
+    ms = _ms
     headers = ["run", "tokens/s [min-max]", "vs bound [per repetition]", "vs bound, per-position medians",
                "vs bound with a barrier per interval", "step ms (window mean)", "ordinary step ms", "syncs measured"]
     rows = []
@@ -574,10 +584,14 @@ def report(args, results, alone, confirm=None):
              else f"{ms(s['lw_extra'])} (steps s, s+1)" if lw else "-"),
             ms(s["edit_seconds"]),
         ])
-    payload = sum(results["bound"][0]["shard_numels"]) * 4
+    return headers, rows, cheaders, crows
+
+
+def _summary(args, results, stats, alone, bound_base, confirm, payload, procs, loads) -> str:
+    """The text under the tables: the setting, the exchange alone, the load, what each column
+    means, any problem, and the auto and confirmation rounds' lines."""
+    h, ms = args.interval, _ms
     a0, a1 = alone
-    procs = dist.get_world_size() // args.workers
-    loads = sorted({load for s in stats.values() for load in s["loads"]}, key=lambda x: float(x.split()[0]))
     problems = [f"{name}: replicas differ after the run's last (blocking) sync" for name, s in stats.items()
                 if any(x is False for x in s["identical"])]
     problems += [f"{name}: an exchange left in flight at the end" for name, s in stats.items()
@@ -610,17 +624,13 @@ def report(args, results, alone, confirm=None):
         summary += "\n" + auto_summary(results, stats)
     if confirm:
         summary += "\n" + confirm_summary(confirm)
-    text, ctext = bc.table(headers, rows), bc.table(cheaders, crows)
-    print(f"\nhiding the exchange: tokens/s against the no-communication bound\n{text}\n\n"
-          f"cost per sync\n{ctext}\n{summary}")
-    suffix = args.suffix
-    bc.write_result(f"hiding{suffix}.md", bc.table(headers, rows, markdown=True) + "\n\n"
-                    + bc.table(cheaders, crows, markdown=True) + "\n\n" + summary.replace("\n", "  \n") + "\n")
-    bc.write_result(f"hiding{suffix}.json", json.dumps(dict(
-        label=args.label, rate=args.rate, interval=h, tau=args.tau, payload=payload,
-        procs_per_worker=procs, alone=alone, bound_tokens_per_s=bound_tps, stats=stats,
-        runs=results, confirm=confirm, rate_change=args.rate_change)))
+    return summary
 
+
+def _plot(args, stats, alone, bound_base, procs, loads) -> None:
+    """hiding<suffix>.png: each mode's tokens/s against the bound (range over repetitions)."""
+    h, ms = args.interval, _ms
+    a0 = alone[0]
     plt = bc.pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     names = list(stats)
@@ -646,7 +656,29 @@ def report(args, results, alone, confirm=None):
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(bc.plot_path(f"hiding{suffix}.png"), dpi=110)
+    fig.savefig(bc.plot_path(f"hiding{args.suffix}.png"), dpi=110)
+
+
+def report(args, results, alone, confirm=None):
+    """The tables, the summary, hiding<suffix>.md / .json / .png."""
+    h = args.interval
+    stats, bound_tps, bound_base = _stats(args, results)
+    headers, rows, cheaders, crows = _tables(stats, h)
+    payload = sum(results["bound"][0]["shard_numels"]) * 4
+    procs = dist.get_world_size() // args.workers
+    loads = sorted({load for s in stats.values() for load in s["loads"]}, key=lambda x: float(x.split()[0]))
+    summary = _summary(args, results, stats, alone, bound_base, confirm, payload, procs, loads)
+    text, ctext = bc.table(headers, rows), bc.table(cheaders, crows)
+    print(f"\nhiding the exchange: tokens/s against the no-communication bound\n{text}\n\n"
+          f"cost per sync\n{ctext}\n{summary}")
+    suffix = args.suffix
+    bc.write_result(f"hiding{suffix}.md", bc.table(headers, rows, markdown=True) + "\n\n"
+                    + bc.table(cheaders, crows, markdown=True) + "\n\n" + summary.replace("\n", "  \n") + "\n")
+    bc.write_result(f"hiding{suffix}.json", json.dumps(dict(
+        label=args.label, rate=args.rate, interval=h, tau=args.tau, payload=payload,
+        procs_per_worker=procs, alone=alone, bound_tokens_per_s=bound_tps, stats=stats,
+        runs=results, confirm=confirm, rate_change=args.rate_change)))
+    _plot(args, stats, alone, bound_base, procs, loads)
     print(f"wrote {bc.plot_path(f'hiding{suffix}.md')}, .json, .png")
 
 

@@ -150,13 +150,9 @@ def project(args, params_b: float, batch_tokens: int, gpus: int, link):
     return t_c, times
 
 
-def main():
-    args = parse_args()
-    with open(args.measured) as f:
-        measured = json.load(f)
-    rows = points(measured)
-    params = fit(rows)
-    pred = evaluate(rows, params)
+def _fit_report(args, measured, rows, pred, params):
+    """The fit against the measurements (and, with two rates or more, each rate's prediction by
+    the fit to the others): (headers, rows, note, the relative errors)."""
     rates = sorted({p["rate"] for p in rows}, key=lambda r: -rows[[p["rate"] for p in rows].index(r)]["B"])
     loo = {}
     for rate in rates if len(rates) > 1 else ():
@@ -181,15 +177,20 @@ def main():
                    if loo_errors else "leave-one-rate-out: needs two rates. ")
                 + f"Inputs from {os.path.relpath(args.measured)} "
                 f"(load averages: " + ", ".join(f"{r['rate']}: {r.get('load', '?')}" for r in measured) + ").")
-    print("model fitted to the namespace measurements")
-    print(table(fit_headers, fit_rows))
-    print(fit_note)
+    return fit_headers, fit_rows, fit_note, errors
 
+
+GPU_COUNTS = (64, 128, 256, 512, 1024)
+"""The projection's cluster sizes (8 GPUs per node = one worker)."""
+
+
+def _projection(args):
+    """Each run's efficiency on 1B and 7B models over :data:`LINKS` and :data:`GPU_COUNTS`:
+    (headers, rows, note, {(size, link, run): efficiency per GPU count})."""
     proj_rows, curves = [], {}
-    gpu_counts = (64, 128, 256, 512, 1024)
     sizes = (("1B", 1e9, args.batch_1b), ("7B", 7e9, args.batch_7b))
     for (size_name, size, batch), (link_name, link) in itertools.product(sizes, LINKS.items()):
-        for gpus in gpu_counts:
+        for gpus in GPU_COUNTS:
             t_c, times = project(args, size, batch, gpus, link)
             for run, t in times.items():
                 curves.setdefault((size_name, link_name, run), []).append(t_c / t)
@@ -204,12 +205,11 @@ def main():
                  f"per step split over the GPUs, at {args.peak / 1e12:.0f} TFLOP/s x MFU {args.mfu}; eta {args.eta}; "
                  f"overlap {args.overlap}; step-time cv {args.cv}; "
                  "bf16 gradients (2 B/param) for synchronous, fp32 pseudo-gradients (4 B/param) for EDiT.")
-    print("\nprojection")
-    print(table(proj_headers, proj_rows))
-    print(proj_note)
-    write_result("model.md", "Fit\n\n" + table(fit_headers, fit_rows, markdown=True) + "\n\n" + fit_note
-                 + "\n\nProjection\n\n" + table(proj_headers, proj_rows, markdown=True) + "\n\n" + proj_note + "\n")
+    return proj_headers, proj_rows, proj_note, curves
 
+
+def _plot_fit(rows, pred, errors) -> None:
+    """model_fit.png: the model's step time against the measured one."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(4.8, 4.2))
     markers = dict(zip(RUNS, "osD^"))
@@ -229,16 +229,20 @@ def main():
     fig.tight_layout()
     fig.savefig(plot_path("model_fit.png"), dpi=110)
 
+
+def _plot_projection(args, curves) -> None:
+    """model_projection.png: each run's projected efficiency per link, against the GPU count."""
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(LINKS), figsize=(11, 3.8), sharey=True)
     colors = dict(zip(RUNS, ("k", "tab:red", "tab:blue", "tab:green")))
     for ax, link_name in zip(axes, LINKS):
         for (size_name, lk, run), ys in curves.items():
             if lk == link_name:
-                ax.plot(gpu_counts, ys, "-" if size_name == "1B" else "--", marker=".", color=colors[run],
+                ax.plot(GPU_COUNTS, ys, "-" if size_name == "1B" else "--", marker=".", color=colors[run],
                         label=f"{run} {size_name}")
         ax.set_xscale("log", base=2)
-        ax.set_xticks(gpu_counts)
-        ax.set_xticklabels([str(g) for g in gpu_counts])
+        ax.set_xticks(GPU_COUNTS)
+        ax.set_xticklabels([str(g) for g in GPU_COUNTS])
         ax.set_title(link_name, fontsize=9)
         ax.set_xlabel("GPUs (8 per node = worker)")
         ax.grid(True, alpha=0.3)
@@ -249,6 +253,28 @@ def main():
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(plot_path("model_projection.png"), dpi=110)
+
+
+def main():
+    args = parse_args()
+    with open(args.measured) as f:
+        measured = json.load(f)
+    rows = points(measured)
+    params = fit(rows)
+    pred = evaluate(rows, params)
+    fit_headers, fit_rows, fit_note, errors = _fit_report(args, measured, rows, pred, params)
+    print("model fitted to the namespace measurements")
+    print(table(fit_headers, fit_rows))
+    print(fit_note)
+
+    proj_headers, proj_rows, proj_note, curves = _projection(args)
+    print("\nprojection")
+    print(table(proj_headers, proj_rows))
+    print(proj_note)
+    write_result("model.md", "Fit\n\n" + table(fit_headers, fit_rows, markdown=True) + "\n\n" + fit_note
+                 + "\n\nProjection\n\n" + table(proj_headers, proj_rows, markdown=True) + "\n\n" + proj_note + "\n")
+    _plot_fit(rows, pred, errors)
+    _plot_projection(args, curves)
     print(f"wrote {plot_path('model_fit.png')}, {plot_path('model_projection.png')}, {plot_path('model.md')}")
 
 

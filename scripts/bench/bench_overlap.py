@@ -55,7 +55,7 @@ def run(args, mode, train_ds):
 
     def timed_forward(data_iterator, model):
         t0 = time.perf_counter()
-        out = bc.job.forward_step(data_iterator, model)
+        out = bc.main_job_model.forward_step(data_iterator, model)
         forward.append(time.perf_counter() - t0)
         return out
 

@@ -13,7 +13,8 @@ Two pages:
   (default from :func:`dataclasses.fields`, documentation from
   :func:`megatron_edit.config.field_docs`).
 * ``docs/troubleshooting/messages.md``: every refusal message of the code, found statically
-  (``ast``) in ``megatron_edit/**/*.py`` and ``scripts/train_gpt_edit.py``: raises (and built
+  (``ast``) in ``megatron_edit/**/*.py`` and the main job (``scripts/train_gpt_edit.py`` and its
+  ``scripts/main_job_*.py`` modules): raises (and built
   exceptions) of the package's exception classes and of the built-in ones with a message, calls
   of the message helpers (``_require``, ``fail``, ``_needs``, ...: functions that raise or return an
   exception whose message holds one of their parameters; rendered with the call's arguments), and
@@ -81,9 +82,11 @@ def _cell(text: str) -> str:
 
 
 def _main_job_parser():
-    """The main job's parser (scripts/train_gpt_edit.py), for its defaults; None if it cannot be
-    loaded (it imports only the flags' modules)."""
-    path = ROOT / "scripts" / "train_gpt_edit.py"
+    """The main job's parser (scripts/main_job_flags.py, the flags of scripts/train_gpt_edit.py),
+    for its defaults (it imports only the flags' modules)."""
+    path = ROOT / "scripts" / "main_job_flags.py"
+    if str(path.parent) not in sys.path:  # its own modules beside it (main_job_checkpoint)
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("_gen_docs_main_job", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -229,9 +232,13 @@ class Message(NamedTuple):
     text: str        # the message, placeholders as {name} / {...}
 
 
+MAIN_JOB = "train_gpt_edit.py"
+"""The main job's script: its lines name it, also those of its modules (scripts/main_job_*.py)."""
+
+
 def source_files() -> List[Path]:
     files = sorted((ROOT / "megatron_edit").rglob("*.py"))
-    return files + [ROOT / "scripts" / "train_gpt_edit.py"]
+    return files + [ROOT / "scripts" / MAIN_JOB] + sorted((ROOT / "scripts").glob("main_job_*.py"))
 
 
 def package_exception_classes(files: List[Path]) -> Dict[str, str]:
@@ -337,7 +344,7 @@ def scan_messages() -> List[Message]:
         shared.update(_find_helpers(tree, exceptions))
     for path, tree in trees.items():
         rel = str(path.relative_to(ROOT))
-        prog = path.name if path.parent.name == "scripts" else "{prog}"
+        prog = MAIN_JOB if path.parent.name == "scripts" else "{prog}"
         imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         helpers = {**{k: v for k, v in shared.items() if k in imported}, **_find_helpers(tree, exceptions)}
         builders = _find_builders(tree)
@@ -454,8 +461,9 @@ def _scan_scope(scope, qual, rel, prog, exceptions, helpers, flag_names, message
 def messages_page(messages: List[Message]) -> str:
     out = [HEADER, "# Every refusal message\n",
            "Every message the code can stop a run with, found in the source by "
-           "`scripts/dev/gen_docs.py` (an `ast` scan of `megatron_edit/**/*.py` and "
-           "`scripts/train_gpt_edit.py`), with the file and function that raises it. "
+           "`scripts/dev/gen_docs.py` (an `ast` scan of `megatron_edit/**/*.py` and the main job: "
+           "`scripts/train_gpt_edit.py` and its modules beside it, `main_job_*.py`), with the file and "
+           "function that raises it. "
            "`{name}` and `{...}` stand for values filled in at run time. Use the search box "
            "(top of the page) with a few words of the message you saw; what the common ones "
            "mean and how to fix them: [Troubleshooting](index.md).\n",

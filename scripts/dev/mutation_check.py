@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ["tests/exchange", "tests/algorithm/test_quantize.py"]
+TESTS = ["tests/exchange", "tests/torchft_backend/test_fault_tolerant.py", "tests/algorithm/test_quantize.py"]
 
 # (name, file, original text, mutated text)
 MUTATIONS = [

@@ -36,6 +36,91 @@ import torch
 import torch.distributed as dist
 
 
+def _groups(workers: int, size: int, worker: int, me: int):
+    """(this rank's worker group, its group across workers); every rank creates every group, in
+    the same order."""
+    intra = inter = None
+    for w in range(workers):
+        g = dist.new_group(list(range(w * size, (w + 1) * size)))
+        if w == worker:
+            intra = g
+    for r in range(size):
+        g = dist.new_group([w * size + r for w in range(workers)])
+        if r == me:
+            inter = g
+    return intra, inter
+
+
+def _backward(grads, it: int, rank: int, worker: int, me: int, size: int, shard: int, intra) -> int:
+    """"backward": gradients, then the worker's async coalesced reduce-scatter (memory allocated
+    and freed while it is in flight); the number of wrong results."""
+    bad = 0
+    for b, g in enumerate(grads):
+        g.fill_(float(rank + b + it % 7))
+    junk = [torch.randn(4096 + 37 * (it % 11)) for _ in range(8)]  # allocator churn
+    with dist._coalescing_manager(intra, async_ops=True) as cm_rs:
+        for g in grads:
+            dist.reduce_scatter_tensor(g[me * shard:(me + 1) * shard], g, group=intra, async_op=True)
+    del junk
+    cm_rs.wait()
+    for b, g in enumerate(grads):
+        expect = sum(float(worker * size + r + b + it % 7) for r in range(size))
+        if not torch.all(g[me * shard:(me + 1) * shard] == expect):
+            bad += 1
+    return bad
+
+
+def _launch_exchanges(params, worker: int, shard: int, quantized: int, inter) -> list:
+    """EDiT layer-wise: every bucket's exchange launched now, in forward order; the references to
+    the send buffers dropped right after each launch (only the handles kept)."""
+    handles = []
+    for b, prm in enumerate(params):
+        delta = torch.full((shard,), float(worker + 1 + b), dtype=torch.float32)
+        if quantized:
+            send = (delta[: shard].to(torch.uint8)).contiguous()  # a new tensor: only the handle keeps it
+            recv = torch.empty_like(send)
+            handles.append(("a2a", b, dist.all_to_all_single(recv, send, group=inter, async_op=True), recv))
+            del send
+        else:
+            handles.append(("ar", b, dist.all_reduce(delta, group=inter, async_op=True), delta))
+        del delta
+    return handles
+
+
+def _forward(params, handles, it: int, me: int, shard: int, W: int, intra, inter) -> int:
+    """"forward": bucket by bucket, complete its exchange (if any), then gather its params, with
+    compute while the gather is in flight; the number of wrong results."""
+    bad = 0
+    cm_ag = None
+    for b, prm in enumerate(params):
+        if handles:
+            kind, hb, h, buf = handles[b]
+            h.wait()
+            if kind == "a2a":  # step 2 of the quantized exchange: gather the reduced chunk
+                own = buf.to(torch.float32).view(W, -1).sum(0)
+                data = own.to(torch.uint8)
+                gathered = torch.empty(W * data.numel(), dtype=torch.uint8)
+                dist.all_gather_into_tensor(gathered, data, group=inter, async_op=True).wait()
+                del data
+                expect = sum(w + 1 + hb for w in range(W)) % 256
+                if not torch.all(gathered == expect):
+                    bad += 1
+            elif not torch.all(buf == float(sum(w + 1 + hb for w in range(W)))):
+                bad += 1
+            prm[me * shard:(me + 1) * shard] = float(b + it)  # outer step writes the shard
+        if cm_ag is not None:
+            cm_ag.wait()
+        with dist._coalescing_manager(intra, async_ops=True) as cm_ag:
+            dist.all_gather_into_tensor(prm, prm[me * shard:(me + 1) * shard], group=intra, async_op=True)
+        x = torch.randn(64, 64) @ torch.randn(64, 64)  # compute while the gather is in flight
+        del x
+    cm_ag.wait()
+    for b, prm in enumerate(params):
+        if not torch.all(prm == float(b + it)):
+            bad += 1
+    return bad
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=300)
@@ -51,15 +136,7 @@ def main() -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     size = world // a.workers
     worker, me = rank // size, rank % size
-    intra = inter = None
-    for w in range(a.workers):  # every rank creates every group, in the same order
-        g = dist.new_group(list(range(w * size, (w + 1) * size)))
-        if w == worker:
-            intra = g
-    for r in range(size):
-        g = dist.new_group([w * size + r for w in range(a.workers)])
-        if r == me:
-            inter = g
+    intra, inter = _groups(a.workers, size, worker, me)
     W = a.workers
     numel = a.bucket_numel - a.bucket_numel % (size * W * 4)
     shard = numel // size
@@ -67,68 +144,18 @@ def main() -> int:
     grads = [torch.zeros(numel) for _ in range(a.buckets)]
     bad = 0
     for it in range(a.iters):
-        # "backward": gradients, then the worker's async coalesced reduce-scatter
-        for b, g in enumerate(grads):
-            g.fill_(float(rank + b + it % 7))
-        junk = [torch.randn(4096 + 37 * (it % 11)) for _ in range(8)]  # allocator churn
-        with dist._coalescing_manager(intra, async_ops=True) as cm_rs:
-            for g in grads:
-                dist.reduce_scatter_tensor(g[me * shard:(me + 1) * shard], g, group=intra, async_op=True)
-        del junk
-        cm_rs.wait()
-        for b, g in enumerate(grads):
-            expect = sum(float(worker * size + r + b + it % 7) for r in range(size))
-            if not torch.all(g[me * shard:(me + 1) * shard] == expect):
-                bad += 1
+        bad += _backward(grads, it, rank, worker, me, size, shard, intra)
         # "optimizer step": the shard of each bucket's params
         for b, prm in enumerate(params):
             prm[me * shard:(me + 1) * shard] = float(b + it)
         sync = (it + 1) % a.sync_every == 0
-        handles = []
-        if sync:  # EDiT layer-wise: every bucket's exchange launched now, in forward order
-            for b, prm in enumerate(params):
-                delta = torch.full((shard,), float(worker + 1 + b), dtype=torch.float32)
-                if a.quantized:
-                    send = (delta[: shard].to(torch.uint8)).contiguous()  # a new tensor: only the handle keeps it
-                    recv = torch.empty_like(send)
-                    handles.append(("a2a", b, dist.all_to_all_single(recv, send, group=inter, async_op=True), recv))
-                    del send
-                else:
-                    handles.append(("ar", b, dist.all_reduce(delta, group=inter, async_op=True), delta))
-                del delta
+        handles = _launch_exchanges(params, worker, shard, a.quantized, inter) if sync else []
         if sync and it % 3 == 0:  # every rank (a collective over the world group)
             t = torch.ones(3, dtype=torch.float64)
             dist.all_reduce(t)  # the benchmark's evaluation / timing figure over the world group
             if not torch.all(t == world):
                 bad += 1
-        # "forward": bucket by bucket: complete its exchange, then gather its params
-        cm_ag = None
-        for b, prm in enumerate(params):
-            if handles:
-                kind, hb, h, buf = handles[b]
-                h.wait()
-                if kind == "a2a":  # step 2 of the quantized exchange: gather the reduced chunk
-                    own = buf.to(torch.float32).view(W, -1).sum(0)
-                    data = own.to(torch.uint8)
-                    gathered = torch.empty(W * data.numel(), dtype=torch.uint8)
-                    dist.all_gather_into_tensor(gathered, data, group=inter, async_op=True).wait()
-                    del data
-                    expect = sum(w + 1 + hb for w in range(W)) % 256
-                    if not torch.all(gathered == expect):
-                        bad += 1
-                elif not torch.all(buf == float(sum(w + 1 + hb for w in range(W)))):
-                    bad += 1
-                prm[me * shard:(me + 1) * shard] = float(b + it)  # outer step writes the shard
-            if cm_ag is not None:
-                cm_ag.wait()
-            with dist._coalescing_manager(intra, async_ops=True) as cm_ag:
-                dist.all_gather_into_tensor(prm, prm[me * shard:(me + 1) * shard], group=intra, async_op=True)
-            x = torch.randn(64, 64) @ torch.randn(64, 64)  # compute while the gather is in flight
-            del x
-        cm_ag.wait()
-        for b, prm in enumerate(params):
-            if not torch.all(prm == float(b + it)):
-                bad += 1
+        bad += _forward(params, handles, it, me, shard, W, intra, inter)
     flag = torch.tensor([bad], dtype=torch.int64)
     dist.all_reduce(flag)
     if rank == 0:

@@ -8,6 +8,7 @@ the releases EDiT on Megatron-FSDP is checked on (0.16.1-0.19.x) only and revert
 import pytest
 import torch
 
+from compare import max_difference
 from dist import run_fsdp_ranks
 from edit_runs import default_spec, megatron_runs
 from megatron_edit.mcore import compat
@@ -18,11 +19,6 @@ ON_FSDP_RELEASE = pytest.mark.skipif(
     not FSDP_SUPPORTED.contains(compat.megatron_core_version()),
     reason=f"the CPU adapter's Megatron-FSDP shims are declared for megatron-core {FSDP_SUPPORTED} only",
 )
-
-
-def _max_difference(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @ON_FSDP_RELEASE
@@ -36,7 +32,7 @@ def test_megatron_fsdp_hsdp_trains_on_cpu_like_ddp_with_the_distributed_optimize
     for r in results:
         ddp, fsdp = r["runs"]
         assert fsdp["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
-        assert _max_difference(fsdp["params"], ddp["params"]) <= 1e-6
+        assert max_difference(fsdp["params"], ddp["params"]) <= 1e-6
     first, other = results[0]["runs"][1]["params"], results[2]["runs"][1]["params"]
     assert all(torch.equal(first[k], other[k]) for k in first), "HSDP instances differ"
     # it trained: the parameters moved

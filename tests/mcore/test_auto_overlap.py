@@ -7,6 +7,7 @@ continues with the settings in force. The measurements are injected (``train_job
 import pytest
 import torch
 
+from compare import max_difference
 from dist import run_fsdp_ranks, run_ranks
 from edit_runs import ON_FSDP_RELEASE
 from megatron_edit.algorithm.overlap_plan import choose
@@ -110,7 +111,7 @@ def test_a_delay_chosen_mid_run_matches_the_simulation(fsdp):
         # the sync after 8 was timed at its launch (a re-measure), the one after 6 not
         assert [rep.launch_wait_seconds is not None for rep in run["reports"][2:4]] == [False, True]
         assert [d[0] for d in run["decisions"]] == [4, 8]
-        worst = max((run["params"][k] - sim[run["worker"]][k]).abs().max().item() for k in run["params"])
+        worst = max_difference(run["params"], sim[run["worker"]])
         assert worst <= SIM_ATOL, worst
     a, b = results[0]["runs"][0]["params"], results[2]["runs"][0]["params"]
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -193,7 +194,7 @@ def test_fragments_chosen_mid_run_match_the_simulation(fsdp):
         assert [(rep.step, rep.delay, rep.fragment) for rep in run["reports"]] == [
             (6, 0, None), (12, 0, None), (15, 2, 1), (18, 2, 0), (21, 0, None)]
         assert [rep.scalars()["local-sgd/fragments"] for rep in run["reports"]] == [1, 1, 2, 2, 2]
-        worst = max((run["params"][k] - sim[run["worker"]][k]).abs().max().item() for k in run["params"])
+        worst = max_difference(run["params"], sim[run["worker"]])
         assert worst <= SIM_ATOL_21, worst
     a, b = results[0]["runs"][0]["params"], results[2]["runs"][0]["params"]
     assert all(torch.equal(a[k], b[k]) for k in a)

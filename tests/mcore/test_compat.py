@@ -74,11 +74,11 @@ def test_signature_table_matches_the_installed_release_exactly(target):
 
 
 def test_signature_ranges_cover_the_supported_releases_without_overlap():
-    for table, releases in ((compat.SIGNATURES, RELEASES),
-                            (compat.TRAINING_SIGNATURES, RELEASES[7:])):
+    for table, checked in ((compat.SIGNATURES, RELEASES),
+                           (compat.TRAINING_SIGNATURES, RELEASES[7:])):
         for target, ranges in table.items():
             existing = compat.release_range(target)
-            for version in releases:
+            for version in checked:
                 matching = [names for versions, names in ranges if versions.contains(version)]
                 assert len(matching) == (1 if existing.contains(version) else 0), (target, version)
             with pytest.raises(LookupError, match="0.11.0"):

@@ -4,6 +4,7 @@ ranks), against the plain-PyTorch simulation extended with the delay (``simulate
 import pytest
 import torch
 
+from compare import max_difference
 from dist import run_ranks
 from megatron_edit.mcore import checkpoint as checkpointing, compat
 from edit_runs import default_spec, megatron_runs, simulate_edit
@@ -19,11 +20,6 @@ EDIT = dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=1)
 
 def _spec(**local):
     return default_spec(steps=9, last_step=9, local_sgd=dict(EDIT, **local), outer=OUTER)
-
-
-def _worst(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.mark.timeout(400)
@@ -45,15 +41,15 @@ def test_delayed_outer_step_matches_the_simulation_in_both_modes():
             for spec in (specs[0], specs[2], specs[3])]
     for r in results:
         layerwise, step_end, merged, quarter = r["runs"]
-        assert _worst(quarter["params"], sims[2][quarter["worker"]]) <= SIM_ATOL
+        assert max_difference(quarter["params"], sims[2][quarter["worker"]]) <= SIM_ATOL
         for run, delay in ((layerwise, 2), (step_end, 2), (merged, 1), (quarter, 2)):
             assert [(rep.step, rep.delay) for rep in run["reports"]] == [(4, delay), (7, delay), (9, 0)]
             assert all(rep.exposed_wait_seconds >= 0 for rep in run["reports"])
             assert not run["pending_at_end"]
         for k in layerwise["params"]:
             assert torch.equal(layerwise["params"][k], step_end["params"][k]), k
-        assert _worst(layerwise["params"], sims[0][layerwise["worker"]]) <= SIM_ATOL
-        assert _worst(merged["params"], sims[1][merged["worker"]]) <= SIM_ATOL
+        assert max_difference(layerwise["params"], sims[0][layerwise["worker"]]) <= SIM_ATOL
+        assert max_difference(merged["params"], sims[1][merged["worker"]]) <= SIM_ATOL
     by_worker = {0: results[0]["runs"][0], 1: results[2]["runs"][0]}
     for step in range(2, 10):
         a, b = by_worker[0]["snapshots"][step], by_worker[1]["snapshots"][step]
@@ -83,7 +79,7 @@ def test_a_delayed_run_whose_last_step_is_a_sync_step_ends_with_one_model():
         for run, sim in zip(r["runs"], sims):
             assert [(rep.step, rep.delay) for rep in run["reports"]] == [(4, 2), (7, 2), (10, 0)]
             assert not run["pending_at_end"] and not run["in_flight_at_end"]
-            assert _worst(run["params"], sim[run["worker"]]) <= SIM_ATOL
+            assert max_difference(run["params"], sim[run["worker"]]) <= SIM_ATOL
     for run in range(len(specs)):
         for shard in (0, 1):  # worker 0 is ranks 0-1, worker 1 ranks 2-3
             a, b = results[shard]["runs"][run]["params"], results[2 + shard]["runs"][run]["params"]

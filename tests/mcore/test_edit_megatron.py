@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from compare import max_difference
 from dist import run_fsdp_ranks, run_ranks
 from edit_runs import ON_FSDP_RELEASE, default_spec, megatron_runs, simulate_edit
 
@@ -16,8 +17,7 @@ OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7
 
 
 def _assert_params_close(a, b, atol, what):
-    assert a.keys() == b.keys()
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    worst = max_difference(a, b)
     assert worst <= atol, f"{what}: max abs difference {worst:.3g} > {atol}"
 
 

@@ -7,6 +7,7 @@ biases included. Checked against an independent computation from each rank's own
 import pytest
 import torch
 
+from compare import max_difference
 from dist import run_fsdp_ranks, run_ranks
 from edit_runs import ON_EXPERT_PARALLEL_FSDP, ON_FSDP_RELEASE
 from megatron_edit.mcore import compat
@@ -212,7 +213,7 @@ def test_expert_bias_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
         assert sorted(fsdp["expert_biases"]) == list(range(1, 7))
         for step in range(1, 7):
             assert torch.equal(fsdp["expert_biases"][step], ddp["expert_biases"][step]), step
-        assert max((fsdp["params"][k] - ddp["params"][k]).abs().max().item() for k in ddp["params"]) <= 1e-6
+        assert max_difference(fsdp["params"], ddp["params"]) <= 1e-6
     by_worker = {r["runs"][1]["worker"]: r["runs"][1]["expert_biases"] for r in results}
     for step in range(1, 7):
         assert torch.equal(by_worker[0][step], by_worker[1][step]) == (step in (1, 3, 5)), step

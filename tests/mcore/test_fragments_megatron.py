@@ -6,6 +6,7 @@ the schedule and the math are)."""
 import pytest
 import torch
 
+from compare import max_difference
 from dist import RankError, run_ranks
 from edit_runs import default_spec, megatron_runs, simulate_edit
 from megatron_edit.mcore import checkpoint as checkpointing, compat
@@ -21,11 +22,6 @@ STEPS = [(3, 1), (5, 0), (7, 1), (9, None)]
 
 def _spec(**local):
     return default_spec(steps=9, last_step=9, local_sgd=dict(FRAG, **local), outer=OUTER, bucket_size=1000)
-
-
-def _worst(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def _simulate(spec, fragment_params):
@@ -67,8 +63,8 @@ def test_fragments_sync_in_turn_and_match_the_simulation():
     sims = [_simulate(specs[0], frags), _simulate(specs[2], frags)]
     for r in results:
         layerwise, _, delayed = r["runs"]
-        assert _worst(layerwise["params"], sims[0][layerwise["worker"]]) <= SIM_ATOL
-        assert _worst(delayed["params"], sims[1][delayed["worker"]]) <= SIM_ATOL
+        assert max_difference(layerwise["params"], sims[0][layerwise["worker"]]) <= SIM_ATOL
+        assert max_difference(delayed["params"], sims[1][delayed["worker"]]) <= SIM_ATOL
     # replicas: worker 0 is ranks 0-1, worker 1 ranks 2-3 (shard 0 of each)
     a_snap, b_snap = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
     for step, fragment in STEPS:

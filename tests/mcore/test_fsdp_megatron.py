@@ -6,6 +6,7 @@ import types
 import pytest
 import torch
 
+from compare import all_equal, max_difference
 from dist import run_fsdp_ranks, run_ranks
 from edit_runs import FSDP_MOE, ON_EXPERT_PARALLEL_FSDP, ON_FSDP_RELEASE, async_runs, default_spec, megatron_runs, simulate_edit
 from megatron_edit.config import ConfigError, LocalSGDConfig, NotSupportedYet
@@ -15,15 +16,6 @@ WORLD = 4
 EDIT = dict(local_sgd_sync_interval=3, local_sgd_warmup_steps=2)  # syncs after steps 5 and 8
 OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
 SIM_ATOL = 2e-4  # Megatron vs the plain-PyTorch simulation: see test_edit_megatron.py
-
-
-def _max_difference(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _equal(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _check_traffic(run, sync_steps, warmup):
@@ -69,17 +61,17 @@ def test_edit_on_megatron_fsdp_equals_edit_on_the_distributed_optimizer():
         for run in (step_end, layerwise):
             assert [rep.step for rep in run["reports"]] == [5, 8]
             assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
-            assert _max_difference(run["params"], ddp["params"]) <= 1e-6
-            assert _max_difference(run["params"], sim["params"][run["worker"]]) <= SIM_ATOL
+            assert max_difference(run["params"], ddp["params"]) <= 1e-6
+            assert max_difference(run["params"], sim["params"][run["worker"]]) <= SIM_ATOL
             _check_traffic(run, sync_steps=(5, 8), warmup=2)
         assert not layerwise["pending_at_end"]
     # Replicas: worker 0 is ranks 0-1, worker 1 ranks 2-3.
     first, other = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
     for step in range(1, 9):
-        same = _equal(first[step], other[step])
+        same = all_equal(first[step], other[step])
         assert same == (step <= 2 or step in (5, 8)), f"after step {step}: workers identical = {same}"
     for i in (1, 2):  # the last step was a sync: one model
-        assert _equal(results[0]["runs"][i]["params"], results[2]["runs"][i]["params"])
+        assert all_equal(results[0]["runs"][i]["params"], results[2]["runs"][i]["params"])
 
 
 # ---------------------------------------------------------------- refusals (in process)
@@ -219,8 +211,8 @@ def test_penalty_on_megatron_fsdp_equals_the_distributed_optimizer():
                 exclusions += int(a.excluded.sum())
             assert fsdp["reports"][0].clip_coef is not None
             if fsdp["snapshots"]:
-                assert _max_difference(fsdp["snapshots"][3], ddp["snapshots"][3]) <= 1e-6
-            assert _max_difference(fsdp["params"], ddp["params"]) <= PENALTY_ATOL
+                assert max_difference(fsdp["snapshots"][3], ddp["snapshots"][3]) <= 1e-6
+            assert max_difference(fsdp["params"], ddp["params"]) <= PENALTY_ATOL
     weights = results[0]["runs"][1]["reports"][0].weights
     assert (weights - 0.5).abs().max() > 0.05, "weights are not sharp enough to test weighting"
     assert exclusions > 0 and clipped > 0, (exclusions, clipped)
@@ -258,15 +250,15 @@ def test_gta_and_the_bf16_exchange_on_megatron_fsdp_equal_the_distributed_optimi
             for run in fsdp_runs:
                 assert [rep.step for rep in run["reports"]] == [3, 5]
                 assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
-                assert _max_difference(run["params"], ddp["params"]) <= 1e-6
+                assert max_difference(run["params"], ddp["params"]) <= 1e-6
         assert runs[4]["reports"][0].quantization_error is not None
     # the GTA run and the bf16 run differ from each other: each reducer did something of its own
-    assert _max_difference(results[0]["runs"][1]["params"], results[0]["runs"][4]["params"]) > 1e-6
+    assert max_difference(results[0]["runs"][1]["params"], results[0]["runs"][4]["params"]) > 1e-6
     for i in (1, 4):  # worker 0 is ranks 0-1, worker 1 ranks 2-3
         first, other = results[0]["runs"][i]["snapshots"], results[2]["runs"][i]["snapshots"]
         for step in (3, 5):
-            assert _equal(first[step], other[step]), f"run {i}: replicas differ after the sync at {step}"
-        assert not _equal(first[4], other[4]), f"run {i}: workers should differ between syncs"
+            assert all_equal(first[step], other[step]), f"run {i}: replicas differ after the sync at {step}"
+        assert not all_equal(first[4], other[4]), f"run {i}: workers should differ between syncs"
 
 
 @pytest.mark.one_lane  # a variant on the path the equivalence test above checks in every lane
@@ -291,18 +283,18 @@ def test_quantized_exchange_on_megatron_fsdp_keeps_replicas_identical(dtype):
     for r in results:
         layerwise, step_end, fp32 = r["runs"]
         assert [rep.step for rep in layerwise["reports"]] == [3, 5]
-        assert _equal(layerwise["params"], step_end["params"]), "layer-wise vs step-end"
+        assert all_equal(layerwise["params"], step_end["params"]), "layer-wise vs step-end"
         ratio = layerwise["reports"][0].payload_bytes / fp32["reports"][0].payload_bytes
         assert low < ratio < high, ratio  # small shards: block padding weighs more than at scale
         assert layerwise["reports"][0].quantization_error > 0
         # error feedback carries what quantization dropped: residuals after a sync are nonzero
         residuals = [x for x in step_end["shard_records"][5]["residual"] if x is not None]
         assert residuals and any(x.abs().max() > 0 for x in residuals)
-        difference = _max_difference(step_end["params"], fp32["params"])
+        difference = max_difference(step_end["params"], fp32["params"])
         assert 0 < difference < {"int8": 2e-3, "int4": 2e-2}[dtype], difference
     first, other = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
     for step in (3, 5):
-        assert _equal(first[step], other[step]), f"replicas differ after the sync at {step}"
+        assert all_equal(first[step], other[step]), f"replicas differ after the sync at {step}"
 
 
 # ------------------------------------------ the delayed outer step and fragments on Megatron-FSDP
@@ -351,20 +343,20 @@ def test_delay_and_fragments_on_megatron_fsdp():
         for run in (layerwise, step_end):
             assert [(rep.step, rep.delay) for rep in run["reports"]] == [(4, 2), (7, 2), (9, 0)]
             assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
-            assert _max_difference(run["params"], ddp["params"]) <= 1e-6
+            assert max_difference(run["params"], ddp["params"]) <= 1e-6
         assert [(rep.step, rep.delay) for rep in lerp["reports"]] == [(4, 1), (7, 1), (9, 0)]
         for run in (f_layerwise, f_step_end, f_delayed):
             assert run["fragment_params"] == frags  # the same fragments on every rank
             assert [(rep.step, rep.fragment) for rep in run["reports"]] == FRAG_STEPS
         assert [rep.delay for rep in f_delayed["reports"]] == [1, 1, 1, 0]
-        assert _equal(f_layerwise["params"], f_step_end["params"]), "fragments: layer-wise vs step-end"
+        assert all_equal(f_layerwise["params"], f_step_end["params"]), "fragments: layer-wise vs step-end"
         for run, sim in ((lerp, sims[0]), (f_layerwise, sims[1]), (f_delayed, sims[2])):
-            assert _max_difference(run["params"], sim[run["worker"]]) <= SIM_ATOL
+            assert max_difference(run["params"], sim[run["worker"]]) <= SIM_ATOL
             assert not run["pending_at_end"] and not run["in_flight_at_end"]
     # replicas: worker 0 is ranks 0-1, worker 1 ranks 2-3
     a, b = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
     for step in range(2, 10):
-        assert _equal(a[step], b[step]) == (step in (4, 7, 9)), f"delay: after step {step}"
+        assert all_equal(a[step], b[step]) == (step in (4, 7, 9)), f"delay: after step {step}"
     a, b = results[0]["runs"][5]["snapshots"], results[2]["runs"][5]["snapshots"]
     for step, fragment in FRAG_STEPS:
         synced = set(frags[fragment]) if fragment is not None else set(a[step])
@@ -372,7 +364,7 @@ def test_delay_and_fragments_on_megatron_fsdp():
             same = torch.equal(a[step][name], b[step][name])
             assert same == (name in synced), f"fragments: after step {step}: {name} {'equal' if same else 'differs'}"
     for i in range(len(specs)):
-        assert _equal(results[0]["runs"][i]["params"], results[2]["runs"][i]["params"]), f"run {i} at the end"
+        assert all_equal(results[0]["runs"][i]["params"], results[2]["runs"][i]["params"]), f"run {i} at the end"
 
 
 # ----------------------------------------------------------------------- A-EDiT on Megatron-FSDP
@@ -402,8 +394,8 @@ def test_a_edit_on_megatron_fsdp_equals_the_distributed_optimizer(mode):
             assert torch.equal(x.worker_steps, y.worker_steps)
             assert (x.weights is None) == (y.weights is None)  # none at the skipped sync
             assert x.weights is None or torch.allclose(x.weights, y.weights, atol=1e-6)
-        assert _max_difference(a["params"], b["params"]) <= 1e-6
-    assert _equal(fsdp[0]["params"], fsdp[2]["params"]), "replicas after the last sync"
+        assert max_difference(a["params"], b["params"]) <= 1e-6
+    assert all_equal(fsdp[0]["params"], fsdp[2]["params"]), "replicas after the last sync"
 
 
 # ---------------------------------------------------------------- MoE on Megatron-FSDP
@@ -439,7 +431,7 @@ def test_moe_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
         for run in (step_end, layerwise):
             assert [rep.step for rep in run["reports"]] == [3, 5]
             assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
-            assert _max_difference(run["params"], ddp["params"]) <= 1e-6
+            assert max_difference(run["params"], ddp["params"]) <= 1e-6
             expected = sim["params"][run["worker"]]
             worst = max((run["params"][k] - expected[global_param_name(k, 4 // ep, run["ep_rank"])]).abs().max().item()
                         for k in run["params"])
@@ -452,10 +444,10 @@ def test_moe_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
                    for n, w in zip(rep.layer_names, rep.weights.T)}
         for n, w in zip(penalty["reports"][0].layer_names, penalty["reports"][0].weights.T):
             assert torch.allclose(w, by_name[n], atol=1e-5), n
-        assert _max_difference(penalty["params"], ddp_penalty["params"]) <= 1e-5
+        assert max_difference(penalty["params"], ddp_penalty["params"]) <= 1e-5
     first, other = results[0]["runs"][1]["snapshots"], results[2]["runs"][1]["snapshots"]
     for step in range(1, 7):
         experts_same = all(torch.equal(first[step][k], other[step][k]) for k in first[step] if ".experts." in k)
-        assert _equal(first[step], other[step]) == (step == 1 or step in (3, 5)), step
+        assert all_equal(first[step], other[step]) == (step == 1 or step in (3, 5)), step
         if step not in (1, 3, 5):
             assert not experts_same, f"experts identical after local step {step}"

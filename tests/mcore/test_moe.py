@@ -12,6 +12,7 @@ expert).
 import pytest
 import torch
 
+from compare import max_difference
 from dist import run_ranks
 from megatron_edit.mcore import compat
 from edit_runs import default_spec, megatron_runs, simulate_edit
@@ -111,8 +112,7 @@ def test_moe_expert_parallel_1_and_2_match_the_simulation_in_both_modes():
                 assert experts["state_bytes"] == 8 * sum(experts["shard_numels"])
                 assert experts["layer_names"] == ["decoder.layers.0.mlp.experts", "decoder.layers.1.mlp.experts"]
                 assert not any(n.endswith(".mlp.experts") for n in dense["layer_names"])
-    assert worker0[1].keys() == worker0[2].keys()
-    worst = max((worker0[1][k] - worker0[2][k]).abs().max().item() for k in worker0[1])
+    worst = max_difference(worker0[1], worker0[2])
     assert worst <= SIM_ATOL, f"EP=2 vs EP=1: {worst:.3g}"
 
 
@@ -186,24 +186,35 @@ def test_moe_expert_parallel_quantized_exchange_and_cpu_offload():
     quant = dict(EDIT, exchange_dtype="int8", exchange_block_size=64, exchange_error_feedback=True, cpu_offload=True)
     specs = [default_spec(steps=6, model=MOE, local_sgd=dict(quant, sync_mode=mode), outer=OUTER,
                           snapshot_every_step=True) for mode in ("layerwise", "step_end")]
-    results = run_ranks(megatron_runs, WORLD, specs, ep=2, timeout=280)
-    slots = {}
-    for r in results:
-        layerwise, step_end = r["runs"]
-        for a, b in zip(layerwise["params"].values(), step_end["params"].values()):
-            assert torch.equal(a, b), "layer-wise vs step-end"
+    for layerwise in _compressed_expert_runs(specs):
         dense, experts = layerwise["per_controller"]
-        assert [rep.step for rep in experts["reports"]] == SYNCS
-        assert experts["reports"][0].quantization_error is not None
         # the same bytes per parameter as the dense shards (anchor, momentum, int8 error feedback)
         per_param = [c["state_bytes"] / sum(c["shard_numels"]) for c in (dense, experts)]
         assert per_param[1] == pytest.approx(per_param[0], abs=0.1), per_param  # block padding aside
         assert layerwise["anchor_devices"] == ["cpu"]
+
+
+def _compressed_expert_runs(specs):
+    """Run ``specs`` (layer-wise, then step-end, with a compressed exchange) with EP=2: the two
+    modes equal bit for bit, the expert controller synced at SYNCS and reported what its
+    exchange changed, the replicas of each expert shard identical after each sync. Returns
+    each rank's layer-wise run."""
+    results = run_ranks(megatron_runs, WORLD, specs, ep=2, timeout=280)
+    slots, runs = {}, []
+    for r in results:
+        layerwise, step_end = r["runs"]
+        for a, b in zip(layerwise["params"].values(), step_end["params"].values()):
+            assert torch.equal(a, b), "layer-wise vs step-end"
+        experts = layerwise["per_controller"][1]
+        assert [rep.step for rep in experts["reports"]] == SYNCS
+        assert experts["reports"][0].quantization_error is not None
         slots.setdefault(layerwise["ep_rank"], {})[layerwise["worker"]] = layerwise
+        runs.append(layerwise)
     for by_worker in slots.values():
         for step in SYNCS:
             a, b = by_worker[0]["snapshots"][step], by_worker[1]["snapshots"][step]
             assert all(torch.equal(a[k], b[k]) for k in a), f"replicas differ after sync step {step}"
+    return runs
 
 
 @pytest.mark.one_lane  # a variant of what this file checks in every lane (CI time; see conftest)
@@ -215,27 +226,14 @@ def test_moe_expert_parallel_sparse_exchange():
     sparse = dict(EDIT, exchange_dtype="int2", exchange_topk_density=0.02)
     specs = [default_spec(steps=6, model=MOE, local_sgd=dict(sparse, sync_mode=mode), outer=OUTER,
                           snapshot_every_step=True) for mode in ("layerwise", "step_end")]
-    results = run_ranks(megatron_runs, WORLD, specs, ep=2, timeout=280)
-    slots = {}
-    for r in results:
-        layerwise, step_end = r["runs"]
-        for a, b in zip(layerwise["params"].values(), step_end["params"].values()):
-            assert torch.equal(a, b), "layer-wise vs step-end"
-        dense, experts = layerwise["per_controller"]
-        assert [rep.step for rep in experts["reports"]] == SYNCS
-        assert experts["reports"][0].quantization_error is not None
-        slots.setdefault(layerwise["ep_rank"], {})[layerwise["worker"]] = layerwise
-    for by_worker in slots.values():
-        for step in SYNCS:
-            a, b = by_worker[0]["snapshots"][step], by_worker[1]["snapshots"][step]
-            assert all(torch.equal(a[k], b[k]) for k in a), f"replicas differ after sync step {step}"
+    _compressed_expert_runs(specs)
 
 
 def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters, ft=None):
     """A-EDiT on the MoE GPT with EP=2 (2 workers, a dense and an expert controller), each
     worker's fake clock advancing ``seconds_per_step[worker]`` per step, until the budget of
     ``train_iters`` synchronous iterations is used. ``ft``: ``(worker, lighthouse)``, this job
-    is that worker alone over the torchft backend (tests/mcore/test_torchft_moe.py), on the
+    is that worker alone over the torchft backend (tests/torchft_backend/test_torchft_moe.py), on the
     micro-batches its ranks have in the one-world run."""
     import os
 
@@ -247,7 +245,7 @@ def a_edit_moe_job(rank, world_size, local_sgd, seconds_per_step, train_iters, f
 
     instances = 2
     if ft is not None:
-        import ft_jobs
+        import ft_jobs  # tests/torchft_backend/ft_jobs.py, on the path of the torchft tests' ranks
 
         host, port = ft_jobs.job_store_address()
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)

@@ -9,6 +9,7 @@ plain-PyTorch simulation in which that worker leaves out its inner update there.
 import pytest
 import torch
 
+from compare import max_difference
 from dist import run_ranks
 from edit_runs import default_spec, megatron_runs, simulate_edit
 
@@ -20,10 +21,6 @@ SIM_ATOL = 2e-4  # as tests/mcore/test_edit_megatron.py (Adam amplifies the redu
 # rank) at step 7, between syncs.
 INF_GRADS = {5: [2], 7: [1]}
 SKIPS = {5: [1], 7: [0]}  # the workers that skip, in the simulation
-
-
-def _worst(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.mark.timeout(300)
@@ -45,11 +42,11 @@ def test_a_skipped_step_is_the_workers_own_and_a_sync_due_at_it_still_runs():
             assert [s for s, skipped in enumerate(run["skipped"], 1) if skipped] == (
                 [5] if worker == 1 else [7]), (r["runs"].index(run), worker)
             assert [rep.step for rep in run["reports"]] == [5, 8]
-            assert _worst(run["params"], expected["params"][worker]) <= SIM_ATOL
+            assert max_difference(run["params"], expected["params"][worker]) <= SIM_ATOL
         layerwise, step_end, _ = r["runs"]
         assert all(torch.equal(layerwise["params"][k], step_end["params"][k]) for k in layerwise["params"])
     # one model after the last sync, and the skips mattered (not the run without them)
     for run in (0, 2):
         for k, v in results[0]["runs"][run]["params"].items():
             assert torch.equal(v, results[2]["runs"][run]["params"][k]), k
-    assert _worst(results[0]["runs"][0]["params"], plain["params"][0]) > 50 * SIM_ATOL
+    assert max_difference(results[0]["runs"][0]["params"], plain["params"][0]) > 50 * SIM_ATOL

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, TINY, _hash_checks, _lines, _synced_steps, _torchrun
+from test_megatron_lm import CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, TINY, _lines, _synced_steps, _torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAVE_CHECKOUT, reason=HOW_TO_RUN)]
 H = 4

@@ -122,9 +122,18 @@ def test_launcher_refuses_a_bad_edit_flag_before_megatron_in_one_line(tmp_path, 
 
 def test_launcher_reports_a_config_error_from_the_script_in_one_line(tmp_path, monkeypatch, capsys):
     # What Megatron's validate_args raises through the lm-validate-args patch, on every rank.
+    code = _launch_a_refusing_script(tmp_path, monkeypatch,
+                                     "'--ckpt-format torch with --use-local-sgd: use torch_dist'", "--use-local-sgd")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err == "megatron_edit: error: --ckpt-format torch with --use-local-sgd: use torch_dist\n"
+
+
+def _launch_a_refusing_script(tmp_path, monkeypatch, message: str, *flags) -> int:
+    """The launcher's exit code for a script that raises ConfigError(``message``, a Python
+    expression) at once, on rank 0, without runtime patches."""
     script = tmp_path / "pretrain_gpt.py"
-    script.write_text("from megatron_edit.config import ConfigError\n"
-                      "raise ConfigError('--ckpt-format torch with --use-local-sgd: use torch_dist')\n")
+    script.write_text(f"from megatron_edit.config import ConfigError\nraise ConfigError({message})\n")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(launch, "_use_cpu", lambda opts: False)
     monkeypatch.setattr(launch, "_set_up_path", lambda script: None)
@@ -134,10 +143,8 @@ def test_launcher_reports_a_config_error_from_the_script_in_one_line(tmp_path, m
     # The launcher applies the start-up patches: restored after the test.
     monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)
     with pytest.raises(SystemExit) as info:
-        launch.main(["--no-runtime-patches", str(script), "--use-local-sgd"])
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err == "megatron_edit: error: --ckpt-format torch with --use-local-sgd: use torch_dist\n"
+        launch.main(["--no-runtime-patches", str(script), *flags])
+    return info.value.code
 
 
 @pytest.mark.one_lane  # a process's end (the launcher's, not megatron-core's)
@@ -195,19 +202,7 @@ def test_launcher_names_megatron_lms_bucket_flag(tmp_path, monkeypatch, capsys):
     names Megatron-LM's --ddp-bucket-size (the main job: its --bucket-size)."""
     from megatron_edit.mcore.fragments import BUCKET_SIZE
 
-    script = tmp_path / "pretrain_gpt.py"
-    script.write_text("from megatron_edit.config import ConfigError\n"
-                      f"raise ConfigError('use smaller buckets ({BUCKET_SIZE})')\n")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(launch, "_use_cpu", lambda opts: False)
-    monkeypatch.setattr(launch, "_set_up_path", lambda script: None)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    import megatron.core.datasets.utils as dataset_utils
-
-    monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)
-    with pytest.raises(SystemExit) as info:
-        launch.main(["--no-runtime-patches", str(script)])
-    assert info.value.code == 2
+    assert _launch_a_refusing_script(tmp_path, monkeypatch, f"'use smaller buckets ({BUCKET_SIZE})'") == 2
     assert capsys.readouterr().err == "megatron_edit: error: use smaller buckets (--ddp-bucket-size)\n"
 
 

@@ -3,7 +3,7 @@ end on 4 CPU processes: another worker count, another TP layout, synchronous <->
 
 Needs a Megatron-LM checkout at core_v0.16.1 in MEGATRON_LM_DIR (skipped otherwise, saying so).
 The numbers of each resume are checked on the megatron-core route
-(tests/mcore/test_checkpoint_resume.py); here the whole Megatron-LM flow: the load, its log
+(tests/mcore/checkpoint/test_checkpoint_resume.py); here the whole Megatron-LM flow: the load, its log
 line, Megatron's own replica-hash check right after the load (every worker identical: at
 start-up Megatron compares all data-parallel replicas) and after the next sync, and the loss
 going on within noise of the uninterrupted run.

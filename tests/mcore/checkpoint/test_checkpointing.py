@@ -20,17 +20,17 @@ from checkpoint_runs import (
     _drop_from_checkpoint,
     _equal,
     _garble_object,
-    _same_params,
     corrupt_save_job,
     load_errors_job,
     model_only_and_legacy_job,
     train_job,
 )
+from compare import all_equal
 from dist import run_ranks
 from megatron_edit.mcore import checkpoint as checkpointing, compat
 
 # EDiT state in checkpoints needs megatron-core 0.16.x; before, saving it is refused
-# (tests/test_checkpointing_not_yet.py).
+# (tests/mcore/checkpoint/test_checkpointing_not_yet.py).
 pytestmark = pytest.mark.skipif(
     not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}",
@@ -60,8 +60,8 @@ def test_saving_neither_syncs_nor_changes_training(runs):
         _equal(saved["final"], ref["final"], "saver vs uninterrupted")
         assert [r.step for r in saved["reports"]] == [5, 8]
     saver = runs["saver"]
-    assert not _same_params(saver[0]["snapshots"][7]["params"], saver[2]["snapshots"][7]["params"])
-    assert _same_params(saver[0]["snapshots"][5]["params"], saver[2]["snapshots"][5]["params"])
+    assert not all_equal(saver[0]["snapshots"][7]["params"], saver[2]["snapshots"][7]["params"])
+    assert all_equal(saver[0]["snapshots"][5]["params"], saver[2]["snapshots"][5]["params"])
 
 
 @pytest.mark.timeout(300)
@@ -183,7 +183,7 @@ def test_resume_with_a_different_shard_size(runs):
             halves = torch.cat([ref[2 * w]["snapshots"][7]["anchors"][i], ref[2 * w + 1]["snapshots"][7]["anchors"][i]])
             assert torch.equal(anchor, halves[: anchor.numel()]), f"anchor of bucket {i}"
         assert [r.step for r in res["reports"]] == [8]
-    assert _same_params(resumed[0]["snapshots"][8]["params"], resumed[1]["snapshots"][8]["params"])
+    assert all_equal(resumed[0]["snapshots"][8]["params"], resumed[1]["snapshots"][8]["params"])
     # Different reduction order inside a worker: close to the 4-process run, not bit-equal. The
     # losses are compared, not the parameters: the key part of the QKV bias has a mathematically
     # zero gradient (softmax ignores it), so Adam turns reduction-order noise there into steps of
@@ -212,7 +212,7 @@ def test_model_only_load_restarts_edit_from_worker_0_and_legacy_format_is_refuse
         for name, message in r["refused"].items():
             assert message and message.startswith("NotSupportedYet") and "torch_dist" in message, (name, message)
     # Two synchronous warmup steps from the same model: the workers are still identical.
-    assert _same_params(results[0]["after"]["params"], results[2]["after"]["params"])
+    assert all_equal(results[0]["after"]["params"], results[2]["after"]["params"])
 
 
 @pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)

@@ -4,7 +4,7 @@ megatron-core (CPU, gloo): another worker count, another TP / PP layout, synchro
 One run saves 2 workers x 2 shards (TP 1, PP 1) at the sync boundary (step 5) and between syncs
 (step 7), in Megatron's ``fully_reshardable`` and ``dp_reshardable`` formats; each case resumes
 it with another layout in fresh processes and continues to step 10 (a sync at 8). The numbers
-are checked against the saved workers' states, per model tensor (tests/mcore/checkpoint_runs.py
+are checked against the saved workers' states, per model tensor (tests/checkpoint_runs.py
 ``canonical``): after a worker-count change every worker holds the model of one outer step over
 the saved workers (Delta = mean of anchor - worker's params, Nesterov momentum 0.9, lr 0.7,
 with the saved momentum), computed here from the saved tensors.

@@ -16,16 +16,12 @@ import torch
 pytest.importorskip("torchft")
 
 import ft_jobs  # noqa: E402
+from compare import max_difference  # noqa: E402
 from dist import run_ranks  # noqa: E402
 from edit_runs import async_runs, default_spec  # noqa: E402
-from test_edit_megatron import OUTER  # noqa: E402
 
 TIMEOUT = 300
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+OUTER = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
 
 
 def _worker_world() -> None:
@@ -93,9 +89,9 @@ def test_a_edit_over_torchft_equals_the_torch_backend():
         assert all(r.committed and r.workers == 2 for r in run["reports"])
         assert run["finished"] and run["progress"] == pytest.approx(40.0, abs=1e-9)
         assert run["last_sync"].global_progress == 40.0  # 80 worker-steps applied, over 2 workers
-        assert _max_diff(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
+        assert max_difference(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
     for run in ft[1:]:  # the final sync leaves every rank of every worker with the same model
-        assert _max_diff(ft[0]["params"], run["params"]) == 0.0
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
 
 
 @pytest.mark.timeout(2 * TIMEOUT)
@@ -138,7 +134,7 @@ def test_a_edit_over_torchft_goes_on_without_a_dead_worker_and_uses_the_budget_e
         assert run["finished"] and run["last_sync"].global_progress * 3 == 48  # the budget, exactly
         assert run["last_sync"].replica_ids == [0, 1] and run["last_sync"].worker_steps == [17, 29]
         assert run["progress"] == pytest.approx(16.0, abs=1e-9)
-    assert _max_diff(fast["params"], slow["params"]) == 0.0
+    assert max_difference(fast["params"], slow["params"]) == 0.0
 
 
 def _checkpoint_job(rank, world_size, worker, lighthouse, folder, resume):

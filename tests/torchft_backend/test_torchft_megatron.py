@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("torchft")
 
 import ft_jobs  # noqa: E402
+from compare import max_difference  # noqa: E402
 from dist import run_ranks  # noqa: E402
 from edit_runs import default_spec, megatron_runs  # noqa: E402
 
@@ -37,21 +38,16 @@ def _both_backends(local_sgd, steps=8, **spec_kwargs):
     return reference, ft
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def _check_equal(reference, ft, syncs):
     for g, (ref, run) in enumerate(zip(reference, ft)):
         assert run["worker"] == 0 and ref["worker"] == g // RANKS  # its own job / one world
-        assert _max_diff(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
+        assert max_difference(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
         assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6, f"rank {g}"
         assert [r.step for r in run["reports"]] == [r.step for r in ref["reports"]] == syncs
         assert all(r.committed and r.workers == WORKERS for r in run["reports"])
     # after the last sync every rank holds the same model (the torch backend's too)
     for run in ft[1:]:
-        assert _max_diff(ft[0]["params"], run["params"]) == 0.0
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
 
 
 @pytest.mark.timeout(2 * TIMEOUT + 120)
@@ -229,7 +225,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
                steps=c.steps_done, manager_step=c.sync_group.step, pid=os.getpid(),
                counters=(c.steps_done, c._last_sync_step, c.last_step, c.global_progress),
                partial_heals=c.backend.group.partial_heals,
-               ewma={w: stats.state_dict() for w, stats in c.sync.ewma_by_worker.items()})
+               ewma={w: stats.state_dict() for w, stats in c.sync.decisions.ewma_by_worker.items()})
     c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
@@ -380,10 +376,10 @@ def test_three_one_rank_workers_equal_the_torch_backend():
         jobs = [start(_ft_worker_n, 1, w, server.address(), spec, 3, timeout=TIMEOUT) for w in range(3)]
         ft = [out[0] for out in ft_jobs.all_results(jobs)]
     for g, (ref, run) in enumerate(zip(reference, ft)):
-        assert _max_diff(ref["params"], run["params"]) <= 1e-6, f"worker {g}"
+        assert max_difference(ref["params"], run["params"]) <= 1e-6, f"worker {g}"
         assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6
         assert [(r.step, r.workers, r.committed) for r in run["reports"]] == [(2, 3, True), (4, 3, True)]
-    assert all(_max_diff(ft[0]["params"], run["params"]) == 0.0 for run in ft[1:])
+    assert all(max_difference(ft[0]["params"], run["params"]) == 0.0 for run in ft[1:])
 
 
 def _ft_worker_n(rank, world_size, worker, lighthouse, spec, workers):
@@ -496,7 +492,7 @@ def _ft_checkpoint_job(rank, world_size, worker, lighthouse, folder, load_at=Non
     out = cr._state(ddp, opt, ctl)
     out.update(manager=ctl.backend.group.manager.state_dict(), loaded=loaded,
                reports=[(r.step, r.workers, r.committed) for r in ctl.drain_reports()],
-               ewma={w: st.state_dict() for w, st in ctl.sync.ewma_by_worker.items()})
+               ewma={w: st.state_dict() for w, st in ctl.sync.decisions.ewma_by_worker.items()})
     ctl.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
@@ -545,7 +541,7 @@ def test_each_worker_resumes_from_its_own_checkpoint_exactly(tmp_path, delay):
         assert all(torch.equal(run["loaded"]["params"][k], own["params"][k]) for k in own["params"])
         assert all(torch.equal(x, y) for x, y in zip(run["loaded"]["anchors"], own["anchors"]))
         assert all(torch.equal(x[k], y[k]) for x, y in zip(run["loaded"]["outer"], own["outer"]) for k in x)
-    assert _max_diff(back[0]["final"]["params"], back[1]["final"]["params"]) == 0.0
+    assert max_difference(back[0]["final"]["params"], back[1]["final"]["params"]) == 0.0
 
 
 def _one_world_job(rank, world_size, folder, name, saves=(), load_at=None, last=RESUME_STEPS, edit=True,
@@ -600,7 +596,7 @@ def test_torchft_workers_resume_from_a_torch_backend_checkpoint(tmp_path):
             assert [r[0] for r in run["reports"]] == syncs and all(r[1:] == (WORKERS, True) for r in run["reports"])
             assert (run["steps_done"], run["last_sync_step"]) == (8, 8)
             if load_at == 4:
-                assert _max_diff(ref["params"], run["params"]) <= 1e-6, w
+                assert max_difference(ref["params"], run["params"]) <= 1e-6, w
                 assert max(float((x - y).abs().max()) for x, y in zip(ref["anchors"], run["anchors"])) <= 1e-6
         a, b = (r["loaded"] for r in resumed)
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
@@ -614,7 +610,7 @@ def test_torchft_workers_resume_from_a_torch_backend_checkpoint(tmp_path):
         # each its own saved worker's Adam moments (the equality after step 8 needs them too)
         assert any(not torch.equal(x["exp_avg"], y["exp_avg"]) for x, y in zip(a["adam"], b["adam"]))
         for run in resumed[1:]:  # replicas after the last sync
-            assert _max_diff(resumed[0]["params"], run["params"]) == 0.0
+            assert max_difference(resumed[0]["params"], run["params"]) == 0.0
 
 
 def _alone_below_min_replicas(rank, world_size, lighthouse):
@@ -635,7 +631,7 @@ def test_a_sync_that_is_not_committed_keeps_the_local_progress():
         ((edit, plain),) = start(_alone_below_min_replicas, 1, server.address(), timeout=TIMEOUT - 30).results()
     assert [(r.step, r.workers, r.committed) for r in edit["reports"]] == [(2, 1, False), (4, 1, False),
                                                                              (6, 1, False)]
-    assert _max_diff(edit["params"], plain["params"]) == 0.0
+    assert max_difference(edit["params"], plain["params"]) == 0.0
     assert edit["losses"] == plain["losses"]
 
 
@@ -863,8 +859,8 @@ def test_torchft_workers_start_from_a_checkpoint_of_synchronous_training(tmp_pat
         assert all(torch.equal(x, y) for x, y in zip(run["loaded"]["anchors"], run["loaded"]["mains"]))
         assert run["loaded"]["steps_done"] == 4 and run["loaded"]["manager"]["step"] == 1
         assert [r[0] for r in run["reports"]] == [6, 8] and run["manager"]["step"] == 3
-        assert _max_diff(ref["final"]["params"], run["params"]) <= 1e-6, w
-    assert _max_diff(resumed[0]["params"], resumed[1]["params"]) == 0.0
+        assert max_difference(ref["final"]["params"], run["params"]) <= 1e-6, w
+    assert max_difference(resumed[0]["params"], resumed[1]["params"]) == 0.0
 
 
 def _one_uncommitted_round(rank, world_size, lighthouse):
@@ -953,4 +949,4 @@ def test_a_vote_lost_on_one_rank_fails_the_round_for_its_whole_worker():
     assert committed[:RANKS] == [[(2, True), (4, True), (6, True), (8, True)]] * RANKS
     assert committed[RANKS:] == [[(2, True), (4, False), (6, True), (8, True)]] * RANKS
     for r in range(RANKS):
-        assert _max_diff(ft[r]["params"], ft[RANKS + r]["params"]) == 0.0, f"rank {r}"
+        assert max_difference(ft[r]["params"], ft[RANKS + r]["params"]) == 0.0, f"rank {r}"

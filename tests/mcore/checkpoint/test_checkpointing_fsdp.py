@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from checkpoint_runs import DP_RESHARDABLE, EDIT, STEPS, _equal, fsdp_train_job, train_job
+from compare import max_difference
 from dist import run_fsdp_ranks, run_ranks
 from edit_runs import FSDP_MOE, ON_EXPERT_PARALLEL_FSDP, ON_FSDP_RELEASE
 
@@ -18,11 +19,6 @@ _STATE = ("params", "adam", "anchors", "outer", "mains", "steps_done", "last_syn
 DELAYED = dict(local_sgd_sync_interval=4, local_sgd_warmup_steps=0, outer_step_delay=2, sync_mode="layerwise",
                outer_merge_rule="keep_local", exchange_dtype="int8", exchange_error_feedback=True,
                exchange_block_size=64)
-
-
-def _max_difference(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @ON_FSDP_RELEASE
@@ -49,7 +45,7 @@ def test_exact_resume_on_megatron_fsdp(tmp_path, local, saves, steps):
                 _equal(a["snapshots"][step][key], b["loaded"][key], f"loaded at {step}: {key}")
                 _equal(a["final"][key], b["final"][key], f"resumed from {step}: {key}")
         if step != 5:  # between syncs: the workers' own parameters
-            assert _max_difference(whole[0]["snapshots"][step]["params"], whole[2]["snapshots"][step]["params"]) > 1e-4
+            assert max_difference(whole[0]["snapshots"][step]["params"], whole[2]["snapshots"][step]["params"]) > 1e-4
     if local is DELAYED:
         # (the run's last step is known: its sync after step 8 is not delayed, so it ends with one model)
         assert [(r.step, r.delay) for r in whole[0]["reports"]] == [(4, 2), (8, 0)]
@@ -73,7 +69,7 @@ def test_moe_exact_resume_on_megatron_fsdp(tmp_path, ep):
         for key in _STATE:
             _equal(a["snapshots"][6][key], b["loaded"][key], f"loaded at 6: {key}")
             _equal(a["final"][key], b["final"][key], f"resumed from 6: {key}")
-    assert _max_difference(whole[0]["snapshots"][6]["params"], whole[2]["snapshots"][6]["params"]) > 1e-4
+    assert max_difference(whole[0]["snapshots"][6]["params"], whole[2]["snapshots"][6]["params"]) > 1e-4
 
 
 @pytest.mark.one_lane  # the checkpoint path the exact-resume test checks in every lane
@@ -92,7 +88,7 @@ def test_elastic_resume_on_megatron_fsdp_takes_the_distributed_optimizers_outer_
     run_ranks(train_job, WORLD, saves={6: [(ddp_path, DP_RESHARDABLE)]}, timeout=400)
     ddp = run_ranks(train_job, WORLD, instances=1, load=(ddp_path, DP_RESHARDABLE, 6), timeout=400)
     for f, d in zip(fsdp, ddp):
-        assert _max_difference(f["loaded"]["params"], d["loaded"]["params"]) <= 1e-6
+        assert max_difference(f["loaded"]["params"], d["loaded"]["params"]) <= 1e-6
         assert f["loaded"]["steps_done"] == d["loaded"]["steps_done"] == 6
         assert all(torch.isfinite(torch.tensor(list(f["losses"].values()))))
 
@@ -112,7 +108,7 @@ def test_edit_resumes_a_plain_megatron_fsdp_checkpoint_as_the_distributed_optimi
     for f, d in zip(fsdp, ddp):
         assert f["loaded"]["steps_done"] == 4
         assert [r.step for r in f["reports"]] == [r.step for r in d["reports"]] == [5, 8]
-        assert _max_difference(f["final"]["params"], d["final"]["params"]) <= 1e-6
+        assert max_difference(f["final"]["params"], d["final"]["params"]) <= 1e-6
 
 
 def _drop_anchor_entries(path):
@@ -193,7 +189,7 @@ def test_model_only_load_on_megatron_fsdp_restarts_edit_from_worker_0(tmp_path):
     whole = run_fsdp_ranks(fsdp_train_job, WORLD, steps=8, saves=(6,), path=path, snapshots=(6,), timeout=400)
     resumed = run_fsdp_ranks(fsdp_train_job, WORLD, steps=8, load=6, path=path, load_optimizer=False, timeout=400)
     worker0 = whole[0]["snapshots"][6]
-    assert _max_difference(worker0["params"], whole[2]["snapshots"][6]["params"]) > 1e-4  # between syncs
+    assert max_difference(worker0["params"], whole[2]["snapshots"][6]["params"]) > 1e-4  # between syncs
     for rank, r in enumerate(resumed):
         loaded = r["loaded"]
         _equal(loaded["params"], worker0["params"], "model-only load: worker 0's model")

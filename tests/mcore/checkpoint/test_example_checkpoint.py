@@ -15,7 +15,7 @@ import dist
 from edit_runs import ON_FSDP_RELEASE
 from megatron_edit.mcore import checkpoint as checkpointing, compat
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.one_lane

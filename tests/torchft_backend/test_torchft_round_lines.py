@@ -1,10 +1,8 @@
 """What a torchft round says when it does not commit (fakes for the group and the controller;
-the rounds themselves run in tests/mcore/test_torchft_megatron.py)."""
+the rounds themselves run in tests/torchft_backend/test_torchft_megatron.py)."""
 
 import logging
 from types import SimpleNamespace
-
-import pytest
 
 from megatron_edit.mcore import torchft_round
 

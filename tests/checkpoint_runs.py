@@ -1,5 +1,6 @@
-"""Training jobs for the checkpoint tests (tests/mcore/test_checkpointing.py,
-test_checkpoint_resume.py): real megatron-core on CPU over gloo, run inside the ranks of
+"""Training jobs for the checkpoint tests (tests/mcore/checkpoint/test_checkpointing.py,
+test_checkpoint_resume.py; in tests/ itself because tests/mcore's and tests/torchft_backend's
+tests save and resume with them too): real megatron-core on CPU over gloo, run inside the ranks of
 ``dist.run_ranks``; checkpoints written the way a megatron-core user (and Megatron-LM's
 ``--save``) writes them: ``dist_checkpointing.save({'model': m, 'optimizer':
 opt.sharded_state_dict(m, metadata=...)})``.
@@ -382,10 +383,6 @@ def _equal(a, b, what):
             _equal(x, y, f"{what}[{i}]")
     else:
         assert a == b, (what, a, b)
-
-
-def _same_params(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 # A-EDiT on a fake clock (worker w takes SECONDS_PER_STEP[w] s a step), syncing every 4 s, with a

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +25,13 @@ from megatron_edit.config import ConfigError, NotSupportedYet
 from megatron_edit.exchange.run_gate import START_GATE_ENV
 from megatron_edit.mcore import compat
 from megatron_edit.training.validation import validate_local_sgd_args
-from test_megatron_lm import (CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, LINE, MOE, MOE_LINES, TINY, _env, _field,
+
+# The Megatron-LM runs' helpers are tests/training/test_megatron_lm.py's, shared with the training
+# tests: its folder on the path (pytest puts it there for the tests in that folder only).
+TRAINING_TESTS = str(Path(__file__).resolve().parents[1] / "training")
+if TRAINING_TESTS not in sys.path:
+    sys.path.insert(0, TRAINING_TESTS)
+from test_megatron_lm import (CHECKOUT, HAVE_CHECKOUT, HOW_TO_RUN, LINE, MOE, MOE_LINES, TINY, _env, _field,  # noqa: E402
                               _lines, _megatron_like_args, _torchrun)
 
 HAVE_TORCHFT = importlib.util.find_spec("torchft") is not None

@@ -1,7 +1,7 @@
 """megatron_edit.supervise: a Lighthouse and N worker jobs on one node; a job that dies is
 relaunched fresh with the same replica id; the run stops when the relaunches are used up; bad
 input is one line. The worker jobs here are tiny scripts (the torchft training itself is tested
-in tests/mcore/test_torchft_megatron.py)."""
+in tests/torchft_backend/test_torchft_megatron.py)."""
 
 import os
 import re
@@ -16,7 +16,7 @@ pytest.importorskip("torchft")
 
 pytestmark = pytest.mark.one_lane  # (what megatron-core's release does not change)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
 import os, sys, time
 rid, folder, mode = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -201,7 +201,7 @@ def test_the_workers_are_told_the_lighthouse_at_the_bound_address(bind, told):
     assert served_address(bind, "http://node7:4321") == told
 
 
-TWO_NODES = Path(__file__).resolve().parents[1] / "scripts" / "dev" / "ft_two_nodes.sh"
+TWO_NODES = Path(__file__).resolve().parents[2] / "scripts" / "dev" / "ft_two_nodes.sh"
 
 
 @pytest.mark.slow

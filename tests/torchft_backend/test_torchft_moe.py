@@ -9,13 +9,22 @@ from its peer.
 torchft is the optional ``ft`` extra: installed in CI's default lane, skipped where it is not."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("torchft")
 
+# The A-EDiT MoE job is tests/mcore/test_moe.py's (its torch-backend test runs it too): its folder
+# on the path (pytest puts it there for the tests in that folder only), here and in the ranks.
+MCORE_TESTS = str(Path(__file__).resolve().parents[1] / "mcore")
+if MCORE_TESTS not in sys.path:
+    sys.path.insert(0, MCORE_TESTS)
+
 import ft_jobs  # noqa: E402
+from compare import max_difference  # noqa: E402
 from dist import run_ranks  # noqa: E402
 from edit_runs import default_spec, megatron_runs  # noqa: E402
 from megatron_edit.mcore import compat  # noqa: E402
@@ -57,7 +66,7 @@ def _check_equal(reference, ft, syncs):
         assert ref["ep_rank"] == run["ep_rank"] == g % RANKS  # the same two experts
         assert ref["params"].keys() == run["params"].keys()
         assert any(".experts." in k for k in run["params"])
-        worst = max(float((ref["params"][k] - run["params"][k]).abs().max()) for k in ref["params"])
+        worst = max_difference(ref["params"], run["params"])
         assert worst <= 1e-6, f"rank {g}: {worst:.3g}"
         assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6, f"rank {g}"
         assert len(run["per_controller"]) == 2  # the dense optimizer's and the experts'
@@ -120,7 +129,7 @@ def test_a_edit_moe_over_torchft_equals_the_torch_backend():
         assert any(r.skipped_sync for r in run["reports"][0]) and run["reports"][0][-1].final
         assert run["manager_step"] == 1 + len(run["reports"][0])  # the join, then one round per sync
         assert run["progress"] == pytest.approx(ref["progress"], abs=1e-9)
-        worst = max(float((ref["params"][k] - run["params"][k]).abs().max()) for k in ref["params"])
+        worst = max_difference(ref["params"], run["params"])
         assert worst <= 1e-6, f"rank {g}: {worst:.3g}"
 
 
@@ -206,7 +215,7 @@ def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode,
                anchors=[[s.anchor.clone() for s in c.shards] for c in controllers],
                momentum=[[c.outer_optimizer.state[a]["momentum_buffer"].clone()
                           for a in c.outer_optimizer.param_groups[0]["params"]] for c in controllers],
-               ewma=[{w: stats.state_dict() for w, stats in c.sync.ewma_by_worker.items()} for c in controllers])
+               ewma=[{w: stats.state_dict() for w, stats in c.sync.decisions.ewma_by_worker.items()} for c in controllers])
     for c in controllers:
         c.backend.close()
     me.unpatch_megatron_for_local_sgd()
@@ -312,7 +321,7 @@ def _moe_checkpoint_job(rank, world_size, worker, lighthouse, folder, save_at, l
             steps_done=c.steps_done, reports=[(r.step, r.workers, r.committed, r.delay) for r in c.drain_reports()],
             anchors=[s.anchor.clone() for s in c.shards],
             outer=[{k: v.clone() for k, v in outer.state[s.anchor].items()} for s in c.shards],
-            ewma={w: st.state_dict() for w, st in c.sync.ewma_by_worker.items()}))
+            ewma={w: st.state_dict() for w, st in c.sync.decisions.ewma_by_worker.items()}))
     for c in controllers:
         c.backend.close()
     me.unpatch_megatron_for_local_sgd()

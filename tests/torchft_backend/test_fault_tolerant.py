@@ -14,6 +14,9 @@ pytest.importorskip("torchft")
 
 import ft_jobs  # noqa: E402
 
+# No megatron-core here: one_lane, as the tests of tests/exchange (marked by folder in conftest).
+pytestmark = pytest.mark.one_lane
+
 TIMEOUT = 240
 
 
@@ -265,7 +268,7 @@ def test_a_failed_commit_vote_is_not_committed_says_why_and_counts_no_round():
     # torchft's should_commit raises when the reply to a rank's vote is lost or a peer stalls
     # in it (TimeoutError): that rank must not die of it, and the round is not committed; the
     # Manager's counters stay as before the vote (here a worker of one rank; the ranks of a
-    # worker agree: tests/mcore/test_torchft_megatron.py).
+    # worker agree: tests/torchft_backend/test_torchft_megatron.py).
     from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
 
     class Manager:
