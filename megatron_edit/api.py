@@ -198,7 +198,10 @@ def _add_training_patches(registry: PatchRegistry, runtime_ref, required: bool) 
 
 
 def unpatch_megatron_for_local_sgd() -> List[str]:
-    """Restore every patched Megatron function; returns the ids reverted."""
+    """Restore every patched Megatron function (the sync record, if any, writes what it still
+    holds first); returns the ids reverted."""
+    if SESSION.runtime is not None:
+        SESSION.runtime.close()
     reverted = SESSION.registry.revert() if SESSION.registry else []
     SESSION.runtime = None
     return reverted

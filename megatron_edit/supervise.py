@@ -195,6 +195,7 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     from torchft._torchft import LighthouseServer
 
     from .exchange.addresses import is_loopback
+    from .exchange.record import RUN_ID_ENV, new_run_id
     from .exchange.run_gate import START_GATE_ENV, refusal, release_claim, start_gate_value
 
     try:
@@ -212,7 +213,8 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
               "nodes cannot reach it; give --bind <this host's address>:<port>.", file=sys.stderr, flush=True)
     gate = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     run_env = {"TORCHFT_LIGHTHOUSE": address,
-               START_GATE_ENV: start_gate_value(host, gate.port, args.workers, args.start_timeout_s)}
+               START_GATE_ENV: start_gate_value(host, gate.port, args.workers, args.start_timeout_s),
+               RUN_ID_ENV: os.environ.get(RUN_ID_ENV) or new_run_id()}  # every worker's sync record
     if getattr(args, "serve", False):
         return _serve(args, prog, run_env, gate, lighthouse)
     print(f"{prog}: Lighthouse at {address}; starting {args.workers} worker job(s)", flush=True)

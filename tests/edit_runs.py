@@ -175,7 +175,10 @@ def full_params(ddp) -> dict:
 
 class TrafficLog:
     """Records every collective whose group spans more than one EDiT worker (those of
-    ``NAMES`` this torch has: ``all_gather_single`` is the quantized exchange's all-gather)."""
+    ``NAMES`` this torch has: ``all_gather_single`` is the quantized exchange's all-gather), and
+    the bytes this rank put on the wire for it (``sent``: (phase, bytes), a ring's: an all-reduce
+    of S bytes over W ranks sends 2 (W - 1) / W x S, an all-gather of S per rank (W - 1) x S, an
+    all-to-all of S (W - 1) / W x S), counted from the tensors handed to torch.distributed."""
 
     NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "broadcast",
              "all_gather", "reduce_scatter", "send", "recv", "isend", "irecv", "barrier", "all_to_all_single")
@@ -186,6 +189,7 @@ class TrafficLog:
 
         self.worker_of_rank = worker_of_rank
         self.events: List[tuple] = []
+        self.sent: List[tuple] = []
         self.phase = "setup"
         self._saved = []
         for name in self.NAMES:
@@ -209,6 +213,7 @@ class TrafficLog:
                     tensor = args[1]  # all_gather(output list, tensor): what this rank sends
                 numel = tensor.numel() if torch.is_tensor(tensor) else -1
                 log.events.append((log.phase, name, tuple(ranks), numel))
+                log.sent.append((log.phase, _ring_bytes(name, args, len(ranks))))
             return original(*args, **kwargs)
 
         self._saved.append((owner, name, original))
@@ -217,6 +222,20 @@ class TrafficLog:
     def close(self):
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
+
+
+def _ring_bytes(name, args, ranks) -> int:
+    """The bytes this rank sends in collective ``name`` called with ``args`` over ``ranks`` ranks
+    (see :class:`TrafficLog`); -1 for a collective an EDiT sync does not use."""
+    if name == "all_reduce":
+        return 2 * (ranks - 1) * args[0].numel() * args[0].element_size() // ranks
+    sent = args[1] if len(args) > 1 and torch.is_tensor(args[1]) else None  # (output, input)
+    if sent is None:
+        return -1
+    size = sent.numel() * sent.element_size()
+    if name in ("all_gather_into_tensor", "all_gather_single", "all_gather"):
+        return (ranks - 1) * size
+    return (ranks - 1) * size // ranks if name == "all_to_all_single" else -1
 
 
 def _train(rank, spec, tp, pp):
@@ -325,6 +344,7 @@ def _train(rank, spec, tp, pp):
     if traffic:
         traffic.close()
         out["traffic"] = traffic.events
+        out["wire_bytes"] = traffic.sent
     out["params"] = full_params(ddp)
     if not spec.get("fsdp"):
         out["partition_dims"] = {n: p.partition_dim for n, p in ddp.module.named_parameters()

@@ -118,6 +118,10 @@ REFUSED = [
      if _FSDP_HERE else "--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core"),
     (["--use-megatron-fsdp", "--bucket-size", "5000"], "--bucket-size 5000 does nothing with --use-megatron-fsdp"
      if _FSDP_HERE else "--use-megatron-fsdp: this job runs Megatron-FSDP on megatron-core"),
+    (["--local-sgd-sync-record", "/nonexistent/dir/syncs.jsonl"],
+     "--local-sgd-sync-record): cannot write /nonexistent/dir/syncs.jsonl: the directory /nonexistent/dir does not exist"),
+    (["--mode", "baseline", "--local-sgd-sync-record", "syncs.jsonl"],
+     "--local-sgd-sync-record does nothing with --mode baseline"),
     # Before: refused after the data was loaded (14-27 s)
     (["--local-sgd-exchange-topk-density", "0.2", "--local-sgd-exchange-dtype", "int2", "--workers", "4"],
      "an all-gather of 4 workers' payloads sends more bytes than the dense int4 exchange"),
@@ -476,17 +480,19 @@ def test_a_edit_with_frequent_validation_ends(data_dir, config, workers):
 
 @pytest.mark.one_lane
 @pytest.mark.timeout(300)
-def test_the_auto_overlap_says_where_it_starts_and_what_it_decides(data_dir):
+def test_the_auto_overlap_says_where_it_starts_and_what_it_decides(data_dir, tmp_path):
     """--local-sgd-auto-overlap started with --local-sgd-outer-step-delay 1 (H = 4, 16 steps, 2
     workers x 2 ranks): the description names the start and what is chosen from it; the first
     two syncs (after 4 and 8) run with the delay 1, each exchange launched one step early; the
     decision after 8 is one line with its measurements; the run ends with one model on both
     workers (its last sync blocks). With --compute-sleep-ms 60 (a device's compute, bench_ft.py)
-    every step, and the inner step the auto overlap measures, takes at least that long."""
+    every step, and the inner step the auto overlap measures, takes at least that long. The sync
+    record (--local-sgd-sync-record) agrees with the summary line."""
+    record = tmp_path / "syncs-{worker}.jsonl"
     code, out = torchrun(data_dir, "--steps", "16", "--local-sgd-warmup-steps", "0", "--local-sgd-sync-interval", "4",
                          "--lr-warmup-steps", "2", "--log-interval", "1", "--local-sgd-auto-overlap",
                          "--local-sgd-auto-formats", "fp32,int8", "--local-sgd-outer-step-delay", "1",
-                         "--compute-sleep-ms", "60")
+                         "--compute-sleep-ms", "60", "--local-sgd-sync-record", str(record))
     assert code == 0, out[-4000:]
     _quiet(out)
     assert "each exchange launched 1 steps early" in out
@@ -499,6 +505,17 @@ def test_the_auto_overlap_says_where_it_starts_and_what_it_decides(data_dir):
     assert float(re.search(r"auto overlap after step 8: inner step ([\d.]+) ms", out).group(1)) >= 60
     (losses, syncs), = _summary(out).values()
     assert len(losses) == 2 and len(set(losses)) == 1 and syncs == 4, (losses, syncs)
+    # The summary counts rank 0's bytes (no warmup: the syncs' only); a record the worker's, 2
+    # ranks holding equal shards.
+    megabytes = float(re.search(r"^EDiT\s+[\d., ]+?\s{2,}\d+\s+([\d.]+)\s", out.split("=== summary", 1)[1],
+                                re.M).group(1))
+    for worker in (0, 1):
+        records = [json.loads(line) for line in open(str(record).format(worker=worker))]
+        assert [(r["kind"], r["step"], r["worker"], r["ranks"]) for r in records] == [
+            ("sync", s, worker, 2) for s in (4, 8, 12, 16)]
+        assert [r["delay"] for r in records][:2] == [1, 1] and records[-1]["delay"] == 0  # the last blocks
+        assert all(r["auto_overlap"] and r["missing_ranks"] == [] for r in records)
+        assert abs(sum(r["bytes_sent"] for r in records) / 2 / 1e6 - megabytes) <= 0.0005, (records, megabytes)
 
 
 PENALTY = ["--steps", "8", "--eval-interval", "4", "--local-sgd-skip-anomaly",

@@ -22,8 +22,10 @@ the checks of single fields in its ``__post_init__``; the checks of its groups o
 mixins, one concept each: the exchange (``megatron_edit.config.exchange``: formats, error
 feedback, top-k), the penalty (``megatron_edit.config.penalty``), the overlap
 (``megatron_edit.config.overlap``: the delayed outer step, its merge, fragments, the automatic
-overlap, and the rule tau < H/F as :func:`delay_limit`) and the sync backend (``megatron_edit.config.backend``); :class:`OuterOptimizerConfig` with the outer
-optimizer's class and keyword checks in ``megatron_edit.config.outer_optimizer``;
+overlap, and the rule tau < H/F as :func:`delay_limit`), the sync backend
+(``megatron_edit.config.backend``) and the sync record's path (``megatron_edit.config.record``);
+:class:`OuterOptimizerConfig` with the outer optimizer's class and keyword checks in
+``megatron_edit.config.outer_optimizer`` (and :func:`default_outer_config`);
 :class:`GTAConfig` in ``megatron_edit.config.gta``, with the checks across it and
 :class:`LocalSGDConfig` (:func:`check_combination`); the exceptions, the value kinds and the type
 checks in ``megatron_edit.config.values``. Every name is importable from ``megatron_edit.config``.
@@ -32,38 +34,22 @@ This module is long because each field's declaration, documentation and flag sta
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from ..flags import documented, field_docs, flag, flag_names  # noqa: F401 (field_docs: re-exported)
 from .outer_optimizer import (  # noqa: F401 (re-exported)
-    DEFAULT_OUTER_KWARGS,
-    OuterOptimizerConfig,
-    OUTER_OPTIMIZERS,
-    TOPK_OUTER_KWARGS,
-    _check_outer_kwargs,
-    check_outer_numbers,
-    resolve_optimizer_class,
-)
+    DEFAULT_OUTER_KWARGS, OUTER_OPTIMIZERS, TOPK_OUTER_KWARGS, OuterOptimizerConfig, _check_outer_kwargs,
+    check_outer_numbers, default_outer_config, resolve_optimizer_class)
 from .gta import GTA_CONSENSUS, GTA_SPARSIFICATION, REDUCERS, GTAConfig, check_combination  # noqa: F401 (re-exported)
 from .backend import SYNC_BACKENDS, BackendSettings  # noqa: F401 (re-exported)
 from .exchange import EXCHANGE_DTYPES, TOPK_DTYPES, TOPK_MAX_CHUNK, ExchangeSettings  # noqa: F401 (re-exported)
 from .overlap import AUTO_FORMATS, OverlapSettings, delay_limit  # noqa: F401 (re-exported)
 from .penalty import PenaltySettings
+from .record import RecordSettings, check_record_path, record_path  # noqa: F401 (re-exported)
 from .values import (  # noqa: F401 (re-exported)
-    FLAG_NAMES,
-    ConfigError,
-    NotSupportedYet,
-    _got,
-    _is_bool,
-    _is_int,
-    _is_number,
-    _is_tensor,
-    _check_types,
-    _name,
-    _require,
-)
+    FLAG_NAMES, ConfigError, NotSupportedYet, _check_types, _got, _is_bool, _is_int, _is_number, _is_tensor,
+    _name, _require, replace)
 
 
 SYNC_MODES = ("layerwise", "step_end")
@@ -71,7 +57,7 @@ SYNC_MODES = ("layerwise", "step_end")
 
 @documented
 @dataclass
-class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, OverlapSettings):
+class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, OverlapSettings, RecordSettings):
     """When and how data-parallel workers synchronise (EDiT / A-EDiT)."""
 
     use_async: bool = flag("--local-sgd-async", False,
@@ -393,6 +379,16 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
     The supervisor's Lighthouse takes it from the workers' command (torchft's ``min_replicas``:
     no quorum forms with fewer workers)."""
 
+    sync_record: Optional[str] = flag(
+        "--local-sgd-sync-record", None, type=str, show_default=False,
+        help="Append one JSON line per sync per worker to this file (each worker's first rank "
+             "writes its own; {worker} in the path: a file per worker). Fields: docs/reference/sync-record.md.")
+    """The per-sync record (:mod:`megatron_edit.mcore.sync_record`; fields: docs/reference/sync-record.md):
+    one JSON line per sync (and torchft join) per worker, appended by the worker's first rank
+    from what the sync agreed and what its ranks left in the job's store (no collective of its
+    own); ``{worker}`` in the path: a file per worker. The directory must exist and the file be
+    writable (refused at once otherwise). None: no record."""
+
     def __post_init__(self) -> None:
         _check_types(self)
         _require(self.local_sgd_sync_interval >= 1, "local_sgd_sync_interval",
@@ -424,6 +420,7 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
         self._check_delay()
         self._check_sync_backend()
         self._check_auto()
+        self._check_sync_record()
         # Valid, but not built in this version: refuse rather than ignore.
         if self.use_step_weight and not self.use_async:
             raise ConfigError(
@@ -432,16 +429,3 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
 
 # Field -> flag, for every message (megatron_edit.config.values), from the fields' metadata.
 FLAG_NAMES.update(flag_names(LocalSGDConfig, OuterOptimizerConfig, GTAConfig))
-
-
-def replace(cfg, **changes):
-    """dataclasses.replace that re-runs validation."""
-    return dataclasses.replace(cfg, **changes)
-
-
-def default_outer_config(local: Optional[LocalSGDConfig]) -> OuterOptimizerConfig:
-    """The outer optimizer where none is given: the paper's Nesterov SGD, or with the sparse
-    exchange SparseLoCo's SGD lr 1 without momentum (:data:`TOPK_OUTER_KWARGS`)."""
-    if local is not None and local.exchange_topk_density is not None:
-        return OuterOptimizerConfig(outer_optim_kwargs=dict(TOPK_OUTER_KWARGS))
-    return OuterOptimizerConfig()

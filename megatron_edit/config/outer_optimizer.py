@@ -150,3 +150,12 @@ class OuterOptimizerConfig:
     @property
     def optimizer_class(self) -> type:
         return resolve_optimizer_class(self.outer_optim_class)
+
+
+def default_outer_config(local) -> OuterOptimizerConfig:
+    """The outer optimizer where none is given (``local``: the ``LocalSGDConfig`` or None): the
+    paper's Nesterov SGD, or with the sparse exchange SparseLoCo's SGD lr 1 without momentum
+    (:data:`TOPK_OUTER_KWARGS`)."""
+    if local is not None and local.exchange_topk_density is not None:
+        return OuterOptimizerConfig(outer_optim_kwargs=dict(TOPK_OUTER_KWARGS))
+    return OuterOptimizerConfig()

@@ -85,3 +85,8 @@ def _check_types(cfg) -> None:
             else:
                 _require(value is None or _is_number(value), name,
                          f"must be a finite number or None ({_got(value)}).")
+
+
+def replace(cfg, **changes):
+    """dataclasses.replace that re-runs validation."""
+    return dataclasses.replace(cfg, **changes)

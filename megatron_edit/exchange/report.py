@@ -82,6 +82,11 @@ class SyncReport:
     committed: bool = True
     """False: the sync was exchanged but not applied (the torchft backend: a worker of it
     failed, or none had trained); the workers keep their local progress."""
+    layers: Optional[torch.Tensor] = None
+    """Streaming fragments: [layers] bool, the layers this sync held (None: every layer)."""
+    residual_norm: Optional[torch.Tensor] = None
+    """Error feedback with the sync record on (``LocalSGDConfig.sync_record``): the norm of this
+    rank's error-feedback residuals after the sync (of the shards it exchanged); None otherwise."""
 
     def scalars(self) -> Dict[str, float]:
         """Flat name -> value, for Megatron's console line and TensorBoard / W&B writers."""
@@ -168,5 +173,15 @@ def report_of(sync, config, sync_group, layer_names, outer_lr: float, exchange_e
         exposed_wait_seconds=sync.exposed_wait,
         launch_wait_seconds=sync.launch_wait,
         committed=sync.committed is not False,
+        layers=sync.layers,
+        residual_norm=_residual_norm(sync.members) if config.sync_record is not None and config.error_feedback
+        else None,
     )
     return report
+
+
+def _residual_norm(shards) -> Optional[torch.Tensor]:
+    """The norm of the error-feedback residuals of ``shards`` (their own and the chunk they
+    reduce), on their device (read on the host by the record only); None: no residual yet."""
+    squares = [r.double().pow(2).sum() for s in shards for r in (s.residual, s.chunk_residual) if r is not None]
+    return torch.stack(squares).sum().sqrt() if squares else None

@@ -99,6 +99,7 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         self.last_step: Optional[int] = None
         self.steps_done = 0
         self.reports: List[SyncReport] = []
+        self.record = None  # the per-sync record's feed (.sync_record; the runtime sets it), or None
         self._last_sync_step = self.config.local_sgd_warmup_steps
         self._step_progress = 1.0
         self.global_progress = 0.0
@@ -405,6 +406,8 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         if self.auto is not None:
             self.auto.sync_done(report)
         self.reports.append(report)
+        if self.record is not None:
+            self.record(report, self.last_step)
         if self.config.is_debug:
             logger.info("rank %d: %s", dist.get_rank(), report)
 

@@ -139,6 +139,24 @@ class TorchftBackend:
         return self.round.healed_sync_step
 
     @property
+    def joining(self) -> bool:
+        """The round in progress is this worker's join (:meth:`TorchftRound.join`): not one of the
+        run's syncs (the sync record writes it as a join)."""
+        return self.round.joining
+
+    @property
+    def last_heal(self) -> Optional[dict]:
+        """What this rank received if its worker healed at the latest round (the sync record's
+        heal event; :attr:`TorchftRound.last_heal`), else None."""
+        return self.round.last_heal
+
+    @property
+    def arrival_wait(self) -> Optional[float]:
+        """Seconds the latest round's quorum took on this rank: the wait for the last worker (and a
+        heal's transfer), the sync record's arrival wait (:attr:`TorchftRound.quorum_seconds`)."""
+        return self.round.quorum_seconds
+
+    @property
     def commit_gate(self):
         """Whether this sync's outer step is applied (:meth:`commit`)."""
         return self.commit

@@ -29,11 +29,20 @@ class ProcessState:
     count on every rank (they build them in the same order), so it never resets, not even
     when a session is unpatched."""
 
+    records_opened: int = 0
+    """Sync records (:mod:`megatron_edit.mcore.sync_record`) opened in this process: the key space
+    of each in the job's store (the same count on every rank, as :attr:`controllers_built`)."""
+
     torchft_round: object = None
     """The torchft Manager of this rank and its rounds, shared by the process's EDiT controllers
     (:class:`megatron_edit.mcore.fault_tolerant.TorchftRound`), None without."""
     warned: set = field(default_factory=set)
     """Start-up warnings already given in this process (each once, not once per controller)."""
+
+    def next_record_key(self) -> int:
+        """Count one more sync record opened; its number keys its parts in the job's store."""
+        self.records_opened += 1
+        return self.records_opened
 
     def next_controller_key(self) -> int:
         """Count one more controller built; its number keys its arrival checks."""

@@ -23,6 +23,7 @@ from .checks import check_megatron_options, check_moe_options, check_optimizer_o
 from .controller import LocalSGD
 from .expert_bias import register_model
 from .fsdp import check_fsdp_release
+from .sync_record import SyncRecord
 from .worker_layout import check_worker_holds, groups_a_step_uses
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,14 @@ class LocalSGDRuntime:
         self.registered_fsdp: "weakref.WeakSet" = weakref.WeakSet()
         self._registered_fsdp_pipelines: "weakref.WeakSet" = weakref.WeakSet()
         self.fsdp_pipelines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.sync_record: Optional[SyncRecord] = None
+        """The per-sync record of this session's controllers (``LocalSGDConfig.sync_record``), or None."""
+
+    def close(self) -> None:
+        """The session's end (:func:`~megatron_edit.unpatch_megatron_for_local_sgd`): the sync
+        record writes what it still holds."""
+        if self.sync_record is not None:
+            self.sync_record.close()
 
     @property
     def configs(self) -> Optional[Configs]:
@@ -172,6 +181,10 @@ class LocalSGDRuntime:
                 if _same_model(other_optimizer, optimizer) and isinstance(other.async_plan, AsyncPlan):
                     controller.async_plan = FollowerPlan(other.async_plan)
                     break
+        if controller.config.sync_record is not None:  # before the join: a torchft join is recorded too
+            if self.sync_record is None:
+                self.sync_record = SyncRecord.open(controller)
+            controller.record = self.sync_record.feed(controller)
         controller.backend.ready()  # torchft: join the others (with its plan as it syncs with it)
         if self.train_iters is not None:
             controller.set_train_iters(self.train_iters)

@@ -36,6 +36,11 @@ The interface, in the order of one sync (the controller calls each at one place)
     what a checkpoint carries of the backend (None: nothing), under :data:`STATE_KEY`.
 ``close()``
     the end of the run.
+``joining`` / ``last_heal`` / ``arrival_wait``
+    for the sync record (:mod:`.sync_record`): the round in progress is the worker's join (torchft;
+    its report is not one of the run's syncs); what this rank received if it healed at the latest
+    round (``from_worker``, ``bytes``, ``seconds``), else None; how long the latest round waited
+    for the last worker (torchft: its quorum; None: the controller's arrival checks measure it).
 
 A backend never writes the controller's counters itself except through a heal's state
 (:meth:`TorchftBackend.load <megatron_edit.mcore.fault_tolerant.TorchftBackend.load>`).
@@ -70,6 +75,9 @@ class TorchBackend:
     waits_for_others = False
     commit_gate: Optional[Callable[[], bool]] = None
     gates_outer_step = False
+    joining = False
+    last_heal: Optional[dict] = None
+    arrival_wait: Optional[float] = None
 
     def __init__(self, inter, num_workers: int):
         self.sync_group = SyncGroup(inter)

@@ -94,6 +94,14 @@ class TorchftRound:
         :meth:`begin`)."""
         self.last_sync_lost = False
         """The run's last sync did not commit (:meth:`settle_last_sync` tries it again)."""
+        self.joining = False
+        """The round in progress is this worker's join (:meth:`join`; not one of the run's syncs)."""
+        self._heal: Optional[dict] = None
+        """What this rank received when it healed at the open round's quorum, and how long the
+        quorum took (None: it did not heal): :attr:`last_heal`."""
+        self.quorum_seconds: Optional[float] = None
+        """How long the latest round's quorum took on this rank (the wait for the last worker to
+        ask for it, and a heal's transfer; the sync record's arrival wait)."""
         group.register_state(STATE_KEY, self._load, self._save)
         group.start_digest = self._start_digest
         # (taken now: the job may have destroyed its process group by its end)
@@ -121,8 +129,12 @@ class TorchftRound:
         if member in self.started:
             raise RuntimeError(f"megatron_edit: an EDiT optimizer began the torchft round of step {self.step} twice.")
         if not self.started:
-            self.step, self.healed_sync_step = step, None
+            self.step, self.healed_sync_step, self._heal = step, None, None
+            start = time.monotonic()
             self.group.begin(contributed)
+            self.quorum_seconds = time.monotonic() - start
+            if self._heal is not None:  # (the quorum and the heal's transfer and load)
+                self._heal["seconds"] = self.quorum_seconds
             if self.group.caught_up:
                 self._counters_from_one_source()
         else:  # every controller of the process syncs after the same steps (one config)
@@ -238,8 +250,13 @@ class TorchftRound:
         decisions and launch in turn; a delayed sync's second phases in turn; the last
         controller's exchange finished first, as its commit does). Also run at the first step
         where a process built fewer controllers than expected."""
-        self.joined = True
-        members = list(self.members)
+        self.joined = self.joining = True
+        try:
+            self._join(list(self.members))
+        finally:
+            self.joining = False
+
+    def _join(self, members) -> None:
         for member in members:
             member.controller.capture_anchor()
         step = members[0].controller.steps_done
@@ -281,7 +298,15 @@ class TorchftRound:
 
     # ------------------------------------------------------------------ healing
     def _save(self) -> dict:
-        return dict(sync_step=self.step, members=[m.save() for m in self.members])
+        return dict(sync_step=self.step, members=[m.save() for m in self.members],
+                    from_worker=self.group.replica_id)  # (the heal's source, in the sync record)
+
+    @property
+    def last_heal(self) -> Optional[dict]:
+        """What this rank received if its worker healed at the latest round (the sync record's
+        heal event): ``from_worker`` (the peer's replica id), ``bytes`` (of the tensors received),
+        ``seconds`` (the round's quorum, transfer and load); None: no heal."""
+        return dict(self._heal) if self._heal is not None and self.group.healed else None
 
     def _load(self, state: dict) -> None:
         if len(state["members"]) != len(self.members):
@@ -289,6 +314,7 @@ class TorchftRound:
                 f"megatron_edit: the peer this worker heals from has {len(state['members'])} EDiT optimizer(s) "
                 f"and this worker {len(self.members)}: every worker of a torchft run needs the same model and layout.")
         self.healed_sync_step = int(state["sync_step"])
+        self._heal = dict(from_worker=state.get("from_worker"), bytes=_tensor_bytes(state), seconds=0.0)
         self._healed_counters = dict(sync_step=state["sync_step"],
                                      members=[{k: part[k] for k in COUNTERS} for part in state["members"]])
         for member, part in zip(self.members, state["members"]):
@@ -324,6 +350,17 @@ class TorchftRound:
             self.group.shutdown()
         if PROCESS.torchft_round is self:
             PROCESS.torchft_round = None
+
+
+def _tensor_bytes(value) -> int:
+    """The bytes of the tensors in ``value`` (nested dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def join_plan(c, group: FaultTolerantSyncGroup):

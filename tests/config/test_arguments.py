@@ -2,8 +2,10 @@
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -255,6 +257,7 @@ def test_argparse_rejects_malformed_values(capsys):
 
 # Field -> (argv setting it to a non-default value, the value it must then have). A flag refused
 # alone (it would do nothing) must be refused naming itself; NEEDS gives what makes it act.
+_TMP_RECORD = os.path.join(tempfile.gettempdir(), "megatron_edit_record.jsonl")
 LOCAL_FLAG_CASES = {
     "use_async": (["--local-sgd-async"], True),
     "local_sgd_sync_interval": (["--local-sgd-sync-interval", "7"], 7),
@@ -301,6 +304,8 @@ LOCAL_FLAG_CASES = {
     "lighthouse": (["--local-sgd-lighthouse", "http://127.0.0.1:29510"], ConfigError),
     "replica_id": (["--local-sgd-replica-id", "3"], ConfigError),
     "min_replicas": (["--local-sgd-min-replicas", "2"], ConfigError),
+    # (the directory must exist: a file in the temporary directory; nothing is written here)
+    "sync_record": (["--local-sgd-sync-record", _TMP_RECORD], _TMP_RECORD),
     # --local-sgd-sync-interval 1 (the default) leaves no room for a delay: alone it is refused
     # (test_auto_overlap_flags_reach_their_fields sets them together).
     "auto_overlap": (["--local-sgd-auto-overlap"], ConfigError),

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ FLAGS = {
     "lighthouse": "--local-sgd-lighthouse",
     "replica_id": "--local-sgd-replica-id",
     "min_replicas": "--local-sgd-min-replicas",
+    "sync_record": "--local-sgd-sync-record",
     "auto_overlap": "--local-sgd-auto-overlap",
     "auto_formats": "--local-sgd-auto-formats",
     "auto_fragments": "--local-sgd-auto-fragments",
@@ -646,3 +648,22 @@ def test_auto_overlap_with_gta_keeps_fp32():
     check_combination(LocalSGDConfig(**AUTO), GTAConfig(reducer="gta"))
     with pytest.raises(ConfigError, match="--local-sgd-auto-formats fp32,int8: GTA's sign consensus"):
         check_combination(LocalSGDConfig(**AUTO, auto_formats="fp32,int8"), GTAConfig(reducer="gta"))
+
+
+# --- the per-sync record's path ---------------------------------------------------------------
+
+
+def test_a_sync_record_path_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    """Refused when the config is built (before any work, on every route), naming the flag."""
+    good = LocalSGDConfig(sync_record=str(tmp_path / "w{worker}.jsonl"))
+    assert good.sync_record.endswith("w{worker}.jsonl")
+    (tmp_path / "locked").mkdir(mode=0o500)
+    for path, match in ((tmp_path / "absent" / "r.jsonl", "does not exist (create it first)"),
+                        (tmp_path, "it is a directory"),
+                        (tmp_path / "{run}.jsonl", "braces other than {worker}"),
+                        ("", "must be a file's path or None")):
+        message = _raises(LocalSGDConfig, ConfigError, "sync_record", sync_record=str(path))
+        assert match in message and "\n" not in message, message
+    if os.geteuid() != 0:  # (root writes anywhere)
+        message = _raises(LocalSGDConfig, ConfigError, "sync_record", sync_record=str(tmp_path / "locked" / "r"))
+        assert "is not writable" in message, message

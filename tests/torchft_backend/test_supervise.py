@@ -166,7 +166,7 @@ def test_serve_gives_jobs_started_elsewhere_the_lighthouse_and_the_start_gate(tm
             assert server.poll() is None and time.monotonic() < end, "no --env-file from the server"
             time.sleep(0.1)
         exported = dict(line.removeprefix("export ").split("=", 1) for line in env_file.read_text().splitlines())
-        assert sorted(exported) == ["MEGATRON_EDIT_FT_START_GATE", "TORCHFT_LIGHTHOUSE"]
+        assert sorted(exported) == ["MEGATRON_EDIT_FT_START_GATE", "MEGATRON_EDIT_RUN_ID", "TORCHFT_LIGHTHOUSE"]
         assert exported["MEGATRON_EDIT_FT_START_GATE"].endswith(":2:600")
         jobs = [subprocess.Popen([sys.executable, str(script), rid, str(folder), "gate"], env=dict(env, **exported),
                                  cwd=ROOT) for rid in "01"]

@@ -158,6 +158,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
 
     host, port = ft_jobs.job_store_address()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    os.environ["MEGATRON_EDIT_RUN_ID"] = "heal"  # (what the supervisor sets: one run id for every job)
     ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
     # The death and heal with streaming fragments (2 of them, H = 4: a fragment's sync every 2
     # steps, the same steps as H = 2 without), the join with the penalty.
@@ -166,7 +167,8 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
         me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H * fragments, fragments=fragments, sync_mode="step_end",
                           sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                           sync_timeout=120.0 if grow else 30.0,  # the failed heal's round: worker 0 waits it out
-                          skip_anomaly=grow, pseudo_gradnorm_reduce=grow, outer_step_delay=int(grow)),
+                          skip_anomaly=grow, pseudo_gradnorm_reduce=grow, outer_step_delay=int(grow),
+                          sync_record=os.path.join(ctl, "record-{worker}.jsonl")),  # (checked by _records)
         me.OuterOptimizerConfig())
     begin = FaultTolerantSyncGroup.begin
     first = [True]
@@ -232,6 +234,20 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
 _events, _until = ft_jobs.events, ft_jobs.until
 
 
+def _records(ctl, worker):
+    """Worker ``worker``'s sync records (--local-sgd-sync-record; every job of it appends)."""
+    import json
+
+    with open(os.path.join(ctl, f"record-{worker}.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert {r["run_id"] for r in records} == {"heal"} and all(r["missing_ranks"] == [] for r in records)
+    return records
+
+
+def _event(record, kind):
+    return [e for e in record["events"] if e["event"] == kind]
+
+
 @pytest.mark.timeout(3 * TIMEOUT)
 def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(tmp_path):
     """2 workers x 2 ranks, 2 streaming fragments. Worker 1's job is SIGKILLed between its
@@ -279,6 +295,26 @@ def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(
         assert all(torch.equal(x, y) for x, y in zip(a["anchors"], b["anchors"]))
         assert all(torch.equal(x, y) for x, y in zip(a["momentum"], b["momentum"]))
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    # The sync record: one line per sync of each worker (2 ranks each), the kill and the heal as events.
+    survivor = _records(ctl, 0)
+    assert [(r["kind"], r["step"]) for r in survivor] == [("join", 0)] + [("sync", s) for s in range(2, 13, 2)]
+    syncs = {r["step"]: r for r in survivor}
+    assert _event(syncs[6], "left") == [dict(event="left", workers=[1])] and syncs[6]["participants"] == [0]
+    assert [s for s in (8, 10) if _event(syncs[s], "joined") == [dict(event="joined", workers=[1])]], survivor
+    assert not syncs[8]["committed"] and all(syncs[s]["committed"] for s in (2, 4, 6, 10, 12))
+    assert all(r["arrival_wait_seconds"] >= 0 for r in survivor)  # (its rounds' quorums)
+    victim = _records(ctl, 1)
+    relaunched = len(victim) - 1 - [r["kind"] for r in victim][::-1].index("join")
+    # (its sync 4 is written only if its rank 1's part was in when rank 0 ended that sync: the kill
+    # takes what a worker had not written yet)
+    assert [(r["kind"], r["step"]) for r in victim[:relaunched]] in (
+        [("join", 0), ("sync", 2)], [("join", 0), ("sync", 2), ("sync", 4)])
+    joined, *after = victim[relaunched:]
+    assert joined["step"] == 0 and not joined["committed"] and joined["events"] == []  # the partial heal: none
+    assert [(r["step"], r["sync"]) for r in after] == [(10, 1), (12, 2)]
+    (heal,) = _event(after[0], "heal")
+    assert heal["from_workers"] == [0] and heal["ranks"] == RANKS and heal["bytes"] > 0 and heal["seconds"] > 0
+    assert after[0]["trained"] == [0] and after[0]["participants"] == [0, 1]  # (it healed: it brought nothing)
 
 
 @pytest.mark.timeout(2 * TIMEOUT)
@@ -312,6 +348,17 @@ def test_a_new_worker_joins_a_running_job(tmp_path):
     for other in finals[1:]:
         assert all(torch.equal(x, y) for x, y in zip(finals[0]["anchors"], other["anchors"]))
         assert all(torch.equal(finals[0]["params"][k], other["params"][k]) for k in finals[0]["params"])
+    # The sync record: the new worker's join healed from a live one, the others saw it join and
+    # excluded it from the sync where it brought nothing (the penalty's weights).
+    (join, *new_syncs) = _records(ctl, 2)
+    assert join["kind"] == "join" and join["step"] == 6
+    (heal,) = _event(join, "heal")
+    assert heal["from_workers"] and set(heal["from_workers"]) <= {0, 1} and heal["bytes"] > 0
+    assert [r["step"] for r in new_syncs] == [8, 10, 12]
+    for w in (0, 1):
+        at6 = next(r for r in _records(ctl, w) if r["step"] == 6)
+        assert _event(at6, "joined") == [dict(event="joined", workers=[2])] and at6["trained"] == [0, 1]
+        assert [(e["worker"], e["not_trained"]) for e in at6["excluded"]] == [(2, at6["layer_norms"]["layers"])]
     ewma = finals[0]["ewma"]
     assert sorted(ewma) == [0, 1, 2]
     assert [int(ewma[w]["count"].min()) for w in range(3)] == [6, 6, 3]  # syncs 2-12; 8-12 for worker 2
