@@ -250,6 +250,7 @@ _TENSORS_METADATA = ("megatron.core.dist_checkpointing.strategies.torch:"
 def fix_tensors_metadata(original):
     """Fix 7 around ``TorchDistLoadShardedStrategy.load_tensors_metadata``: its metadata without
     ``TensorProperties.strides`` (a no-op on a torch without them)."""
+    import copy
     import dataclasses
     import sys
 
@@ -266,22 +267,17 @@ def fix_tensors_metadata(original):
             if reader is None:
                 from torch.distributed.checkpoint import FileSystemReader as reader
             metadata = reader(checkpoint_dir).read_metadata()
-        stripped = {}
+        stripped = copy.copy(metadata)  # a copy keeps what Megatron set on it besides the fields (mcore_data)
+        stripped.state_dict_metadata = {}
         for key, entry in metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata) and "strides" in vars(entry.properties):
-                entry = dataclasses.replace(entry, properties=_without_strides(entry.properties))
-            stripped[key] = entry
-        return original(self, checkpoint_dir, dataclasses.replace(metadata, state_dict_metadata=stripped))
+                entry = copy.copy(entry)
+                entry.properties = copy.copy(entry.properties)
+                del vars(entry.properties)["strides"]  # the class default (None) stays readable; **vars omits it
+            stripped.state_dict_metadata[key] = entry
+        return original(self, checkpoint_dir, stripped)
 
     return wrapper
-
-
-def _without_strides(properties):
-    import copy
-
-    out = copy.copy(properties)
-    del vars(out)["strides"]  # the class default (None) stays readable; **vars(out) omits it
-    return out
 
 
 METADATA_FIX = ("fix-dist-ckpt-tensors-metadata", _TENSORS_METADATA, fix_tensors_metadata, TENSOR_STRIDES_BUG,

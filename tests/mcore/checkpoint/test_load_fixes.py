@@ -52,6 +52,11 @@ def test_tensor_metadata_with_strides_is_read(tmp_path):
     assert read["decoder.weight"].global_shape == (2, 3)
     assert read["decoder.weight"].dtype == torch.bfloat16
     assert vars(metadata.state_dict_metadata["decoder.weight"].properties)["strides"] == (3, 1)  # not changed
+    # what Megatron sets on the metadata besides its fields (0.12 reads mcore_data there) goes along
+    metadata.mcore_data = {"decoder.weight": {"nd_reformulated_orig_global_shape": (2, 3)}}
+    passed = METADATA_FIX[2](lambda self, path, given: given)(None, tmp_path, metadata)
+    assert passed.mcore_data == metadata.mcore_data
+    assert "strides" not in vars(passed.state_dict_metadata["decoder.weight"].properties)
 
 
 def test_tensor_metadata_fix_is_a_no_op_where_torch_has_no_strides(tmp_path):
