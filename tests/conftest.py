@@ -6,7 +6,8 @@ mcore/checkpoint/, cpu/, training/); the torchft backend, which spans the layers
 in torchft_backend/ (its README). The helpers the folders share (dist.py: multi-rank runs;
 gpt_utils.py, edit_runs.py, reference_runs.py, checkpoint_runs.py: tiny megatron-core GPT
 runs; compare.py: one helper per comparison of their results) sit in tests/ itself.
-Multi-rank tests use dist.run_ranks and carry a pytest-timeout mark.
+Multi-rank tests use dist.run_ranks and carry a pytest-timeout mark; every process they start
+checks its asynchronous collectives (MEGATRON_EDIT_COLLECTIVE_GUARD, below).
 
 Every test ends what it starts: each process the tests start carries
 ``MEGATRON_EDIT_TEST_SESSION`` (set here, inherited by every child and grandchild, also by one
@@ -73,6 +74,12 @@ def pytest_collection_modifyitems(config, items):
         if "cuda" in item.keywords:
             item.add_marker(skip)
 
+
+# Every process the tests start (multi-rank jobs, torchrun jobs of the main job and of
+# Megatron-LM) runs with the CPU adapter's check of asynchronous collectives (issue 62:
+# megatron_edit.cpu.collective_guard): a buffer freed or written while a collective uses it
+# trips at once. MEGATRON_EDIT_COLLECTIVE_GUARD=0 in the environment runs them without it.
+os.environ.setdefault("MEGATRON_EDIT_COLLECTIVE_GUARD", "1")
 
 SESSION_MARK = "MEGATRON_EDIT_TEST_SESSION"
 if not os.environ.get(SESSION_MARK, "").startswith(f"{os.getpid()}-"):  # once per pytest process

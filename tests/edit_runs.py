@@ -300,9 +300,10 @@ def _train(rank, spec, tp, pp):
             hit = any(step in f["steps"] and out["worker"] in f["workers"] for f in spec["faults"])
             if spec.get("fsdp") and hit:
                 # Megatron-FSDP's model weights are a copy of the mains (DDP's fp32 mains are the
-                # model): install the corrupted mains, as the next step's forward would see them.
-                ddp.module.install_optimized_model_weights()
+                # model): install the corrupted mains, as the next step's forward would see them
+                # (after the step's prefetch, which reads the model weights, is waited for).
                 ddp.module.synchronize_param_gather()
+                ddp.module.install_optimized_model_weights()
                 ddp.module.start_param_sync()
         if traffic:
             traffic.phase = f"after step {step}"

@@ -46,6 +46,7 @@ import torch
 
 from ..mcore.wrap_registry import Patch, PatchError, PatchRegistry, VersionRange
 from ..mcore.session import SESSION
+from . import collective_guard
 from .async_writer import async_loop_on_cpu
 from .fsdp import declare_fsdp
 from .moe import declare_moe
@@ -93,6 +94,7 @@ def deactivate() -> None:
         # newest first; an inherited original (e.g. Tensor.cuda from TensorBase) is deleted
         SESSION.cpu_registry.revert()
         SESSION.cpu_registry = None
+    collective_guard.reset()
     _cuda_rng = None
 
 
@@ -354,6 +356,9 @@ def _declare(registry: PatchRegistry, version: str) -> PatchRegistry:
     declare_moe(registry, _ANY_RELEASE)
     # (8) Megatron-FSDP: two CUDA literals (megatron-core 0.16.1 only; see megatron_edit.cpu.fsdp).
     declare_fsdp(registry)
+    # (9) debug (MEGATRON_EDIT_COLLECTIVE_GUARD=1): no buffer of a collective in flight freed or written.
+    if collective_guard.enabled():
+        collective_guard.declare_guard(registry, _ANY_RELEASE)
     return registry
 
 

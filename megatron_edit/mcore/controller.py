@@ -274,6 +274,8 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
             assert self._synced_in_step, "step-end sync did not run inside the optimizer step"
         elif self.start_sync(self.steps_done):
             self.sync.mark_pending()
+            if self.fsdp is not None:  # the step's prefetch reads the weights the sync changes: wait for it first
+                self.fsdp.wait_stale_gathers()
             final = self.finished or (not self.config.use_async and self.steps_done == self.last_step) or (
                 self.auto is not None and self.auto.timed)  # auto overlap: a timed sync
             if self.backend.waits_for_others:  # a later optimizer's exchange first

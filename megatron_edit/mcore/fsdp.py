@@ -205,6 +205,13 @@ class FSDPModel:
             group_shards[key] = [shard]
         return ShardLayout(shards, order, group_shards, layer_names)
 
+    def wait_stale_gathers(self) -> None:
+        """Wait for (and drop) the gathers the optimizer step started from the model weights, before
+        EDiT changes those weights: a gather still reading a shard while it is written is a race on
+        any device (on the CPU, where Megatron-FSDP's stream ordering does not exist, a crash
+        besides; issue 62). Collectives inside the worker only."""
+        self.fsdp.synchronize_param_gather()
+
     def drop_stale_gathers(self) -> None:
         """Parameters changed outside ``optimizer.step()`` (a layer-wise sync marked pending, or
         completed at the end of the run): drop what the step already gathered or prefetched from
