@@ -86,6 +86,7 @@ while [ "$(date +%s)" -lt "$DEADLINE" ]; do
     detail=$(grep -aoE 'Signal [0-9]+ \([A-Z]+\)|exitcode *: *-?[0-9]+|Fatal Python error: [A-Za-z ]+|malloc[_a-z]*\(\)[^\r\n]*|free\(\)[^\r\n]*|double free[^\r\n]*|corrupted[^\r\n]*|Segmentation fault|Aborted|munmap_chunk[^\r\n]*|realloc\(\)[^\r\n]*' "$dir/log" | sort | uniq -c | tr -s ' \n' ' ' | cut -c1-300)
     cores=$(find "$dir" -maxdepth 1 -name 'core*' | wc -l)
     if [ "$rc" -eq 0 ]; then cls=ok
+    elif grep -aq 'CollectiveHazard' "$dir/log"; then cls=hazard  # the guard tripped (a Python error, not a crash)
     elif grep -aqE 'Fatal Python error|Signal (11|6|7) |SIGSEGV|SIGABRT|SIGBUS|malloc|free\(\)|corrupted' "$dir/log"; then cls=native
     elif [ "$rc" -eq 137 ]; then cls=timeout
     else cls=other; fi
