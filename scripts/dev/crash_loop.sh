@@ -11,7 +11,7 @@
 #   edit_fp32      EDiT layer-wise sync, fp32 exchange (no quantization)
 #   edit_stepend   EDiT, --local-sgd-sync-mode step_end (no exchange overlapped with compute)
 #   baseline       --mode baseline (plain synchronous training: megatron-core without megatron_edit's wraps)
-#   edit_nosync    EDiT attached, never syncing (H larger than the run)          (issue 62's arm b)
+#   edit_nosync    EDiT attached, syncing once, at the run's last step (the main job refuses a run without a sync) (issue 62's arm b)
 #   edit_delayed   EDiT layer-wise with a delayed outer step (tau = 1)
 #   fsdp_baseline / fsdp_nosync / fsdp_edit   the same three arms on Megatron-FSDP (--use-megatron-fsdp)
 # MEGATRON_EDIT_COLLECTIVE_GUARD=1 in the environment runs every rank with the check of
@@ -56,10 +56,10 @@ while [ "$(date +%s)" -lt "$DEADLINE" ]; do
       edit_fp32) extra=(--mode edit "${HW[@]}") ;;
       edit_stepend) extra=(--mode edit "${HW[@]}" --local-sgd-sync-mode step_end) ;;
       baseline) extra=(--mode baseline) ;;
-      edit_nosync) extra=(--mode edit --local-sgd-sync-interval $((STEPS + 1)) --local-sgd-warmup-steps "$W" --log-interval 1000) ;;
+      edit_nosync) extra=(--mode edit --local-sgd-sync-interval $((STEPS - W)) --local-sgd-warmup-steps "$W" --log-interval 1000) ;;
       edit_delayed) extra=(--mode edit "${HW[@]}" --local-sgd-outer-step-delay 1) ;;
       fsdp_baseline) extra=(--mode baseline --use-megatron-fsdp) ;;
-      fsdp_nosync) extra=(--mode edit --use-megatron-fsdp --local-sgd-sync-interval $((STEPS + 1)) --local-sgd-warmup-steps "$W" --log-interval 1000) ;;
+      fsdp_nosync) extra=(--mode edit --use-megatron-fsdp --local-sgd-sync-interval $((STEPS - W)) --local-sgd-warmup-steps "$W" --log-interval 1000) ;;
       fsdp_edit) extra=(--mode edit --use-megatron-fsdp "${HW[@]}") ;;
       bench_multi|bench_aedit_int4) extra=() ;;
       gloo_stress) extra=() ;;
