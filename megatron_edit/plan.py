@@ -119,9 +119,10 @@ def delay_line(interval: int, delay: int, fragments: int) -> str:
     if interval == 8 and (delay, fragments) in MEASURED_DELAY:
         return (f"delay: tau = {delay} with {fragments} fragment(s) at H = 8 ended "
                 f"{MEASURED_DELAY[delay, fragments]} against no delay ({_DELAYED})")
-    return (f"delay: not measured at tau = {delay} with {fragments} fragment(s), H = {interval}; at H = 8 "
-            f"(lerp merge, the default): tau = 1 +0.75%, tau = 4 (H/2) +0.65%, 4 fragments with tau = 1 "
-            f"+0.81% against no delay ({_DELAYED})")
+    measured = ", ".join(f"tau = {tau}{' with 4 fragments' * (f == 4)} {cost}"
+                         for (tau, f), cost in MEASURED_DELAY.items())
+    return (f"delay: not measured at tau = {delay} with {fragments} fragment(s) (H = {interval}); measured at "
+            f"H = 8 with the default merge (lerp, alpha 0.5): {measured} against no delay ({_DELAYED})")
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                              f"Megatron's buckets, one per {BUCKET_PARAMS:,} parameters)")
     parser.add_argument("--step-ms", type=_number(float), required=True, help="one inner step, ms")
     parser.add_argument("--sync-interval", type=_number(int), default=None,
-                        help="H (default: the smallest H that hides the exchange)")
+                        help="H: the plan at it, and the smallest larger H that hides the exchange where this one "
+                             "does not (default: the smallest H that hides it)")
     parser.add_argument("--max-sync-interval", type=_number(int), default=4096,
                         help="the largest H the search for the smallest one tries (default 4096)")
     parser.add_argument("--formats", type=_formats, default=["fp32"],
