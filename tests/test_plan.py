@@ -219,3 +219,19 @@ def test_the_new_options_refuse_bad_input_in_one_line(argv, fragment, capsys):
         plan_cli.main(["--params", "1e6", "--workers", "2", "--link-mbit", "10", "--step-ms", "10", *argv])
     err = capsys.readouterr().err
     assert info.value.code == 2 and fragment in err and err.count("\n") == 1, err
+
+
+def test_the_answer_on_the_hiding_page_is_what_the_planner_prints(capsys):
+    """docs/benchmarks/hiding.md, "What the planner answers": its runnable command's printed
+    output is the one pasted under it."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "hiding.md").read_text()
+    section = page.split("## What the planner answers", 1)[1]
+    command, printed = re.search(r"```bash\n# runnable\n(.+?)\n```\n\n```text\n(.*?)```", section, re.S).groups()
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "megatron_edit.plan"]
+    assert plan_cli.main(argv[3:]) == 0
+    assert capsys.readouterr().out == printed
