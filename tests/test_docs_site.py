@@ -45,7 +45,9 @@ def _pages():
 def _blocks(lang: str):
     """(page, code) of every fenced block of ``lang`` whose first line is ``# runnable``."""
     out = []
-    fence = re.compile(r"^(\s*)```" + lang + r"\s*\n(.*?)^\1```", re.S | re.M)
+    # The indent is spaces or tabs only: with \s* a blank line before a fence was taken as its
+    # indent, the block then never closed, and the runnable bash blocks were never collected.
+    fence = re.compile(r"^([ \t]*)```" + lang + r"[ \t]*\n(.*?)^\1```", re.S | re.M)
     for page in _pages():
         for m in fence.finditer(page.read_text()):
             code = "\n".join(line[len(m.group(1)):] for line in m.group(2).splitlines())

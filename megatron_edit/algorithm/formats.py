@@ -1,6 +1,12 @@
 """The exchange's formats, named once: the dense formats (:mod:`.quantize`), the top-k exchange's
-value formats and its largest chunk (:mod:`.topk`). Plain values, importable without torch: the
-configuration checks its flags with them before torch is imported."""
+value formats and its largest chunk (:mod:`.topk`), and the names of the top-k exchange's
+formats (``topk<density>-<values>``). Plain values, importable without torch: the configuration
+checks its flags with them before torch is imported. What each format sends: :mod:`.wire`."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Tuple
 
 DENSE = ("fp32", "bf16", "fp8", "int8", "int4")
 """The dense exchange formats, most precise first (in order of size)."""
@@ -10,3 +16,29 @@ TOPK_VALUES = ("fp32", "int8", "int4", "int2")
 
 TOPK_MAX_CHUNK = 1 << 16
 """The largest top-k chunk: its indices take 16 bits."""
+
+TOPK_CHUNK = 4096
+"""The top-k exchange's chunk by default (``--local-sgd-exchange-topk-chunk``)."""
+
+
+def topk_format(name: str) -> Optional[Tuple[float, str]]:
+    """A top-k format's ``(density, values)``: ``topk<density>-<values>``, e.g. ``topk0.02-int2``
+    (``--local-sgd-exchange-topk-density 0.02 --local-sgd-exchange-dtype int2``); None for a
+    dense format. Raises ValueError for a name that is neither, naming what to write (int2, a
+    value format of the top-k exchange only: ``topk0.02-int2``)."""
+    if name in DENSE:
+        return None
+    match = re.fullmatch(r"topk([0-9.eE+-]+)-([a-z0-9]+)", name)
+    density = None
+    if match:
+        try:
+            density = float(match.group(1))
+        except ValueError:
+            density = None
+    if match is None or density is None or not 0.0 < density <= 1.0 or match.group(2) not in TOPK_VALUES:
+        hint = (f" ({name} is a value format of the top-k exchange only, not a dense one: write "
+                f"topk<density>-{name}, e.g. topk0.02-{name})" if name in TOPK_VALUES else "")
+        raise ValueError(f"unknown exchange format {name!r}{hint}: one of {', '.join(DENSE)}, or "
+                         f"topk<density>-<values> with density in (0, 1] and values one of "
+                         f"{', '.join(TOPK_VALUES)} (e.g. topk0.02-int2)")
+    return density, match.group(2)

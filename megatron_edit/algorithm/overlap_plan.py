@@ -12,10 +12,11 @@ to what the choice needs.
 The model, for one worker (seconds):
 
 * the exchange of the whole model in a format:
-  ``C = buckets * latency + X / link_rate``, ``X = 2 (W - 1) / W * bytes`` (a ring all-reduce,
-  or the quantized exchange's reduce-scatter + all-gather, carries that share of the payload
-  per worker); ``bytes`` counts the scales of the quantized formats
-  (:func:`megatron_edit.algorithm.quantize.encoded_bytes`);
+  ``C = buckets * rounds * latency + X / link_rate``, ``X`` the bytes one worker sends
+  (:mod:`megatron_edit.algorithm.wire`, the package's one wire model: a ring all-reduce, or the
+  quantized exchange's reduce-scatter + all-gather, carries ``2 (W - 1) / W`` of the payload,
+  scales included; the top-k exchange's all-gather the ``W - 1`` other workers' payloads,
+  indices included), ``rounds`` the messages in a row of one collective;
 * no delay (tau = 0, the layer-wise sync): the next forward pass hides up to ``forward_share *
   t`` of it, the rest is exposed once per H steps;
 * delay tau with F fragments: each fragment's exchange (C / F) runs behind tau inner steps,
@@ -23,9 +24,10 @@ The model, for one worker (seconds):
 * the fraction of the no-communication bound: ``t / (t + exposed per H / H)``.
 
 The choice (:func:`choose`): the formats are tried most precise first (fp32, bf16, fp8, int8,
-int4, whatever the user allows); for a format, no delay if the forward pass hides the exchange
-with the margin, else the fewest fragments F (a divisor of H) for which the smallest covering
-delay ``tau = ceil(margin * C / (F t))`` satisfies ``tau < H / F`` and ``tau <= max_delay``.
+int4, then the top-k formats, most bytes first; whatever the user allows); for a format, no
+delay if the forward pass hides the exchange with the margin, else the fewest fragments F (a
+divisor of H) for which the smallest covering delay ``tau = ceil(margin * C / (F t))``
+satisfies ``tau < H / F`` and ``tau <= max_delay``.
 The cap ``max_delay`` (default H/2) is the largest delay whose cost in loss was measured
 (+0.65% at tau = H/2; see the delayed outer step's concept page); fragments exist to stay under
 it. When no format can be hidden, the setting with the fastest predicted step is taken (ties:
@@ -35,40 +37,13 @@ fewer fragments, then the more precise format) and the result says it is not hid
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
-from . import topk
+from . import wire
 from .formats import DENSE as FORMATS  # most precise first: the order in which formats are tried
-from .formats import TOPK_VALUES as TOPK_DTYPES
-from .quantize import encoded_bytes
+from .formats import TOPK_CHUNK, topk_format  # noqa: F401 (TOPK_CHUNK: re-exported for the planner)
 from .schedule import delay_limit
-_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
-TOPK_CHUNK = 4096
-"""The top-k formats' chunk (``--local-sgd-exchange-topk-chunk``'s default)."""
-
-
-def topk_format(name: str) -> Optional[Tuple[float, str]]:
-    """A top-k format's ``(density, values)``: ``topk<density>-<values>``, e.g. ``topk0.02-int2``
-    (``--local-sgd-exchange-topk-density 0.02 --local-sgd-exchange-dtype int2``); None for a
-    dense format. Raises ValueError for a name that is neither."""
-    if name in FORMATS:
-        return None
-    match = re.fullmatch(r"topk([0-9.eE+-]+)-([a-z0-9]+)", name)
-    density = None
-    if match:
-        try:
-            density = float(match.group(1))
-        except ValueError:
-            density = None
-    if match is None or density is None or not 0.0 < density <= 1.0 or match.group(2) not in TOPK_DTYPES:
-        hint = (" (int2 is the top-k exchange's value format: write topk<density>-int2, e.g. topk0.02-int2)"
-                if name == "int2" else "")
-        raise ValueError(f"unknown exchange format {name!r}{hint}: one of {', '.join(FORMATS)}, or "
-                         f"topk<density>-<values> with density in (0, 1] and values one of "
-                         f"{', '.join(TOPK_DTYPES)} (e.g. topk0.02-int2)")
-    return density, match.group(2)
 
 
 def format_flags(name: str) -> str:
@@ -79,20 +54,12 @@ def format_flags(name: str) -> str:
     return f"--local-sgd-exchange-dtype {sparse[1]} --local-sgd-exchange-topk-density {sparse[0]:g}"
 
 
-def wire_bytes(params: int, name: str, workers: int, block: int = 256) -> float:
-    """Bytes one worker sends in one exchange of ``params`` elements: a dense format's ring
-    all-reduce (or reduce-scatter + all-gather) carries ``2 (W - 1) / W`` of its payload, the
-    top-k exchange's all-gather the ``W - 1`` other workers' payloads
-    (:mod:`megatron_edit.exchange.sparse`)."""
-    sparse = topk_format(name)
-    if sparse is None:
-        return ring_share(workers) * exchange_bytes(params, name, block)
-    return (workers - 1) * topk.encoded_bytes(params, sparse[0], TOPK_CHUNK, sparse[1])
-
-
-def ring_share(workers: int) -> float:
-    """The share of a dense payload one worker sends in a ring all-reduce: ``2 (W - 1) / W``."""
-    return 2 * (workers - 1) / workers
+def wire_bytes(params: int, name: str, workers: int, block: int = 256) -> int:
+    """Bytes one worker sends in one exchange of ``params`` elements in format ``name``
+    (:func:`megatron_edit.algorithm.wire.wire_bytes`: a dense format's ring all-reduce or
+    reduce-scatter + all-gather, ``2 (W - 1) / W`` of its payload, the top-k exchange's
+    all-gather the ``W - 1`` other workers' payloads)."""
+    return wire.wire_bytes(params, name, workers, block, TOPK_CHUNK)
 
 
 def precision_order(formats: Sequence[str], params: int = 1 << 24) -> list:
@@ -100,36 +67,8 @@ def precision_order(formats: Sequence[str], params: int = 1 << 24) -> list:
     most bytes first (a higher density or more value bits)."""
     dense = sorted((f for f in formats if topk_format(f) is None), key=FORMATS.index)
     sparse = sorted((f for f in formats if topk_format(f) is not None),
-                    key=lambda f: -topk.encoded_bytes(params, topk_format(f)[0], TOPK_CHUNK, topk_format(f)[1]))
+                    key=lambda f: -wire.payload_bytes(params, f, chunk=TOPK_CHUNK))
     return dense + sparse
-
-
-def exchange_bytes(params: int, dtype: str, block: int = 256) -> int:
-    """Bytes of one worker's pseudo-gradient of ``params`` elements in ``dtype`` (scales included)."""
-    if params < 1:
-        raise ValueError(f"params must be >= 1, got {params}")
-    if dtype in _ELEMENT_BYTES:
-        return _ELEMENT_BYTES[dtype] * params
-    if dtype not in FORMATS:
-        raise ValueError(f"unknown exchange format {dtype!r}; one of {', '.join(FORMATS)}")
-    return encoded_bytes(params, dtype, block)
-
-
-def exchange_seconds(payload_bytes: float, workers: int, link_bytes_per_s: float,
-                     buckets: int = 1, latency_s: float = 0.0) -> float:
-    """Seconds of one dense exchange of ``payload_bytes`` per worker among ``workers`` workers."""
-    return _wire_seconds(ring_share(workers) * payload_bytes, workers, link_bytes_per_s, buckets, latency_s)
-
-
-def _wire_seconds(wire: float, workers: int, link_bytes_per_s: float, buckets: int, latency_s: float) -> float:
-    """Seconds to send ``wire`` bytes per worker (nothing with one worker)."""
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    if link_bytes_per_s <= 0:
-        raise ValueError(f"the link rate must be > 0, got {link_bytes_per_s}")
-    if workers == 1:
-        return 0.0
-    return buckets * latency_s + wire / link_bytes_per_s
 
 
 def exposed_seconds(exchange_s: float, step_s: float, delay: int, fragments: int = 1,
@@ -252,20 +191,28 @@ def plan(params: int, workers: int, link_bits_per_s: float, step_s: float, inter
 
 def format_seconds(params: int, workers: int, link_bits_per_s: float, formats: Sequence[str], block: int = 256,
                    buckets: int = 1, latency_s: float = 0.0) -> Dict[str, float]:
-    """Seconds of one exchange of the whole model in each format."""
+    """Seconds of one exchange of the whole model in each format: its bytes
+    (:func:`wire_bytes`) over the link, and ``latency_s`` (one message's time on the link) for
+    each message in a row of each of ``buckets`` collectives
+    (:func:`megatron_edit.algorithm.wire.message_rounds`). Nothing with one worker."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    return {fmt: _wire_seconds(wire_bytes(params, fmt, workers, block), workers, link_bits_per_s / 8, buckets,
-                               latency_s) for fmt in formats}
+    if link_bits_per_s <= 0:
+        raise ValueError(f"the link rate must be > 0, got {link_bits_per_s}")
+    if buckets < 1 or latency_s < 0:
+        raise ValueError(f"buckets must be >= 1 and the latency >= 0, got {buckets} and {latency_s}")
+    return {fmt: buckets * wire.message_rounds(fmt, workers) * latency_s
+            + wire_bytes(params, fmt, workers, block) * 8 / link_bits_per_s for fmt in formats}
 
 
 def smallest_interval(params: int, workers: int, link_bits_per_s: float, step_s: float,
                       formats: Sequence[str], block: int = 256, margin: float = 1.2,
-                      max_delay: Optional[int] = None, largest: int = 4096) -> Optional[Tuple[int, Choice]]:
-    """The smallest H (up to ``largest``) for which :func:`choose` hides the exchange, with its
-    choice; None when no H up to ``largest`` does. ``max_delay`` None: H/2 for each H."""
-    times = format_seconds(params, workers, link_bits_per_s, formats, block)
-    for interval in range(1, largest + 1):
+                      max_delay: Optional[int] = None, smallest: int = 1, largest: int = 4096,
+                      buckets: int = 1, latency_s: float = 0.0) -> Optional[Tuple[int, Choice]]:
+    """The smallest H from ``smallest`` up to ``largest`` for which :func:`choose` hides the
+    exchange, with its choice; None when none does. ``max_delay`` None: H/2 for each H."""
+    times = format_seconds(params, workers, link_bits_per_s, formats, block, buckets, latency_s)
+    for interval in range(max(1, smallest), largest + 1):
         choice = choose(step_s, times, interval, formats, margin, max_delay)
         if choice.hidden:
             return interval, choice
@@ -275,9 +222,10 @@ def smallest_interval(params: int, workers: int, link_bits_per_s: float, step_s:
 def scale_to_formats(measured_s: float, measured_format: str, numel: int, formats: Sequence[str],
                      block: int = 256) -> Dict[str, float]:
     """Each format's exchange time from one measured in ``measured_format``: the same link, so
-    the time scales with the bytes of a ``numel``-element pseudo-gradient (scales included)."""
-    base = exchange_bytes(max(numel, 1), measured_format, block)
-    return {fmt: measured_s * exchange_bytes(max(numel, 1), fmt, block) / base for fmt in formats}
+    the time scales with the bytes of a ``numel``-element pseudo-gradient (scales included,
+    :func:`megatron_edit.algorithm.wire.payload_bytes`)."""
+    base = wire.payload_bytes(max(numel, 1), measured_format, block, TOPK_CHUNK)
+    return {fmt: measured_s * wire.payload_bytes(max(numel, 1), fmt, block, TOPK_CHUNK) / base for fmt in formats}
 
 
 @dataclass(frozen=True)

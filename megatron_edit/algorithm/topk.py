@@ -1,5 +1,5 @@
 """Top-k sparsification of pseudo-gradients with low-bit values, for the exchange (SparseLoCo,
-arXiv 2508.15706): the codec and its wire-byte model.
+arXiv 2508.15706): the codec (what an exchange sends with it: :mod:`.wire`).
 
 Pure functions. A flat fp32 tensor of ``numel`` elements is cut into chunks of ``chunk``
 elements (the last one padded with zeros); in each chunk the ``k = ceil(density x chunk)``
@@ -183,40 +183,3 @@ def decode(data: torch.Tensor, numel: int, density: float, chunk: int, dtype: st
         values = codes.to(torch.float32).view(lay.chunks, lay.k) * scale
     out.view(lay.chunks, chunk).scatter_(1, index, values)
     return out[:numel]
-
-
-# ------------------------------------------------------------------ wire bytes
-def sparse_wire_bytes(numel: int, density: float, chunk: int, dtype: str, workers: int) -> int:
-    """Bytes one rank sends in the all-gather of every worker's payload of a ``numel`` shard
-    (a ring: the W - 1 other workers' payloads pass through it; :mod:`megatron_edit.exchange.groups`)."""
-    return (workers - 1) * encoded_bytes(numel, density, min(chunk, numel), dtype)
-
-
-def fp32_wire_bytes(numel: int, workers: int) -> int:
-    """Bytes one rank sends in the fp32 exchange (a ring all-reduce) of a ``numel`` shard."""
-    return 2 * (workers - 1) * 4 * numel // workers
-
-
-def dense_wire_bytes(numel: int, dtype: str, block: int, workers: int) -> int:
-    """Bytes one rank sends in the dense quantized exchange (:mod:`megatron_edit.exchange.quantized`:
-    an all-to-all of W quantized chunks, an all-gather of one) of a shard of at least W blocks."""
-    from . import quantize
-
-    unit = block if quantize.has_scales(dtype) else 1
-    per = -(-(-(-numel // unit)) // workers) * unit  # the largest chunk (quantize.split_sizes)
-    return 2 * (workers - 1) * quantize.encoded_bytes(per, dtype, block)
-
-
-AT_SCALE = 1 << 24
-"""Shard size at which the byte model compares the forms (large shards: the rates per element)."""
-
-
-def dense_int4_cheaper_from(density: float, chunk: int, dtype: str, block: int = 256,
-                            numel: int = AT_SCALE, limit: int = 4096) -> int:
-    """The smallest number of workers W from which the dense int4 exchange sends fewer bytes
-    than the sparse all-gather (whose bytes grow with W - 1, the dense exchange's with
-    2 (W - 1) / W); ``limit`` + 1 if none below ``limit``."""
-    for workers in range(2, limit + 1):
-        if dense_wire_bytes(numel, "int4", block, workers) < sparse_wire_bytes(numel, density, chunk, dtype, workers):
-            return workers
-    return limit + 1

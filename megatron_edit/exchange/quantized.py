@@ -44,7 +44,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..algorithm import quantize
+from ..algorithm import quantize, wire
 from .groups import all_reduce_bytes, mean_divisor
 from .shard import BucketShard
 
@@ -71,17 +71,10 @@ class QuantizedExchange:
         tensor while a sync runs; see :meth:`take_error_norm`)."""
 
     def block_for(self, numel: int) -> int:
-        """The block size used for a shard of ``numel`` elements: a worker's chunk of
-        m = ceil(numel / workers) elements cut into n = ceil(m / block) equal blocks of
-        ceil(m / n) elements, rounded up to even (int4: two per byte), so a chunk is padded by
-        under 2 n elements, never by most of a block (see the module docstring). The configured
-        (even) size when it divides m, else a little less."""
-        if not quantize.has_scales(self.dtype):
-            return self.block
-        per_worker = -(-numel // self.sync_group.size)
-        blocks = max(1, -(-per_worker // self.block))
-        block = max(1, -(-per_worker // blocks))
-        return block + (block % 2)  # int4: two elements per byte
+        """The block size used for a shard of ``numel`` elements
+        (:func:`~megatron_edit.algorithm.wire.quantized_block`: the configured (even) size when
+        it divides a worker's chunk, else a little less; see the module docstring)."""
+        return wire.quantized_block(numel, self.sync_group.size, self.dtype, self.block)
 
     def _chunks(self, numel: int):
         workers, block = self.sync_group.size, self.block_for(numel)

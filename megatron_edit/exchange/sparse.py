@@ -16,7 +16,7 @@ Each rank sends (W - 1) payloads (a ring all-gather), against 2 (W - 1) / W x 4 
 element for the fp32 all-reduce: at density 2% with int2 values and chunks of 4096 a payload is
 0.036 bytes per element, 0.009x fp32's bytes with 2 workers and 0.018x with 4. The all-gather's
 bytes grow with W and the dense int4 exchange's (:mod:`.quantized`) do not, so from some W on
-(29 for those settings: :func:`~megatron_edit.algorithm.topk.dense_int4_cheaper_from`) the
+(29 for those settings: :func:`~megatron_edit.algorithm.wire.dense_int4_cheaper_from`) the
 dense int4 exchange sends fewer bytes; such a setting is refused (:class:`SparseExchange`), never
 switched silently. A shard smaller than a chunk is one chunk; a shard for which the payloads
 are still more than the fp32 all-reduce (a few elements) is exchanged in fp32 instead
@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..algorithm import topk
+from ..algorithm import topk, wire
 from ..config import FLAG_NAMES, ConfigError
 from .groups import all_reduce_bytes, mean_divisor
 from .shard import BucketShard
@@ -45,7 +45,7 @@ from .shard import BucketShard
 def check_sparse_workers(workers: int, density: float, chunk: int, dtype: str) -> None:
     """Refuse ``workers`` from which the dense int4 exchange sends fewer bytes than the top-k
     all-gather at these settings (never switched silently)."""
-    cheaper = topk.dense_int4_cheaper_from(density, chunk, dtype)
+    cheaper = wire.dense_int4_cheaper_from(density, chunk, dtype)
     if workers >= cheaper:
         raise ConfigError(
             f"{FLAG_NAMES['exchange_topk_density']} {density} with {FLAG_NAMES['exchange_dtype']} {dtype} "
@@ -74,14 +74,14 @@ class SparseExchange:
         self.error_sq = 0.0
         """Squared norm of what was not sent in this rank's last sync (a device 0-dim tensor
         while a sync runs; see :meth:`take_error_norm`)."""
-        self.cheaper_from = topk.dense_int4_cheaper_from(density, chunk, dtype)
+        self.cheaper_from = wire.dense_int4_cheaper_from(density, chunk, dtype)
         """Workers from which the dense int4 exchange sends fewer bytes (refused from there on)."""
         check_sparse_workers(sync_group.size, density, chunk, dtype)
 
     def chunk_for(self, numel: int) -> int:
         """The chunk of a shard of ``numel`` elements: the configured one, or the whole shard
-        when it is smaller."""
-        return max(2, min(self.chunk, numel))
+        when it is smaller (:func:`~megatron_edit.algorithm.wire.topk_chunk`)."""
+        return wire.topk_chunk(numel, self.chunk)
 
     def payload_bytes(self, numel: int) -> int:
         return topk.encoded_bytes(numel, self.density, self.chunk_for(numel), self.dtype)

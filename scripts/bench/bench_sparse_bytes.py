@@ -12,7 +12,7 @@ counted by wrapping it in the process, as ring algorithms send it (an all-reduce
 2 (W - 1) / W S, an all-gather (W - 1) / W of its output, an all-to-all (W - 1) / W of its
 input; the convention of ``megatron_edit.exchange.groups``); indices, scales and padding are in
 the tensors, so they are counted. The table gives bytes per rank per sync, their ratio to the
-fp32 exchange's, the byte model's ratio (``megatron_edit.algorithm.topk``; it must agree) and
+fp32 exchange's, the byte model's ratio (``megatron_edit.algorithm.wire``; it must agree) and
 whether every rank decoded the same result. Writes scripts/bench/results/sparse_bytes.md.
 """
 
@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from megatron_edit.algorithm import topk  # noqa: E402
+from megatron_edit.algorithm import wire  # noqa: E402
 
 FORMS = [("fp32", None, "fp32"), ("int8", None, "int8"), ("int4", None, "int4"),
          ("top-k 1% int2", 0.01, "int2"), ("top-k 2% int2", 0.02, "int2"), ("top-k 3% int2", 0.03, "int2"),
@@ -77,15 +77,15 @@ def _rank(rank, workers, numel, init, queue):
         if density is not None:
             exchange = SparseExchange(group, density, CHUNK, dtype, error_feedback=True)
             exchange.finish(exchange.launch(shard, delta), delta, mean=True)
-            model = topk.sparse_wire_bytes(numel, density, CHUNK, dtype, workers)
+            model = wire.format_wire_bytes(numel, f"topk{density}-{dtype}", workers, BLOCK, CHUNK)
         elif dtype != "fp32":
             exchange = QuantizedExchange(group, dtype, BLOCK, error_feedback=True)
             exchange.finish(shard, exchange.launch(shard, delta), delta, mean=True)
-            model = topk.dense_wire_bytes(numel, dtype, BLOCK, workers)
+            model = wire.format_wire_bytes(numel, dtype, workers, BLOCK, CHUNK)
         else:
             group.all_reduce_sum(delta, async_op=False)
             delta /= workers
-            model = topk.fp32_wire_bytes(numel, workers)
+            model = wire.format_wire_bytes(numel, "fp32", workers)
         sent = counted[0]
         parts = [torch.empty_like(delta) for _ in range(workers)]
         dist.all_gather(parts, delta)  # not counted (all_gather is not wrapped): the check only
@@ -128,9 +128,9 @@ def main(argv=None):
             fp32 = results[w][0][1]
             assert same, f"{name}, W={w}: the ranks decoded different results"
             assert sent == model, f"{name}, W={w}: counted {sent} B, the model says {model} B"
-            cells += [f"{sent:,}", f"{sent / fp32:.4f}", f"{model / topk.fp32_wire_bytes(args.numel, w):.4f}"]
+            cells += [f"{sent:,}", f"{sent / fp32:.4f}", f"{model / wire.format_wire_bytes(args.numel, "fp32", w):.4f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    cheaper = {d: topk.dense_int4_cheaper_from(d, CHUNK, "int2") for d in (0.01, 0.02, 0.03)}
+    cheaper = {d: wire.dense_int4_cheaper_from(d, CHUNK, "int2") for d in (0.01, 0.02, 0.03)}
     text = "\n".join([
         f"Bytes per rank per sync, one shard of {args.numel:,} elements, counted (ring convention); "
         f"top-k chunks of {CHUNK}, dense blocks of {BLOCK}; every rank decoded the same result.", "",

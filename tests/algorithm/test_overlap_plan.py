@@ -12,31 +12,26 @@ from megatron_edit.algorithm.overlap_plan import (
     choose,
     exposure_grew,
     scale_to_formats,
-    exchange_bytes,
-    exchange_seconds,
     exposed_seconds,
+    format_seconds,
     plan,
+    smallest_interval,
 )
-from megatron_edit.algorithm.quantize import encoded_bytes
 
 
-def test_bytes_per_format():
-    assert exchange_bytes(1000, "fp32") == 4000
-    assert exchange_bytes(1000, "bf16") == 2000
-    # the quantized formats count their scales (one fp32 per block) and padding
-    assert exchange_bytes(1024, "int8", 256) == 1024 + 4 * 4
-    assert exchange_bytes(1024, "int4", 256) == 512 + 4 * 4
-    assert exchange_bytes(1000, "int8", 256) == encoded_bytes(1000, "int8", 256)
-    with pytest.raises(ValueError, match="unknown exchange format"):
-        exchange_bytes(10, "int3")
-
-
-def test_exchange_seconds_is_the_ring_share_over_the_link():
-    # 2 workers: each sends its whole payload once; 4 workers: 2 * 3/4 of it
-    assert exchange_seconds(1e6, 2, 1e6) == pytest.approx(1.0)
-    assert exchange_seconds(1e6, 4, 1e6) == pytest.approx(1.5)
-    assert exchange_seconds(1e6, 4, 1e6, buckets=10, latency_s=0.01) == pytest.approx(1.6)
-    assert exchange_seconds(1e6, 1, 1e6) == 0.0
+def test_exchange_seconds_are_the_wire_bytes_over_the_link_and_the_latency_per_message():
+    # 2 workers: each sends its whole fp32 payload once; 4 workers: 2 * 3/4 of it
+    assert format_seconds(250_000, 2, 8e6, ["fp32"])["fp32"] == pytest.approx(1.0)
+    assert format_seconds(250_000, 4, 8e6, ["fp32"])["fp32"] == pytest.approx(1.5)
+    # latency: 10 buckets, each a ring all-reduce of 2 (W - 1) = 6 messages in a row; the top-k
+    # all-gather W - 1 = 3, the quantized exchange's all-to-all + all-gather W = 4
+    with_latency = format_seconds(250_000, 4, 8e6, ["fp32", "int8", "topk0.02-int2"], buckets=10, latency_s=0.01)
+    plain = format_seconds(250_000, 4, 8e6, ["fp32", "int8", "topk0.02-int2"])
+    assert [with_latency[f] - plain[f] for f in plain] == pytest.approx([0.6, 0.4, 0.3])
+    assert format_seconds(250_000, 1, 8e6, ["fp32", "topk0.02-int2"], latency_s=0.01) == {"fp32": 0.0,
+                                                                                      "topk0.02-int2": 0.0}
+    with pytest.raises(ValueError, match="unknown exchange format 'int3'"):
+        format_seconds(10, 2, 1e6, ["int3"])
 
 
 def test_exposed_and_fraction_against_the_hiding_benchmark():
@@ -151,8 +146,9 @@ def test_a_format_not_allowed_is_never_chosen():
 
 
 def test_formats_scale_with_their_bytes():
-    times = scale_to_formats(0.4, "fp32", 1024, ("fp32", "int8", "int4"), 256)
-    assert times["fp32"] == 0.4
+    times = scale_to_formats(0.4, "fp32", 1024, ("fp32", "bf16", "int8", "int4"), 256)
+    assert times["fp32"] == 0.4 and times["bf16"] == pytest.approx(0.2)
+    # the quantized formats count their scales (one fp32 per block) and padding
     assert times["int8"] == pytest.approx(0.4 * (1024 + 16) / 4096)
     assert times["int4"] == pytest.approx(0.4 * (512 + 16) / 4096)
     # measured in int8: fp32 is the inverse ratio

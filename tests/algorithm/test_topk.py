@@ -186,15 +186,3 @@ def test_error_feedback_residual_is_what_was_not_sent_and_the_sum_follows_the_tr
     assert torch.allclose(sent_total + residual, true_total, atol=1e-4)
     # what error feedback keeps does not grow without bound (top-k of the residual-corrected input)
     assert residual.abs().max() < 10 * true_total.abs().max() / math.sqrt(30)
-
-
-def test_wire_bytes_at_two_percent_int2_are_under_two_hundredths_of_fp32_at_two_and_four_workers():
-    n = topk.AT_SCALE
-    for workers in (2, 4):
-        ratio = topk.sparse_wire_bytes(n, 0.02, 4096, "int2", workers) / topk.fp32_wire_bytes(n, workers)
-        assert ratio <= 0.02, (workers, ratio)
-    # the all-gather grows with W: from 29 workers dense int4 (2 (W-1)/W x 0.52 B/element) is cheaper
-    w = topk.dense_int4_cheaper_from(0.02, 4096, "int2")
-    assert w == 29
-    assert (topk.sparse_wire_bytes(n, 0.02, 4096, "int2", w) > topk.dense_wire_bytes(n, "int4", 256, w)
-            and topk.sparse_wire_bytes(n, 0.02, 4096, "int2", w - 1) <= topk.dense_wire_bytes(n, "int4", 256, w - 1))

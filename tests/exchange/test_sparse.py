@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fake_groups import FakeWorkerGroups, FakeWorld, run_workers
-from megatron_edit.algorithm import penalty, topk
+from megatron_edit.algorithm import penalty, topk, wire
 from megatron_edit.config import ConfigError, GTAConfig, LocalSGDConfig, OuterOptimizerConfig
 from megatron_edit.exchange.groups import all_reduce_bytes
 from megatron_edit.exchange.outer_state import OuterState
@@ -258,7 +258,7 @@ def test_bytes_per_sync_are_the_payloads_all_gathered(workers):
     expected = norms
     for numel, _ in BUCKETS:
         if _goes_sparse(numel, workers, D, C, "int2"):
-            expected += topk.sparse_wire_bytes(numel, D, C, "int2", workers)
+            expected += wire.format_wire_bytes(numel, f"topk{D}-int2", workers, chunk=C)
         else:
             expected += all_reduce_bytes(4 * numel, workers)
     assert [r["bytes"][0] for r in out] == [expected] * workers
@@ -269,7 +269,7 @@ def test_bytes_per_sync_are_the_payloads_all_gathered(workers):
 def test_a_setting_where_dense_int4_sends_fewer_bytes_is_refused_naming_the_workers():
     """2% of 4096 in int2: the all-gather of 29 workers' payloads sends more than the dense int4
     exchange; 28 is still cheaper. The refusal names the flags and the worker count."""
-    assert topk.dense_int4_cheaper_from(0.02, 4096, "int2") == 29
+    assert wire.dense_int4_cheaper_from(0.02, 4096, "int2") == 29
     SparseExchange(FakeWorld(28).group(0), 0.02, 4096, "int2", True)
     with pytest.raises(ConfigError) as info:
         SparseExchange(FakeWorld(29).group(0), 0.02, 4096, "int2", True)
@@ -316,6 +316,6 @@ def test_over_a_changing_group_the_mean_is_over_the_workers_that_trained_and_the
     result = torch.empty(300)
     exchange.finish(stage, result, mean=True)
     assert torch.equal(result, sent)  # divided by 1, not by 2
-    group.size = topk.dense_int4_cheaper_from(D, C, "int2")
+    group.size = wire.dense_int4_cheaper_from(D, C, "int2")
     with pytest.raises(ConfigError, match=f"from {group.size} workers"):
         exchange.launch(shard, delta.clone())
