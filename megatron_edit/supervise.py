@@ -162,6 +162,11 @@ def _status_server(args: argparse.Namespace, prog: str):
         _fail(str(e))
 
 
+def _fail(line: str) -> NoReturn:
+    print(f"megatron_edit.supervise: {line}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 class Worker:
     """One worker's job: its command, its process (a session of its own), its starts."""
 

@@ -17,7 +17,7 @@ record's ``time``, when its sync ended), then the clock:
   the worker was seen before or the run is past the step it joins at: it has come back behind the
   others and heals from them at its next sync (a heal event then, ``training`` again). A join with
   a heal is ``training`` at once; the first round of a fresh run (every worker at step 0) too.
-* ``finished``: its record of the run's last sync (``final``).
+* ``finished``: its record of the run's last sync (``last_sync``; A-EDiT's ``final``).
 * ``waiting``: ``training`` or ``healing``, but no record for longer than :data:`WAIT_INTERVALS`
   times the run's median time between a worker's syncs (at least :data:`WAIT_FLOOR_S`): it waits
   for the others (a quorum, a slow or dead peer not yet noticed) or it is stuck. A record ends it.
@@ -94,7 +94,7 @@ class RunState:
         self.first = when if self.first is None else min(self.first, when)
         self.last = when if self.last is None else max(self.last, when)
         step = record.get("step")
-        detail = dict(step=step, committed=record["committed"], final=record.get("final"),
+        detail = dict(step=step, committed=record["committed"], last=record.get("last_sync") or record.get("final"),
                       heal=heals[0] if heals else None)
         self._item(when, 1, record["kind"], worker, detail)
         for event in events:
@@ -158,7 +158,7 @@ class RunState:
                 move(worker, "training", when, "started", f"first record (step {step})", step)
             elif before == "dead" or (before == "healing" and d["committed"]):
                 move(worker, "training", when, "synced", f"back in the run: a sync at step {step}", step)
-            if d.get("final"):
+            if d.get("last"):
                 move(worker, "finished", when, "finished", f"its record of the run's last sync (step {step})", step)
             if step is not None and kind != "left":
                 furthest = max(furthest, step)

@@ -83,6 +83,10 @@ def test_a_silent_worker_is_waiting_and_a_record_ends_it():
     (one,) = [w for w in view["workers"] if w["worker"] == 1]
     assert one["why"].startswith("no record for") and one["silent"] > WAIT_FLOOR_S
     assert _states(_view(records + [rec(1, 8, late - 1, sync=4)], late)) == {0: "training", 1: "training"}
+    # the run's last sync ends it: finished, never waiting (A-EDiT's final sync too)
+    ended = records + [rec(1, 8, 40.1, sync=4, final=True)]
+    ended = [dict(r, last_sync=True) if (r["step"], r["worker"]) == (8, 0) else r for r in ended]
+    assert _states(_view(ended, late)) == {0: "finished", 1: "finished"}
 
 
 def test_the_supervisor_saying_a_job_exited_makes_its_worker_dead_until_its_next_record():
