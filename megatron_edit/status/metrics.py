@@ -19,7 +19,8 @@ PREFIX = "megatron_edit_"
 # name, what it counts, the row's value
 COUNTERS = (
     ("syncs", "sync records of the worker (the run's syncs it took part in or tried)", lambda r: r["syncs"]),
-    ("rounds_not_committed", "its rounds (syncs and join rounds) that did not commit", lambda r: r["not_committed"]),
+    ("syncs_not_committed", "its syncs that did not commit (the workers kept their local progress)",
+     lambda r: r["not_committed"]),
     ("bytes_sent", "bytes it sent across workers", lambda r: r["totals"]["bytes_sent"]),
     ("bytes_received", "bytes it received across workers", lambda r: r["totals"]["bytes_received"]),
     ("exchange_seconds", "seconds its slowest rank spent in EDiT code for the syncs",

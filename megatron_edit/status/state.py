@@ -54,10 +54,10 @@ class _Worker:
     def add(self, record: dict, heals: List[dict]) -> None:
         if record["kind"] == "sync":
             self.syncs += 1
+            self.not_committed += not record["committed"]
             bisect.insort(self.sync_times, record["time"])
-        else:
+        else:  # (a join round: a fresh run's first never commits, nothing to apply yet)
             self.joins += 1
-        self.not_committed += not record["committed"]
         for name in _TOTALS:
             self.totals[name] += record.get(name) or 0
         self.heals += len(heals)

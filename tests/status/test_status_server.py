@@ -54,7 +54,7 @@ def test_metrics_are_prometheus_text_with_each_workers_figures(server):
                for family in text_string_to_metric_families(body.decode()) for s in family.samples}
     one = lambda name, worker, run="run-a", state=None: samples[(f"megatron_edit_{name}", run, str(worker), state)]  # noqa: E731
     assert (one("syncs_total", 0), one("syncs_total", 1)) == (6, 4)
-    assert (one("rounds_not_committed_total", 0), one("rounds_not_committed_total", 1)) == (1, 1)
+    assert (one("syncs_not_committed_total", 0), one("syncs_not_committed_total", 1)) == (1, 0)
     assert (one("bytes_sent_total", 0), one("bytes_received_total", 1)) == (6000, 4000)
     assert one("exchange_seconds_total", 0) == pytest.approx(3.5) and one("exposed_wait_seconds_total", 1) == pytest.approx(1.2)
     assert one("arrival_wait_seconds_total", 0) == pytest.approx(0.7) and one("arrival_wait_last_seconds", 1) == 0.1
