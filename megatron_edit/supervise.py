@@ -30,9 +30,8 @@ and the start gate:
 prints (and writes to ``--env-file``) the two ``export`` lines every worker's job needs, and
 runs until it is stopped (SIGTERM or SIGINT: exit 0).
 
-``--status-port N`` also serves the run's status page and ``/metrics`` (:mod:`megatron_edit.status`,
-docs/watching-a-run.md) at ``--bind``'s host, from the records of the workers' command's
-``--local-sgd-sync-record``, until this process ends; it is told when a worker's job exits.
+``--status-port N`` also serves the run's status page and ``/metrics`` (:mod:`megatron_edit.status`)
+at ``--bind``'s host from the workers' ``--local-sgd-sync-record``, and tells it of jobs that exit.
 """
 
 from __future__ import annotations
@@ -152,12 +151,11 @@ def status_pattern(args: argparse.Namespace) -> str:
 
 def _status_server(args: argparse.Namespace, prog: str):
     """``--status-port``'s server at ``--bind``'s host, started (None without the flag)."""
-    if getattr(args, "status_port", None) is None:
-        return None
     from .status.supervised import Refused, start_server
 
     try:
-        return start_server(status_pattern(args), args.bind.rpartition(":")[0] or "127.0.0.1", args.status_port, prog)
+        return None if getattr(args, "status_port", None) is None else start_server(
+            status_pattern(args), args.bind.rpartition(":")[0] or "127.0.0.1", args.status_port, prog)
     except Refused as e:
         _fail(str(e))
 

@@ -21,10 +21,12 @@ PROG = "megatron_edit.status"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("records", nargs="+", metavar="RECORD_PATH_OR_GLOB",
                    help="the run's --local-sgd-sync-record path (with {worker}), a record file or a glob")
-    p.add_argument("--port", type=int, default=8000, help="the port to serve at (0: one the OS picks; default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="the port to serve at (0: one the OS picks; default: %(default)s)")
     p.add_argument("--bind", default="127.0.0.1",
                    help="the address to serve at (default: %(default)s, this host only; 0.0.0.0: every interface)")
     return p

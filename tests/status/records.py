@@ -7,15 +7,17 @@ from megatron_edit.exchange.record import FIELDS, SCHEMA
 T0 = 1_700_000_000.0
 
 
-def rec(worker, step, t, kind="sync", run="run-a", participants=(0, 1), committed=True, last=False, final=False, events=(),
-        sync=None, excluded=(), bytes_sent=1000, exchange=0.5, exposed=0.2, arrival=0.1, residual_ratio=None):
+def rec(worker, step, t, kind="sync", run="run-a", participants=(0, 1), committed=True, last=False, final=False,
+        events=(), sync=None, excluded=(), bytes_sent=1000, exchange=0.5, exposed=0.2, arrival=0.1,
+        residual_ratio=None):
     """One record of ``worker`` at ``step``, ``t`` seconds after :data:`T0`."""
     record = dict.fromkeys(FIELDS)
     record.update(schema=SCHEMA, kind=kind, run_id=run, worker=worker, sync=sync if kind == "sync" else None,
                   step=step, time=T0 + t, backend="torchft", mode="step_end",
                   participants=None if participants is None else list(participants),
                   trained=None if participants is None else list(participants), committed=committed,
-                  exchanged=kind == "sync", final=final, last_sync=last, bytes_sent=bytes_sent, bytes_received=bytes_sent,
+                  exchanged=kind == "sync", final=final, last_sync=last, bytes_sent=bytes_sent,
+                  bytes_received=bytes_sent,
                   exchange_seconds=exchange, exchange_seconds_sum=2 * exchange, exposed_wait_seconds=exposed,
                   arrival_wait_seconds=arrival, delay=0, fragments=1, exchange_dtype="fp32", auto_overlap=False,
                   outer_lr=0.7, excluded=[dict(worker=w, layers=2, anomalous=2, non_finite=0, not_trained=0)

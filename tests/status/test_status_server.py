@@ -8,7 +8,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def run_files(tmp_path):
-    """The kill-and-heal run (a file per worker) and an older run of one sync in worker 0's file."""
-    records = kill_and_heal()
+    """The kill-and-heal run (a file per worker; at the last sync the penalty excluded worker 1 and
+    the residual was a quarter of the pseudo-gradient) and an older run of one sync in worker 0's file."""
+    excluded = [dict(worker=1, layers=2, anomalous=2, non_finite=0, not_trained=0)]
+    records = [dict(r, excluded=excluded, residual_ratio=0.25) if r["step"] == 12 else r for r in kill_and_heal()]
     older = [rec(0, 2, -100, run="older", sync=1, participants=(0,), bytes_sent=7)]
     for worker in (0, 1):
         mine = [r for r in records if r["worker"] == worker]
@@ -52,17 +53,21 @@ def test_metrics_are_prometheus_text_with_each_workers_figures(server):
     assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
     samples = {(s.name, s.labels.get("run_id"), s.labels.get("worker"), s.labels.get("state")): s.value
                for family in text_string_to_metric_families(body.decode()) for s in family.samples}
-    one = lambda name, worker, run="run-a", state=None: samples[(f"megatron_edit_{name}", run, str(worker), state)]  # noqa: E731
+    def one(name, worker, run="run-a", state=None):
+        return samples[(f"megatron_edit_{name}", run, str(worker), state)]
+
     assert (one("syncs_total", 0), one("syncs_total", 1)) == (6, 4)
     assert (one("syncs_not_committed_total", 0), one("syncs_not_committed_total", 1)) == (1, 0)
     assert (one("bytes_sent_total", 0), one("bytes_received_total", 1)) == (6000, 4000)
-    assert one("exchange_seconds_total", 0) == pytest.approx(3.5) and one("exposed_wait_seconds_total", 1) == pytest.approx(1.2)
+    assert one("exchange_seconds_total", 0) == pytest.approx(3.5)
+    assert one("exposed_wait_seconds_total", 1) == pytest.approx(1.2)
     assert one("arrival_wait_seconds_total", 0) == pytest.approx(0.7) and one("arrival_wait_last_seconds", 1) == 0.1
     assert (one("heals_total", 0), one("heals_total", 1), one("heal_bytes_total", 1)) == (0, 1, 4096)
-    assert (one("step", 0), one("participants", 1), one("excluded_workers", 1), one("excluded_total", 1)) == (12, 2, 0, 0)
-    assert one("last_record_timestamp_seconds", 1) == T0 + 60.1
+    assert (one("step", 0), one("participants", 1), one("last_record_timestamp_seconds", 1)) == (12, 2, T0 + 60.1)
+    assert (one("excluded_workers", 0), one("excluded_total", 0), one("excluded_total", 1)) == (1, 0, 1)
+    assert one("residual_ratio", 1) == 0.25
     assert one("worker_state", 1, state="finished") == 1 and one("worker_state", 1, state="dead") == 0
-    assert ("megatron_edit_residual_ratio", "run-a", "0", None) not in samples  # (null: no error feedback)
+    assert ("megatron_edit_residual_ratio", "older", "0", None) not in samples  # (null: no error feedback)
     assert one("syncs_total", 0, run="older") == 1 and one("bytes_sent_total", 0, run="older") == 7
     assert samples[("megatron_edit_status_lines_skipped_total", None, None, None)] == 0
 
@@ -114,6 +119,7 @@ def test_the_cli_refuses_in_one_line_before_serving(tmp_path, capsys):
         port = taken.getsockname()[1]
         assert main([str(tmp_path / "*.jsonl"), "--port", str(port)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"megatron_edit.status: --bind 127.0.0.1 --port {port}: cannot listen")
-    assert main([str(tmp_path / "*.jsonl"), "--port", "70000"]) == 2
+    assert err.count("\n") == 1
+    assert err.startswith(f"megatron_edit.status: --bind 127.0.0.1 --port {port}: cannot listen")
+    assert main([str(tmp_path / "*.jsonl"), "--port", "70000"]) == 2  # (refused before binding)
     assert "--port 70000: give a port from 1 to 65535" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import random
 
 from megatron_edit.status.state import WAIT_FLOOR_S, Status
 from megatron_edit.status.tail import RecordFiles, pattern_of, pattern_problem
-from records import T0, heal, joined, kill_and_heal, left, lines, rec
+from records import T0, heal, joined, kill_and_heal, lines, rec
 
 
 def _view(records, at, run=None):
@@ -69,7 +69,8 @@ def test_the_syncs_hold_each_quorum_and_each_workers_figures():
     rows = {w["worker"]: w for w in view["workers"]}
     assert (rows[0]["syncs"], rows[0]["joins"], rows[0]["not_committed"]) == (6, 1, 1)
     assert (rows[1]["syncs"], rows[1]["joins"], rows[1]["not_committed"]) == (4, 2, 0)  # (join rounds: not syncs)
-    assert rows[0]["totals"]["bytes_sent"] == 6000 and rows[1]["totals"]["exchange_seconds"] == 3.0  # (its join rounds too)
+    assert rows[0]["totals"]["bytes_sent"] == 6000
+    assert rows[1]["totals"]["exchange_seconds"] == 3.0  # (its join rounds' too)
     assert view["syncs_recorded"] == 10 and view["interval"] == 10.0
 
 

@@ -356,19 +356,24 @@ def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(
     assert after[0]["trained"] == [0] and after[0]["participants"] == [0, 1]  # (it healed: it brought nothing)
 
 
+@pytest.fixture(scope="module")
+def chromium_installed():
+    """Skips where Chromium is not installed, before the run starts (listed first)."""
+    from cdp import INSTALL, chromium_path
+
+    if chromium_path() is None:
+        pytest.skip(f"needs Chromium for the status page in a browser: {INSTALL}")
+
+
 @pytest.mark.one_lane  # (the page, not megatron-core; and the default lane installs Chromium)
 @pytest.mark.timeout(3 * TIMEOUT)
-def test_the_status_page_shows_the_kill_and_the_heal_live_in_a_browser(killed_and_healed):
+def test_the_status_page_shows_the_kill_and_the_heal_live_in_a_browser(chromium_installed, killed_and_healed):
     """The status page (python -m megatron_edit.status on the run's record files) in headless
     Chromium, loaded once before the kill-and-heal run starts: without a reload it shows both
     workers and a count of syncs that grows, then worker 1 dead (its state, or its history when
     the record that says it came with the relaunch's), then healed (a heal, training again), and
     at the end both finished. Its screenshot is the docs' (docs/img/status_page.png, with
     MEGATRON_EDIT_UPDATE_DOCS_IMAGE=1)."""
-    from cdp import INSTALL, chromium_path
-
-    if chromium_path() is None:
-        pytest.skip(f"needs Chromium for the status page in a browser: {INSTALL}")
     ctl, _, seen = killed_and_healed
     assert {shown["load"] for shown in seen} == {seen[0]["load"]} and seen[-1]["updates"] > seen[0]["updates"]
     assert seen[0]["syncs"] == 0 and [shown["error"] for shown in seen] == [None] * len(seen)  # (loaded first)
