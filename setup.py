@@ -12,6 +12,8 @@ setup(
     # is needed (0.12+); 0.20+ is refused until checked.
     install_requires=["megatron-core>=0.12.0,<0.20", "einops", "numpy", "psutil"],
     # ft: the fault-tolerant exchange across workers (--local-sgd-sync-backend torchft).
+    # metrics: the status server's /metrics (python -m megatron_edit.status, supervise --status-port).
     extras_require={"test": ["pytest", "pytest-timeout", "psutil"], "bench": ["matplotlib"],
-                    "ft": ["torchft==0.2.0"]},
+                    "ft": ["torchft==0.2.0"], "metrics": ["prometheus_client"]},
+    package_data={"megatron_edit.status": ["page.html"]},
 )

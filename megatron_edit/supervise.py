@@ -29,6 +29,9 @@ and the start gate:
 
 prints (and writes to ``--env-file``) the two ``export`` lines every worker's job needs, and
 runs until it is stopped (SIGTERM or SIGINT: exit 0).
+
+``--status-port N`` also serves the run's status page and ``/metrics`` (:mod:`megatron_edit.status`)
+at ``--bind``'s host from the workers' ``--local-sgd-sync-record``, and tells it of jobs that exit.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List, NoReturn, Optional
+from typing import List, NoReturn, Optional, Tuple
 from urllib.parse import urlparse
 
 PLACEHOLDER = "{replica_id}"
@@ -64,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                         "print the environment every worker's job needs, run until stopped")
     p.add_argument("--env-file", default=None,
                    help="with --serve: also write that environment to this file, as export lines")
+    p.add_argument("--status-port", type=int, default=None,
+                   help="also serve the run's status page and /metrics at this port (0: one the OS picks) of "
+                        "--bind's host, from the records of the workers' --local-sgd-sync-record")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then one worker's job, with {replica_id}")
     return p
 
@@ -106,22 +112,52 @@ def served_address(bind: str, address: str) -> str:
     return parsed._replace(netloc=f"[{host}]:{parsed.port}" if ":" in host else f"{host}:{parsed.port}").geturl()
 
 
-def min_replicas_of(command: List[str]) -> int:
-    """The workers' ``--local-sgd-min-replicas`` in their command (1 where it has none): the
-    Lighthouse forms no quorum with fewer workers."""
+def flag_in(command: List[str], field: str) -> Tuple[str, Optional[str]]:
+    """(the flag of ``LocalSGDConfig``'s ``field``, its value in the workers' ``command`` or None)."""
     from .config import LocalSGDConfig
     from .flags import flag_names
 
-    name = flag_names(LocalSGDConfig)["min_replicas"]
+    name = flag_names(LocalSGDConfig)[field]
     for i, part in enumerate(command):
         value = part.split("=", 1)[1] if part.startswith(f"{name}=") else (
             command[i + 1] if part == name and i + 1 < len(command) else None)
         if value is not None:
-            try:
-                return max(1, int(value))
-            except ValueError:
-                _fail(f"{name} {value!r} in the worker's command is not an integer.")
-    return 1
+            return name, value
+    return name, None
+
+
+def min_replicas_of(command: List[str]) -> int:
+    """The workers' ``--local-sgd-min-replicas`` in their command (1 where it has none): the
+    Lighthouse forms no quorum with fewer workers."""
+    name, value = flag_in(command, "min_replicas")
+    if value is None:
+        return 1
+    try:
+        return max(1, int(value))
+    except ValueError:
+        _fail(f"{name} {value!r} in the worker's command is not an integer.")
+
+
+def status_pattern(args: argparse.Namespace) -> str:
+    """``--status-port``'s records: the glob of the workers' ``--local-sgd-sync-record`` (refused
+    in one line, naming both flags, where the command has none)."""
+    from .status.supervised import Refused, records_of
+
+    try:
+        return records_of(*flag_in(args.command, "sync_record"), args.serve, args.status_port)
+    except Refused as e:
+        _fail(str(e))
+
+
+def _status_server(args: argparse.Namespace, prog: str):
+    """``--status-port``'s server at ``--bind``'s host, started (None without the flag)."""
+    from .status.supervised import Refused, start_server
+
+    try:
+        return None if getattr(args, "status_port", None) is None else start_server(
+            status_pattern(args), args.bind.rpartition(":")[0] or "127.0.0.1", args.status_port, prog)
+    except Refused as e:
+        _fail(str(e))
 
 
 def _fail(line: str) -> NoReturn:
@@ -198,6 +234,7 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     from .exchange.record import RUN_ID_ENV, new_run_id
     from .exchange.run_gate import START_GATE_ENV, refusal, release_claim, start_gate_value
 
+    status = _status_server(args, prog)  # (before anything starts: a port it cannot have is refused)
     try:
         lighthouse = LighthouseServer(bind=args.bind, min_replicas=min_replicas_of(args.command),
                                       join_timeout_ms=args.join_timeout_ms,
@@ -226,6 +263,8 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
         for worker in workers:
             worker.stop()
         lighthouse.shutdown()
+        if status is not None:
+            status.close()
         if signum is not None:
             sys.exit(128 + signum)
 
@@ -243,6 +282,8 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
                 if code == 0:
                     worker.done = True
                     continue
+                if status is not None:
+                    status.job_exited(run_env[RUN_ID_ENV], worker.replica_id, code)
                 left = worker.stop()  # what is left of it: none may share its replica id with the relaunch
                 release_claim(gate, worker.replica_id)
                 if left:
@@ -349,6 +390,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ImportError:
         _fail("torchft is not installed; pip install torchft==0.2.0 (in a checkout: pip install -e '.[ft]').")
     args.command = command
+    if args.status_port is not None:
+        status_pattern(args)  # (refused before anything starts)
     return supervise(args)
 
 

@@ -20,7 +20,8 @@
 #
 # Overrides: VENV, MEGATRON_CORE, PYTHON (the interpreter that creates the venv), TORCH.
 # EXTRAS=ft: also megatron_edit's optional extras (comma-separated; ft = torchft, for
-# --local-sgd-sync-backend torchft), installed with megatron_edit.
+# --local-sgd-sync-backend torchft; metrics = prometheus_client, for the status server's
+# /metrics), installed with megatron_edit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

@@ -42,9 +42,10 @@ def pytest_configure(config):
     )
 
 
-#: Test folders that import no megatron-core (pure math; collectives on fake groups or torchft):
+#: Test folders that import no megatron-core (pure math; collectives on fake groups or torchft; the
+#: status page's records):
 #: every test in them is ``one_lane``.
-WITHOUT_MEGATRON_CORE = ("algorithm", "exchange")
+WITHOUT_MEGATRON_CORE = ("algorithm", "exchange", "status")
 
 
 def pytest_terminal_summary(terminalreporter):

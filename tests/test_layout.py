@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_edit"
 
 LAYERS = {"algorithm": 0, "config": 1, "arguments": 1, "flags": 1, "exchange": 2, "mcore": 3, "cpu": 4, "training": 5}
-ENTRY = 6  # api, launch, plan, supervise and wraps (the CLIs) and __init__
+ENTRY = 6  # api, launch, plan, supervise, wraps and status (the CLIs) and __init__
 
 
 _SPEC = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "dev" / "import_graph.py")
@@ -66,7 +66,7 @@ GRAPH = {name: _imports(name)[0] for name in MODULES}
 
 def _layer(name):
     parts = name.split(".")
-    if len(parts) == 1 or parts[1] in ("api", "launch", "plan", "supervise", "wraps"):
+    if len(parts) == 1 or parts[1] in ("api", "launch", "plan", "supervise", "wraps", "status"):
         return ENTRY
     return LAYERS[parts[1]]
 
@@ -120,6 +120,17 @@ def test_no_module_over_450_lines_and_no_function_over_100():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
                 long_functions.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert long_modules == [] and long_functions == []
+
+
+def test_the_status_page_reads_records_without_the_training_side():
+    """``megatron_edit.status`` serves a run from its record files alone (a finished run's too, on a
+    machine without torch): of the package it imports only the record's schema and the config."""
+    status = [name for name in MODULES if name.split(".")[1:2] == ["status"]]
+    assert status, "megatron_edit.status moved: update this test"
+    reached = {dep for name in status for dep in GRAPH[name] if not dep.startswith("megatron_edit.status")}
+    assert reached <= {"megatron_edit.exchange.record", "megatron_edit.config"}, reached
+    external = {m.split(".")[0] for name in status for m in _imports(name)[1]}
+    assert not external & {"torch", "megatron", "numpy"}, external
 
 
 def test_the_graph_sees_lazy_imports():

@@ -37,7 +37,7 @@ job); else the job agrees on one in its store (:mod:`megatron_edit.mcore.sync_re
 
 FIELDS = (
     "schema", "kind", "run_id", "worker", "sync", "step", "time", "backend", "mode",
-    "participants", "trained", "committed", "exchanged", "final",
+    "participants", "trained", "committed", "exchanged", "final", "last_sync",
     "bytes_sent", "bytes_received", "exchange_seconds", "exchange_seconds_sum", "exposed_wait_seconds",
     "arrival_wait_seconds",
     "delay", "fragment", "fragments", "exchange_dtype", "topk_density", "auto_overlap", "outer_lr",

@@ -299,6 +299,7 @@ class RecordFeed:
         wait = self.backend.arrival_wait if self.arrivals is None else self.arrivals.last_wait
         part = rank_part(report, trained, ids, self.representative, wait, heal)
         last = bool(report.final) or (last_step is not None and report.step >= last_step)
+        fields["last_sync"] = last
         self.record.deliver(self.slot, fields, part, last)
 
 

@@ -122,6 +122,7 @@ def test_one_record_per_worker_per_sync_with_the_bytes_on_the_wire(tmp_path):
             assert all(list(r) == list(FIELDS) and r["kind"] == "sync" and r["ranks"] == 2 and r["missing_ranks"] == []
                        and r["participants"] == [0, 1] == r["trained"] and r["committed"] for r in mine), name
             assert [r["sync"] for r in mine] == list(range(1, len(mine) + 1))
+            assert [r["last_sync"] for r in mine] == [False] * (len(mine) - 1) + [True]  # (the run's last step)
             for k, r in enumerate(mine):
                 assert r["bytes_sent"] == r["bytes_received"] == sum(rep[k].payload_bytes for rep in reports), name
                 assert r["exchange_seconds"] >= 0.0 and r["exposed_wait_seconds"] >= 0.0

@@ -408,3 +408,89 @@ def test_a_refusal_under_torchrun_stops_the_run_instead_of_a_relaunch(tmp_path):
     assert "megatron_edit: error: " in result.stderr and "--local-sgd-sync-interval" in result.stderr
     assert "refusing to run (its line is above): stopping the run" in result.stderr
     assert "relaunching" not in result.stdout
+
+
+STATUS_WORKER = """
+import json, os, sys, time
+from megatron_edit.exchange.record import FIELDS
+rid, folder, path = int(sys.argv[1]), sys.argv[2], sys.argv[sys.argv.index("--local-sgd-sync-record") + 1]
+starts = len([f for f in os.listdir(folder) if f.startswith(f"start{rid}-")])
+open(os.path.join(folder, f"start{rid}-{starts}"), "w").close()
+
+def record(kind, step, last=False):  # what a worker's first rank appends (docs/reference/sync-record.md)
+    r = dict.fromkeys(FIELDS)
+    r.update(schema=1, kind=kind, run_id=os.environ["MEGATRON_EDIT_RUN_ID"], worker=rid, step=step, time=time.time(),
+             committed=kind == "sync", participants=[0, 1], events=[], excluded=[], missing_ranks=[], last_sync=last)
+    with open(path, "a") as f:
+        f.write(json.dumps(r) + "\\n")
+
+record("join", 0)
+if starts == 0:
+    record("sync", 2)
+if rid == 1 and starts == 0:
+    os._exit(9)  # killed: the supervisor relaunches it (which joins and waits)
+end = time.time() + 120
+while not os.path.exists(os.path.join(folder, "seen")) and time.time() < end:
+    time.sleep(0.05)
+record("sync", 4, last=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_status_port_serves_the_runs_page_and_hears_of_a_dead_job(tmp_path):
+    """--status-port: the page of the run's records (the workers' --local-sgd-sync-record, with
+    {replica_id}) at --bind's host while the run goes on; worker 1's job exits once and is
+    relaunched: the page says it exited (the supervisor's word) and joined again. The server ends
+    with the supervisor."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    script = tmp_path / "worker.py"
+    script.write_text(STATUS_WORKER)
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("MEGATRON_EDIT_RUN_ID", None)
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--status-port", "0", "--",
+         sys.executable, str(script), "{replica_id}", str(folder), "--local-sgd-sync-record",
+         str(folder / "syncs-{replica_id}.jsonl")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, cwd=ROOT)
+    try:
+        line = supervisor.stdout.readline()
+        assert "the run's status page at http://127.0.0.1:" in line, line + supervisor.stdout.read()
+        url = line.split(" at ", 1)[1].split()[0]
+        end = time.monotonic() + 120
+        while True:
+            with urllib.request.urlopen(url + "state.json", timeout=30) as answer:
+                run = json.loads(answer.read())["run"]
+            events = {w["worker"]: [h["event"] for h in w["history"]] for w in (run or {}).get("workers", ())}
+            if events.get(1, [])[-2:] == ["exited", "joined"] and 0 in events:
+                break
+            assert supervisor.poll() is None and time.monotonic() < end, f"the page showed {run}"
+            time.sleep(0.2)
+        (one,) = [w for w in run["workers"] if w["worker"] == 1]
+        assert one["state"] == "healing" and "code 9" in one["history"][-2]["why"]
+        (folder / "seen").touch()
+        out, _ = supervisor.communicate(timeout=120)
+        assert supervisor.returncode == 0, out
+        with pytest.raises(urllib.error.URLError):  # (ended with the supervisor)
+            urllib.request.urlopen(url + "state.json", timeout=10)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+
+
+def test_status_port_without_the_record_in_the_command_is_one_line_before_anything_starts():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "megatron_edit.supervise", "--workers", "2", "--status-port", "0",
+                             "--", sys.executable, "train.py", "--local-sgd-replica-id", "{replica_id}"],
+                            capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert result.returncode == 2 and result.stdout == ""  # (no Lighthouse, no job)
+    assert result.stderr == (
+        "megatron_edit.supervise: --status-port needs --local-sgd-sync-record PATH in the worker's command (the "
+        "page reads the run's records): add --local-sgd-sync-record runs/syncs-{worker}.jsonl to it, or drop "
+        "--status-port.\n")

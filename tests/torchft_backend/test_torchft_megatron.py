@@ -6,7 +6,9 @@ same data and config, to 1e-6.
 torchft is the optional ``ft`` extra: installed in CI's default lane, skipped where it is not."""
 
 import contextlib
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -248,17 +250,9 @@ def _event(record, kind):
     return [e for e in record["events"] if e["event"] == kind]
 
 
-@pytest.mark.timeout(3 * TIMEOUT)
-def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(tmp_path):
-    """2 workers x 2 ranks, 2 streaming fragments. Worker 1's job is SIGKILLed between its
-    syncs 4 and 6; worker 0 commits sync 6 alone (nothing restarts). A fresh job for worker 1
-    joins at sync 8, where its rank 1's heal transfer fails and its rank 0's succeeds: neither
-    loads its heal, the round fails on both (worker 0's sync 8 is not committed once its
-    collectives time out; worker 0 never crashes), and both ranks stay behind. At the joiner's
-    next sync (after its own step 2) both heal into worker 0's sync 10 together, and from then on
-    the joiner is bit-identical to worker 0 (anchors, outer momentum, torchft steps, step counters,
-    parameters after the last step's sync of every shard)."""
-    ctl = str(tmp_path)
+def _kill_and_heal(ctl):
+    """The run of :func:`test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on`
+    (see it), its jobs logging in ``ctl``: each worker's last jobs' results."""
     synced = lambda w, step, **kw: all(  # noqa: E731
         any(e["ev"] == "sync" and e["step"] == step and all(e[k] == v for k, v in kw.items())
             for e in _events(ctl, w, r)) for r in range(RANKS))
@@ -273,7 +267,51 @@ def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(
         open(os.path.join(ctl, "killed"), "w").close()
         _until(lambda: synced(0, 6, workers=1, committed=True), "worker 0's sync 6 alone")
         joiner = start(_healing_worker, RANKS, 1, addr, ctl, True, False, True, timeout=2 * TIMEOUT)
-        final0, final1 = ft_jobs.all_results([survivor, joiner])
+        return ft_jobs.all_results([survivor, joiner])
+
+
+STATUS_PAGE_TEST = "test_the_status_page_shows_the_kill_and_the_heal_live_in_a_browser"
+UPDATE_DOCS_IMAGE = "MEGATRON_EDIT_UPDATE_DOCS_IMAGE"
+"""Set to 1: the status page test's screenshot replaces docs/img/status_page.png."""
+
+
+@pytest.fixture(scope="module")
+def killed_and_healed(request, tmp_path_factory):
+    """The kill-and-heal run, once for the tests of it: (its folder, each worker's last job's
+    results, what its status page showed). Where :data:`STATUS_PAGE_TEST` is selected and
+    Chromium installed, the page of its records (``python -m megatron_edit.status``) is loaded
+    once, before the jobs start, and watched in the browser until both workers have finished
+    (:class:`page_watch.PageWatch`; its screenshot at the end); else nothing watches (None)."""
+    from cdp import chromium_path
+    from page_watch import ROOT, PageWatch
+
+    ctl = str(tmp_path_factory.mktemp("kill_and_heal"))
+    watched = chromium_path() is not None and any(item.name == STATUS_PAGE_TEST for item in request.session.items)
+    if not watched:
+        return ctl, _kill_and_heal(ctl), None
+    with PageWatch(os.path.join(ctl, "record-*.jsonl")) as watch:
+        finals = _kill_and_heal(ctl)
+        watch.until(lambda seen: [w["state"] for w in seen[-1]["workers"]] == ["finished"] * 2,
+                    "both workers finished", timeout=120)
+        watch.screenshot(os.path.join(ctl, "status_page.png"))
+    with open(os.path.join(ctl, "status_page_seen.json"), "w") as f:  # (what it showed: for a failure's reader)
+        json.dump(watch.seen, f)
+    if os.environ.get(UPDATE_DOCS_IMAGE) == "1":
+        shutil.copyfile(os.path.join(ctl, "status_page.png"), ROOT / "docs" / "img" / "status_page.png")
+    return ctl, finals, watch.seen
+
+
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(killed_and_healed):
+    """2 workers x 2 ranks, 2 streaming fragments. Worker 1's job is SIGKILLed between its
+    syncs 4 and 6; worker 0 commits sync 6 alone (nothing restarts). A fresh job for worker 1
+    joins at sync 8, where its rank 1's heal transfer fails and its rank 0's succeeds: neither
+    loads its heal, the round fails on both (worker 0's sync 8 is not committed once its
+    collectives time out; worker 0 never crashes), and both ranks stay behind. At the joiner's
+    next sync (after its own step 2) both heal into worker 0's sync 10 together, and from then on
+    the joiner is bit-identical to worker 0 (anchors, outer momentum, torchft steps, step counters,
+    parameters after the last step's sync of every shard)."""
+    ctl, (final0, final1), _ = killed_and_healed
     for r in range(RANKS):
         ev0 = [e for e in _events(ctl, 0, r) if e["ev"] == "sync"]
         assert [(e["step"], e["committed"], e["fragment"]) for e in ev0] == [
@@ -302,6 +340,7 @@ def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(
     assert _event(syncs[6], "left") == [dict(event="left", workers=[1])] and syncs[6]["participants"] == [0]
     assert [s for s in (8, 10) if _event(syncs[s], "joined") == [dict(event="joined", workers=[1])]], survivor
     assert not syncs[8]["committed"] and all(syncs[s]["committed"] for s in (2, 4, 6, 10, 12))
+    assert [r["last_sync"] for r in survivor] == [False] * 6 + [True]  # (set_train_iters: the run's last step)
     assert all(r["arrival_wait_seconds"] >= 0 for r in survivor)  # (its rounds' quorums)
     victim = _records(ctl, 1)
     relaunched = len(victim) - 1 - [r["kind"] for r in victim][::-1].index("join")
@@ -315,6 +354,41 @@ def test_a_killed_worker_is_relaunched_and_heals_as_one_while_the_other_goes_on(
     (heal,) = _event(after[0], "heal")
     assert heal["from_workers"] == [0] and heal["ranks"] == RANKS and heal["bytes"] > 0 and heal["seconds"] > 0
     assert after[0]["trained"] == [0] and after[0]["participants"] == [0, 1]  # (it healed: it brought nothing)
+
+
+@pytest.fixture(scope="module")
+def chromium_installed():
+    """Skips where Chromium is not installed, before the run starts (listed first)."""
+    from cdp import INSTALL, chromium_path
+
+    if chromium_path() is None:
+        pytest.skip(f"needs Chromium for the status page in a browser: {INSTALL}")
+
+
+@pytest.mark.one_lane  # (the page, not megatron-core; and the default lane installs Chromium)
+@pytest.mark.timeout(3 * TIMEOUT)
+def test_the_status_page_shows_the_kill_and_the_heal_live_in_a_browser(chromium_installed, killed_and_healed):
+    """The status page (python -m megatron_edit.status on the run's record files) in headless
+    Chromium, loaded once before the kill-and-heal run starts: without a reload it shows both
+    workers and a count of syncs that grows, then worker 1 dead (its state, or its history when
+    the record that says it came with the relaunch's), then healed (a heal, training again), and
+    at the end both finished. Its screenshot is the docs' (docs/img/status_page.png, with
+    MEGATRON_EDIT_UPDATE_DOCS_IMAGE=1)."""
+    ctl, _, seen = killed_and_healed
+    assert {shown["load"] for shown in seen} == {seen[0]["load"]} and seen[-1]["updates"] > seen[0]["updates"]
+    assert seen[0]["syncs"] == 0 and [shown["error"] for shown in seen] == [None] * len(seen)  # (loaded first)
+    counts = sorted({shown["syncs"] for shown in seen})
+    assert len(counts) >= 3 and counts[-1] == len(_records(ctl, 0)) + len(_records(ctl, 1)) - 3  # (3 join rounds)
+    both = next(i for i, shown in enumerate(seen) if [w["worker"] for w in shown["workers"]] == [0, 1])
+    worker1 = [(i, next(w for w in shown["workers"] if w["worker"] == 1)) for i, shown in enumerate(seen)
+               if i >= both]
+    dead = next(i for i, w in worker1 if w["state"] == "dead" or "dead" in w["history"])
+    healed = next(i for i, w in worker1 if i >= dead and w["heals"] == 1 and w["state"] in ("training", "finished"))
+    history = dict(worker1)[healed]["history"]
+    assert history[:history.index("dead") + 1] == ["training", "dead"] and "training" in history[history.index("dead"):]
+    assert [(w["worker"], w["state"], w["heals"]) for w in seen[-1]["workers"]] == [(0, "finished", 0),
+                                                                                   (1, "finished", 1)]
+    assert os.path.getsize(os.path.join(ctl, "status_page.png")) > 10_000
 
 
 @pytest.mark.timeout(2 * TIMEOUT)
