@@ -21,18 +21,19 @@ every ``torch.distributed`` call, coalesced or not, ends up):
   :class:`CollectiveHazard` at the resize, naming the collective and where it was launched.
 * **at the wait**: every tensor of the collective still has the storage it had at the launch (the
   same address and size), and every tensor it only reads (the input of an all-gather, a
-  reduce-scatter, a send) still holds the bytes it held at the launch (a CRC32 of them).
+  reduce-scatter, a send) still holds the bytes it held at the launch (a checksum of them).
 
-A synchronous collective is checked the same way (its wait is inside the call). The cost: a CRC of
-every input at the launch and at the wait, a dictionary lookup per resize. A debug mode only.
+A synchronous collective is checked the same way (its wait is inside the call). The cost: a checksum of
+every input (its elements summed as integers) at the launch and at the wait, a dictionary
+lookup per resize. A debug mode only.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import traceback
-import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -66,7 +67,7 @@ class _Buffer:
     read_only: bool
     address: int
     nbytes: int
-    crc: Optional[int]
+    checksum: Optional[int]
 
 
 @dataclass
@@ -74,7 +75,11 @@ class _Launch:
     op: str
     work: object
     buffers: List[_Buffer]
-    where: str
+    stack: traceback.StackSummary
+
+    @property
+    def where(self) -> str:
+        return _where(self.stack)
 
 
 _lock = threading.Lock()
@@ -91,21 +96,35 @@ def _tensors(value, out: List[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
-def _crc(tensor: torch.Tensor) -> Optional[int]:
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(tensor: torch.Tensor) -> Optional[int]:
+    """A checksum of the tensor's bytes: its elements read as integers of their size, summed
+    (position-weighted by a second sum of every other element), without a copy: a CRC of a numpy view
+    would make the storage unresizable, and Megatron-FSDP resizes its buckets."""
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return None
-    # of a copy: numpy's view of a storage would make it unresizable (Megatron-FSDP resizes its buckets)
-    return zlib.crc32(tensor.detach().clone().view(-1).view(torch.uint8).numpy().tobytes())
+    flat = tensor.detach().reshape(-1).view(_SAME_SIZE_INT[tensor.element_size()])
+    return hash((int(flat.sum(dtype=torch.int64)), int(flat[::2].sum(dtype=torch.int64))))
 
 
 def _buffer(tensor: torch.Tensor, read_only: bool) -> _Buffer:
     storage = tensor.untyped_storage()
     return _Buffer(tensor, read_only, storage.data_ptr(), storage.nbytes(),
-                   _crc(tensor) if read_only else None)
+                   _checksum(tensor) if read_only else None)
 
 
-def _where(skip: int = 3) -> str:
-    return "".join(traceback.format_stack()[:-skip][-12:])
+def _stack(skip: int = 2) -> traceback.StackSummary:
+    """The caller's stack (12 frames), its source lines read only when a hazard prints it."""
+    frame = sys._getframe(skip)
+    stack = traceback.StackSummary.extract(traceback.walk_stack(frame), limit=12, lookup_lines=False)
+    stack.reverse()
+    return stack
+
+
+def _where(stack: traceback.StackSummary) -> str:
+    return "".join(stack.format())
 
 
 def _launched(op: str, args: tuple, work) -> None:
@@ -117,7 +136,7 @@ def _launched(op: str, args: tuple, work) -> None:
     written = {tensor.untyped_storage().data_ptr() for tensor, reads in tensors if not reads}
     buffers = [_buffer(tensor, reads and tensor.untyped_storage().data_ptr() not in written)
                for tensor, reads in tensors]
-    launch = _Launch(op, work, buffers, _where())
+    launch = _Launch(op, work, buffers, _stack(3))
     with _lock:
         _launches[id(work)] = launch
         for buffer in buffers:
@@ -133,7 +152,7 @@ def _check_at_wait(launch: _Launch) -> None:
                 f"{launch.op}: a buffer's storage changed while the collective was in flight "
                 f"({buffer.nbytes} bytes at {buffer.address:#x} -> {storage.nbytes()} at "
                 f"{storage.data_ptr():#x}); launched at\n{launch.where}")
-        if buffer.crc is not None and _crc(buffer.tensor) != buffer.crc:
+        if buffer.checksum is not None and _checksum(buffer.tensor) != buffer.checksum:
             raise CollectiveHazard(
                 f"{launch.op}: an input was written while the collective was in flight "
                 f"({buffer.tensor.numel()} elements of {buffer.tensor.dtype}); launched at\n{launch.where}")
@@ -186,7 +205,7 @@ def _wrap_resize(original):
                 raise CollectiveHazard(
                     f"a storage of {self.nbytes()} bytes at {self.data_ptr():#x} resized to {size} "
                     f"while {launch.op} (not waited for; completed: {launch.work.is_completed()}) "
-                    f"uses it: gloo would write into freed memory. Resized at\n{_where(2)}"
+                    f"uses it: gloo would write into freed memory. Resized at\n{_where(_stack(2))}"
                     f"launched at\n{launch.where}")
         return original(self, size)
 
