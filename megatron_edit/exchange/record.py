@@ -1,6 +1,6 @@
 """What a sync's record says (issue 59; schema :data:`SCHEMA`, every field in :data:`FIELDS` and
-docs/reference/sync-record.md): one rank's part of it, and the worker's record from the parts of
-its ranks.
+docs/reference/sync-record.md): one rank's part of it, the worker's record from the parts of
+its ranks, and a record's figures as scalars (:func:`scalars`, for TensorBoard / W&B).
 
 A record is a worker's, and a worker is many ranks (its distributed optimizer's shards x tensor
 x pipeline ranks; a MoE model's dense and expert optimizers on each). What one rank alone knows,
@@ -174,3 +174,38 @@ def membership_events(before: Optional[Sequence[int]], now: Optional[Sequence[in
     left, joined = sorted(set(before) - set(now)), sorted(set(now) - set(before))
     return ([dict(event="left", workers=left)] if left else []) + ([dict(event="joined", workers=joined)]
                                                                     if joined else [])
+
+
+SCALAR_PREFIX = "local-sgd-record/"
+"""The prefix of a record's scalars (:func:`scalars`) in TensorBoard / W&B."""
+
+
+def scalars(record: dict) -> Dict[str, float]:
+    """A record's worker-level figures as numbers (TensorBoard / W&B tags under
+    :data:`SCALAR_PREFIX`, written at the record's ``step``): the worker, bytes sent and received
+    across workers, the participants and trained workers (counts), committed and exchanged (1 or
+    0), the exchange's seconds (slowest rank), the exposed and arrival waits, the residual ratio,
+    the workers excluded (count), ranks missing (count), a heal's bytes and seconds (0: none), the
+    settings in force (delay, fragments, top-k density) and A-EDiT's steps per participant
+    (``worker-steps/<worker>``). A field that is null is left out (TensorBoard has no null: a
+    dense exchange has no ``topk-density``, one worker no ``arrival-wait-seconds``). A ``join``
+    record (not one of the run's syncs) gives its worker and heal only."""
+    heals = [e for e in record["events"] if e["event"] == "heal"]
+    out = {"worker": record["worker"], "heal-bytes": sum(e["bytes"] for e in heals),
+           "heal-seconds": max((e["seconds"] or 0.0 for e in heals), default=0.0)}
+    if record["kind"] == "sync":
+        out.update({
+            "bytes-sent": record["bytes_sent"], "bytes-received": record["bytes_received"],
+            "participants": _count(record["participants"]), "trained": _count(record["trained"]),
+            "committed": record["committed"], "exchanged": record["exchanged"],
+            "exchange-seconds": record["exchange_seconds"], "exposed-wait-seconds": record["exposed_wait_seconds"],
+            "arrival-wait-seconds": record["arrival_wait_seconds"], "residual-ratio": record["residual_ratio"],
+            "excluded-workers": len(record["excluded"]), "missing-ranks": len(record["missing_ranks"]),
+            "delay": record["delay"], "fragments": record["fragments"], "topk-density": record["topk_density"]})
+        if record["worker_steps"] is not None:
+            out.update({f"worker-steps/{w}": s for w, s in zip(record["participants"] or (), record["worker_steps"])})
+    return {SCALAR_PREFIX + tag: float(value) for tag, value in out.items() if value is not None}
+
+
+def _count(workers: Optional[Sequence[int]]) -> Optional[int]:
+    return None if workers is None else len(workers)

@@ -96,6 +96,9 @@ class LocalSGDRuntime:
         self.fsdp_pipelines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.sync_record: Optional[SyncRecord] = None
         """The per-sync record of this session's controllers (``LocalSGDConfig.sync_record``), or None."""
+        self.record_reader = False
+        """This rank reads its worker's records as they are written (``SyncRecord.take``): set before
+        the first controller is built (Megatron-LM's logging rank, :mod:`megatron_edit.training.record_log`)."""
 
     def close(self) -> None:
         """The session's end (:func:`~megatron_edit.unpatch_megatron_for_local_sgd`): the sync
@@ -183,7 +186,7 @@ class LocalSGDRuntime:
                     break
         if controller.config.sync_record is not None:  # before the join: a torchft join is recorded too
             if self.sync_record is None:
-                self.sync_record = SyncRecord.open(controller)
+                self.sync_record = SyncRecord.open(controller, reader=self.record_reader)
             controller.record = self.sync_record.feed(controller)
         controller.backend.ready()  # torchft: join the others (with its plan as it syncs with it)
         if self.train_iters is not None:

@@ -37,6 +37,14 @@ its worker's id into the store once, when its first controller is built, and a r
 (without waiting) before its first record; with one worker, or under torchft (each worker its
 own job), the worker is the job's world.
 
+**A reader in the job.** One rank of the worker may read its worker's records as they are written
+(Megatron-LM's logging rank, for its TensorBoard writer: :mod:`megatron_edit.training.record_log`
+says why this way): it says so when its :class:`SyncRecord` is built (``reader``; one ``set`` in
+the store, before any part of it), the writer looks once, at its first record, and from then on
+sets each record it writes in the store too (one ``set``); the reader takes them (:meth:`take`:
+one ``check`` per call, a ``get`` and a ``delete_key`` per record, nothing waited for until the
+run's end). A reader that is the writer takes them in its process.
+
 **The run id** every record carries: ``$MEGATRON_EDIT_RUN_ID`` where set (the supervisor sets one
 for every worker job of a torchft run it starts); else the first rank to ask sets one in the job's
 store (``compare_set``: every rank reads the same one), so the workers of a torch-backend job,
@@ -82,7 +90,7 @@ class SyncRecord:
     the same number on every rank of the job (keys of one record apart from another's)."""
 
     def __init__(self, path: str, worker: int, backend: str, store, rank: int, world: int, worker_is_world: bool,
-                 session: int, end_wait: float = END_WAIT_S):
+                 session: int, end_wait: float = END_WAIT_S, reader: bool = False):
         self.path = check_record_path(path, worker)
         self.worker, self.backend, self.store, self.rank, self.world = worker, backend, store, rank, world
         self.prefix = f"megatron_edit/record/{session}"
@@ -105,6 +113,17 @@ class SyncRecord:
         """The last record this rank wrote (a worker's first rank), for a reader in the process."""
         self._fd: Optional[int] = None
         self._closed = False
+        self.reader = reader
+        """This rank reads its worker's records as they are written (:meth:`take`)."""
+        self._handover: Optional[bool] = None
+        """The writer: whether another rank of its worker reads its records (None: not looked yet)."""
+        self._taken: List[dict] = []
+        """A reader that is the writer: the records written and not taken yet."""
+        self._published = 0
+        """The syncs this rank published its parts of (the records its reader waits for at the end)."""
+        self._next_read = 0
+        if reader:
+            store.set(self._reader_key(), str(rank))
         if self._ranks is None:
             store.set(self._member_key(rank), str(worker))
         if backend == "torchft" and not os.environ.get(RUN_ID_ENV) and rank == 0:
@@ -114,14 +133,16 @@ class SyncRecord:
         _OPEN.add(self)
 
     @classmethod
-    def open(cls, controller) -> "SyncRecord":
+    def open(cls, controller, reader: bool = False) -> "SyncRecord":
         """The record of the process whose first controller (with ``sync_record``) is
-        ``controller``, in the job's store (a new key space per record: :data:`PROCESS`)."""
+        ``controller``, in the job's store (a new key space per record: :data:`PROCESS`);
+        ``reader``: this rank reads its worker's records (:meth:`take`)."""
         config, layout = controller.config, controller.layout
         torchft = config.sync_backend == "torchft"
         return cls(config.sync_record, config.replica_id if torchft else layout.worker, config.sync_backend,
                    default_store(), dist.get_rank(), dist.get_world_size(),
-                   worker_is_world=torchft or layout.num_workers == 1, session=PROCESS.next_record_key())
+                   worker_is_world=torchft or layout.num_workers == 1, session=PROCESS.next_record_key(),
+                   reader=reader)
 
     def feed(self, controller) -> "RecordFeed":
         """The feed of one more controller of this process (built before its first sync)."""
@@ -137,6 +158,12 @@ class SyncRecord:
 
     def _member_key(self, rank: int) -> str:
         return f"{self.prefix}/member/{rank}"
+
+    def _reader_key(self) -> str:
+        return f"{self.prefix}/reader/{self.worker}"
+
+    def _read_key(self, index: int) -> str:
+        return f"{self.prefix}/read/{self.worker}/{index}"
 
     def deliver(self, slot: int, fields: dict, part: dict, last: bool) -> None:
         """Feed ``slot`` reported its next sync: ``fields`` (:func:`~..exchange.record.agreed`, and
@@ -157,6 +184,7 @@ class SyncRecord:
         slots = [got[s] for s in sorted(got)]
         parts = [part for _, part in slots]
         self.store.set(self._key(index, self.rank), json.dumps(parts))
+        self._published = index + 1
         if self._writer is not False:
             fields = dict(slots[0][0], committed=all(f["committed"] for f, _ in slots))
             self._pending.append((index, fields, time.time(), parts))
@@ -175,7 +203,7 @@ class SyncRecord:
                 return
             parts, missing = collected
             self._pending.pop(0)
-            self._write(fields, when, {self.rank: mine, **parts}, missing)
+            self._write(index, fields, when, {self.rank: mine, **parts}, missing)
 
     def _missing(self, keys: List[str], deadline: float, forced: bool) -> Optional[List[str]]:
         """Those of ``keys`` not in the store ([]: all there). Not ``forced``: one ``check``, and None
@@ -238,7 +266,7 @@ class SyncRecord:
             return {}, sorted(others)
         return {r: json.loads(v) for r, v in zip(present, values)}, sorted(r for r in others if keys[r] in gone)
 
-    def _write(self, fields: dict, when: float, parts: Dict[int, list], missing: List[int]) -> None:
+    def _write(self, index: int, fields: dict, when: float, parts: Dict[int, list], missing: List[int]) -> None:
         fields = dict(fields)
         kind = "join" if fields.pop("join") else "sync"
         self._syncs += kind == "sync"
@@ -253,6 +281,50 @@ class SyncRecord:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(self._fd, line.encode())  # one write per line: workers appending to one file do not mix
+        self._hand_over(index, self.latest)
+
+    # ------------------------------------------------------------------ the reader
+    def _hand_over(self, index: int, record: dict) -> None:
+        """The writer: ``record`` (of sync ``index``) to its worker's reader, if it has one."""
+        if self.reader:
+            self._taken.append(record)
+            return
+        if self._handover is None:  # the reader said so before its first part, which this record holds
+            self._handover = self.store.check([self._reader_key()])
+        if self._handover:
+            self.store.set(self._read_key(index), json.dumps(record))
+
+    def take(self, wait: float = 0.0) -> List[dict]:
+        """The reader (:attr:`reader`): its worker's records written since the last call, in
+        order, without waiting. ``wait`` (the run's end): up to that long for the records of every
+        sync this rank published; a warning names those that still did not come (they are in the
+        file)."""
+        if not self.reader or self._closed:
+            return []
+        if wait and self._writer is not False:  # the writer (or not known yet): what it still holds
+            self.flush(wait, forced=True)
+        taken, self._taken = self._taken, []
+        if self._writer:
+            return taken
+        try:
+            if wait and self._next_read < self._published:
+                self._missing([self._read_key(i) for i in range(self._next_read, self._published)],
+                              time.monotonic() + wait, forced=True)
+            while self.store.check([self._read_key(self._next_read)]):
+                key = self._read_key(self._next_read)
+                taken.append(json.loads(self.store.get(key)))
+                self.store.delete_key(key)
+                self._next_read += 1
+        except Exception as error:  # noqa: BLE001 (the end: the store may have gone with the job)
+            if not wait:
+                raise
+            logger.warning("megatron_edit: rank %d could not read worker %d's sync records (%s).",
+                           self.rank, self.worker, error)
+        if wait and self._next_read < self._published:
+            logger.warning("megatron_edit: rank %d did not get %d of worker %d's sync records (from its sync %d on) "
+                           "within %g s: they are in %s only.", self.rank, self._published - self._next_read,
+                           self.worker, self._next_read + 1, wait, self.path)
+        return taken
 
     def close(self, wait: Optional[float] = None) -> None:
         """The end: publish what the controllers reported (a sync some of them did not report:

@@ -2,7 +2,9 @@
 
 Every key of ``SyncReport.scalars()`` (so new ones flow through) is accumulated between
 Megatron's log points and written through Megatron's own writers, from the rank that logs
-(Megatron's last rank): bytes and seconds are that rank's share of the sync.
+(Megatron's last rank): bytes and seconds are that rank's share of the sync. With the per-sync
+record on, that rank's worker's records go to the same writers at the same points
+(:mod:`megatron_edit.training.record_log`: the worker's figures, at each record's step).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from .record_log import write_records
 
 SUMMED_KEYS = frozenset({"local-sgd/sync-seconds", "local-sgd/sync-bytes", "local-sgd/exposed-wait-seconds"})
 """Keys of ``SyncReport.scalars()`` that add up over syncs; every other key is a level (the
@@ -133,6 +136,7 @@ def training_log_fields(
     writer,
     wandb_writer,
     is_first_iteration: bool = False,
+    sync_record=None,
 ) -> str:
     """What Megatron-LM's ``training_log`` does for EDiT at ``iteration``; returns the console
     fields (empty when this is not a console iteration).
@@ -140,7 +144,8 @@ def training_log_fields(
     Same conditions as Megatron's: TensorBoard / W&B when the TensorBoard writer exists (the
     last rank) and ``iteration % tensorboard_log_interval == 0``; the console line when
     ``iteration % log_interval == 0`` or on the first iteration (which, like Megatron, does not
-    reset the console window).
+    reset the console window). ``sync_record``: the session's per-sync record (``SyncRecord``),
+    whose records a reader writes at the TensorBoard points (:mod:`.record_log`), or None.
     """
     controllers = list(controllers)
     if not controllers:
@@ -148,6 +153,8 @@ def training_log_fields(
     metrics.collect(controllers)
     if writer and iteration % args.tensorboard_log_interval == 0:
         metrics.write(writer, wandb_writer, iteration)
+        if sync_record is not None and sync_record.reader:
+            write_records(sync_record.take(), writer, wandb_writer, iteration)
     if iteration % args.log_interval == 0 or is_first_iteration:
         return metrics.console(reset=not is_first_iteration) + global_progress_field(controllers[0])
     return ""

@@ -12,7 +12,9 @@ plain functions that both routes call, so the logic lives in one place:
   through the same checks the DDP / optimizer patches run (``check_megatron_options``,
   ``check_workers``, ``check_optimizer_options``), plus the options only Megatron-LM has.
 * :class:`~megatron_edit.training.metrics.SyncMetrics`: each sync's figures (``SyncReport.scalars()``, every key, so new ones
-  flow through) on Megatron's console line and in TensorBoard / W&B through Megatron's writers.
+  flow through) on Megatron's console line and in TensorBoard / W&B through Megatron's writers;
+  with ``--local-sgd-sync-record``, the logging rank's worker's records too
+  (:mod:`~megatron_edit.training.record_log`).
 * :class:`~megatron_edit.training.worker_local.WorkerLocalCollectives`: nothing crosses the sync group between syncs. Megatron-LM's
   per-step collectives over all data-parallel ranks (logged loss, params norm, timers, the
   rerun state machine's vote, the signal check) are kept inside the worker; the options whose
@@ -66,6 +68,7 @@ from .follow_heals import FollowHeals
 from .global_budget import GlobalBudget
 from .meetings import ChecksAtMeetings
 from .metrics import SyncMetrics, training_log_fields
+from .record_log import RecordLog
 from .replica_data import ReplicaData
 from .run_length import RunLength
 from .validation import validate_local_sgd_args
@@ -115,7 +118,7 @@ def native_training_log(args, iteration: int, writer, wandb_writer, is_first_ite
         return ""
     return training_log_fields(
         _native_state().metrics(runtime), list(runtime.controllers.values()), args, iteration,
-        writer, wandb_writer, is_first_iteration,
+        writer, wandb_writer, is_first_iteration, runtime.sync_record,
     )
 
 
@@ -220,6 +223,7 @@ def _wrap_training_log(runtime_ref, state, original):
             get_tensorboard_writer(),
             get_wandb_writer(),
             bound.arguments.get("is_first_iteration", False),
+            runtime.sync_record,
         ) or None
         try:
             return original(*args, **kwargs)
@@ -290,6 +294,8 @@ def add_global_budget_patches(
     heals = FollowHeals(runtime_ref)
     data = ReplicaData(runtime_ref)
     meetings = ChecksAtMeetings(runtime_ref)
+    records = RecordLog(runtime_ref)
+
     def patch(pid, name, wrap, description):
         return compat_patch(pid, f"{_TRAINING}:{name}", wrap, description)
 
@@ -301,15 +307,19 @@ def add_global_budget_patches(
         # (synchronous EDiT's last sync: --train-samples, less --iterations-to-skip), torchft's
         # heal at start-up and A-EDiT's loop cap all wrap setup_model_and_optimizer.
         patch("edit-last-step", "setup_model_and_optimizer",
-              lambda original: RunLength(runtime_ref).wrap_setup_model_and_optimizer(
-                  heals.wrap_setup_model_and_optimizer(budget.wrap_setup_model_and_optimizer(original))),
+              lambda original: records.wrap_setup_model_and_optimizer(
+                  RunLength(runtime_ref).wrap_setup_model_and_optimizer(
+                      heals.wrap_setup_model_and_optimizer(budget.wrap_setup_model_and_optimizer(original)))),
               "EDiT: the run's last sync at Megatron's last optimizer step (--train-iters or "
               "--train-samples, less --iterations-to-skip); torchft: the loop starts at the step a heal "
-              "put the worker at; A-EDiT: the loop may run to --train-iters x workers (data sets built for that)"),
-        patch("a-edit-common-iteration", "train", lambda original: budget.wrap_train(meetings.wrap_train(original)),
+              "put the worker at; A-EDiT: the loop may run to --train-iters x workers (data sets built for that); "
+              "--local-sgd-sync-record: the logging rank reads its worker's records"),
+        patch("a-edit-common-iteration", "train",
+              lambda original: records.wrap_train(budget.wrap_train(meetings.wrap_train(original))),
               "A-EDiT: train returns --train-iters, the common iteration, on every worker; "
               "--check-weight-hash-across-dp-replicas-interval: resumed between syncs, the check "
-              "before the loop is made at the first sync"),
+              "before the loop is made at the first sync; --local-sgd-sync-record: the last records to "
+              "TensorBoard after the loop"),
         patch("a-edit-save-exit-at-sync", "checkpoint_and_decide_exit",
               lambda original: heals.wrap_checkpoint_and_decide_exit(budget.wrap_checkpoint_and_decide_exit(
                   meetings.wrap_checkpoint_and_decide_exit(original))),

@@ -18,8 +18,10 @@ same model and data:
                     layer-wise with the quantized exchange and error feedback (``--exchange-dtypes``);
   no-comm bound     EDiT with H larger than the run: the workers never talk (upper bound).
 tokens/s = tokens of all ranks over the slowest rank's wall time. Bytes: payload counted by
-wrapping torch.distributed (bench_common.TrafficCounter) and what actually left each worker's
-link (the interface's tx_bytes: TCP/IP framing and gloo's algorithm included). Writes
+wrapping torch.distributed (bench_common.TrafficCounter: synchronous Megatron's all-reduces too,
+which no record holds) and what actually left each worker's link (the interface's tx_bytes: TCP/IP
+framing and gloo's algorithm included). The syncs of the timed window: worker 0's per-sync record
+(``--local-sgd-sync-record``). Writes
 scripts/bench/results/bandwidth.{png,md,json}; bench_model.py fits its step-time model to the JSON.
 """
 
@@ -102,6 +104,8 @@ def measure(args, mode, train_ds, counter, t_step):
     if mode == "A-EDiT":  # A-EDiT's flags only with A-EDiT (elsewhere they are refused)
         run_args.local_sgd_sync_time = args.interval * (t_step or 0.05)
         run_args.local_sgd_min_total_global_steps = 1
+    recorded = mode not in ("synchronous", "no-comm bound")  # (the bound never syncs: no record)
+    run_args.local_sgd_sync_record = bc.record_path("bandwidth") if recorded else None
     ddp, optimizer, scheduler, controllers = bc.build(run_args)
     it = bc.batches(run_args, train_ds)
     lay = bc.layout(args)
@@ -117,12 +121,12 @@ def measure(args, mode, train_ds, counter, t_step):
         bc.train_step(run_args, ddp, optimizer, scheduler, next(it))
     for c in controllers:
         c.drain_reports()
-    done, syncs = 0, 0
+    done, syncs = 0, 0  # (syncs: the loop's own count, A-EDiT stops on it; the table's is the record's)
     counter.reset()
     counter.enabled = True
     tx0 = tx_bytes()
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, since = time.perf_counter(), time.time()
     while True:
         if mode == "A-EDiT":
             # Stop on a sync count (identical everywhere), never on a local step count.
@@ -134,7 +138,7 @@ def measure(args, mode, train_ds, counter, t_step):
         done += 1
         syncs += len([r for c in controllers for r in c.drain_reports()])
     syncs += len(bc.flush(ddp, controllers))
-    elapsed = time.perf_counter() - t0
+    elapsed, until = time.perf_counter() - t0, time.time()
     counter.enabled = False
     tx = tx_bytes() - tx0 if tx0 >= 0 else -1
     identical = None
@@ -144,6 +148,9 @@ def measure(args, mode, train_ds, counter, t_step):
         bc.flush(ddp, controllers)
     if mode != "no-comm bound":
         identical = bc.replicas_identical(args, ddp)
+    if recorded:  # the syncs that ended in the timed window: worker 0's records (its ``time``: rank 0's clock)
+        records = bc.close_records(run_args.local_sgd_sync_record)
+        syncs = sum(1 for r in records if r["worker"] == 0 and since <= r["time"] <= until + 1e-3)
     wall = bc.max_over_ranks(elapsed)
     per_rank = bc.gather_floats([done, counter.total(), tx if lay["rank_in_worker"] == 0 else 0])
     total_steps = per_rank[:, 0].sum().item()

@@ -24,7 +24,8 @@ A run's outcome: ``one model`` (exit 0, every worker's ranks recorded the same d
 ``said`` (exit non-zero, the supervisor's last lines name why), ``SILENT`` (exit 0 and the
 digests differ or are missing: a silent divergence) or ``WRONG CODE`` (exit non-zero with one
 model). Goodput: worker-steps in the anchor per second, over a run without faults of the same
-flags; time to heal: from the event to the worker's first sync after it.
+flags; time to heal: from the event to the worker's first sync after it (both from the run's
+per-sync record, ``--local-sgd-sync-record``: its committed syncs and the time its sync ended).
 
 Prints a Markdown table with the load average; writes it to scripts/bench/results/chaos.md (--out).
 """
@@ -47,7 +48,8 @@ HOOKS = ROOT / "scripts" / "bench" / "chaos_hooks"
 RESULTS = ROOT / "scripts" / "bench" / "results"
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_ft import Run, _anchored_steps  # noqa: E402  (one start of the main job; its anchored steps)
+import bench_common as bc  # noqa: E402  (the per-sync record's reader)
+from bench_ft import Run, anchored_steps, first_sync_after  # noqa: E402  (one start of the main job; its record's figures)
 from fault_matrix import marked_processes  # noqa: E402  (a run's processes, by its mark)
 
 KINDS = ("job", "launcher", "exchange", "heal", "sigstop")
@@ -153,9 +155,12 @@ def one_run(args, folder: Path, name: str, plan) -> dict:
     finally:
         run.stop()
     run.poll()
+    # A run that ended before its first sync wrote no record (its outcome says why).
+    records = bc.read_records(str(run.record)) if run.record.exists() else []
     for e in events:
         _happened(e, chaos)
-        e["heal"] = next((t - e["at"] for t in _sync_times(run, e["worker"]) if t > e["end"]), None)
+        heal = first_sync_after(records, e["worker"], e["end"])  # (the record's time of that sync)
+        e["heal"] = None if heal is None else heal + e["end"] - e["at"]
     digests = {}
     for path in chaos.iterdir():
         m = re.fullmatch(r"end-w(\d+)-r(\d+)-\d+", path.name)
@@ -168,7 +173,7 @@ def one_run(args, folder: Path, name: str, plan) -> dict:
     outcome = ("one model" if one else "SILENT") if code == 0 else ("WRONG CODE" if one else "said")
     tail = [line for _, line in run.lines if line.startswith("train_gpt_edit.py:")][-2:]
     return dict(name=name, code=code, outcome=outcome, events=events, seconds=time.time() - run.started,
-                worker_steps=_anchored_steps(run), said=tail, unfired=len(pending), log=str(run.log))
+                worker_steps=anchored_steps(records), said=tail, unfired=len(pending), log=str(run.log))
 
 
 def _flags(args):

@@ -14,7 +14,9 @@ The main job's GPT (2 workers x 2 shards, CPU, gloo) trains ``--steps`` steps wi
 Every ``torch.distributed`` collective whose group spans two workers is counted by wrapping
 ``torch.distributed`` (and megatron-core's bucket collectives) in this process; nothing else is
 assumed. The table gives bytes per step per rank as ring algorithms send them (see
-bench_common.TrafficCounter) and the ratio against synchronous.
+bench_common.TrafficCounter) and the ratio against synchronous. The syncs, and the bytes EDiT says
+it sent, come from each EDiT run's per-sync record (``--local-sgd-sync-record``): "= record
+bytes" checks every worker's record against what was counted on its ranks.
 Writes scripts/bench/results/comm.png and scripts/bench/results/comm.md.
 """
 
@@ -42,8 +44,11 @@ def parse_args():
     return bc.parse_args(parser)
 
 
-def measure(args, run_args, counter, train_ds):
+def measure(args, run_args, counter, train_ds, name):
     counter.enabled = False
+    edit = bool(run_args.use_local_sgd)
+    if edit:
+        run_args.local_sgd_sync_record = bc.record_path(name.replace(" ", "_").replace("=", ""))
     ddp, optimizer, scheduler, controllers = bc.build(run_args)
     it = bc.batches(run_args, train_ds)
     counter.reset()
@@ -56,9 +61,8 @@ def measure(args, run_args, counter, train_ds):
         for c in controllers:
             c.flush()
         ddp.module.synchronize_param_gather()
-        reports = [r for c in controllers for r in c.drain_reports()]
     else:
-        reports = bc.flush(ddp, controllers)  # the last layer-wise sync completes here (counted)
+        bc.flush(ddp, controllers)  # the last layer-wise sync completes here (counted)
     counter.enabled = False
     size = bc.layout(args)["worker_size"]
     if fsdp:  # each rank's fp32 shard of every parameter
@@ -66,15 +70,22 @@ def measure(args, run_args, counter, train_ds):
     else:
         shard_bytes = sum(b.grad_data.numel() * 4 // size for buf in ddp.buffers for b in buf.buckets)
     by_name = {}
-    for _, name, nbytes in counter.events:
-        by_name.setdefault(name, [0, 0])
-        by_name[name][0] += 1
-        by_name[name][1] += nbytes
-    return dict(
-        total=counter.total(), collectives=counter.count(), by_name=by_name, syncs=len(reports),
-        report_bytes=sum(r.payload_bytes for r in reports), shard_bytes=shard_bytes,
-        identical=bc.replicas_identical(args, ddp),
-    )
+    for _, collective, nbytes in counter.events:
+        by_name.setdefault(collective, [0, 0])
+        by_name[collective][0] += 1
+        by_name[collective][1] += nbytes
+    # The counter is kept: it counts the wire (every collective across workers, synchronous
+    # Megatron's too), which the record does not; EDiT's syncs and bytes are the record's.
+    counted = {}  # worker -> bytes counted on its ranks
+    for rank, total in enumerate(bc.gather_floats([counter.total()])[:, 0].tolist()):
+        worker = counter.worker_of_rank[rank]
+        counted[worker] = counted.get(worker, 0) + int(total)
+    out = dict(total=counter.total(), collectives=counter.count(), by_name=by_name, shard_bytes=shard_bytes,
+               identical=bc.replicas_identical(args, ddp), counted=counted, syncs=0, record_bytes=None)
+    if edit:
+        records = bc.close_records(run_args.local_sgd_sync_record)
+        out.update(syncs=sum(1 for r in records if r["worker"] == 0), record_bytes=bc.per_worker(records, "bytes_sent"))
+    return out
 
 
 def main():
@@ -115,7 +126,7 @@ def main():
                                       local_sgd_exchange_dtype=dtype, local_sgd_exchange_error_feedback=True)))
     results = []
     for name, h, penalty, run_args in runs:
-        r = measure(args, run_args, counter, train_ds)
+        r = measure(args, run_args, counter, train_ds, name)
         r.update(name=name, h=h, penalty=penalty, fsdp=getattr(run_args, "use_megatron_fsdp", False))
         results.append(r)
         bc.log0(f"{name:22s} {r['total'] / args.bench_steps:12.1f} B/step  {r['collectives']} collectives "
@@ -125,6 +136,14 @@ def main():
     if dist.get_rank() == 0:
         report(args, results)
     dist.destroy_process_group()
+
+
+def _record_cell(r) -> str:
+    """Whether every worker's record says the bytes counted on its ranks."""
+    if r["record_bytes"] == r["counted"]:
+        return "yes"
+    return "no (" + ", ".join(f"worker {w}: record {r['record_bytes'].get(w, 0):,.0f}, counted {c:,}"
+                              for w, c in sorted(r["counted"].items())) + ")"
 
 
 def report(args, results):
@@ -147,20 +166,22 @@ def report(args, results):
             r["name"], "-" if r["h"] is None else r["h"], r["syncs"], f"{r['collectives'] / n:.3f}",
             f"{per_step:,.0f}", "-" if quantized else f"{scalars:,.1f}", f"{fewer:.3f}",
             "-" if r["h"] is None or quantized else f"{fewer / r['h']:.4f}", of_fp32,
-            "-" if r["h"] is None else ("yes" if r["report_bytes"] == r["total"] else f"no ({r['report_bytes']})"),
+            "-" if r["h"] is None else _record_cell(r),
             "yes" if r["identical"] else "no",
         ]
         rows.append(cells)
     base = base_ddp
     headers = ["run", "H", "syncs", "collectives/step", "B/step/rank", "of which scalars",
-               "x fewer than sync", "(x fewer)/H", "x of fp32 exchange", "= SyncReport bytes",
+               "x fewer than sync", "(x fewer)/H", "x of fp32 exchange", "= record bytes",
                "replicas equal at end"]
     shard = results[0]["shard_bytes"]
     notes = (
         f"{n} steps per run, {args.workers} workers x {bc.layout(args)['worker_size']} shards, "
         f"fp32 gradient/pseudo-gradient shard per rank {shard:,} B over all buckets.\n"
         "Counted: every collective whose group spans two workers (torch.distributed wrapped in-process); "
-        "bytes as ring algorithms send them per rank (headers not included).\n"
+        "bytes as ring algorithms send them per rank (headers not included). syncs: worker 0's records; "
+        "'= record bytes': each worker's bytes_sent in its per-sync record, summed over the run, equal to "
+        "what was counted on its ranks.\n"
         "EDiT sends one fp32 pseudo-gradient shard per H steps and one all-gather of per-layer float64 "
         "norms per sync (every sync checks them for non-finite values before anything else is sent; the "
         "penalty decides on them): the 'scalars' column, so (x fewer)/H is slightly below 1.\n"

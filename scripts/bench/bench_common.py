@@ -1,4 +1,5 @@
-"""What the benchmarks share: set-up, one training step, a traffic counter, tables and plots.
+"""What the benchmarks share: set-up, one training step, a traffic counter, the per-sync record's
+reader, tables and plots.
 
 The benchmarks (``scripts/bench/bench_*.py``) train the main job's model (``main_job_model.build``:
 a megatron-core GPT on the shipped text, the partial distributed optimizer with one instance
@@ -325,3 +326,68 @@ def exchange_alone(shard_numels: Sequence[int], group, reps: int = 7) -> float:
             handle.wait()
         times.append(max_over_ranks(time.perf_counter() - t0))
     return statistics.median(times[1:])
+
+
+# ---------------------------------------------------------------------- the per-sync record
+# What EDiT itself says of each sync (docs/reference/sync-record.md): the benchmarks read their
+# bytes, syncs, seconds and waits from it rather than counting them again; they count only what
+# it does not hold (the wire's bytes of every collective, synchronous Megatron's, step times).
+
+def record_path(tag: str) -> str:
+    """A fresh file for one run's record (``--local-sgd-sync-record``), the same path on every
+    rank: rank 0 names it in a new temporary folder and broadcasts it."""
+    import tempfile
+
+    name = [os.path.join(tempfile.mkdtemp(prefix="bench_records_"), f"{tag}.jsonl") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def read_records(path: str, kind: Optional[str] = "sync") -> List[dict]:
+    """The records in ``path`` (one JSON object a line), in the order written; ``kind``: only those
+    (``sync``: the run's syncs; None: joins too). A missing file or a line that is not a record
+    stops the benchmark with one line."""
+    import json
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"bench: no sync record at {path}: the run wrote none (was --local-sgd-sync-record given?)")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+                record["kind"], record["worker"]
+            except (ValueError, TypeError, KeyError) as error:
+                raise SystemExit(f"bench: {path}:{number} is not a sync record ({error})") from None
+            if kind is None or record["kind"] == kind:
+                records.append(record)
+    return records
+
+
+def per_worker(records: Sequence[dict], field: str) -> Dict[int, float]:
+    """Worker -> the sum of ``field`` over its records (``bytes_sent``, ``exposed_wait_seconds``, ...)."""
+    out: Dict[int, float] = {}
+    for r in records:
+        out[r["worker"]] = out.get(r["worker"], 0) + (r[field] or 0)
+    return out
+
+
+def by_step(records: Sequence[dict], field: str, combine: Callable = max) -> Dict[int, float]:
+    """Step -> ``combine`` over the workers' records of the sync after it of ``field`` (``max``:
+    the slowest worker's seconds)."""
+    values: Dict[int, list] = {}
+    for r in records:
+        values.setdefault(r["step"], []).append(r[field])
+    return {step: combine(v) for step, v in values.items()}
+
+
+def close_records(path: str) -> List[dict]:
+    """A run's records, once written: every rank ends the run's EDiT session
+    (``unpatch_megatron_for_local_sgd``: each worker's first rank writes what it still holds, its
+    worker's ranks' parts being there), then a barrier (another worker's writer is another
+    process) before the file is read."""
+    import megatron_edit
+
+    megatron_edit.unpatch_megatron_for_local_sgd()
+    dist.barrier()
+    return read_records(path)

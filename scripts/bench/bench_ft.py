@@ -18,12 +18,13 @@ warmup) on this machine, --workers x --ranks processes:
   imports, data and model, without a checkpoint's load (so the baseline's cost is a lower bound).
 
 Goodput: worker-steps trained into the anchor (torchft: each committed sync adds the steps of the
-workers that trained since the last, as worker 0 logs them; torch: the steps kept at the
-checkpoints and the end) x tokens per worker-step, per second of the run, over the no-fault run
-of the same backend. Also: the survivors' stall at a fault (the longest gap between worker 0's
-logged steps around it, over the no-fault median gap x log interval), a relaunched worker's time
-from its kill to its first sync (and Python's imports of that alone, measured apart), and the
-steps lost by the survivors (worker 0's logged steps: each once, none repeated).
+workers that trained since the last, as the run's per-sync record says, ``--local-sgd-sync-record``;
+torch: the steps kept at the checkpoints and the end) x tokens per worker-step, per second of the
+run, over the no-fault run of the same backend. Also: the survivors' stall at a fault (the longest
+gap between worker 0's logged steps around it, over the no-fault median gap x log interval: the
+record has no steps between syncs), a relaunched worker's time from its kill to its first sync
+(the ``time`` of its first record after the kill; and Python's imports of that alone, measured
+apart), and the steps lost by the survivors (worker 0's logged steps: each once, none repeated).
 
 On this CPU machine every worker shares the same cores: a dead worker's CPU time goes to the
 survivors, and a relaunched job's start takes it from them, so both backends pay about a job's
@@ -51,17 +52,22 @@ ROOT = Path(__file__).resolve().parents[2]
 MAIN_JOB = ROOT / "scripts" / "train_gpt_edit.py"
 RESULTS = ROOT / "scripts" / "bench" / "results"
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 from fault_matrix import RUN_MARK as MARK, kill_marked as _kill  # noqa: E402  (the run's processes, by mark)
+import bench_common as bc  # noqa: E402  (the per-sync record's reader)
 
 
 class Run:
-    """One start of the main job; its output lines with the time each was first seen."""
+    """One start of the main job; its output lines with the time each was first seen, and its
+    per-sync record (:attr:`record`)."""
 
     def __init__(self, argv, folder: Path, name: str):
         self.log = folder / f"{name}.log"
+        self.record = folder / f"{name}.syncs.jsonl"
         self.mark = f"{os.getpid()}-{time.monotonic_ns()}"
         self.sink = open(self.log, "w")
         self.started = time.time()
+        argv = [*argv, "--local-sgd-sync-record", str(self.record)]
         self.proc = subprocess.Popen([sys.executable, str(MAIN_JOB), *argv], cwd=ROOT, stdout=self.sink,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env=dict(os.environ, **{MARK: self.mark}))
@@ -117,23 +123,22 @@ def torchft_run(args, folder: Path, faults: bool) -> dict:
     end = time.time()
     if run.proc.returncode != 0:
         raise SystemExit(f"bench_ft: the torchft run failed (exit {run.proc.returncode}); its output: {run.log}")
-    return dict(seconds=end - run.started, worker_steps=_anchored_steps(run), kills=kills,
-                stall=_stall(run, kills), rejoin=_rejoin(run, kills),
+    records = bc.read_records(str(run.record))
+    return dict(seconds=end - run.started, worker_steps=anchored_steps(records), kills=kills,
+                stall=_stall(run, kills), rejoin=_rejoin(records, kills),
                 survivor_steps_ok=_survivor_steps(run.log.read_text()) == list(range(args.log_interval, args.steps + 1,
                                                                      args.log_interval)))
 
 
-def _anchored_steps(run: Run) -> int:
-    """Worker-steps in the anchor: over worker 0's committed syncs, (workers that trained) x
-    (steps since the last sync)."""
+def anchored_steps(records) -> int:
+    """Worker-steps in the anchor, from a run's sync records: over its committed syncs (each
+    once, whichever worker's record: a killed worker's last ones are lost, the others' are not),
+    (workers that trained since the last) x (steps since the last committed sync: an uncommitted
+    sync's steps count at the next)."""
     total, last = 0, 0
-    for _, line in run.lines:
-        m = re.match(r"worker 0 sync \d+ after step (\d+)(.*?): .*?\((\d+) workers(?:, (\d+) trained since the last)?\)",
-                     line)
-        if m and "NOT COMMITTED" not in m.group(2):  # (an uncommitted sync's steps count at the next)
-            step = int(m.group(1))
-            total += int(m.group(4) or m.group(3)) * (step - last)
-            last = step
+    for step, r in sorted({r["step"]: r for r in records if r["committed"]}.items()):
+        total += len(r["trained"]) * (step - last)
+        last = step
     return total
 
 
@@ -161,14 +166,16 @@ def _stall(run: Run, kills) -> list:
     return out
 
 
-def _rejoin(run: Run, kills) -> list:
+def first_sync_after(records, worker: int, at: float):
+    """Seconds from ``at`` (Unix time) to the end of ``worker``'s first sync after it (its record's
+    ``time``), or None."""
+    return next((r["time"] - at for r in sorted(records, key=lambda r: r["time"])
+                 if r["worker"] == worker and r["time"] > at), None)
+
+
+def _rejoin(records, kills) -> list:
     """Per fault: seconds from the kill to the relaunched worker's first sync after its heal."""
-    out = []
-    for at, victim in kills:
-        t = next((t for t, line in run.lines
-                  if t > at and re.match(rf"worker {victim} sync \d+ after", line)), None)
-        out.append(None if t is None else t - at)
-    return out
+    return [first_sync_after(records, victim, at) for at, victim in kills]
 
 
 def torch_run(args, folder: Path, faults: bool) -> dict:

@@ -52,7 +52,9 @@ Arrivals.wait and SyncGroup.all_gather in this process: time in it, spread of th
 arrivals (one clock: CLOCK_MONOTONIC), the last arriver's time. "extra vs bound" = median over
 measured intervals of (the H steps' time, mean over ranks) minus the bound's median interval;
 "exposed wait" = SyncReport.exposed_wait_seconds (delayed syncs: host seconds in the exchange's
-waits at the apply; mean over ranks, median over syncs); layer-wise: steps s and s+1 above the
+waits at the apply; mean over ranks, median over syncs; "(max rank)": the per-sync record's
+exposed_wait_seconds, the slowest rank's, ``--local-sgd-sync-record``; the syncs, their settings
+and bytes are the record's too); layer-wise: steps s and s+1 above the
 run's median ordinary step (bench_overlap's "extra per sync"). For the delayed modes the launch
 step (s - tau), the steps while the exchange is in flight and the apply step (s) are each given
 above the run's ordinary steps. "exchange alone" = the same all-reduces (every rank's shards,
@@ -253,7 +255,7 @@ def run(args, name, flags, train_ds, intervals, valid_ds=None):
     flags = dict(flags or {})
     barrier = flags.pop("_barrier", False)
     run_args = bc.edit_args(args, use_local_sgd=edit, local_sgd_warmup_steps=0, local_sgd_sync_mode="layerwise",
-                            **flags)
+                            local_sgd_sync_record=bc.record_path("hiding") if edit else None, **flags)
     ddp, optimizer, scheduler, controllers = bc.build(run_args)
     if controllers:  # off the grid: the run's last sync is outside the measured window
         me.set_train_iters(optimizer, steps + 1)
@@ -296,8 +298,15 @@ def run(args, name, flags, train_ds, intervals, valid_ds=None):
 
         SYNC_GROUP = compat.inter_instance_group(ddp.bucket_groups[0])
     first = args.skip_syncs * h  # steps 1..first are not measured, nor step steps + 1
+    records = bc.close_records(run_args.local_sgd_sync_record) if edit else []
+    # The syncs, their settings, bytes and the slowest rank's exposed wait: the per-sync record's
+    # (worker 0's records; the max over workers of each sync's slowest rank).
+    mine = [r for r in records if r["worker"] == 0 and first < r["step"] <= steps]
+    slowest = bc.by_step([r for r in records if first < r["step"] <= steps], "exposed_wait_seconds")
+    # Kept from each rank's reports: the mean over ranks of the exposed wait and of the seconds
+    # in EDiT code (the record holds each worker's slowest rank only). Every rank has the same
+    # syncs (same grid); gather their figures per sync.
     measured = [r for r in reports if first < r.step <= steps]
-    # Every rank has the same syncs (same grid); gather their figures per sync.
     n_rep = len(measured)
     counts = bc.gather_floats([n_rep])[:, 0].tolist()
     same = len(set(counts)) == 1
@@ -319,13 +328,13 @@ def run(args, name, flags, train_ds, intervals, valid_ds=None):
     return dict(
         mode=name, steps=steps, first=first, step=per_rank.mean(dim=0).tolist(), step_per_rank=per_rank.tolist(),
         starts=starts.tolist(), wall=wall, tokens=tokens, tokens_per_s=tokens / wall, load=load,
-        sync_steps=[r.step for r in measured], delay=[r.delay for r in measured],
+        sync_steps=[r["step"] for r in mine], delay=[r["delay"] for r in mine],
         exposed_wait=wait.mean(dim=0).tolist() if wait is not None else [],
-        exposed_wait_max=wait.max(dim=0).values.tolist() if wait is not None else [],
+        exposed_wait_max=[slowest[r["step"]] for r in mine],
         edit_seconds=seconds.mean(dim=0).tolist() if seconds is not None else [],
-        payload_bytes=[r.payload_bytes for r in measured], shard_numels=shard_numels,
+        worker_bytes=[r["bytes_sent"] for r in mine], shard_numels=shard_numels,
         identical=identical, left_in_flight=in_flight, gathers=gathers, decisions=decisions,
-        formats=[r.exchange_dtype for r in measured], fragments=[r.fragments for r in measured], loss=loss,
+        formats=[r["exchange_dtype"] for r in mine], fragments=[r["fragments"] for r in mine], loss=loss,
     )
 
 
@@ -617,6 +626,7 @@ def _summary(args, results, stats, alone, bound_base, confirm, payload, procs, l
         "mean over ranks of the time in it / spread of the ranks' arrivals / the last arriver's time, medians "
         "over syncs; launch, in-flight and apply steps above the run's own "
         "ordinary steps; exposed wait = SyncReport.exposed_wait_seconds (mean over ranks, median over syncs; "
+        "max rank: the per-sync record's exposed_wait_seconds, the slowest rank's, largest over syncs; "
         "layer-wise: steps s and s+1 above its ordinary step, as bench_overlap)."
         + ("\nPROBLEMS: " + "; ".join(problems) if problems else "")
     )

@@ -14,7 +14,11 @@ on every rank (mean over ranks per step). For each sync due after step s:
 "extra per sync" = time of steps s and s+1 above the median ordinary step (steps neither s nor
 s+1). The exchange alone (the same all-reduces, blocking, no compute) is timed afterwards.
 "hidden" = 1 - extra(layer-wise) / extra(step-end): the share of the sync's cost the forward
-pass hides. Writes scripts/bench/results/overlap{suffix}.{png,md}.
+pass hides. The seconds in EDiT code and the exposed wait of each sync are its per-sync record's
+(``--local-sgd-sync-record``: the slowest rank of each worker, the slower worker's); "extra /
+exposed" is the median over syncs of the extra per sync over the record's exposed wait, which
+should be 1 within 5% on a quiet machine (run it on one: on a loaded machine other jobs' time
+lands in the steps, not in the record). Writes scripts/bench/results/overlap{suffix}.{png,md}.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ def parse_args():
 def run(args, mode, train_ds):
     h = args.interval
     steps = (args.syncs + args.skip_syncs) * h + 1
+    edit = mode != "synchronous"
     run_args = bc.edit_args(
-        args, use_local_sgd=mode != "synchronous", local_sgd_sync_interval=h, local_sgd_warmup_steps=0,
-        local_sgd_sync_mode=mode if mode != "synchronous" else "layerwise",
+        args, use_local_sgd=edit, local_sgd_sync_interval=h, local_sgd_warmup_steps=0,
+        local_sgd_sync_mode=mode if edit else "layerwise",
+        local_sgd_sync_record=bc.record_path(f"overlap-{mode}") if edit else None,
     )
     ddp, optimizer, scheduler, controllers = bc.build(run_args)
     it = bc.batches(run_args, train_ds)
@@ -59,19 +65,23 @@ def run(args, mode, train_ds):
         forward.append(time.perf_counter() - t0)
         return out
 
-    step_times, reports = [], []
+    step_times = []
     dist.barrier()
     for _ in range(steps):
         t0 = time.perf_counter()
         bc.train_step(run_args, ddp, optimizer, scheduler, next(it), forward_step=timed_forward)
         step_times.append(time.perf_counter() - t0)
-        reports += [r for c in controllers for r in c.drain_reports()]
-    reports += bc.flush(ddp, controllers)
+        for c in controllers:
+            c.drain_reports()  # (the record has their figures)
+    bc.flush(ddp, controllers)
     shard_numels = [b.grad_data.numel() // bc.layout(args)["worker_size"] for buf in ddp.buffers for b in buf.buckets]
     per_rank = bc.gather_floats(step_times + forward)
     mean = per_rank.mean(dim=0).tolist()
+    records = bc.close_records(run_args.local_sgd_sync_record) if edit else []
+    # step -> the slower worker's figure of the sync after it (each worker's: its slowest rank's)
     return dict(mode=mode, step=mean[:steps], forward=mean[steps:], shard_numels=shard_numels,
-                edit_seconds=[r.seconds for r in reports], syncs=len(reports))
+                edit_seconds=bc.by_step(records, "exchange_seconds"),
+                exposed=bc.by_step(records, "exposed_wait_seconds"), syncs=len(bc.by_step(records, "step")))
 
 
 def exchange_alone(shard_numels, reps=7) -> float:
@@ -94,12 +104,18 @@ def analyse(args, r):
     next_step = [r["step"][s] - base for s in sync_after]
     next_fwd = [r["forward"][s] - base_fwd for s in sync_after]
     spread = statistics.quantiles(ordinary, n=4) if len(ordinary) >= 4 else [base, base, base]
+    # the record's exposed wait of the same syncs, against the step time they added
+    exposed = [r["exposed"][s] for s in sync_after if s in r["exposed"]]
+    ratios = [e / x for e, x in zip(extra, exposed) if x > 0] if len(exposed) == len(extra) else []
+    edit = [r["edit_seconds"][s] for s in sync_after if s in r["edit_seconds"]]
     return dict(base=base, base_iqr=(spread[0], spread[2]), base_fwd=base_fwd,
                 extra=statistics.median(extra) if extra else 0.0,
                 extra_all=extra, sync_step=statistics.median(sync_step) if sync_step else 0.0,
                 next_step=statistics.median(next_step) if next_step else 0.0,
                 next_fwd=statistics.median(next_fwd) if next_fwd else 0.0,
-                edit=statistics.median(r["edit_seconds"][args.skip_syncs:]) if r["edit_seconds"] else 0.0)
+                edit=statistics.median(edit) if edit else 0.0,
+                exposed=statistics.median(exposed) if exposed else 0.0, exposed_all=exposed,
+                extra_over_exposed=statistics.median(ratios) if ratios else float("nan"))
 
 
 def main():
@@ -127,13 +143,15 @@ def report(args, results, alone):
             ms(s["base_fwd"]),
             ms(s["sync_step"]) if edit else "-", ms(s["next_step"]) if edit else "-",
             ms(s["next_fwd"]) if edit else "-", ms(s["extra"]) if edit else "-",
-            ms(s["edit"]) if edit else "-",
+            ms(s["edit"]) if edit else "-", ms(s["exposed"]) if edit else "-",
+            f"{s['extra_over_exposed']:.3f}" if edit else "-",
             f"{s['base'] / stats['synchronous']['base']:.2f}",
         ])
     hidden = 1 - lw["extra"] / se["extra"] if se["extra"] > 0 else float("nan")
     payload = sum(results["layerwise"]["shard_numels"]) * 4
     headers = ["run", "ordinary step ms [IQR]", "forward ms", "step s +ms", "step s+1 +ms", "forward s+1 +ms",
-               "extra per sync ms", "in EDiT code ms", "ordinary step vs sync"]
+               "extra per sync ms", "in EDiT code ms", "record exposed wait ms", "extra / exposed",
+               "ordinary step vs sync"]
     summary = (
         f"{args.label}; H={args.interval}, {args.syncs} syncs measured per mode, "
         f"{args.workers} workers x {bc.layout(args)['worker_size']} shards, "
@@ -142,7 +160,11 @@ def report(args, results, alone):
         f"hidden by the forward pass: 1 - extra(layerwise)/extra(step_end) = {hidden:.0%} "
         f"({ms(lw['extra'])} ms vs {ms(se['extra'])} ms per sync); load average {bc.load_average()}.\n"
         "'+ms' = median over syncs of the step's time above the median ordinary step; step s runs the "
-        "optimizer step the sync is due after, step s+1 the forward pass where layer-wise completes it."
+        "optimizer step the sync is due after, step s+1 the forward pass where layer-wise completes it.\n"
+        "in EDiT code, record exposed wait: the per-sync record's exchange_seconds and exposed_wait_seconds "
+        "(each worker's slowest rank, the slower worker), medians over the measured syncs; extra / exposed: "
+        "median over those syncs of the extra per sync (steps s and s+1, mean over ranks) over the record's "
+        "exposed wait (1 within 5% expected on a quiet machine)."
     )
     text = bc.table(headers, rows)
     print(f"\noverlap of the sync with compute\n{text}\n{summary}")

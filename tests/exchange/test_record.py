@@ -1,5 +1,5 @@
 """The per-sync record's content (megatron_edit.exchange.record): one rank's part of a sync and
-the worker's record from its ranks' parts, on known numbers."""
+the worker's record from its ranks' parts, a record's scalars, on known numbers."""
 
 import math
 from types import SimpleNamespace
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_edit.exchange.record import agreed, combine, membership_events, rank_part
+from megatron_edit.exchange.record import agreed, combine, membership_events, rank_part, scalars
 from megatron_edit.exchange.report import SyncReport
 
 NAN = float("nan")
@@ -80,3 +80,25 @@ def test_a_report_without_a_record_field_reads_as_none():
     part = rank_part(SimpleNamespace(payload_bytes=8, seconds=0.5, delay=0, exposed_wait_seconds=0.0,
                                      quantization_error=None, norms=None), [True], [0], True, None, None)
     assert part["residual_sq"] is None and "layers" not in part
+
+
+def test_a_records_scalars_are_its_worker_level_figures_without_its_nulls():
+    record = dict(kind="sync", worker=1, step=8, participants=[0, 1, 2], trained=[0, 1], committed=True,
+                  exchanged=True, bytes_sent=300, bytes_received=300, exchange_seconds=0.75,
+                  exposed_wait_seconds=0.5, arrival_wait_seconds=None, residual_ratio=0.25,
+                  excluded=[dict(worker=2, layers=2, anomalous=0, non_finite=0, not_trained=2)], missing_ranks=[],
+                  delay=1, fragments=2, topk_density=None, worker_steps=[4, 6, 0],
+                  events=[dict(event="left", workers=[3]),
+                          dict(event="heal", from_workers=[0], ranks=2, bytes=1000, seconds=2.0)])
+    assert scalars(record) == {f"local-sgd-record/{tag}": value for tag, value in dict(
+        worker=1.0, **{"heal-bytes": 1000.0, "heal-seconds": 2.0, "bytes-sent": 300.0, "bytes-received": 300.0,
+                       "participants": 3.0, "trained": 2.0, "committed": 1.0, "exchanged": 1.0,
+                       "exchange-seconds": 0.75, "exposed-wait-seconds": 0.5, "residual-ratio": 0.25,
+                       "excluded-workers": 1.0, "missing-ranks": 0.0, "delay": 1.0, "fragments": 2.0,
+                       "worker-steps/0": 4.0, "worker-steps/1": 6.0, "worker-steps/2": 0.0}).items()}
+    join = dict(record, kind="join", events=[])
+    assert scalars(join) == {"local-sgd-record/worker": 1.0, "local-sgd-record/heal-bytes": 0.0,
+                             "local-sgd-record/heal-seconds": 0.0}
+    failed = dict(record, participants=None, trained=None, worker_steps=None, topk_density=0.05)
+    out = scalars(failed)
+    assert "local-sgd-record/participants" not in out and out["local-sgd-record/topk-density"] == 0.05

@@ -3,7 +3,8 @@ worker, written by the worker's first rank from the parts its ranks leave in the
 
 * the store protocol in one process (a HashStore, ranks as objects): a record waits for a late
   rank's part without anyone waiting, is written at a later sync in order, and a rank whose part
-  never comes is named at the end; the writer of each worker is its first rank;
+  never comes is named at the end; the writer of each worker is its first rank; a reader (Megatron-LM's
+  logging rank) takes its worker's records as they are written, through the store or in its process;
 * real megatron-core on CPU / gloo, 2 workers x 2 ranks: step-end, layer-wise (with clipping), a
   delayed outer step, streaming fragments, int8 with error feedback and top-k in one job: one
   record per worker per sync, the settings in force, and bytes equal to what a wrapped
@@ -39,8 +40,9 @@ def _lines(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()] if Path(path).exists() else []
 
 
-def _rank(store, path, rank, world, worker, worker_is_world=True):
-    record = SyncRecord(str(path), worker, "torch", store, rank, world, worker_is_world, session=7, end_wait=0.2)
+def _rank(store, path, rank, world, worker, worker_is_world=True, reader=False):
+    record = SyncRecord(str(path), worker, "torch", store, rank, world, worker_is_world, session=7, end_wait=0.2,
+                        reader=reader)
     backend = SimpleNamespace(sync_group=SimpleNamespace(), joining=False, last_heal=None, arrival_wait=None)
     layout = SimpleNamespace(intra_rank=rank % 2, tp_group=None)
     return record, record.feed(SimpleNamespace(layout=layout, backend=backend, arrivals=None,
@@ -84,6 +86,51 @@ def test_each_workers_first_rank_writes_its_record(tmp_path):
     assert [[(r["worker"], r["bytes_sent"], r["ranks"]) for r in _lines(tmp_path / f"r-{w}.jsonl")] for w in (0, 1)] \
         == [[(0, 3, 2)], [(1, 70, 2)]]
     assert [record._writer for record, _ in ranks] == [True, False, True, False]
+
+
+def test_the_rank_that_logs_takes_its_workers_records_as_written_without_waiting(tmp_path):
+    """Two workers of two ranks; rank 3 (worker 1's second, Megatron-LM's logging rank) reads:
+    worker 1's first rank hands it each record it writes, in the store; worker 0's writer hands
+    nothing over (nobody of its worker reads), and takes nothing."""
+    store, path = dist.HashStore(), tmp_path / "r.jsonl"
+    ranks = [_rank(store, path, r, 4, r // 2, worker_is_world=False, reader=r == 3) for r in range(4)]
+    reader = ranks[3][0]
+    for step in (2, 4):
+        for (record, feed), payload in zip(ranks, (1, 2, 30, 40)):
+            _sync(feed, step, payload)
+    assert reader.take() == [line for line in _lines(path) if line["worker"] == 1]  # sync 1's, written at sync 2
+    assert [r["step"] for r in reader.take()] == []  # nothing new
+    assert ranks[0][0].take() == [] and not store.check(["megatron_edit/record/7/read/0/0"])
+    for record, _ in ranks[:3]:
+        record.close()  # the run's end: every record written
+    rest = reader.take(wait=0.2)
+    assert [(r["worker"], r["step"], r["bytes_sent"]) for r in rest] == [(1, 4, 70)]
+    reader.close()
+    assert rest[0] == [line for line in _lines(path) if line["worker"] == 1][-1]
+
+
+def test_a_reader_that_is_its_workers_writer_takes_its_records_in_its_process(tmp_path):
+    store, path = dist.HashStore(), tmp_path / "r.jsonl"
+    (first, feed0), (second, feed1) = _rank(store, path, 0, 2, 0, reader=True), _rank(store, path, 1, 2, 0)
+    _sync(feed0, 2, 5)
+    _sync(feed1, 2, 5)
+    _sync(feed0, 4, 5)
+    assert [(r["step"], r["bytes_sent"]) for r in first.take()] == [(2, 10)]
+    assert not store.check(["megatron_edit/record/7/read/0/0"])  # nothing through the store
+    # the end: rank 1's part of sync 2 never comes; the record is written naming it, and taken
+    assert [(r["step"], r["missing_ranks"]) for r in first.take(wait=0.2)] == [(4, [1])]
+    first.close()
+    second.close()
+
+
+def test_a_reader_names_the_records_that_did_not_come_by_the_end(tmp_path, caplog):
+    store, path = dist.HashStore(), tmp_path / "r.jsonl"
+    (first, feed0), (second, feed1) = _rank(store, path, 0, 2, 0), _rank(store, path, 1, 2, 0, reader=True)
+    _sync(feed1, 2, 5)  # the writer never reports its sync: no record is written before its close
+    assert second.take(wait=0.2) == []
+    assert "rank 1 did not get 1 of worker 0's sync records (from its sync 1 on) within 0.2 s" in caplog.text
+    first.close()
+    second.close()
 
 
 # ---------------------------------------------------------------------- real megatron-core

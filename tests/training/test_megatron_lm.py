@@ -31,6 +31,7 @@ from megatron_edit.mcore.compat import megatron_core_version
 from megatron_edit.mcore.releases import FSDP_EXPERT_PARALLEL, FSDP_SUPPORTED
 from megatron_edit.config import ConfigError, NotSupportedYet
 from megatron_edit.training.flags import add_local_sgd_args, with_local_sgd_args
+from megatron_edit.exchange.record import scalars as record_scalars
 from megatron_edit.training.metrics import SyncMetrics, merge_reports, training_log_fields
 from megatron_edit.training.validation import validate_local_sgd_args
 
@@ -454,7 +455,7 @@ class _WandB:
     def __init__(self):
         self.logged = []
 
-    def log(self, values, step):
+    def log(self, values, step=None):
         self.logged.append((dict(values), step))
 
 
@@ -511,6 +512,42 @@ def test_training_log_fields_empty_without_edit_and_on_ranks_without_writers():
     controller.reports.append(_Report(1, sync_bytes=4))
     # Ranks other than the last have no writers (Megatron prints on the last rank only).
     assert "syncs: 1" in training_log_fields(metrics, [controller], args, 1, None, None)
+
+
+class _Records:
+    """What training_log_fields needs of a SyncRecord on the logging rank: ``reader``, ``take()``."""
+
+    def __init__(self, *records):
+        self.reader, self.records = True, list(records)
+
+    def take(self, wait=0.0):
+        taken, self.records = self.records, []
+        return taken
+
+
+def test_the_logging_ranks_records_go_to_tensorboard_at_their_steps_and_the_newest_to_wandb():
+    record = dict(kind="sync", worker=1, step=4, participants=[0, 1], trained=[0, 1], committed=True,
+                  exchanged=True, bytes_sent=100, bytes_received=100, exchange_seconds=0.5,
+                  exposed_wait_seconds=0.5, arrival_wait_seconds=0.1, residual_ratio=None, excluded=[],
+                  missing_ranks=[], delay=0, fragments=1, topk_density=None, worker_steps=None, events=[])
+    later = dict(record, step=8, bytes_sent=200)
+    records, tb, wandb = _Records(record, later), _TensorBoard(), _WandB()
+    args = SimpleNamespace(log_interval=100, tensorboard_log_interval=2)
+    controller = _Controller()
+    # not a TensorBoard point: nothing taken
+    training_log_fields(SyncMetrics(), [controller], args, 9, tb, wandb, sync_record=records)
+    assert len(records.records) == 2 and not [s for s in tb.scalars if s[0].startswith("local-sgd-record/")]
+    training_log_fields(SyncMetrics(), [controller], args, 10, tb, wandb, sync_record=records)
+    written = [s for s in tb.scalars if s[0].startswith("local-sgd-record/")]
+    assert written == [(tag, value, r["step"]) for r in (record, later) for tag, value in record_scalars(r).items()]
+    assert ("local-sgd-record/bytes-sent", 200.0, 8) in written
+    assert wandb.logged[-1] == (dict(record_scalars(later), **{"local-sgd-record/step": 8.0}), 10)
+    # a rank that does not read (or a run without the record) writes none
+    tb2 = _TensorBoard()
+    records = _Records(record)
+    records.reader = False
+    training_log_fields(SyncMetrics(), [controller], args, 10, tb2, None, sync_record=records)
+    assert not [s for s in tb2.scalars if s[0].startswith("local-sgd-record/")]
 
 
 def test_real_sync_report_has_what_the_log_uses():
@@ -847,8 +884,10 @@ def _runs(workdir, script, extra, launcher_args=()):
         "--train-iters", str(ITERS), "--check-weight-hash-across-dp-replicas-interval", str(H),
         "--save", "ckpt", "--save-interval", str(SAVE_AT), "--ckpt-format", "torch_dist",
     ]
-    tb = ["--tensorboard-dir", "tb", "--tensorboard-log-interval", "1"] if HAVE_TENSORBOARD else []
-    first = _torchrun(script, common + tb, workdir, launcher_args)
+    # (the first run only: TensorBoard, and the per-sync record, whose figures go there too)
+    logs = ["--local-sgd-sync-record", "syncs.jsonl"]
+    logs += ["--tensorboard-dir", "tb", "--tensorboard-log-interval", "1"] if HAVE_TENSORBOARD else []
+    first = _torchrun(script, common + logs, workdir, launcher_args)
     runs = {"first": first, "workdir": workdir, "resumed": None, "resume_error": None}
     if not HAVE_EDIT_CHECKPOINTING:
         runs["resume_error"] = "megatron_edit.mcore.checkpoint is not there yet"
@@ -966,6 +1005,38 @@ def test_e2e_edit_metrics_in_tensorboard(request, route):
     assert last == SYNC_STEPS
     assert {"local-sgd/sync-bytes", "local-sgd/sync-seconds", "local-sgd/outer-lr",
             "local-sgd/steps-since-last-sync"} <= set(events.Tags()["scalars"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not HAVE_TENSORBOARD, reason="tensorboard is not installed")
+@pytest.mark.parametrize("route", ROUTES)
+def test_e2e_the_logging_workers_sync_records_in_tensorboard(request, route):
+    """--local-sgd-sync-record with --tensorboard-dir: the logging rank (rank 3, worker 1's second
+    rank: its records come from rank 2 through the job's store) writes every record of its worker
+    as local-sgd-record/ scalars at the record's step, the same numbers as the file's lines."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    workdir = _run(request, route)["workdir"]
+    records = [json.loads(line) for line in (workdir / "syncs.jsonl").read_text().splitlines()]
+    assert sorted((r["worker"], r["step"]) for r in records) == [(w, s) for w in (0, 1) for s in SYNC_STEPS]
+    events = EventAccumulator(str(workdir / "tb"))
+    events.Reload()
+    assert {e.value for e in events.Scalars("local-sgd-record/worker")} == {1.0}
+    mine = [r for r in records if r["worker"] == 1]
+    expected = {}
+    for r in mine:
+        for tag, value in record_scalars(r).items():
+            expected.setdefault(tag, {})[r["step"]] = value
+    written = {tag: {e.step: e.value for e in events.Scalars(tag)}
+               for tag in events.Tags()["scalars"] if tag.startswith("local-sgd-record/")}
+    assert written.keys() == expected.keys()
+    for tag, values in expected.items():
+        assert written[tag] == pytest.approx(values, rel=1e-6), tag  # (TensorBoard keeps float32)
+    assert {"local-sgd-record/bytes-sent", "local-sgd-record/exposed-wait-seconds", "local-sgd-record/participants",
+            "local-sgd-record/arrival-wait-seconds", "local-sgd-record/delay"} <= written.keys()
+    assert written["local-sgd-record/bytes-sent"] == {r["step"]: r["bytes_sent"] for r in mine}
+    assert set(written["local-sgd-record/participants"].values()) == {2.0}
 
 
 def _resumed(request, route):
