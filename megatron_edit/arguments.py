@@ -94,6 +94,10 @@ def end_rank(error: BaseException) -> NoReturn:
     code 1. Nothing is left to save at this point: the stop itself is the result."""
     import traceback
 
+    if getattr(error, "one_line", False):  # every rank raises it at once (RunAlreadyOver): printed by rank 0
+        if os.environ.get("RANK", "0") != "0":
+            wait_for_the_launcher(PEER_WAIT_S, 1)
+        error = SystemExit(str(error))  # (printed below; exit code 1)
     if isinstance(error, SystemExit):
         code = error.code
         if code is not None and not isinstance(code, int):

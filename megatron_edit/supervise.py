@@ -9,11 +9,11 @@ N-1, kept by its relaunches). Every job gets ``TORCHFT_LIGHTHOUSE`` (the Lightho
 runs, torchft's ``LighthouseServer``; ``--local-sgd-lighthouse`` defaults to it) and runs in a
 session of its own, so a job is stopped as a whole. A job that exits with 0 is done; another exit
 is logged in one line and the job is started again, up to ``--max-relaunches`` times in all
-(then every job is stopped and this exits 1); exit code 2 (refused flags) stops the run at once,
-and so does a death after some worker has finished the run (exit 1).
-It exits 0 once every worker's job has, with one model: each job's ranks record the digest of the
-model they end with in this process's store, and differing models (a worker that trained on
-alone) exit 1, naming the workers.
+(then every job is stopped and this exits 1); exit code 2 (refused flags) stops the run at once.
+A job that ends after some worker has passed the run's last sync is not relaunched (it would
+train alone), and the run exits 1 once the others end. It exits 0 once every worker's job has,
+with one model: each job's ranks record the digest of the model they end with in this process's
+store, and differing models (a worker that trained on alone) exit 1, naming the workers.
 
 A run starts with all its workers: every job also gets ``MEGATRON_EDIT_FT_START_GATE`` (a TCP
 store of this process), where each worker's controller waits, once its torchft Manager is up and
@@ -232,7 +232,7 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
 
     from .exchange.addresses import is_loopback
     from .exchange.record import RUN_ID_ENV, new_run_id
-    from .exchange.run_gate import START_GATE_ENV, refusal, release_claim, start_gate_value
+    from .exchange.run_gate import START_GATE_ENV, past_the_last_sync, refusal, release_claim, start_gate_value
 
     status = _status_server(args, prog)  # (before anything starts: a port it cannot have is refused)
     try:
@@ -257,7 +257,7 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     print(f"{prog}: Lighthouse at {address}; starting {args.workers} worker job(s)", flush=True)
     env = dict(os.environ, **run_env)
     workers = [Worker(w, args.command, env) for w in range(args.workers)]
-    relaunches = 0
+    relaunches, lost = 0, []  # lost: jobs that ended after the run's last sync (not relaunched)
 
     def stop_all(signum=None, frame=None):
         for worker in workers:
@@ -273,10 +273,10 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
     try:
         for worker in workers:
             worker.start()
-        while not all(w.done for w in workers):
+        while not all(w.done or w.replica_id in lost for w in workers):
             time.sleep(0.2)
             for worker in workers:
-                if worker.done or worker.proc.poll() is None:
+                if worker.done or worker.replica_id in lost or worker.proc.poll() is None:
                     continue
                 code, alive = worker.proc.returncode, time.monotonic() - worker.started
                 if code == 0:
@@ -292,11 +292,14 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
                           "stopping.", file=sys.stderr, flush=True)
                     return 1
                 finished = [w.replica_id for w in workers if w.done]
-                if finished:  # a fresh job would wait for a quorum that nobody else joins any more
+                passed = sorted({*finished, *past_the_last_sync(gate, args.workers)})
+                if passed:  # a fresh job would train alone (its start gate refuses it); the others end as they do
+                    lost.append(worker.replica_id)
+                    what = "finished the run" if passed == finished else "passed the run's last sync"
                     print(f"{prog}: worker {worker.replica_id} exited with code {code} after {alive:.1f} s, when "
-                          f"worker(s) {finished} had finished the run: not relaunched; stopping.",
-                          file=sys.stderr, flush=True)
-                    return 1
+                          f"worker(s) {passed} had {what}: not relaunched (it would train alone); the run exits 1 once "
+                          "the other jobs end.", file=sys.stderr, flush=True)
+                    continue
                 if code == 2 or refusal(gate, worker.tag):  # its flags were refused (it printed the line),
                     # or its Lighthouse could not be reached: a relaunch would be too
                     print(f"{prog}: worker {worker.replica_id} exited with code {code}, refusing to run (its line "
@@ -312,7 +315,7 @@ def supervise(args: argparse.Namespace, prog: str = "megatron_edit.supervise") -
                       f"{alive:.1f} s; relaunching it as a fresh job (relaunch {relaunches} of "
                       f"{args.max_relaunches}): it heals from a live worker at their next sync.", flush=True)
                 worker.start()
-        return _one_model_at_the_end(gate, args.workers, prog)
+        return 1 if lost else _one_model_at_the_end(gate, args.workers, prog)
     finally:
         stop_all()
 
@@ -327,9 +330,7 @@ def _one_model_at_the_end(gate, workers: int, prog: str) -> int:
     if not ended:
         print(f"{prog}: every worker's job ended with code 0", flush=True)
         return 0
-    groups: dict = {}
-    for w, digests in ended.items():
-        groups.setdefault(digests, []).append(w)
+    groups = {digests: [w for w in ended if ended[w] == digests] for digests in ended.values()}
     missing = [w for w in range(workers) if w not in ended]
     if len(groups) == 1 and not missing:
         print(f"{prog}: every worker's job ended with code 0, all {workers} with one model", flush=True)

@@ -840,6 +840,57 @@ def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(
     assert proc.returncode == 0 and "all 2 with one model" in out, out[-3000:]
 
 
+@pytest.mark.one_lane
+@pytest.mark.timeout(300)
+def test_a_torchft_relaunch_after_the_runs_last_sync_does_not_train_alone(data_dir, tmp_path):
+    """The main job over torchft (2 workers x 1 rank, the supervisor), the window of a slow
+    relaunch (seen: 85 s at load 30-50), armed before it starts (scripts/bench/chaos_hooks): worker
+    1's job is SIGKILLed inside its first exchange, its relaunch held before the start gate until
+    worker 0, alone, has passed the run's last sync and holds at its end, before recording it.
+    The relaunch stops there in one line, worker 0 ends, and the run exits 1 without another
+    relaunch. Before: the relaunch passed the start gate (worker 0 had recorded no end yet),
+    joined a quorum of its own and trained the whole run alone from step 0 (exit 1 only at the
+    end, from the check of the models)."""
+    pytest.importorskip("torchft")
+    import uuid
+
+    chaos, log = tmp_path / "chaos", tmp_path / "out.log"
+    chaos.mkdir()
+    for trigger in ("hold-end-0", "hold-relaunch-1", "exchange-1"):
+        (chaos / trigger).touch()
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, MEGATRON_EDIT_CHAOS_DIR=str(chaos), MEGATRON_EDIT_FAULT_MATRIX_RUN=mark,
+               PYTHONPATH=os.pathsep.join([str(CHAOS_HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    flags = ["--data-dir", data_dir, "--nproc-per-node", "2", "--steps", "12", "--eval-interval", "12",
+             "--eval-samples", "8", "--local-sgd-sync-interval", "4", "--log-interval", "4", "--lr-warmup-steps",
+             "2", "--local-sgd-sync-backend", "torchft"]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), *flags], cwd=ROOT, env=env, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for(lambda: list(chaos.glob("starting-1-*")), 200, "worker 1's relaunch at the start gate")
+        relaunch = {p.name.rsplit("-", 1)[1] for p in chaos.glob("starting-1-*")}
+        _wait_for(lambda: list(chaos.glob("ending-0-*")), 200, "worker 0's end, after the run's last sync")
+        (chaos / "hold-relaunch-1").unlink()  # the relaunch comes now: worker 0 has not recorded its end
+        _wait_for(lambda: "not relaunched" in log.read_text() or any(
+            p.name.rsplit("-", 1)[1] in relaunch for p in chaos.glob("begun-1-*")), 200,
+            "the relaunch to stop or to join")
+        (chaos / "hold-end-0").unlink()
+        proc.wait(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        _kill_job_of(-1, mark)
+    out = log.read_text()
+    alone = re.findall(r"worker 1 sync \d+ after step \d+.*", out)
+    assert list(chaos.glob("exchange-1.taken-*")) and not alone, out[-3000:]  # (worker 1 never synced)
+    assert not any(p.name.rsplit("-", 1)[1] in relaunch for p in chaos.glob("begun-1-*")), out[-3000:]
+    assert "worker 1 arrives after the run's last sync (worker(s) [0] passed it)" in out, out[-3000:]
+    assert "when worker(s) [0] had passed the run's last sync: not relaunched" in out, out[-3000:]
+    assert proc.returncode == 1 and out.count("relaunching it") == 1, out[-3000:]
+
+
 @pytest.mark.one_lane  # the main job's own checkpoints (megatron-core's are checked in every lane)
 @pytest.mark.timeout(400)
 def test_save_then_resume_exactly_and_elastically(data_dir, tmp_path):

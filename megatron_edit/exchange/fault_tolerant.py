@@ -195,14 +195,23 @@ class FaultTolerantSyncGroup:
     def _refuse_shared_replica_id(self) -> None:
         """Two workers of the quorum with one replica id (torchft tells them apart by a random
         suffix, and both would train the same data shard): stop, naming it."""
-        pg = self.manager._pg
-        ranks = list(getattr(pg, "_global_ranks", None) or ())  # replica id x ranks per worker + rank
+        ranks, per_worker = self._quorum_ranks()
         shared = sorted({r for r in ranks if ranks.count(r) > 1})
         if shared:
-            per_worker = max(1, int(getattr(pg, "_group_world_size", None) or 1))
             raise RuntimeError(
                 f"megatron_edit: two workers of the sync have --local-sgd-replica-id {shared[0] // per_worker}: "
                 "give every worker its own id (a relaunched worker keeps its dead predecessor's).")
+
+    def _quorum_ranks(self) -> tuple:
+        """(the quorum's members, each as replica id x ranks per worker + rank; ranks per worker)."""
+        pg = self.manager._pg
+        return list(getattr(pg, "_global_ranks", None) or ()), max(1, int(getattr(pg, "_group_world_size", None) or 1))
+
+    @property
+    def in_quorum(self) -> List[int]:
+        """The replica ids in the current quorum (torchft's: known even where the round fails)."""
+        ranks, per_worker = self._quorum_ranks()
+        return sorted({r // per_worker for r in ranks}) if ranks else list(self.replica_ids)
 
     def _heal_as_one(self, counted: dict) -> None:
         """After the quorum: load the heal every rank of this worker received, or none (see the

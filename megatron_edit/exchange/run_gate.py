@@ -1,14 +1,19 @@
 """The supervisor's store (``python -m megatron_edit.supervise``, the main job): where a torchft run's
-workers meet at its start (:func:`start_gate`: the first sync holds every worker) and say what
-model they end with (:func:`record_end`; the supervisor checks that there is one,
-:func:`models_at_the_end`). A TCP store of the supervisor, named to every job it starts by
-:data:`START_GATE_ENV`."""
+workers meet at its start (:func:`start_gate`: the first sync holds every worker), say that they
+have passed the run's last sync (:meth:`RunEnd.passed`) and what model they end with
+(:func:`record_end`; the supervisor checks that there is one, :func:`models_at_the_end`). A TCP
+store of the supervisor, named to every job it starts by :data:`START_GATE_ENV`.
+
+A worker that comes after another has passed the run's last sync (a relaunch slower than the
+others' last interval, a worker left out of the last sync) could only train alone from there and
+end with another model: it stops, on every rank, with one line (:class:`RunAlreadyOver`), at the
+start gate or at the sync it comes to, and the supervisor does not relaunch it."""
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 from .job_processes import JOB_ENV
 
@@ -51,6 +56,67 @@ def _end_key(replica_id: int, rank) -> str:
     return f"end/{replica_id}/{rank}"
 
 
+class RunAlreadyOver(RuntimeError):
+    """This worker comes (to the start gate, or to a sync) after another worker has passed the
+    run's last sync without it: it could only train alone from there, and would end with another
+    model. Raised on every rank of the worker at once; the message is one line (entry points
+    print it once, from rank 0, exit code 1: :func:`megatron_edit.arguments.end_rank`)."""
+
+    one_line = True
+
+
+def _last_sync_key(replica_id: int) -> str:
+    return f"last_sync/{replica_id}"
+
+
+def past_the_last_sync(store, workers: int) -> list:
+    """The workers (of ``workers``) that have passed the run's last sync (:meth:`RunEnd.passed`)
+    or recorded their end (:func:`record_end`), in the supervisor's ``store``."""
+    return [w for w in range(workers)
+            if store.check([_last_sync_key(w)]) or store.check([_end_key(w, "ranks")])]
+
+
+class RunEnd:
+    """One rank's part in the run's end under the supervisor (``value``: :data:`START_GATE_ENV`'s):
+    its worker says when it has passed the run's last sync (:meth:`passed`), and stops where a
+    round shows that the others passed it without this worker (:meth:`stop_if_left_behind`)."""
+
+    def __init__(self, value: str, replica_id: int):
+        self.value, self.replica_id, self.workers = value, replica_id, supervised_workers(value)
+        self.stopped = False
+        """This worker stopped at :meth:`stop_if_left_behind` (it records no end: :func:`record_end`)."""
+        self._store = None
+
+    def store(self):
+        if self._store is None:
+            self._store = _store(self.value, 30.0)
+        return self._store
+
+    def passed(self, step: int) -> None:
+        """This worker has passed the run's last sync (after step ``step``: committed, or given
+        up): every rank says so at once, before anything else of the job's end (a validation, a
+        checkpoint, :func:`record_end` at its exit). One key per worker: whichever of its ranks
+        writes it first, it counts for the whole worker."""
+        self.store().set(_last_sync_key(self.replica_id), str(step))
+
+    def stop_if_left_behind(self, group, where: str) -> None:
+        """After a round's quorum (``group``: this rank's
+        :class:`~megatron_edit.exchange.fault_tolerant.FaultTolerantSyncGroup`; ``where``: the round,
+        in words): where some worker has passed the run's last sync and is not in this round (this
+        worker's relaunch came after it, or this worker was left out of it), this worker could only
+        train alone from here and end with another model: :class:`RunAlreadyOver`, on every rank of
+        it (they agree in one small all-reduce, whatever each read of the store)."""
+        gone = lambda: [w for w in past_the_last_sync(self.store(), self.workers)  # noqa: E731
+                        if w not in group.in_quorum]
+        if group.worker_min_max([float(bool(gone()))])[1][0] == 0:
+            return
+        self.stopped = True
+        raise RunAlreadyOver(
+            f"megatron_edit: worker {self.replica_id} came to {where} after worker(s) {gone()} had passed the run's "
+            "last sync without it: it could only train alone from here and end with another model, so it stops (not "
+            "relaunched; the run exits 1).")
+
+
 def record_end(value: Optional[str], replica_id: int, rank: int, world_size: int, digest: str) -> None:
     """At a worker job's end, rank ``rank`` of worker ``replica_id`` tells the supervisor's store
     (``value``: :data:`START_GATE_ENV`'s) the digest of the model it ends with (its shards), so
@@ -76,14 +142,26 @@ def models_at_the_end(store, workers: int) -> dict:
     return ended
 
 
-def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
+def _too_late(store, workers: int, replica_id: int) -> tuple:
+    """(the other workers that recorded their end, the workers that have passed the run's last sync)."""
+    return ([w for w in range(workers) if w != replica_id and store.check([_end_key(w, "ranks")])],
+            past_the_last_sync(store, workers))
+
+
+def start_gate(value: Optional[str], replica_id: int, rank: int,
+               agree: Optional[Callable[[bool], bool]] = None) -> None:
     """A run starts with all its workers: rank ``rank`` of worker ``replica_id`` marks itself
     arrived in the supervisor's store (``value``: :data:`START_GATE_ENV`'s) and waits until rank
     ``rank`` of every worker has, once in the run (a relaunched worker finds them all there and
     goes on at once). Call it after this rank's Manager is up and before its first quorum: the
     first quorum then holds every worker (torchft's Lighthouse forms a quorum once every
     heartbeating worker asks for it). Nothing without ``value``. After ``timeout_s`` without all
-    of them: one line naming the missing workers."""
+    of them: one line naming the missing workers.
+
+    A worker that arrives after the run's end, or after some worker has passed the run's last
+    sync, does not start (:class:`RunAlreadyOver`). ``agree(late)``: whether any rank of this
+    worker found it late (a small all-reduce inside the worker; every rank calls it here), so
+    that all its ranks stop, or none, even while another worker's ranks are recording it."""
     if not value:
         return
     _, _, workers, timeout = _parse_gate(value)
@@ -92,10 +170,14 @@ def start_gate(value: Optional[str], replica_id: int, rank: int) -> None:
             f"megatron_edit: --local-sgd-replica-id {replica_id} is not one of the supervisor's {workers} "
             f"workers (0 .. {workers - 1}).")
     store = _store(value, max(timeout, 1.0))
-    ended = [w for w in range(workers) if w != replica_id and store.check([_end_key(w, "ranks")])]
-    if ended:
-        raise RuntimeError(
-            f"megatron_edit: worker {replica_id} arrives after the run's end (worker(s) {ended} ended it): it "
+    if (agree or bool)(any(_too_late(store, workers, replica_id))):
+        ended, passed = _too_late(store, workers, replica_id)  # (what one rank found, every rank finds now)
+        if ended:
+            raise RunAlreadyOver(
+                f"megatron_edit: worker {replica_id} arrives after the run's end (worker(s) {ended} ended it): it "
+                "would train the run alone from its own start, so it does not start.")
+        raise RunAlreadyOver(
+            f"megatron_edit: worker {replica_id} arrives after the run's last sync (worker(s) {passed} passed it): it "
             "would train the run alone from its own start, so it does not start.")
     keys = [f"start/{rank}/{w}" for w in range(workers)]
     store.set(keys[replica_id], "1")

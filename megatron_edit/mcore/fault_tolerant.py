@@ -119,7 +119,9 @@ class TorchftBackend:
         self.round = TorchftRound(self.group, expected)
         self.round.members.append(self)
         # A supervised run's first sync holds every worker (this rank's Manager is up now).
-        start_gate(os.environ.get(START_GATE_ENV), config.replica_id, dist.get_rank())
+        # (after the run's last sync, every rank of the worker stops there: RunAlreadyOver)
+        start_gate(os.environ.get(START_GATE_ENV), config.replica_id, dist.get_rank(),
+                   agree=lambda late: self.group.worker_min_max([float(late)])[1][0] > 0)
         PROCESS.torchft_round = self.round
 
     # ------------------------------------------------------------------ rounds

@@ -22,7 +22,8 @@ them missed one (a straggler past the Lighthouse's join timeout, a slow start af
 * A-EDiT: the expert controller follows the dense one's plan (no collective of its own), and
   a skipped sync is one round, closed once the last controller has skipped it too.
 * The run's last sync is retried until it commits (:meth:`TorchftRound.settle_last_sync`), a
-  new quorum each time among the workers still there, for a bounded time.
+  new quorum each time among the workers still there, for a bounded time. Under the supervisor,
+  a worker past it says so at once, and one that the others passed it without stops (:class:`RunEnd`).
 
 One controller is a round of one: the same calls, nothing deferred.
 """
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..exchange.fault_tolerant import FaultTolerantSyncGroup
-from ..exchange.run_gate import START_GATE_ENV, record_end, supervised_workers
+from ..exchange.run_gate import START_GATE_ENV, RunEnd, record_end, supervised_workers
 from .process_state import PROCESS
 from .worker_layout import is_expert_optimizer
 
@@ -102,6 +103,9 @@ class TorchftRound:
         self.quorum_seconds: Optional[float] = None
         """How long the latest round's quorum took on this rank (the wait for the last worker to
         ask for it, and a heal's transfer; the sync record's arrival wait)."""
+        gate = os.environ.get(START_GATE_ENV)
+        self.run_end = RunEnd(gate, group.replica_id) if gate else None
+        """Under the supervisor: this worker's word on the run's last sync (:class:`RunEnd`)."""
         group.register_state(STATE_KEY, self._load, self._save)
         group.start_digest = self._start_digest
         # (taken now: the job may have destroyed its process group by its end)
@@ -113,8 +117,8 @@ class TorchftRound:
         shard's main parameters) in the supervisor's store, where it checks that every worker
         ended with one model (:func:`~megatron_edit.exchange.run_gate.models_at_the_end`)."""
         gate = os.environ.get(START_GATE_ENV)
-        if not gate or not self.members:
-            return
+        if not gate or not self.members or not self.joined or (self.run_end and self.run_end.stopped):
+            return  # (a worker that stopped before its join, or after the run's last sync, trained nothing of it)
         digest = hashlib.sha256()
         for member in self.members:
             for shard in member.controller.shards:
@@ -132,6 +136,9 @@ class TorchftRound:
             self.step, self.healed_sync_step, self._heal = step, None, None
             start = time.monotonic()
             self.group.begin(contributed)
+            if self.run_end is not None:  # a worker that the others passed the run's last sync without stops here
+                where = "its join" if self.joining else f"its sync after step {step}"
+                self.run_end.stop_if_left_behind(self.group, where)
             self.quorum_seconds = time.monotonic() - start
             if self._heal is not None:  # (the quorum and the heal's transfer and load)
                 self._heal["seconds"] = self.quorum_seconds
@@ -184,6 +191,10 @@ class TorchftRound:
         c = started[0].controller if started else None
         last = c is not None and (c.sync.final or (c.last_step is not None and self.step >= c.last_step))
         self.last_sync_lost = not committed and last
+        if committed and c is not None and self.run_end is not None:
+            at = self.step if self.healed_sync_step is None else self.healed_sync_step  # (a join healed into it)
+            if c.sync.final or (c.last_step is not None and at >= c.last_step):
+                self.run_end.passed(at)  # the run's last sync: said before anything else of the job's end
         if not committed and not last and started and dist.get_rank() == 0:  # one line per worker
             error = self.group.manager.errored()
             logger.warning(
@@ -218,6 +229,8 @@ class TorchftRound:
                                self.group.size, tries, LAST_SYNC_TRIES)
             for member in self.members:
                 member.controller.sync_again()
+        if self.last_sync_lost and self.run_end is not None:  # given up: it ends with its own model
+            self.run_end.passed(self.step)
         if self.last_sync_lost and dist.get_rank() == 0:
             logger.error(
                 "megatron_edit: worker %s did not commit the run's last sync (after step %d%s): it ends with its own "

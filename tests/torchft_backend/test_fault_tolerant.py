@@ -232,6 +232,41 @@ def test_the_start_gate_names_the_workers_that_did_not_arrive():
         start_gate(value, 3, 0)
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_that_comes_after_the_runs_last_sync_stops_on_every_rank():
+    """Worker 0 has passed the run's last sync (one rank of it said so: it counts for the whole
+    worker). Worker 1 then does not start at the start gate, even on a rank that read the store
+    before it was written (its ranks agree: ``agree``), and stops at a round whose quorum lacks
+    worker 0 (its relaunch joined after that sync, or it was left out of it); a round with worker 0
+    in it (worker 1 in the last sync itself) goes on. One line each."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from megatron_edit.exchange.run_gate import RunAlreadyOver, RunEnd, past_the_last_sync, start_gate, start_gate_value
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    value = start_gate_value("127.0.0.1", store.port, 2, 1.0)
+    for w in (0, 1):
+        store.set(f"start/0/{w}", "1")
+    late = []
+    start_gate(value, 1, 0, agree=lambda mine: late.append(mine) or mine)  # nobody passed it: it starts
+    round_of = lambda *ids: SimpleNamespace(in_quorum=list(ids), worker_min_max=lambda v: (v, v))  # noqa: E731
+    one = RunEnd(value, 1)
+    one.stop_if_left_behind(round_of(1), "its join")
+    RunEnd(value, 0).passed(12)  # worker 0's last sync, after step 12
+    assert past_the_last_sync(store, 2) == [0] and late == [False]
+    with pytest.raises(RunAlreadyOver) as error:  # another rank of worker 1 found it: this one stops too
+        start_gate(value, 1, 0, agree=lambda mine: True)
+    assert str(error.value) == ("megatron_edit: worker 1 arrives after the run's last sync (worker(s) [0] passed it): "
+                                "it would train the run alone from its own start, so it does not start.")
+    one.stop_if_left_behind(round_of(0, 1), "its sync after step 12")  # in the last sync with worker 0: it goes on
+    with pytest.raises(RunAlreadyOver) as error:
+        one.stop_if_left_behind(round_of(1), "its join")
+    assert one.stopped and "\n" not in str(error.value) and str(error.value).startswith(
+        "megatron_edit: worker 1 came to its join after worker(s) [0] had passed the run's last sync without it")
+
+
 def test_the_supervisors_workers_come_from_the_gate():
     from megatron_edit.exchange.run_gate import START_GATE_ENV, start_gate_value, supervised_workers
 

@@ -26,7 +26,7 @@ def _round_with_one_member(last_step, step, final=False, use_async=False):
     member = SimpleNamespace(controller=controller)
     r = torchft_round.TorchftRound.__new__(torchft_round.TorchftRound)
     r.group, r.members, r.started, r.deferred, r.step = _Group(), [member], [member], [], step
-    r.residuals_before = {}
+    r.residuals_before, r.run_end = {}, None  # (no supervisor)
 
     def sync_again():  # the same round again: it does not commit either
         r.started = [member]

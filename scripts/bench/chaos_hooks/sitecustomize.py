@@ -10,6 +10,12 @@ that renames it (one event, one process):
 * ``hold-<worker>``: while it exists, that worker's ranks wait before each quorum
   (``FaultTolerantSyncGroup.begin``); each rank's quorum writes ``begun-<worker>-<pid>`` first
   (a test holds the others until a relaunched job is in its join round);
+* ``hold-relaunch-<worker>``: while it exists, the ranks of a relaunched job of that worker (the
+  supervisor's second start of it, or later) wait before the start gate (``run_gate.start_gate``,
+  once the Manager is up), each writing ``starting-<worker>-<pid>`` first (a slow relaunch);
+* ``hold-end-<worker>``: while it exists, that worker's ranks wait at their end before recording
+  it in the supervisor's store (``torchft_round.record_end``, after the run's last sync and the
+  job's own end), each writing ``ending-<worker>-<pid>`` first;
 * at each rank's end (``torchft_round.record_end``) the digest of its model is also written to
   ``end-w<worker>-r<rank>-<pid>``, read by the bench apart from the supervisor's own check.
 
@@ -75,10 +81,29 @@ def _patch_transport(module) -> None:
     transport.recv_checkpoint = recv_checkpoint
 
 
+def _held(name: str, announce: str) -> None:
+    """Write ``announce``, then wait while trigger ``name`` exists."""
+    open(os.path.join(CHAOS, announce), "w").close()
+    while os.path.exists(os.path.join(CHAOS, name)):
+        time.sleep(0.1)
+
+
+def _patch_backend(module) -> None:
+    gate = module.start_gate
+
+    def start_gate(value, replica_id, *args, **kwargs):
+        if int(os.environ.get("MEGATRON_EDIT_JOB", "0.0.1").rsplit(".", 1)[1]) > 1:  # the supervisor's start
+            _held(f"hold-relaunch-{replica_id}", f"starting-{replica_id}-{os.getpid()}")
+        return gate(value, replica_id, *args, **kwargs)
+
+    module.start_gate = start_gate
+
+
 def _patch_round(module) -> None:
     record = module.record_end
 
     def record_end(gate, replica_id, rank, world_size, digest):
+        _held(f"hold-end-{replica_id}", f"ending-{replica_id}-{os.getpid()}")
         with open(os.path.join(CHAOS, f"end-w{replica_id}-r{rank}-{os.getpid()}"), "w") as f:
             f.write(digest)
         return record(gate, replica_id, rank, world_size, digest)
@@ -87,7 +112,7 @@ def _patch_round(module) -> None:
 
 
 PATCHES = {"megatron_edit.exchange.fault_tolerant": _patch_group, "torchft.checkpointing.http_transport": _patch_transport,
-           "megatron_edit.mcore.torchft_round": _patch_round}
+           "megatron_edit.mcore.torchft_round": _patch_round, "megatron_edit.mcore.fault_tolerant": _patch_backend}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
