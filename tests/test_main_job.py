@@ -7,6 +7,7 @@ the whole process group, so a hang fails the test instead of the suite.
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -794,6 +795,32 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def _chaos_job(tmp_path, flags, triggers=()):
+    """The main job with the chaos hooks (scripts/bench/chaos_hooks) armed by ``triggers`` in its
+    chaos folder: yields (the chaos folder, the log, the process); ended (its process group, then
+    every job the run started) however the test goes."""
+    import uuid
+
+    chaos, log = tmp_path / "chaos", tmp_path / "out.log"
+    chaos.mkdir()
+    for trigger in triggers:
+        (chaos / trigger).touch()
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, MEGATRON_EDIT_CHAOS_DIR=str(chaos), MEGATRON_EDIT_FAULT_MATRIX_RUN=mark,
+               PYTHONPATH=os.pathsep.join([str(CHAOS_HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), *flags], cwd=ROOT, env=env, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield chaos, log, proc, mark
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        _kill_job_of(-1, mark)
+
+
 @pytest.mark.one_lane
 @pytest.mark.timeout(600)
 def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(data_dir, tmp_path):
@@ -806,20 +833,10 @@ def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(
     run). 40 steps and a 30 s sync timeout (worker 0's round with the relaunched worker's failed
     heal waits it out): CI time."""
     pytest.importorskip("torchft")
-    import uuid
-
-    chaos, log = tmp_path / "chaos", tmp_path / "out.log"
-    chaos.mkdir()
-    mark = uuid.uuid4().hex
-    env = dict(os.environ, MEGATRON_EDIT_CHAOS_DIR=str(chaos), MEGATRON_EDIT_FAULT_MATRIX_RUN=mark,
-               PYTHONPATH=os.pathsep.join([str(CHAOS_HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     flags = ["--data-dir", data_dir, "--steps", "40", "--eval-interval", "40", "--local-sgd-sync-interval", "4",
              "--log-interval", "4", "--lr-warmup-steps", "2", "--local-sgd-sync-backend", "torchft",
              "--local-sgd-sync-timeout", "30"]
-    with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), *flags], cwd=ROOT, env=env, stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with _chaos_job(tmp_path, flags) as (chaos, log, proc, mark):
         _wait_for(lambda: "worker 1 sync 2 after" in log.read_text(), 300, "worker 1's sync 2")
         (chaos / "hold-0").touch()
         (chaos / "heal-1").touch()
@@ -828,11 +845,6 @@ def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(
         _wait_for(lambda: set(chaos.glob("begun-1-*")) - first, 300, "the relaunched job's join round")
         (chaos / "hold-0").unlink()
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        _kill_job_of(-1, mark)
     out = log.read_text()
     assert list(chaos.glob("heal-1.taken-*")), out[-3000:]
     assert "worker 1's heal reached some of its ranks only" in out, out[-3000:]
@@ -852,22 +864,10 @@ def test_a_torchft_relaunch_after_the_runs_last_sync_does_not_train_alone(data_d
     joined a quorum of its own and trained the whole run alone from step 0 (exit 1 only at the
     end, from the check of the models)."""
     pytest.importorskip("torchft")
-    import uuid
-
-    chaos, log = tmp_path / "chaos", tmp_path / "out.log"
-    chaos.mkdir()
-    for trigger in ("hold-end-0", "hold-relaunch-1", "exchange-1"):
-        (chaos / trigger).touch()
-    mark = uuid.uuid4().hex
-    env = dict(os.environ, MEGATRON_EDIT_CHAOS_DIR=str(chaos), MEGATRON_EDIT_FAULT_MATRIX_RUN=mark,
-               PYTHONPATH=os.pathsep.join([str(CHAOS_HOOKS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     flags = ["--data-dir", data_dir, "--nproc-per-node", "2", "--steps", "12", "--eval-interval", "12",
              "--eval-samples", "8", "--local-sgd-sync-interval", "4", "--log-interval", "4", "--lr-warmup-steps",
              "2", "--local-sgd-sync-backend", "torchft"]
-    with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), *flags], cwd=ROOT, env=env, stdout=sink,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with _chaos_job(tmp_path, flags, ("hold-end-0", "hold-relaunch-1", "exchange-1")) as (chaos, log, proc, mark):
         _wait_for(lambda: list(chaos.glob("starting-1-*")), 200, "worker 1's relaunch at the start gate")
         relaunch = {p.name.rsplit("-", 1)[1] for p in chaos.glob("starting-1-*")}
         _wait_for(lambda: list(chaos.glob("ending-0-*")), 200, "worker 0's end, after the run's last sync")
@@ -877,11 +877,6 @@ def test_a_torchft_relaunch_after_the_runs_last_sync_does_not_train_alone(data_d
             "the relaunch to stop or to join")
         (chaos / "hold-end-0").unlink()
         proc.wait(timeout=200)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        _kill_job_of(-1, mark)
     out = log.read_text()
     alone = re.findall(r"worker 1 sync \d+ after step \d+.*", out)
     assert list(chaos.glob("exchange-1.taken-*")) and not alone, out[-3000:]  # (worker 1 never synced)
