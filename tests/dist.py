@@ -215,7 +215,13 @@ def run_ranks(fn, world_size, *args, timeout=120, device="cpu", rerun_any_failur
                        if os.environ.get("MEGATRON_EDIT_COLLECTIVE_GUARD") == "1" else "")
             warnings.warn(f"{cause} (known defect, cause open: docs/status.md, issue 62{guarded}; run {attempt} of "
                           f"{RUNS} failed, running again): "
-                          f"{str(error)[-2000:]}")
+                          f"{_excerpt(str(error))}")
+
+
+def _excerpt(text: str, head: int = 6000, tail: int = 3000) -> str:
+    """A failure's start (which rank, the signal, the crashing thread's frames and the others')
+    and its end: a warning carries both, however long the fault handler's report."""
+    return text if len(text) <= head + tail else f"{text[:head]}\n[...]\n{text[-tail:]}"
 
 
 def _run_ranks_once(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> list:
