@@ -857,7 +857,7 @@ def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(
 def test_a_torchft_relaunch_after_the_runs_last_sync_does_not_train_alone(data_dir, tmp_path):
     """The main job over torchft (2 workers x 1 rank, the supervisor), the window of a slow
     relaunch (seen: 85 s at load 30-50), armed before it starts (scripts/bench/chaos_hooks): worker
-    1's job is SIGKILLed inside its first exchange, its relaunch held before the start gate until
+    1's job is SIGKILLed inside its first exchange, its relaunch held before its Manager starts until
     worker 0, alone, has passed the run's last sync and holds at its end, before recording it.
     The relaunch stops there in one line, worker 0 ends, and the run exits 1 without another
     relaunch. Before: the relaunch passed the start gate (worker 0 had recorded no end yet),

@@ -11,8 +11,9 @@ that renames it (one event, one process):
   (``FaultTolerantSyncGroup.begin``); each rank's quorum writes ``begun-<worker>-<pid>`` first
   (a test holds the others until a relaunched job is in its join round);
 * ``hold-relaunch-<worker>``: while it exists, the ranks of a relaunched job of that worker (the
-  supervisor's second start of it, or later) wait before the start gate (``run_gate.start_gate``,
-  once the Manager is up), each writing ``starting-<worker>-<pid>`` first (a slow relaunch);
+  supervisor's second start of it, or later) wait before their torchft Manager starts (so no
+  quorum of the others waits for them; the start gate comes after), each writing
+  ``starting-<worker>-<pid>`` first (a slow relaunch);
 * ``hold-end-<worker>``: while it exists, that worker's ranks wait at their end before recording
   it in the supervisor's store (``torchft_round.record_end``, after the run's last sync and the
   job's own end), each writing ``ending-<worker>-<pid>`` first;
@@ -66,6 +67,19 @@ def _patch_group(module) -> None:
         return begin(self, contributed)
 
     group.begin = held_begin
+    start_manager = module.start_manager
+
+    def held_start_manager(*args, replica_id, **kwargs):
+        if _relaunched():  # held before its Manager heartbeats: the others' quorums do not wait for it
+            _held(f"hold-relaunch-{replica_id}", f"starting-{replica_id}-{os.getpid()}")
+        return start_manager(*args, replica_id=replica_id, **kwargs)
+
+    module.start_manager = held_start_manager
+
+
+def _relaunched() -> bool:
+    """This job is the supervisor's second start of its worker, or a later one."""
+    return int(os.environ.get("MEGATRON_EDIT_JOB", "0.0.1").rsplit(".", 1)[1]) > 1
 
 
 def _patch_transport(module) -> None:
@@ -88,17 +102,6 @@ def _held(name: str, announce: str) -> None:
         time.sleep(0.1)
 
 
-def _patch_backend(module) -> None:
-    gate = module.start_gate
-
-    def start_gate(value, replica_id, *args, **kwargs):
-        if int(os.environ.get("MEGATRON_EDIT_JOB", "0.0.1").rsplit(".", 1)[1]) > 1:  # the supervisor's start
-            _held(f"hold-relaunch-{replica_id}", f"starting-{replica_id}-{os.getpid()}")
-        return gate(value, replica_id, *args, **kwargs)
-
-    module.start_gate = start_gate
-
-
 def _patch_round(module) -> None:
     record = module.record_end
 
@@ -112,7 +115,7 @@ def _patch_round(module) -> None:
 
 
 PATCHES = {"megatron_edit.exchange.fault_tolerant": _patch_group, "torchft.checkpointing.http_transport": _patch_transport,
-           "megatron_edit.mcore.torchft_round": _patch_round, "megatron_edit.mcore.fault_tolerant": _patch_backend}
+           "megatron_edit.mcore.torchft_round": _patch_round}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
