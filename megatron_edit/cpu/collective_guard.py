@@ -26,7 +26,7 @@ every ``torch.distributed`` call, coalesced or not, ends up):
 A synchronous collective is checked the same way (its wait is inside the call). The cost: a checksum of
 every input (its elements summed as integers) at the launch and at the wait, a dictionary
 lookup per resize; a collective never waited for stays remembered, its tensors alive, until
-:func:`reset` (the adapter's deactivate). A debug mode, for tests and loops, not for a long run. A debug mode only.
+:func:`reset` (the adapter's deactivate). A debug mode, for tests and loops, not for a long run.
 """
 
 from __future__ import annotations
