@@ -27,9 +27,6 @@ import time
 import traceback
 
 START_METHOD = os.environ.get("MEGATRON_EDIT_TEST_START_METHOD", "forkserver")
-# The check of asynchronous collectives in every rank (megatron_edit.cpu.collective_guard); set
-# MEGATRON_EDIT_COLLECTIVE_GUARD=0 to run without it (to time a job as a user runs it).
-GUARD = "1"
 # Imported once by the forkserver; a name that fails to import is skipped by multiprocessing.
 _PRELOAD = [
     "torch",
@@ -63,11 +60,9 @@ def _worker(rank, world_size, store_path, timeout, device, fn, args, kwargs, res
             torch.cuda.set_device(rank % torch.cuda.device_count())
             backend = "nccl"
         else:
-            from megatron_edit.cpu import adapter as cpu_adapter, collective_guard
+            from megatron_edit.cpu import adapter as cpu_adapter
 
-            # Every job runs with the check of asynchronous collectives (issue 62): a buffer
-            # freed or written while a collective uses it trips at once, in the rank that did it.
-            os.environ.setdefault(collective_guard.ENV, GUARD)
+            # (with the check of asynchronous collectives: conftest.py sets it for every process)
             cpu_adapter.activate()
             backend = "gloo"
         # The process-group timeout makes a stuck collective fail in the child too.
