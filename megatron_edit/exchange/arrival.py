@@ -77,7 +77,9 @@ class Arrivals:
         self.wait_for = wait_for or self._store_wait
         self.index = 0
         self.last_wait = 0.0
-        """Seconds this rank waited at the latest sync for the other workers to arrive."""
+        """Seconds this rank spent at the latest sync's arrival check: waiting for the other
+        workers to arrive, and its own announcement and clean-up in the store (what the check
+        holds the step, the record's ``arrival_wait_seconds``)."""
         self._warned_close = False
         self.store.set(self._worker_key(self.ranks[me]), str(me))  # read only to name a missing rank
 
@@ -141,8 +143,8 @@ class Arrivals:
         """Announce this worker at the next sync (after its step ``step``) and wait for the
         others; returns the seconds waited, or raises :class:`SyncTimeout`."""
         index, self.index = self.index, self.index + 1
-        self.store.set(self._key(index, self.ranks[self.me]), str(step))
         start = self.clock()
+        self.store.set(self._key(index, self.ranks[self.me]), str(step))
         missing: List[int] = [w for w in range(len(self.ranks)) if w != self.me]
         next_report = self.report_every
         while True:
@@ -160,7 +162,7 @@ class Arrivals:
             self.wait_for(keys, max(min(next_report, self.timeout) - waited, 0.001))
         if index >= 2:
             self.store.delete_key(self._key(index - 2, self.ranks[self.me]))
-        self.last_wait = waited
+        self.last_wait = self.clock() - start  # all of it: the announcement and the clean-up too
         if waited > self.timeout / 2 and not self._warned_close:
             self._warned_close = True
             logger.warning(

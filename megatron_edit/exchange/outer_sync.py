@@ -43,6 +43,7 @@ from ..algorithm import penalty
 from ..config import GTAConfig, LocalSGDConfig
 from .decisions import NonFinitePseudoGradient, SyncDecisions  # noqa: F401 (NonFinitePseudoGradient: its callers')
 from . import reducers
+from .groups import mean_divisor
 from .in_flight import SyncInProgress
 from .layerwise import LayerwisePhases
 from .outer_state import OuterState
@@ -112,12 +113,18 @@ class OuterSync(LayerwisePhases):
 
     def use_config(self, config: LocalSGDConfig) -> None:
         """Exchange by ``config`` from the next sync on (its format; ``auto_overlap`` changes it
-        between syncs): the quantized or sparse exchange's protocol, or none for fp32."""
+        between syncs): the quantized or sparse exchange's protocol, or none for fp32. A quantized
+        format that gives way to another folds its chunk residuals into the workers' residuals
+        (:mod:`megatron_edit.algorithm.residual`)."""
         assert getattr(self, "_sync", None) is None, "an exchange is in flight"
         self.config = config
+        before = getattr(self, "quantized", None)
         protocol = reducers.exchange_protocol(config, self.sync_group, self.num_workers)
         self.quantized = protocol if isinstance(protocol, QuantizedExchange) else None
         self.sparse = protocol if isinstance(protocol, SparseExchange) else None
+        now = self.quantized
+        if before is not None and (now is None or (now.dtype, now.block) != (before.dtype, before.block)):
+            before.fold_chunk_residuals(self.shards, 1 if self.exchanges_weighted_sum else mean_divisor(self.sync_group))
 
     @property
     def num_workers(self) -> int:
@@ -153,14 +160,17 @@ class OuterSync(LayerwisePhases):
               worker_seconds: Optional[torch.Tensor] = None, skip: bool = False,
               bytes_at_start: Optional[int] = None, worker_idle: Optional[torch.Tensor] = None,
               final: bool = False, delay: int = 0, fragment: Optional[int] = None,
-              members: Optional[Sequence[BucketShard]] = None) -> bool:
+              members: Optional[Sequence[BucketShard]] = None, began: Optional[float] = None) -> bool:
         """Begin the sync due after ``step``: the penalty's decisions. ``skip`` (A-EDiT: too few
         steps in total) ends it at once without any exchange; returns whether it goes on.
         ``bytes_at_start``: the sync group's byte count where the sync's traffic began (A-EDiT's
         schedule message comes first). ``delay``: the sync is launched now and applied ``delay``
         steps later (a delayed outer step; ``step`` is the apply step). ``members``: the shards
-        this sync exchanges (streaming fragment ``fragment``; default: every shard)."""
+        this sync exchanges (streaming fragment ``fragment``; default: every shard). ``began``: the
+        ``time.perf_counter()`` at which the caller began the sync (its schedule and bookkeeping
+        count in the sync's seconds; default: now)."""
         assert self._sync is None, "a sync is already in progress"
+        t0 = time.perf_counter() if began is None else began
         if bytes_at_start is None:
             bytes_at_start = self.sync_group.counters.payload_bytes
         self._sync = SyncInProgress(step, steps_since_last, bytes_at_start)
@@ -176,7 +186,6 @@ class OuterSync(LayerwisePhases):
             self._sync.skipped_sync = True
             self._finish_if_done()
             return False
-        t0 = time.perf_counter()
         self._decide()
         self._plan()
         self._sync.seconds += time.perf_counter() - t0
@@ -371,6 +380,12 @@ class OuterSync(LayerwisePhases):
         for state in map(self._sync.of, self._sync.members):
             if state.flight is not None:
                 state.reducer.advance(state.flight)
+
+    def applied_after(self, step: int) -> None:
+        """The delayed sync in progress is applied after ``step``, before its planned step (A-EDiT:
+        the final sync came first): its report says where (launched after ``step - delay`` still)."""
+        self._sync.delay -= self._sync.step - step
+        self._sync.step = step
 
     # ------------------------------------------------------------------ checkpoints
     def finish_in_flight(self):

@@ -39,7 +39,7 @@ FIELDS = (
     "schema", "kind", "run_id", "worker", "sync", "step", "time", "backend", "mode",
     "participants", "trained", "committed", "exchanged", "final", "last_sync",
     "bytes_sent", "bytes_received", "exchange_seconds", "exchange_seconds_sum", "exposed_wait_seconds",
-    "arrival_wait_seconds",
+    "arrival_wait_seconds", "record_seconds",
     "delay", "fragment", "fragments", "exchange_dtype", "topk_density", "auto_overlap", "outer_lr",
     "layer_norms", "pseudo_grad_norm", "excluded", "residual_norm", "residual_ratio", "exchange_error_norm",
     "worker_steps", "events", "ranks", "missing_ranks",
@@ -65,18 +65,21 @@ def _square(norm) -> Optional[float]:
 
 
 def rank_part(report, trained: Sequence[bool], participants: Sequence[int], representative: bool,
-              arrival_wait: Optional[float], heal: Optional[dict]) -> dict:
+              arrival_wait: Optional[float], heal: Optional[dict], began: Optional[float] = None) -> dict:
     """This rank's part of the sync of ``report`` (one optimizer's): ``trained`` / ``participants``:
     per worker of the sync (in its order), whether it trained and its id; ``representative``: this
     rank adds its stage's layers (see the module); ``arrival_wait``: seconds it waited for the
     other workers to arrive (None: not measured); ``heal``: what this rank received when it healed
-    at this round (``from_worker``, ``bytes``, ``seconds``), or None."""
+    at this round (``from_worker``, ``bytes``, ``seconds``), or None; ``began``: the
+    ``time.perf_counter()`` at which the rank began its part of the record (its time in the
+    record, up to this part, is ``record``)."""
     part = dict(bytes=int(report.payload_bytes), seconds=float(report.seconds),
                 exposed=float(report.exposed_wait_seconds if report.delay else report.seconds),
                 arrival=arrival_wait, heal=heal, error_sq=_square(report.quantization_error),
                 residual_sq=_square(getattr(report, "residual_norm", None)))
     if representative and report.norms is not None:
         part["layers"] = _layers(report, trained, participants)
+    part["record"] = None if began is None else time.perf_counter() - began
     return part
 
 
@@ -123,10 +126,12 @@ def combine(parts_by_rank: Dict[int, List[dict]]) -> dict:
     seconds = [sum(p["seconds"] for p in parts) for parts in ranks]
     exposed = [sum(p["exposed"] for p in parts) for parts in ranks]
     arrivals = [p["arrival"] for p in every if p["arrival"] is not None]
+    recorded = [sum(p.get("record") or 0.0 for p in parts) for parts in ranks]
     sent = sum(p["bytes"] for p in every)
     out = dict(bytes_sent=sent, bytes_received=sent, exchange_seconds=_round(max(seconds, default=0.0)),
                exchange_seconds_sum=_round(sum(seconds)), exposed_wait_seconds=_round(max(exposed, default=0.0)),
-               arrival_wait_seconds=_round(max(arrivals)) if arrivals else None)
+               arrival_wait_seconds=_round(max(arrivals)) if arrivals else None,
+               record_seconds=_round(max(recorded, default=0.0)))
     out.update(_layer_figures([p["layers"] for p in every if p.get("layers") is not None]))
     residual = [p["residual_sq"] for p in every if p["residual_sq"] is not None]
     out["residual_norm"] = _round(math.sqrt(sum(residual))) if residual else None

@@ -29,8 +29,9 @@ for its own worker's ranks, each of which reaches the same point anyway, and onl
 controller of its process is past the sync, so every collective of the sync has been issued by
 the waiting rank and none of theirs can be held by it. A rank whose part is still missing then is
 named in the record (``missing_ranks``), never left out in silence. What it costs a rank per
-sync: one host read of a few numbers (its bytes, norms, residual), one ``set``; the writer also
-one ``check``, one ``multi_get`` and a ``delete_key`` per rank of its worker, and one line.
+sync: one host read of a few numbers (its bytes, norms, residual), one ``set`` (not the writer, which
+keeps its own parts once it knows it writes); the writer one ``check``, one ``multi_get`` and a
+``delete_key`` per other rank of its worker, and one line.
 
 **Which ranks make the worker.** Under the torch backend with several workers each rank writes
 its worker's id into the store once, when its first controller is built, and a rank reads them
@@ -97,8 +98,7 @@ class SyncRecord:
         self.end_wait = end_wait
         self.run_id = agreed_run_id(store)
         self.feeds: List[RecordFeed] = []
-        self._counts: List[int] = []
-        """Per feed: the syncs it reported (the index of the next)."""
+        self._counts: List[int] = []  # per feed: the syncs it reported (the index of the next)
         self._delivered: Dict[int, Dict[int, tuple]] = {}
         """Sync index -> the feeds that reported it: (agreed fields, part)."""
         self._pending: List[tuple] = []
@@ -107,8 +107,7 @@ class SyncRecord:
         """The worker's global ranks (None: not known yet, see :meth:`_is_writer`)."""
         self._writer: Optional[bool] = None if self._ranks is None else rank == self._ranks[0]
         self._syncs = 0
-        self._before: Optional[List[int]] = None
-        """The previous record's participants (the ``left`` and ``joined`` events)."""
+        self._before: Optional[List[int]] = None  # the previous record's participants (left / joined events)
         self.latest: Optional[dict] = None
         """The last record this rank wrote (a worker's first rank), for a reader in the process."""
         self._fd: Optional[int] = None
@@ -119,6 +118,7 @@ class SyncRecord:
         """The writer: whether another rank of its worker reads its records (None: not looked yet)."""
         self._taken: List[dict] = []
         """A reader that is the writer: the records written and not taken yet."""
+        self._in_store: set = set()  # syncs whose parts this rank set in the store
         self._published = 0
         """The syncs this rank published its parts of (the records its reader waits for at the end)."""
         self._next_read = 0
@@ -147,7 +147,7 @@ class SyncRecord:
     def feed(self, controller) -> "RecordFeed":
         """The feed of one more controller of this process (built before its first sync)."""
         feed = RecordFeed(self, len(self.feeds), controller.layout, controller.backend, controller.arrivals,
-                          controller.config.exchange_topk_density)
+                          lambda: controller.config.exchange_topk_density)  # in force (auto_overlap changes it)
         self.feeds.append(feed)
         self._counts.append(0)
         return feed
@@ -183,7 +183,9 @@ class SyncRecord:
         got = self._delivered.pop(index)
         slots = [got[s] for s in sorted(got)]
         parts = [part for _, part in slots]
-        self.store.set(self._key(index, self.rank), json.dumps(parts))
+        if self._writer is not True:  # the writer, once known, keeps its own parts (two round trips less)
+            self.store.set(self._key(index, self.rank), json.dumps(parts))
+            self._in_store.add(index)
         self._published = index + 1
         if self._writer is not False:
             fields = dict(slots[0][0], committed=all(f["committed"] for f, _ in slots))
@@ -257,7 +259,9 @@ class SyncRecord:
             values = self.store.multi_get([keys[r] for r in present]) if present else []
             for r in present:
                 self.store.delete_key(keys[r])
-            self.store.delete_key(self._key(index, self.rank))
+            if index in self._in_store:  # (the writer's own, until it knew it was the writer)
+                self._in_store.discard(index)
+                self.store.delete_key(self._key(index, self.rank))
         except Exception as error:  # noqa: BLE001 (forced: the store may have gone with the job's end)
             if not forced:
                 raise
@@ -350,26 +354,27 @@ class RecordFeed:
     """One controller's feed of the :class:`SyncRecord`: called with each sync's report."""
 
     def __init__(self, record: SyncRecord, slot: int, layout, backend, arrivals, topk_density):
+        """``topk_density``: a function giving the top-k density in force (None: dense)."""
         self.record, self.slot, self.backend, self.arrivals, self.topk_density = (
             record, slot, backend, arrivals, topk_density)
-        tp = layout.tp_group
-        self.representative = layout.intra_rank == 0 and (tp is None or dist.get_rank(tp) == 0)
+        self.representative = layout.intra_rank == 0 and (layout.tp_group is None or dist.get_rank(layout.tp_group) == 0)
         """The first rank of this optimizer's model-shard and tensor-parallel groups: it adds the
         layers of its pipeline stage (every rank of them holds the same figures)."""
 
     def __call__(self, report, last_step: Optional[int]) -> None:
         """The sync of ``report`` ended on this rank; ``last_step``: the run's last step if known."""
+        began = time.perf_counter()
         group = self.backend.sync_group
         ids = list(getattr(group, "replica_ids", None) or range(report.workers))
         trained = getattr(group, "trained", None)  # the torchft backend: who trained since the last sync
         trained = [bool(t) for t in trained.tolist()] if trained is not None else [True] * len(ids)
-        fields = agreed(report, ids, trained, self.topk_density)
+        fields = agreed(report, ids, trained, self.topk_density())
         if len(set(ids)) < len(ids):  # torchft: the round failed before its workers could say who they are
             fields["participants"] = fields["trained"] = None
         fields["join"] = bool(self.backend.joining)
         heal = self.backend.last_heal if self.slot == 0 else None  # (one round per process)
         wait = self.backend.arrival_wait if self.arrivals is None else self.arrivals.last_wait
-        part = rank_part(report, trained, ids, self.representative, wait, heal)
+        part = rank_part(report, trained, ids, self.representative, wait, heal, began)
         last = bool(report.final) or (last_step is not None and report.step >= last_step)
         fields["last_sync"] = last
         self.record.deliver(self.slot, fields, part, last)

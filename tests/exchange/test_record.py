@@ -41,6 +41,7 @@ def test_a_worker_of_two_stages_and_two_optimizers_pools_its_ranks_parts():
     assert out["exchange_seconds"] == 0.75 and out["exchange_seconds_sum"] == 1.5
     assert out["exposed_wait_seconds"] == 0.625  # the dense sync's whole time + the delayed expert's wait
     assert out["arrival_wait_seconds"] == 0.75
+    assert out["record_seconds"] == 0.0  # (no part timed its record: began not given)
     # dense 1.0, 3.0, NaN; expert 5.0 (the fragment's layer)
     assert out["layer_norms"] == dict(layers=4, min=1.0, median=3.0, max=5.0, non_finite=1, clipped=1, skipped=1)
     assert out["pseudo_grad_norm"] == pytest.approx(math.sqrt(1 + 9 + 25), rel=1e-5)
@@ -51,6 +52,14 @@ def test_a_worker_of_two_stages_and_two_optimizers_pools_its_ranks_parts():
     assert out["residual_ratio"] == pytest.approx(math.sqrt(50 / 35), rel=1e-5)
     assert out["exchange_error_norm"] == pytest.approx(math.sqrt(2), rel=1e-5)
     assert out["events"] == [dict(event="heal", from_workers=[2, 4], ranks=2, bytes=2000, seconds=3.0)]
+
+
+def test_the_record_seconds_are_the_slowest_ranks_sum_over_its_optimizers():
+    report = _report([[1.0], [1.0]])
+    parts = {r: [dict(rank_part(report, [True, True], [0, 1], r == 0, None, None), record=t) for t in times]
+             for r, times in ((0, (0.25, 0.5)), (1, (1.0, None)))}
+    assert combine(parts)["record_seconds"] == 1.0
+    assert rank_part(report, [True, True], [0, 1], True, None, None, began=0.0)["record"] > 0
 
 
 def test_an_exclusion_for_a_non_finite_norm_says_so():

@@ -67,6 +67,8 @@ def test_a_late_ranks_part_is_waited_for_by_nobody_and_a_missing_one_is_named(tm
     assert (one["sync"], one["step"], one["bytes_sent"], one["ranks"], one["missing_ranks"]) == (1, 2, 200, 2, [])
     assert list(one) == list(FIELDS)
     assert not store.check(["megatron_edit/record/7/0/0/1"])  # read, then deleted
+    assert not store.check(["megatron_edit/record/7/0/0/0"]) and not store.check(["megatron_edit/record/7/0/1/0"])  # the writer keeps its own parts
+    assert 0 <= one["record_seconds"] < 1
     first.close()  # rank 1 never reports its sync 2: the record names it
     second.close()
     two = _lines(path)[1]
@@ -86,6 +88,15 @@ def test_each_workers_first_rank_writes_its_record(tmp_path):
     assert [[(r["worker"], r["bytes_sent"], r["ranks"]) for r in _lines(tmp_path / f"r-{w}.jsonl")] for w in (0, 1)] \
         == [[(0, 3, 2)], [(1, 70, 2)]]
     assert [record._writer for record, _ in ranks] == [True, False, True, False]
+    # every part read and deleted, the writers' own too (set before they knew they write)
+    assert not any(store.check([f"megatron_edit/record/7/{r // 2}/0/{r}"]) for r in range(4))
+    for (record, feed), payload in zip(ranks, (1, 2, 30, 40)):  # a second sync: the writers keep theirs
+        _sync(feed, 4, payload)
+    assert not store.check(["megatron_edit/record/7/0/1/0"]) and store.check(["megatron_edit/record/7/0/1/1"])
+    for record, feed in ranks:
+        record.flush(0.0)
+    assert [len(_lines(tmp_path / f"r-{w}.jsonl")) for w in (0, 1)] == [2, 2]
+    assert not store.check(["megatron_edit/record/7/0/1/1"])
 
 
 def test_the_rank_that_logs_takes_its_workers_records_as_written_without_waiting(tmp_path):
