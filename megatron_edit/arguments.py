@@ -233,17 +233,17 @@ def _check_flags_take_effect(args: argparse.Namespace) -> None:
     if not args.local_sgd_async:
         for dest, name, flag in (
             ("local_sgd_sync_time", "local_sgd_sync_time", "--local-sgd-sync-time"),
-            ("local_sgd_min_total_global_steps", "min_total_global_steps",
-             "--local-sgd-min-total-global-steps"),
+            ("local_sgd_min_total_global_steps", "min_total_global_steps", "--local-sgd-min-total-global-steps"),
         ):
             if getattr(args, dest) != getattr(d, name):
                 raise _needs(flag, "--local-sgd-async",
                              " (synchronous EDiT syncs every --local-sgd-sync-interval steps)")
     if not args.local_sgd_use_step_weight and args.local_sgd_step_weight_ratio != d.step_weight_ratio:
         raise _needs("--local-sgd-step-weight-ratio", "--local-sgd-use-step-weight")
-    if args.local_sgd_exchange_error_feedback is False and args.local_sgd_exchange_topk_density is None:
+    topk = args.local_sgd_exchange_topk_density is not None or ",topk" in f",{args.local_sgd_auto_formats}".replace(" ", "")
+    if args.local_sgd_exchange_error_feedback is False and not topk:  # (the config checks the formats' names)
         raise _needs("--no-local-sgd-exchange-error-feedback", "--local-sgd-exchange-topk-density",
-                     " (error feedback is off without it, on by default with it)")
+                     " (or a top-k format in --local-sgd-auto-formats), on by default with either")
     if not args.local_sgd_skip_anomaly:
         for dest in ("ewma_alpha", "ewma_warmup_steps", "ewma_threshold"):
             if getattr(args, f"local_sgd_{dest}") != getattr(d, dest):

@@ -204,10 +204,6 @@ def _table(args, model, times, h) -> None:
 
 def _auto_line(args, h, choice) -> str:
     """The --local-sgd-auto-overlap flags that start from the choice, or why there are none."""
-    sparse = [f for f in args.formats if topk_format(f) is not None]
-    if sparse:
-        return (f"not chosen while the job runs: --local-sgd-auto-overlap takes the dense formats only "
-                f"({', '.join(FORMATS)}), not {', '.join(sparse)}")
     fragments = sorted(f for f in {1, 2, choice.fragments} if h % f == 0 and delay_limit(h, f) >= 2)
     if choice.fragments not in fragments:  # H / F < 2: no room for a delay, nothing to choose
         return (f"not chosen while the job runs: --local-sgd-auto-overlap needs --local-sgd-sync-interval / "

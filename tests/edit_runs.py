@@ -273,12 +273,21 @@ def _train(rank, spec, tp, pp):
                pp_rank=ps.get_pipeline_model_parallel_rank(), worker=dp_rank // worker_size,
                ep_rank=ps.get_expert_model_parallel_rank())
     controllers = me.get_local_sgd(optimizer)
-    if controllers and spec.get("measurements"):  # auto_overlap: {rank: (step s, {format: s}, exposed s)}
-        from megatron_edit.algorithm.overlap_plan import Measurement
+    _inject_measurements(controllers, spec, rank)
+    if controllers and spec.get("record_sync_starts"):
+        # At the start of every sync (after the inner step, before anything is exchanged; a
+        # blocking sync too): each shard's anchor, this worker's parameters and its residual.
+        sync, starts = controllers[0].sync, out.setdefault("sync_starts", {})
+        original_start = sync.start
 
-        numbers = spec["measurements"][rank]
-        for c in controllers:
-            c.auto.measure = lambda: Measurement(*numbers)
+        def recording_start(step, *args, **kwargs):
+            starts[step] = dict(
+                anchor=[s.anchor.clone() for s in sync.shards],
+                mains=[s.read_current(torch.empty(s.numel)) for s in sync.shards],
+                residual=[None if s.residual is None else s.residual.clone() for s in sync.shards])
+            return original_start(step, *args, **kwargs)
+
+        sync.start = recording_start
     if controllers and spec.get("last_step"):
         me.set_train_iters(optimizer, spec["last_step"])  # as Megatron-LM's --train-iters says it
     for step in range(1, spec["steps"] + 1):
@@ -385,6 +394,22 @@ def _train(rank, spec, tp, pp):
     return out
 
 
+def _inject_measurements(controllers, spec, rank):
+    """auto_overlap: ``spec["measurements"]`` = {rank: (step s, {format: s}, exposed s)}, or a
+    list of them, one per sync measured, in order (the last one from then on)."""
+    if not controllers or not spec.get("measurements"):
+        return
+    from megatron_edit.algorithm.overlap_plan import Measurement
+
+    numbers = spec["measurements"][rank]
+    for c in controllers:
+        if isinstance(numbers, list):
+            calls = iter(range(10**9))
+            c.auto.measure = lambda: Measurement(*numbers[min(next(calls), len(numbers) - 1)])
+        else:
+            c.auto.measure = lambda: Measurement(*numbers)
+
+
 def megatron_runs(rank, world_size, specs, tp=1, pp=1, ep=1, etp=None):
     """Set up parallel state once, then one training run per spec; returns their results."""
     from megatron.core import parallel_state as ps
@@ -479,9 +504,10 @@ def simulate_edit(rank, world_size, spec, dp_size):
         return model(**gpt_inputs(tokens)).float().mean()
 
     @torch.no_grad()
-    def decide_and_reduce(members=None):
+    def decide_and_reduce(members=None, steps=None):
         """The workers' pseudo-gradients now, the decisions and the reduced (clipped) one;
-        ``members``: the parameter names synchronised (a fragment; the others get no step)."""
+        ``members``: the parameter names synchronised (a fragment; the others get no step);
+        ``steps`` (A-EDiT): each worker's steps since the last real sync (the step weights)."""
         nonlocal stats
         members = everything if members is None else members
         params = [list(m.parameters()) for m in models]
@@ -506,6 +532,10 @@ def simulate_edit(rank, world_size, spec, dp_size):
                 cfg.get("weight_softmax_temperature") or 1.0)
         else:
             weights = torch.full((n, len(layers)), 1.0 / n, dtype=torch.float64)
+        if cfg.get("use_step_weight"):  # (1 - r) w + r * each worker's share of the steps
+            r, share = cfg.get("step_weight_ratio", 0.5), torch.tensor(steps, dtype=torch.float64)
+            assert excluded is None, "the simulation blends step weights without exclusions only"
+            weights = (1 - r) * weights + r * (share / share.sum()).unsqueeze(1)
         if spec.get("gta"):
             avg = simulate_gta(spec["gta"], deltas, weights, layer_index)
         else:
@@ -522,22 +552,53 @@ def simulate_edit(rank, world_size, spec, dp_size):
         return avg, coef, skipped, members
 
     @torch.no_grad()
-    def _sync_and_restart(reduced, merge_alpha, launch=None):
-        """Outer step of the anchor; every worker restarts from it, or merges with it (only the
-        parameters synchronised: a fragment's); ``launch`` (keep_local): each worker's
-        parameters at the launch, theta <- theta + anchor' - launch."""
+    def _outer_step(reduced):
+        """Outer step of the anchor with the reduced pseudo-gradient (the synchronised
+        parameters only: a fragment's)."""
         avg, coef, skipped, members = reduced
         for i, a in enumerate(anchor):
             a.grad = None if skipped[layer_index[i]] or names[i] not in members else avg[i] * coef[layer_index[i]].item()
         outer_opt.step()
-        for w, m in enumerate(models):
-            for i, (name, p, a) in enumerate(zip(names, m.parameters(), anchor)):
-                if name not in members:
-                    continue
-                if launch is not None:
-                    p.add_(a - launch[w][i])
-                else:
-                    p.copy_(a if not merge_alpha else merge_alpha * p + (1 - merge_alpha) * a)
+
+    @torch.no_grad()
+    def _merge(w, members, merge_alpha, launch=None):
+        """Worker ``w`` restarts from the anchor, or merges with it (``members`` only);
+        ``launch`` (keep_local): its parameters at the launch, theta <- theta + anchor' - launch."""
+        for i, (name, p, a) in enumerate(zip(names, models[w].parameters(), anchor)):
+            if name not in members:
+                continue
+            if launch is not None:
+                p.add_(a - launch[i])
+            else:
+                p.copy_(a if not merge_alpha else merge_alpha * p + (1 - merge_alpha) * a)
+
+    def _sync_and_restart(reduced, merge_alpha, launch=None):
+        """Outer step of the anchor; every worker restarts from it or merges with it."""
+        _outer_step(reduced)
+        for w in range(n):
+            _merge(w, reduced[3], merge_alpha, None if launch is None else launch[w])
+
+    def train(w, step):
+        """Worker ``w``'s inner step ``step`` (its own count): the whole batch in warmup, else
+        its data-parallel ranks' slice."""
+        model, opt = models[w], inner[w]
+        opt.zero_grad()
+        tokens = batches[step - 1] if step <= warmup else batches[step - 1][w * per_worker : (w + 1) * per_worker]
+        loss_of(model, tokens).backward()
+        if w not in spec.get("skips", {}).get(step, ()):  # skips={step: [workers]}: no inner update
+            opt.step()
+        _inject_fault(spec, step, w, list(model.parameters()))
+
+    def capture():
+        nonlocal anchor, outer_opt
+        anchor = [p.detach().clone() for p in models[0].parameters()]
+        outer_opt = outer_cls(anchor, **outer_kwargs)
+
+    if cfg.get("use_async"):  # A-EDiT: each worker at its own pace between the syncs given
+        run = dict(train=train, capture=capture, decide=decide_and_reduce, outer_step=_outer_step, merge=_merge,
+                   models=models)
+        snapshots = _simulate_async(spec, n, warmup, tau, alpha, run)
+        return dict(params=[named_params(m) for m in models], decisions=decisions, layers=layers, snapshots=snapshots)
 
     for step in range(1, spec["steps"] + 1):
         if fswitch and step == fswitch[0] + 1:
@@ -546,15 +607,9 @@ def simulate_edit(rank, world_size, spec, dp_size):
             old_layers, (layers, layer_index) = layers, cut(frags)
             stats = stats.relabel(old_layers, layers)
         if anchor is None and step - 1 >= warmup:
-            anchor = [p.detach().clone() for p in models[0].parameters()]
-            outer_opt = outer_cls(anchor, **outer_kwargs)
-        for w, (model, opt) in enumerate(zip(models, inner)):
-            opt.zero_grad()
-            tokens = batches[step - 1] if step <= warmup else batches[step - 1][w * per_worker : (w + 1) * per_worker]
-            loss_of(model, tokens).backward()
-            if w not in spec.get("skips", {}).get(step, ()):  # skips={step: [workers]}: no inner update
-                opt.step()
-            _inject_fault(spec, step, w, list(model.parameters()))
+            capture()
+        for w in range(n):
+            train(w, step)
         due = fragment_of(step)
         if not tau or (switch and step <= switch[0]):
             if due is not None:
@@ -574,6 +629,126 @@ def simulate_edit(rank, world_size, spec, dp_size):
             launch = [[p.detach().clone() for p in m.parameters()] for m in models] if keep else None
             flight = (target, decide_and_reduce(fragment_of(target)), launch)
     return dict(params=[named_params(m) for m in models], decisions=decisions, layers=layers)
+
+
+def simulate_shard_exchange(fmt, xs, residuals, chunk_residuals, block=256, chunk=4096):
+    """One shard's exchange among W workers in format ``fmt`` (dense, or ``topk<d>-<values>``),
+    the plain mean, with error feedback, written out from the codecs
+    (:mod:`megatron_edit.algorithm.quantize`, :mod:`megatron_edit.algorithm.topk`) as
+    :mod:`megatron_edit.exchange.quantized` and :mod:`megatron_edit.exchange.sparse` describe it:
+    ``xs[w]``: worker w's pseudo-gradient; ``residuals[w]`` (None: none yet) and
+    ``chunk_residuals[w]`` (the quantized exchange's, of the chunk worker w owns) are updated in
+    place. A shard for which the format sends more bytes than fp32 goes in fp32 and sends a
+    residual it finds once (:mod:`megatron_edit.algorithm.residual`). Returns the result."""
+    from megatron_edit.algorithm import quantize, topk, wire
+    from megatron_edit.algorithm.formats import topk_format
+
+    W, n = len(xs), xs[0].numel()
+    sparse = topk_format(fmt)
+    if fmt == "fp32" or wire.format_wire_bytes(n, fmt, W, block, chunk) > wire.all_reduce_bytes(4 * n, W):
+        sent = [x if residuals[w] is None else x + residuals[w] for w, x in enumerate(xs)]
+        residuals[:] = [None] * W
+        return sum(sent[1:], sent[0]) / W
+    xs = [x if residuals[w] is None else x + residuals[w] for w, x in enumerate(xs)]
+    if sparse is not None:
+        density, values = sparse
+        c = wire.topk_chunk(n, chunk)
+        got = [topk.decode(topk.encode(x, density, c, values), n, density, c, values) for x in xs]
+        residuals[:] = [x - g for x, g in zip(xs, got)]
+        total = torch.zeros(n)
+        for g in got:
+            total += g
+        return total / W
+    size = wire.quantized_block(n, W, fmt, block)
+    sizes = list(quantize.split_sizes(n, W, fmt, size))
+    per, offsets = max(sizes), [sum(sizes[:w]) for w in range(W)]
+
+    def encode(values):
+        return quantize.encode(torch.cat([values, values.new_zeros(per - values.numel())]), fmt, size)
+
+    parts = [[encode(x[o : o + k]) for o, k in zip(offsets, sizes)] for x in xs]
+    for w, x in enumerate(xs):
+        residuals[w] = x - torch.cat([quantize.decode(p, per, fmt, size)[:k] for p, k in zip(parts[w], sizes)])
+    result = torch.empty(n)
+    for c, (o, k) in enumerate(zip(offsets, sizes)):  # worker c owns chunk c
+        own = torch.zeros(k)
+        for w in range(W):
+            own += quantize.decode(parts[w][c], per, fmt, size)[:k]
+        own /= W
+        if chunk_residuals[c] is None:
+            chunk_residuals[c] = torch.zeros(per)
+        own += chunk_residuals[c][:k]
+        sent = quantize.decode(encode(own), per, fmt, size)[:k]
+        chunk_residuals[c][:k] = own - sent
+        result[o : o + k] = sent
+    return result
+
+
+def simulate_format_change(fmt, residuals, chunk_residuals, n, block=256):
+    """The residual rule at a change from format ``fmt`` (:mod:`megatron_edit.algorithm.residual`):
+    a quantized format's chunk residuals are folded into their owners' residuals, times the
+    plain mean's divisor W, and restart."""
+    from megatron_edit.algorithm import quantize, wire
+
+    W = len(residuals)
+    if all(c is None for c in chunk_residuals):
+        return
+    size = wire.quantized_block(n, W, fmt, block)
+    sizes = list(quantize.split_sizes(n, W, fmt, size))
+    for c, (o, k) in enumerate(zip([sum(sizes[:w]) for w in range(W)], sizes)):
+        if chunk_residuals[c] is not None:
+            if residuals[c] is None:
+                residuals[c] = torch.zeros(n)
+            residuals[c][o : o + k] += W * chunk_residuals[c][:k]
+    chunk_residuals[:] = [None] * W
+
+
+def _simulate_async(spec, n, warmup, tau, alpha, run):
+    """A-EDiT in :func:`simulate_edit` (``run``: its closures). ``spec["async_syncs"]``: the
+    syncs, each ``(every worker's step count there, skipped?)``, the last one final (the
+    schedule is the test's, worked out by hand from the fake clock). Warmup in lockstep; then
+    each worker trains to its step of the next sync. At a real sync the pseudo-gradients are
+    taken (step weights: each worker's steps since the last real sync) and, without a delay or
+    at the final sync, every worker restarts from the new anchor; with a delay tau the anchor
+    steps now and each worker merges after its own step s + tau, or at the next sync if that
+    comes first (the final interval may be shorter than tau). ``spec["async_delays"]``: each
+    sync's own delay (auto_overlap's changes; default tau for every one). Returns each worker's
+    parameters after each of its steps (``spec["snapshot_every_step"]``; else empty)."""
+    keep = spec["local_sgd"].get("outer_merge_rule") == "keep_local"
+    snapshots = [{} for _ in range(n)]
+
+    def snap(w):
+        if spec.get("snapshot_every_step"):
+            snapshots[w][done[w]] = named_params(run["models"][w])
+    for step in range(1, warmup + 1):
+        for w in range(n):
+            run["train"](w, step)
+    run["capture"]()
+    done, last_real, pending = [warmup] * n, [warmup] * n, None  # pending: (members, launch, apply after)
+    syncs = spec["async_syncs"]
+    delays = spec.get("async_delays") or [tau] * len(syncs)
+    for k, (target, skipped) in enumerate(syncs):
+        for w in range(n):
+            while done[w] < target[w]:
+                done[w] += 1
+                run["train"](w, done[w])
+                if pending is not None and done[w] == min(pending[2][w], target[w]):
+                    run["merge"](w, pending[0], alpha, None if pending[1] is None else pending[1][w])
+                snap(w)
+        pending = None
+        if skipped:
+            continue
+        reduced = run["decide"](steps=[t - l for t, l in zip(target, last_real)])
+        last_real = list(target)
+        launch = [[p.detach().clone() for p in run["models"][w].parameters()] for w in range(n)] if keep else None
+        run["outer_step"](reduced)
+        if k == len(syncs) - 1 or not delays[k]:  # the final sync is blocking
+            for w in range(n):
+                run["merge"](w, reduced[3], None)
+                snap(w)
+        else:
+            pending = (reduced[3], launch, [t + delays[k] for t in target])
+    return snapshots
 
 
 def _weighted_sum(deltas, weights, layer_index, i, like):
@@ -648,6 +823,7 @@ def async_runs(rank, world_size, spec):
     me.patch_megatron_for_local_sgd(me.LocalSGDConfig(**spec["local_sgd"]), me.OuterOptimizerConfig(**spec["outer"]))
     ddp, optimizer = _build(spec, 1, 1)
     (controller,) = me.get_local_sgd(optimizer)
+    _inject_measurements([controller], spec, rank)
     if spec.get("train_iters"):  # A-EDiT's budget: what a synchronous run of that length takes
         me.set_train_iters(optimizer, spec["train_iters"])
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -660,7 +836,7 @@ def async_runs(rank, world_size, spec):
     # one-world run (see megatron_runs)
     data_dp, data_rank = spec.get("data_dp") or dp, dp_rank + spec.get("data_rank_offset", 0)
     batches = make_batches(spec["max_steps"], data_dp * MICRO_BATCH, seed=0)
-    reports, steps, progress, t0 = [], 0, 0.0, _time.monotonic()
+    reports, steps, progress, t0, snapshots = [], 0, 0.0, _time.monotonic(), {}
 
     def more():
         if spec.get("train_iters"):
@@ -679,11 +855,17 @@ def async_runs(rank, world_size, spec):
         if fake:
             now[0] += fake[worker]
         reports += controller.drain_reports()
+        if spec.get("snapshot_every_step"):  # this worker's parameters after each of its steps
+            ddp.start_param_sync(force_sync=True)
+            snapshots[steps] = full_params(ddp)
+    in_flight = controller.delayed is not None and controller.delayed.in_flight
     ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync
     reports += controller.drain_reports()
     out = dict(worker=worker, steps=steps, reports=reports, params=full_params(ddp),
                seconds=_time.monotonic() - t0, finished=controller.finished, progress=progress,
-               last_sync=controller.last_sync)
+               last_sync=controller.last_sync, snapshots=snapshots, in_flight_at_end=in_flight,
+               decisions=None if controller.auto is None else [  # auto_overlap: (after step, tau, format)
+                   (step, ch.outer_step_delay, ch.exchange_dtype) for step, ch, _ in controller.auto.decisions])
     if controller.backend is not None:
         controller.backend.close()
     me.unpatch_megatron_for_local_sgd()

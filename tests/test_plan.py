@@ -120,8 +120,18 @@ def test_the_top_k_exchange_is_a_format_and_its_flags_are_a_valid_config(capsys)
                             outer_step_delay=int(values["--local-sgd-outer-step-delay"]),
                             fragments=int(values["--local-sgd-fragments"]))
     assert config.exchange_dtype == "int2" and config.error_feedback
-    assert "not chosen while the job runs: --local-sgd-auto-overlap takes the dense formats only" in out
-    assert "--local-sgd-auto-overlap --local-sgd-auto-formats" not in out  # nothing that fails when pasted
+    # chosen while the job runs too (issue 60): the line's flags are a configuration the package accepts
+    auto = next(line for line in out.splitlines() if line.startswith("or chosen while the job runs"))
+    values = _flags(auto.replace("--local-sgd-auto-overlap ", ""))
+    assert values["--local-sgd-auto-formats"] == "fp32,int4,topk0.02-int2"
+    config = LocalSGDConfig(local_sgd_sync_interval=config.local_sgd_sync_interval, auto_overlap=True,
+                            auto_formats=values["--local-sgd-auto-formats"],
+                            auto_fragments=values["--local-sgd-auto-fragments"],
+                            exchange_dtype=values["--local-sgd-exchange-dtype"],
+                            exchange_topk_density=float(values["--local-sgd-exchange-topk-density"]),
+                            outer_step_delay=int(values["--local-sgd-outer-step-delay"]),
+                            fragments=int(values["--local-sgd-fragments"]))
+    assert config.start_format == "topk0.02-int2" and config.error_feedback
 
 
 def test_without_an_interval_it_answers_the_smallest_that_hides_the_exchange(capsys):

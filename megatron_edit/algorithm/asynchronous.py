@@ -22,6 +22,9 @@ collectives cannot deadlock.
   n_w of the workers' N steps, each of its steps advances the schedule by N / (W n_w)
   synchronous steps (:func:`progress_per_step`), so every worker's schedule arrives at the same
   point at the sync, and a fast worker does not run off the end of its schedule.
+* With a delayed outer step (tau of a worker's own steps between the launch of a sync's
+  exchange and its apply) every interval but the last is at least tau + 1 steps for every
+  worker (:func:`min_interval`), so a sync's exchange is applied before the next is launched.
 """
 
 from __future__ import annotations
@@ -101,10 +104,21 @@ def fill_unmeasured(rates: torch.Tensor, measured: torch.Tensor) -> Optional[tor
     return torch.where(measured, rates.to(torch.float64), mean)
 
 
-def plan_next_interval(rates: torch.Tensor, sync_time: float, max_steps: int = 1_000_000) -> torch.Tensor:
-    """[W] steps each worker takes until the next sync: its rate times ``sync_time`` (at least
-    1)."""
-    return torch.clamp(torch.round(rates.to(torch.float64) * sync_time), 1, max_steps).to(torch.int64)
+def plan_next_interval(rates: torch.Tensor, sync_time: float, max_steps: int = 1_000_000,
+                       min_steps: int = 1) -> torch.Tensor:
+    """[W] steps each worker takes until the next sync: its rate times ``sync_time``, at least
+    ``min_steps`` (1; with a delayed outer step tau + 1, :func:`min_interval`)."""
+    return torch.clamp(torch.round(rates.to(torch.float64) * sync_time), min_steps, max_steps).to(torch.int64)
+
+
+def min_interval(delay: int) -> int:
+    """The fewest steps a worker may take between two syncs when the outer step is delayed by
+    ``delay`` of its own steps (0: none): the exchange launched at a sync is applied ``delay``
+    steps later, before the next sync launches the next one (one in flight at a time). A worker
+    whose speed gives fewer is planned this many (it reaches the next sync later than the
+    others, who wait for it there). The final interval is not held to it: the exchange still in
+    flight at the final sync is applied there, before the final (blocking) sync."""
+    return int(delay) + 1
 
 
 def split_by_rate(total: int, rates: torch.Tensor) -> torch.Tensor:
@@ -142,6 +156,7 @@ def plan(
     budget_steps: Optional[int] = None,
     remaining_seconds: Optional[float] = None,
     done_steps: Optional[int] = None,
+    min_steps: int = 1,
 ) -> Tuple[torch.Tensor, bool]:
     """(steps each worker takes until the next sync, whether that sync is the run's last).
 
@@ -150,8 +165,9 @@ def plan(
     or fewer worker-steps than workers after it (the final interval gives every worker at
     least one step); it then takes exactly the remaining worker-steps. ``remaining_seconds``:
     with a wall-clock budget, the same for time. ``done_steps``: the worker-steps done, when not
-    ``steps.sum()`` (workers that come and go: those applied to the anchor)."""
-    interval = plan_next_interval(rates, sync_time)
+    ``steps.sum()`` (workers that come and go: those applied to the anchor). ``min_steps``: the
+    fewest steps of a worker in an interval that is not the last (:func:`min_interval`)."""
+    interval = plan_next_interval(rates, sync_time, min_steps=min_steps)
     if budget_steps is not None:
         done = int(steps.sum()) if done_steps is None else int(done_steps)
         remaining = int(budget_steps - done)

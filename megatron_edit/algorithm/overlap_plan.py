@@ -24,7 +24,8 @@ The model, for one worker (seconds):
 * the fraction of the no-communication bound: ``t / (t + exposed per H / H)``.
 
 The choice (:func:`choose`): the formats are tried most precise first (fp32, bf16, fp8, int8,
-int4, then the top-k formats, most bytes first; whatever the user allows); for a format, no
+int4, then the top-k formats by the bits they send per element, most first:
+:func:`precision_order`; whatever the user allows); for a format, no
 delay if the forward pass hides the exchange with the margin, else the fewest fragments F (a
 divisor of H) for which the smallest covering delay ``tau = ceil(margin * C / (F t))``
 satisfies ``tau < H / F`` and ``tau <= max_delay``.
@@ -43,6 +44,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from . import wire
 from .formats import DENSE as FORMATS  # most precise first: the order in which formats are tried
 from .formats import TOPK_CHUNK, topk_format  # noqa: F401 (TOPK_CHUNK: re-exported for the planner)
+from .formats import precision_order  # noqa: F401 (the one order of the formats; re-exported)
 from .schedule import delay_limit
 
 
@@ -60,15 +62,6 @@ def wire_bytes(params: int, name: str, workers: int, block: int = 256) -> int:
     reduce-scatter + all-gather, ``2 (W - 1) / W`` of its payload, the top-k exchange's
     all-gather the ``W - 1`` other workers' payloads)."""
     return wire.wire_bytes(params, name, workers, block, TOPK_CHUNK)
-
-
-def precision_order(formats: Sequence[str], params: int = 1 << 24) -> list:
-    """Most precise first: the dense formats in :data:`FORMATS`' order, then the top-k formats,
-    most bytes first (a higher density or more value bits)."""
-    dense = sorted((f for f in formats if topk_format(f) is None), key=FORMATS.index)
-    sparse = sorted((f for f in formats if topk_format(f) is not None),
-                    key=lambda f: -wire.payload_bytes(params, f, chunk=TOPK_CHUNK))
-    return dense + sparse
 
 
 def exposed_seconds(exchange_s: float, step_s: float, delay: int, fragments: int = 1,
@@ -112,12 +105,13 @@ def _divisors(n: int):
 
 def choose(step_s: float, exchange_s: Dict[str, float], interval: int, formats: Optional[Sequence[str]] = None,
            margin: float = 1.2, max_delay: Optional[int] = None, forward_share: float = 1 / 3,
-           fragments: Optional[Sequence[int]] = None) -> Choice:
+           fragments: Optional[Sequence[int]] = None, chunk: int = TOPK_CHUNK) -> Choice:
     """The delay, fragments and format for an inner step of ``step_s`` seconds and the given
     exchange times per format (the module's docstring gives the rule). Every argument is a
     measurement or a setting that all workers share, so every worker makes the same choice.
     ``fragments``: the numbers of fragments allowed (default: every divisor of H; the runtime
-    choice keeps the run's own F)."""
+    choice keeps the run's own F). ``chunk``: the top-k exchange's chunk (the order of the top-k
+    formats)."""
     if step_s <= 0:
         raise ValueError(f"the step time must be > 0, got {step_s}")
     if interval < 1:
@@ -133,7 +127,7 @@ def choose(step_s: float, exchange_s: Dict[str, float], interval: int, formats: 
     if missing:
         raise ValueError(f"no exchange time for {', '.join(missing)}")
     cap = interval // 2 if max_delay is None else max_delay
-    ordered = precision_order(formats)
+    ordered = precision_order(formats, chunk)
     splits = _divisors(interval) if fragments is None else sorted(set(fragments))
     if not splits or any(f < 1 or interval % f for f in splits):
         raise ValueError(f"fragments must divide the sync interval {interval}, got {list(fragments)}")
@@ -220,12 +214,15 @@ def smallest_interval(params: int, workers: int, link_bits_per_s: float, step_s:
 
 
 def scale_to_formats(measured_s: float, measured_format: str, numel: int, formats: Sequence[str],
-                     block: int = 256) -> Dict[str, float]:
+                     block: int = 256, workers: int = 2, chunk: int = TOPK_CHUNK) -> Dict[str, float]:
     """Each format's exchange time from one measured in ``measured_format``: the same link, so
-    the time scales with the bytes of a ``numel``-element pseudo-gradient (scales included,
-    :func:`megatron_edit.algorithm.wire.payload_bytes`)."""
-    base = wire.payload_bytes(max(numel, 1), measured_format, block, TOPK_CHUNK)
-    return {fmt: measured_s * wire.payload_bytes(max(numel, 1), fmt, block, TOPK_CHUNK) / base for fmt in formats}
+    the time scales with the bytes one rank sends for a ``numel``-element pseudo-gradient among
+    ``workers`` (:func:`megatron_edit.algorithm.wire.wire_bytes`, the one wire model: scales and
+    indices included, the top-k all-gather's W - 1 payloads against a dense format's
+    2 (W - 1) / W; ``chunk``: the top-k exchange's)."""
+    w, n = max(workers, 2), max(numel, 1)  # one worker sends nothing: the ratio of two
+    base = wire.wire_bytes(n, measured_format, w, block, chunk)
+    return {fmt: measured_s * wire.wire_bytes(n, fmt, w, block, chunk) / base for fmt in formats}
 
 
 @dataclass(frozen=True)

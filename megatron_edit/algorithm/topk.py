@@ -43,15 +43,11 @@ from dataclasses import dataclass
 import torch
 
 from .formats import TOPK_MAX_CHUNK as MAX_CHUNK  # the largest chunk: its indices take 16 bits
+from .formats import TOPK_VALUE_BITS as _BITS
+from .formats import index_bits  # noqa: F401 (re-exported: bits of an index inside a chunk)
 from .formats import TOPK_VALUES as VALUE_DTYPES  # the formats of the kept values
 
 _MAX = {"int8": 127.0, "int4": 7.0, "int2": 1.0}
-_BITS = {"fp32": 32, "int8": 8, "int4": 4, "int2": 2}
-
-
-def index_bits(chunk: int) -> int:
-    """Bits of an index inside a chunk of ``chunk`` elements (at least 1)."""
-    return max(1, (chunk - 1).bit_length())
 
 
 def value_bits(dtype: str) -> int:

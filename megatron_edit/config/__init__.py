@@ -44,7 +44,7 @@ from .outer_optimizer import (  # noqa: F401 (re-exported)
 from .gta import GTA_CONSENSUS, GTA_SPARSIFICATION, REDUCERS, GTAConfig, check_combination  # noqa: F401 (re-exported)
 from .backend import SYNC_BACKENDS, BackendSettings  # noqa: F401 (re-exported)
 from .exchange import EXCHANGE_DTYPES, TOPK_DTYPES, TOPK_MAX_CHUNK, ExchangeSettings  # noqa: F401 (re-exported)
-from .overlap import AUTO_FORMATS, OverlapSettings, delay_limit  # noqa: F401 (re-exported)
+from .overlap import OverlapSettings, delay_limit  # noqa: F401 (re-exported)
 from .penalty import PenaltySettings
 from .record import RecordSettings, check_record_path, record_path  # noqa: F401 (re-exported)
 from .values import (  # noqa: F401 (re-exported)
@@ -172,8 +172,9 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
         "--local-sgd-outer-step-delay", 0,
         help="tau: launch each sync's exchange tau steps before its sync step and apply it there, "
              "so the exchange runs behind tau inner steps (0: blocking, as without the flag; "
-             "tau < --local-sgd-sync-interval). With --local-sgd-auto-overlap: the delay the run "
-             "starts with, until its first decision.")
+             "tau < --local-sgd-sync-interval). With --local-sgd-async: launched at each sync and "
+             "applied tau of the worker's own steps later (tau >= H allowed). With --local-sgd-auto-overlap: the delay "
+             "the run starts with, until its first decision.")
     """tau (Streaming DiLoCo's overlap, torchft's ``fragment_sync_delay``): the exchange of the
     sync due after step s = W + kH is launched after step s - tau with the pseudo-gradient
     ``anchor - theta_{s-tau}``; the worker keeps training; after the inner update of step s the
@@ -183,8 +184,11 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
     still a sync (which completes at once); a checkpoint while an exchange is in flight saves
     its result, and the resumed run applies it at the same step (the same number of workers,
     delay, merge rule and alpha and fragments only; another is refused). 0: today's blocking
-    sync, bit for bit. Needs
-    ``tau < local_sgd_sync_interval`` (one exchange in flight at a time); not with A-EDiT yet.
+    sync, bit for bit. EDiT needs
+    ``tau < local_sgd_sync_interval`` (one exchange in flight at a time). With A-EDiT
+    (``use_async``) the exchange is launched at each sync, where the workers meet, and applied tau
+    of each worker's own steps later; every interval but the last is planned at least tau + 1
+    steps, the final sync is not delayed (:mod:`megatron_edit.mcore.async_delayed`).
     With ``auto_overlap`` the delay its first, measured syncs run with (as ``exchange_dtype`` and
     ``fragments`` are the format and fragments it starts with); the rule chooses from then on."""
 
@@ -257,7 +261,10 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
     """Keep what the exchange dropped (quantization; with top-k, every entry not sent) and add
     it to the next sync's pseudo-gradient (a residual sharded like the anchor, 4 bytes x params
     / shard size, saved in checkpoints). None (default): on with ``exchange_topk_density``
-    (SparseLoCo's error feedback; :attr:`error_feedback`), off otherwise."""
+    (SparseLoCo's error feedback; :attr:`error_feedback`), or with ``auto_overlap`` when
+    ``auto_formats`` has a top-k format; off otherwise. With ``auto_overlap`` it is one setting
+    for every format the run may choose; at a change of format the residual is carried on
+    (:mod:`megatron_edit.algorithm.residual`)."""
 
     exchange_topk_density: Optional[float] = flag(
         "--local-sgd-exchange-topk-density", None, show_default=False,
@@ -287,7 +294,7 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
         "--local-sgd-auto-overlap", False,
         help="Choose the delay (with --local-sgd-auto-formats also the exchange format, with "
              "--local-sgd-auto-fragments the fragments) from the "
-             "measured step and exchange times while the job runs (synchronous EDiT, torch backend).")
+             "measured step and exchange times while the job runs (EDiT, or A-EDiT without fragments; torch backend).")
     """Settings from the measured link (:mod:`megatron_edit.mcore.auto_overlap`): the first syncs,
     and one sync every ``auto_every``, are timed with the settings in force (without a delay they
     block; a delayed one waits for its exchange right after its launch, its numbers unchanged);
@@ -298,23 +305,29 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
     smallest that covers the exchange with a 1.2 margin, tau < H/F) and the format, only at a
     sync with nothing in flight, the same on every worker; with ``auto_fragments`` also the
     fragments F (the fewest that let a delay hide the exchange). H stays the user's (it changes
-    the algorithm, not only the schedule). The run starts with ``outer_step_delay`` (0: its first
+    the algorithm, not only the schedule). With ``use_async`` (A-EDiT) the agreement rides on the
+    schedule's all-reduce at each sync, H is the fewest steps the plan gives a worker, and a
+    decision is in force from the next sync (:mod:`megatron_edit.mcore.auto_overlap_async`;
+    ``auto_fragments`` is refused). The run starts with ``outer_step_delay`` (0: its first
     syncs block), in ``exchange_dtype``, with ``fragments``: start with the setting it will
     likely choose (``python -m megatron_edit.plan``), since the first syncs' algorithm is the
     start's (in the 20 Mbit/s benchmark two undelayed first syncs cost 7.6% of loss after 416
     steps against the delay it then chose; started with that delay it equals it bit for bit).
-    Synchronous EDiT over the torch backend; not with error feedback, the top-k exchange or GTA
-    (their state follows the format)."""
+    Synchronous EDiT over the torch backend; with error feedback the residual is carried from
+    one format to the next (:mod:`megatron_edit.algorithm.residual`); GTA with fp32 only."""
 
     auto_formats: Optional[str] = flag(
         "--local-sgd-auto-formats", None, type=str, show_default=False,
         help="Exchange formats --local-sgd-auto-overlap may choose, comma-separated, most precise "
-             "taken first when it hides the exchange (e.g. fp32,int8,int4; default: "
-             "--local-sgd-exchange-dtype only).")
-    """Comma-separated formats (of fp32, bf16, fp8, int8, int4) that ``auto_overlap`` may
-    choose; it takes the most precise one whose exchange it can hide. Must include
-    ``exchange_dtype`` (the format the run starts with). None: ``exchange_dtype`` only (the
-    delay alone is chosen)."""
+             "taken first when it hides the exchange (e.g. fp32,int8,int4 or int8,topk0.02-int2; "
+             "default: the format the run starts in only).")
+    """Comma-separated formats that ``auto_overlap`` may choose: fp32, bf16, fp8, int8, int4, and
+    the top-k exchange's ``topk<density>-<values>`` (e.g. ``topk0.02-int2``: density 0.02,
+    int2 values; chunks of ``exchange_topk_chunk``). It takes the most precise one whose
+    exchange it can hide (:func:`megatron_edit.algorithm.formats.precision_order`: the dense
+    ones, then the top-k ones by the bits they send per element). Must include the format the
+    run starts in (``exchange_dtype``, with ``exchange_topk_density`` a top-k one). None: that
+    format only (the delay alone is chosen)."""
 
     auto_fragments: Optional[str] = flag(
         "--local-sgd-auto-fragments", None, type=str, show_default=False,

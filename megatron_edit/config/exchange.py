@@ -20,9 +20,10 @@ class ExchangeSettings:
     @property
     def error_feedback(self) -> bool:
         """Whether error feedback is on: ``exchange_error_feedback``, or when it is None, whether
-        the exchange is top-k (``exchange_topk_density``)."""
+        the exchange is top-k (``exchange_topk_density``) or, with ``auto_overlap``, may be
+        (a top-k format among ``auto_formats``): one setting for every format of the run."""
         if self.exchange_error_feedback is None:
-            return self.exchange_topk_density is not None
+            return self.may_use("topk")
         return self.exchange_error_feedback
 
     def _check_exchange(self) -> None:
@@ -32,16 +33,16 @@ class ExchangeSettings:
                  f"must be one of {EXCHANGE_DTYPES} (got {self.exchange_dtype!r}).")
         _require(self.exchange_block_size >= 2 and self.exchange_block_size % 2 == 0, "exchange_block_size",
                  f"must be an even integer >= 2 (got {self.exchange_block_size!r}); 256 is the default.")
-        scaled = self.auto_overlap and any(f in ("fp8", "int8", "int4") for f in self.allowed_formats)
-        if self.exchange_block_size != 256 and self.exchange_dtype in ("fp32", "bf16") and not scaled:
+        if self.exchange_block_size != 256 and self.exchange_topk_density is None and not self.may_use("scaled"):
             raise ConfigError(
                 f"{_name('exchange_block_size')}: only used by the scaled formats (fp8, int8, "
                 f"int4); {FLAG_NAMES['exchange_dtype']} is {self.exchange_dtype}.")
-        if self.exchange_error_feedback and self.exchange_dtype == "fp32" and self.exchange_topk_density is None:
+        if self.exchange_error_feedback and not self.may_use("lossy"):
             raise ConfigError(
                 f"{_name('exchange_error_feedback')}: an fp32 exchange drops nothing; add "
                 f"{FLAG_NAMES['exchange_dtype']} bf16|fp8|int8|int4 (or "
-                f"{FLAG_NAMES['exchange_topk_density']}) or drop the flag.")
+                f"{FLAG_NAMES['exchange_topk_density']}, or with {FLAG_NAMES['auto_overlap']} such a "
+                f"format in {FLAG_NAMES['auto_formats']}) or drop the flag.")
         self._check_topk()
 
     def _check_topk(self) -> None:
@@ -55,7 +56,7 @@ class ExchangeSettings:
                  f"{chunk} needs {(chunk - 1).bit_length()} index bits; indices take at most 16 bits "
                  f"(chunks of at most {TOPK_MAX_CHUNK} elements): use a smaller chunk, e.g. 4096.")
         if d is None:
-            if chunk != 4096:
+            if chunk != 4096 and not self.may_use("topk"):
                 raise ConfigError(
                     f"{_name('exchange_topk_chunk')}: only used by the top-k exchange; add "
                     f"{FLAG_NAMES['exchange_topk_density']} (e.g. 0.02) or drop the flag.")
@@ -69,7 +70,7 @@ class ExchangeSettings:
             raise ConfigError(
                 f"{_name('exchange_dtype')}: the top-k exchange sends its values in one of {TOPK_DTYPES}, "
                 f"not {dtype}; choose one of them, or drop {FLAG_NAMES['exchange_topk_density']}.")
-        if self.exchange_block_size != 256:
+        if self.exchange_block_size != 256 and not self.may_use("scaled"):
             raise ConfigError(
                 f"{_name('exchange_block_size')}: the top-k exchange has one scale per chunk "
                 f"({FLAG_NAMES['exchange_topk_chunk']}); drop {FLAG_NAMES['exchange_block_size']}.")

@@ -5,29 +5,58 @@ checks; a part of :mod:`megatron_edit.config`, which re-exports it. The fields a
 
 One rule is used across the package: a delay must be below H/F
 (:func:`megatron_edit.algorithm.schedule.delay_limit`, re-exported here), so that an exchange is
-applied before the next one (of the next fragment) is launched.
+applied before the next one (of the next fragment) is launched. A-EDiT (time-based syncs) plans
+its intervals instead: every one but the last at least tau + 1 steps long for each worker
+(:func:`megatron_edit.algorithm.asynchronous.min_interval`; H is its first interval, before any
+exchange is in flight).
 """
 
 from __future__ import annotations
 
-from ..algorithm.formats import DENSE as AUTO_FORMATS  # what auto_overlap chooses among, most precise first
+from ..algorithm.formats import DENSE, format_name, precision_order, topk_format
 from ..algorithm.schedule import delay_limit  # noqa: F401 (re-exported)
 from .values import FLAG_NAMES, ConfigError, NotSupportedYet, _name, _require
+
+
+def _known(name: str) -> bool:
+    """Whether ``name`` is an exchange format (dense, or ``topk<density>-<values>``)."""
+    try:
+        topk_format(name)
+    except ValueError:
+        return False
+    return True
 
 
 class OverlapSettings:
     """The overlap's derived values and checks, mixed into LocalSGDConfig."""
 
     @property
+    def start_format(self) -> str:
+        """The format the run starts in (:func:`~megatron_edit.algorithm.formats.format_name`):
+        ``exchange_dtype``, or ``topk<density>-<dtype>`` with ``exchange_topk_density``."""
+        return format_name(self.exchange_dtype, self.exchange_topk_density)
+
+    @property
     def allowed_formats(self) -> tuple:
-        """The exchange formats ``auto_overlap`` may choose (``auto_formats``, else
-        ``exchange_dtype`` alone), most precise first."""
+        """The exchange formats ``auto_overlap`` may choose (``auto_formats``, else the format
+        the run starts in alone), most precise first
+        (:func:`~megatron_edit.algorithm.formats.precision_order`: the dense formats, then the
+        top-k ones by the bits they send per element)."""
         if self.auto_formats is None:
-            return (self.exchange_dtype,)
-        return tuple(f for f in AUTO_FORMATS if f in self._auto_format_names())
+            return (self.start_format,)
+        return tuple(precision_order([n for n in self._auto_format_names() if _known(n)], self.exchange_topk_chunk))
 
     def _auto_format_names(self) -> list:
         return [n.strip() for n in str(self.auto_formats).split(",")]
+
+    def may_use(self, kind: str) -> bool:
+        """Whether a format of ``kind`` may be in force in this run (the one in force, or with
+        ``auto_overlap`` one it may choose): ``topk`` (the top-k exchange), ``scaled`` (a dense
+        format with a scale per block: fp8, int8, int4) or ``lossy`` (any but fp32)."""
+        formats = self.allowed_formats if self.auto_overlap else (self.start_format,)
+        test = {"topk": lambda f: topk_format(f) is not None, "scaled": lambda f: f in ("fp8", "int8", "int4"),
+                "lossy": lambda f: f != "fp32"}[kind]
+        return any(test(f) for f in formats if _known(f))
 
     @property
     def allowed_fragments(self) -> tuple:
@@ -45,9 +74,10 @@ class OverlapSettings:
         _require(self.auto_every >= 1, "auto_every", f"must be an integer >= 1 (got {self.auto_every!r}).")
         if self.auto_formats is not None:
             names = self._auto_format_names()
-            bad = [n for n in names if n not in AUTO_FORMATS]
+            bad = [n for n in names if not _known(n)]
             _require(not bad and len(set(names)) == len(names), "auto_formats",
-                     f"must be a comma-separated list of distinct formats of {', '.join(AUTO_FORMATS)} "
+                     f"must be a comma-separated list of distinct formats of {', '.join(DENSE)} or "
+                     f"topk<density>-<values> (values fp32, int8, int4 or int2, e.g. topk0.02-int2) "
                      f"(got {self.auto_formats!r}).")
         if self.auto_fragments is not None:
             names, h = self._auto_fragment_names(), self.local_sgd_sync_interval
@@ -66,25 +96,24 @@ class OverlapSettings:
                                   "or drop the flag.")
             return
         why = None
-        if self.use_async:
-            why = f"{FLAG_NAMES['use_async']} (A-EDiT plans its own syncs; it runs no delay)"
+        if self.use_async and self.auto_fragments is not None:  # (fragments are not built for A-EDiT)
+            why = f"{FLAG_NAMES['use_async']} and {FLAG_NAMES['auto_fragments']} (A-EDiT has no fragments)"
         elif self.sync_backend != "torch":
             why = f"{FLAG_NAMES['sync_backend']} {self.sync_backend} (the torch backend only, yet)"
-        elif self.exchange_topk_density is not None:
-            why = f"{FLAG_NAMES['exchange_topk_density']} (the top-k exchange's residual follows its format)"
-        elif self.error_feedback:
-            why = f"{FLAG_NAMES['exchange_error_feedback']} (the residual follows the format)"
         if why is not None:
-            raise NotSupportedYet(f"{_name('auto_overlap')} with {why} is not supported yet; drop one of the two.")
-        if self.exchange_dtype not in self.allowed_formats:
+            raise NotSupportedYet(f"{_name('auto_overlap')} with {why} is not supported yet; drop one of them.")
+        if self.start_format not in self.allowed_formats:
+            flags = f"{FLAG_NAMES['exchange_dtype']} {self.exchange_dtype}" + (
+                "" if self.exchange_topk_density is None
+                else f" {FLAG_NAMES['exchange_topk_density']} {self.exchange_topk_density:g}")
             raise ConfigError(
-                f"{_name('auto_formats')}: the run starts in {FLAG_NAMES['exchange_dtype']} "
-                f"{self.exchange_dtype}, which is not among {self.auto_formats}; add it, or start in one of them.")
+                f"{_name('auto_formats')}: the run starts in {flags} ({self.start_format}), which is not "
+                f"among {self.auto_formats}; add it, or start in one of them.")
         if self.fragments not in self.allowed_fragments:
             raise ConfigError(
                 f"{_name('auto_fragments')}: the run starts with {FLAG_NAMES['fragments']} {self.fragments}, "
                 f"which is not among {self.auto_fragments}; add it, or start with one of them.")
-        if delay_limit(self.local_sgd_sync_interval, self.fragments) < 2:
+        if delay_limit(self.local_sgd_sync_interval, self.fragments) < 2 and not self.use_async:  # (A-EDiT: planned)
             raise ConfigError(
                 f"{_name('auto_overlap')}: {FLAG_NAMES['local_sgd_sync_interval']} "
                 f"{self.local_sgd_sync_interval} / {FLAG_NAMES['fragments']} {self.fragments} leaves no room "
@@ -135,11 +164,14 @@ class OverlapSettings:
             raise ConfigError(
                 f"{_name('outer_merge_alpha')}: the merge only follows a delayed outer step; add "
                 f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
-        if tau and self.use_async:
+        if tau and self.use_async and self.sync_backend != "torch":
             raise NotSupportedYet(
-                f"{_name('outer_step_delay')}: a delayed outer step with {FLAG_NAMES['use_async']} "
-                "(A-EDiT) is not supported yet; drop one of the two.")
-        if tau >= delay_limit(self.local_sgd_sync_interval):
+                f"{_name('outer_step_delay')}: a delayed outer step with {FLAG_NAMES['use_async']} (A-EDiT) over "
+                f"{FLAG_NAMES['sync_backend']} {self.sync_backend} is not supported yet (the torch backend "
+                "only); drop one of the three.")
+        # A-EDiT plans its intervals (H is its first, before any exchange is in flight), each but the
+        # last at least tau + 1 steps: nothing to refuse here.
+        if tau >= delay_limit(self.local_sgd_sync_interval) and not self.use_async:
             raise ConfigError(
                 f"{_name('outer_step_delay')}: {tau} must be < {FLAG_NAMES['local_sgd_sync_interval']} "
                 f"({self.local_sgd_sync_interval}): an exchange must be applied before the next one is "

@@ -34,7 +34,10 @@ feedback residuals: nothing is sent for them and what was carried is carried on.
 Error feedback (``exchange_error_feedback``): what step 1 dropped from this worker's pseudo-
 gradient is added to its next one (``shard.residual``), and what step 2 dropped from the chunk
 this worker owns is added to that chunk's next result (``shard.chunk_residual``), so the sum of
-the applied updates over syncs follows the sum of the true ones within one quantum.
+the applied updates over syncs follows the sum of the true ones within one quantum. At a change
+of format (``auto_overlap``) the residual is carried over and the chunk residual folded into it
+(:meth:`QuantizedExchange.fold_chunk_residuals`; the rule: :mod:`megatron_edit.algorithm.residual`);
+without error feedback a residual found is sent once.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..algorithm import quantize, wire
+from ..algorithm.residual import fold_chunk_residual, fold_into
 from .groups import all_reduce_bytes, mean_divisor
 from .shard import BucketShard
 
@@ -135,6 +139,8 @@ class QuantizedExchange:
                 shard.residual = torch.zeros_like(delta)
             delta.add_(shard.residual)
             saved = self._carry(delta, shard.residual, keep)
+        else:  # a residual left by another format (auto_overlap): sent once
+            shard.residual = fold_into(delta, shard.residual, keep)
         parts = [self._encode_padded(delta[o : o + n], per, block) for o, n in zip(offsets, sizes)]
         send = torch.cat(parts)
         sent = torch.cat([self._decode(p, n, per, block) for p, n in zip(parts, sizes)])
@@ -188,6 +194,19 @@ class QuantizedExchange:
         for w, (o, n) in enumerate(zip(offsets, sizes)):
             if n:
                 delta[o : o + n] = self._decode(stage.received[w * chunk_bytes : (w + 1) * chunk_bytes], n, per, block)
+
+    @torch.no_grad()
+    def fold_chunk_residuals(self, shards: Sequence[BucketShard], factor: float) -> None:
+        """This exchange's format gives way to another (``auto_overlap``, between syncs): each
+        shard's chunk residual, laid out over the chunk this worker owns in this format, is
+        folded into its own residual (times ``factor``, what the next result is divided by),
+        then restarts (:func:`~megatron_edit.algorithm.residual.fold_chunk_residual`)."""
+        for shard in shards:
+            if shard.chunk_residual is not None:
+                offset, length, _ = self.chunk_span(shard.numel)
+                shard.residual = fold_chunk_residual(shard.residual, shard.chunk_residual, offset, length, factor,
+                                                     shard.numel)
+                shard.chunk_residual = None
 
     def pays_off(self, numel: int) -> bool:
         """Whether a shard of ``numel`` elements is worth quantizing: it sends no more bytes

@@ -38,6 +38,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..algorithm import gta, outer
+from ..algorithm.residual import fold_into
 from ..config import GTAConfig, LocalSGDConfig
 from .groups import mean_divisor
 from .quantized import QuantizedExchange
@@ -86,6 +87,8 @@ class MeanReducer(Reducer):
 
     def launch(self, shard, delta, keep=()) -> _MeanFlight:
         weigh(shard, delta, self.own_weights)
+        # an error-feedback residual left by another format (auto_overlap): sent once, in fp32
+        shard.residual = fold_into(delta, shard.residual, keep)
         return _MeanFlight(delta, self.sync_group.all_reduce_sum(delta, async_op=True))
 
     def finish(self, flight: _MeanFlight) -> torch.Tensor:

@@ -26,7 +26,9 @@ Error feedback (``LocalSGDConfig.error_feedback``, on by default with top-k): ``
 holds what this worker did not send (the entries not kept, and what rounding changed in those
 kept); there is no second quantization, so ``shard.chunk_residual`` stays unused. Layers every
 worker is excluded from (the penalty skips their outer step) send nothing and keep their
-residuals.
+residuals. At a change of format (``auto_overlap``) the residual is carried over, in either
+direction (the same elements, the same meaning: :mod:`megatron_edit.algorithm.residual`); a
+quantized exchange's chunk residual is folded into it first.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ..algorithm import topk, wire
+from ..algorithm.residual import fold_into
 from ..config import FLAG_NAMES, ConfigError
 from .groups import all_reduce_bytes, mean_divisor
 from .shard import BucketShard
@@ -118,6 +121,8 @@ class SparseExchange:
             if shard.residual is None:
                 shard.residual = torch.zeros_like(delta)
             delta.add_(shard.residual)
+        else:  # a residual left by another format (auto_overlap): sent once
+            shard.residual = fold_into(delta, shard.residual, keep)
         for s, e in keep:  # nothing is sent for a skipped layer; its residual stays as it was
             delta[s:e].zero_()
             if self.error_feedback:

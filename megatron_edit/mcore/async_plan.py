@@ -12,6 +12,9 @@ MoE with expert parallelism has two controllers per model (the dense and the exp
 the expert one follows the dense one's plan (:class:`FollowerPlan`), so both halves of the model
 sync after the same steps with one schedule all-reduce per sync.
 
+With ``auto_overlap`` the measurements of the link ride on the schedule's all-reduce
+(:attr:`AsyncPlan.rider`, :mod:`.auto_overlap_async`): the sync is where every worker is.
+
 Over the torchft backend (workers that die, leave and join; :attr:`AsyncPlan.dynamic`) the
 workers of a sync are its quorum, so the plan keys what it keeps by worker id, not by place:
 each worker's speeds (:attr:`AsyncPlan.rates_by_worker`; one that has just joined or healed
@@ -20,6 +23,9 @@ anchor (:attr:`AsyncPlan.applied_steps`), so a dead worker's unsynced steps are 
 and the workers that remain train until the budget is used. Global progress (the
 learning-rate schedule) is applied worker-steps over the run's workers
 (:attr:`AsyncPlan.budget_workers`, fixed at the start).
+
+This module is long because the plan at a sync is one agreement (the schedule message and what
+rides on it) read by one function, and its state is saved and restored with it.
 """
 
 from __future__ import annotations
@@ -74,8 +80,13 @@ class AsyncPlan:
     every rank of every worker (None: the world group)."""
 
     def __init__(self, config: LocalSGDConfig, sync_group, schedule_group=None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, rider=None):
         self.config = config
+        """The settings in force (``auto_overlap`` changes the delay: the intervals' minimum)."""
+        self.rider = rider
+        """What rides on the schedule's all-reduce (``auto_overlap``: :class:`~.auto_overlap_async.
+        AsyncAutoOverlap`): ``message()`` adds float64 numbers to MAX, ``agreed(numbers, sync point)``
+        reads them after the plan; None: nothing."""
         self.sync_group = sync_group
         self.schedule_group = schedule_group
         self.clock = clock
@@ -107,6 +118,7 @@ class AsyncPlan:
         self.rates_by_worker: Dict[int, List[tuple]] = {}
         """Dynamic: worker id -> its last measured intervals, (steps, seconds) each."""
         self._done_at_plan = 0
+        self.held: List[int] = []  # the workers planned tau + 1 steps, more than their speed gave (.async_delayed)
 
     @property
     def workers(self) -> int:
@@ -192,8 +204,9 @@ class AsyncPlan:
             now - self.train_start if self.train_start is not None else 0.0,
             self.applied_steps if self.dynamic else 0,
         )
-        message = group.all_reduce_max_everywhere(message.to(device), self.schedule_group).cpu()
-        schedule = asynchronous.read_schedule(message)
+        sent = message if self.rider is None else torch.cat([message.flatten(), self.rider.message()])
+        flat = group.all_reduce_max_everywhere(sent.to(device), self.schedule_group).cpu().flatten()
+        schedule = asynchronous.read_schedule(flat[: message.numel()].view_as(message))
         if self.dynamic:  # the budget counts what reaches the anchor (a dead worker's steps do not)
             done = int(schedule.applied.max()) + int(schedule.steps_since_exchange.sum())
             rates = self._dynamic_rates(schedule)
@@ -226,8 +239,12 @@ class AsyncPlan:
             if c.async_time_budget is not None:
                 remaining_seconds = c.async_time_budget - float(schedule.elapsed.max())
             interval, self.final_planned = asynchronous.plan(
-                schedule.steps, rates, c.local_sgd_sync_time, budget, remaining_seconds, done_steps=done
-            )
+                schedule.steps, rates, c.local_sgd_sync_time, budget, remaining_seconds, done_steps=done,
+                min_steps=asynchronous.min_interval(c.outer_step_delay))  # (a delayed outer step: tau + 1)
+            self.held = []  # (a delay only: the workers its tau + 1 steps held back)
+            if c.outer_step_delay and not self.final_planned:
+                by_speed = asynchronous.plan_next_interval(rates, c.local_sgd_sync_time)
+                self.held = [w for w, n in enumerate(by_speed) if interval[w] > n]
             me = group.rank
             self.next_sync_at = step + int(interval[me])
             self.progress_scale = asynchronous.progress_per_step(interval, me, self.budget_workers)
@@ -249,6 +266,8 @@ class AsyncPlan:
         if self.train_start is None:
             self.train_start = self.interval_start
         self.planned_at, self.last_plan = step, (schedule, skip, final)
+        if self.rider is not None:  # (auto_overlap: the agreed measurements, read after the plan)
+            self.rider.agreed(flat[message.numel():], self.last_sync)
         return schedule, skip, final
 
     def _dynamic_rates(self, schedule) -> torch.Tensor:

@@ -16,8 +16,10 @@ What is measured, on every rank:
   run that starts with the setting it keeps choosing equals that fixed setting's run bit for
   bit. (Before, the timed syncs ran undelayed, full outer steps without the merge; at 20
   Mbit/s the first two cost 7.6% of validation loss after 416 steps against the delay chosen,
-  the re-measures 0.1% more.) The other formats' times are scaled by their bytes
-  (:func:`~megatron_edit.algorithm.overlap_plan.scale_to_formats`); a fragment's exchange
+  the re-measures 0.1% more.) The other formats' times are scaled by the bytes one rank sends
+  in each (:func:`~megatron_edit.algorithm.overlap_plan.scale_to_formats`, from
+  :mod:`~megatron_edit.algorithm.wire`: a top-k format's all-gather of the W - 1 other
+  workers' payloads against a dense format's 2 (W - 1) / W); a fragment's exchange
   counts for the whole model's in proportion to its elements. With a delay in force, a
   sync that exposes a wait tells more: the exchange took tau steps plus that wait;
 * the wait each sync exposed (not hidden behind compute).
@@ -50,6 +52,25 @@ the exchange (:func:`~megatron_edit.algorithm.overlap_plan.keep_fragments`: hyst
 to it, and every sync's report carries the settings in force (``local-sgd/outer-step-delay``,
 ``local-sgd/exchange-bits``, ``local-sgd/exposed-wait-seconds`` in TensorBoard).
 
+On A-EDiT's time-based schedule (``use_async``; :mod:`.auto_overlap_async`, whose docstring
+says why): the inner step is each worker's own, agreed by MAX as here (the fastest: tau steps of
+every worker must hide the exchange); H is the fewest steps the plan just agreed gives any worker
+to its next sync (so tau <= H/2 leaves every interval the tau + 1 steps
+:func:`~megatron_edit.algorithm.asynchronous.min_interval` asks); the measurements ride on the
+schedule's all-reduce at each sync (the one point every worker reaches at the same logical time;
+the all-reduce above, started after a worker's own apply, would make a fast worker wait out a
+slow one's tau steps); a decision is in force from the next sync (the exchange launched at the
+deciding sync keeps its settings), never at the final sync, which is not delayed; no fragments.
+
+The formats (``auto_formats``) may be dense or top-k (``topk0.02-int2``), tried most precise
+first (:func:`~megatron_edit.algorithm.formats.precision_order`). Error feedback is one setting
+for the run (on by default when a top-k format may be chosen) and its residual crosses a change
+of format: the worker's residual is carried on, the quantized exchange's chunk residual is
+folded into it, and an fp32 exchange sends a residual it finds once
+(:mod:`megatron_edit.algorithm.residual`). A top-k format whose all-gather would send more
+than the dense int4 exchange with the run's workers is refused before the first step
+(:meth:`AutoOverlap.check_workers`).
+
 Checkpoints record the settings in force (the run record's config); a resume continues with
 them (:meth:`AutoOverlap.resume`) and measures again: a run saved before its first decision
 starts measuring from scratch, a later one re-decides within ``auto_every`` syncs, or at the
@@ -68,8 +89,10 @@ import torch
 import torch.distributed as dist
 
 from ..algorithm import overlap_plan, quantize
+from ..algorithm.formats import topk_format
 from ..algorithm.overlap_plan import Choice, Measurement
 from ..config import LocalSGDConfig, delay_limit
+from ..exchange.sparse import check_sparse_workers
 
 logger = logging.getLogger(__name__)
 
@@ -109,25 +132,47 @@ class AutoOverlap:
 
     # ------------------------------------------------------------------ settings
     def config_for(self, delay: int, dtype: str, fragments: Optional[int] = None) -> LocalSGDConfig:
-        """The settings in force: the run's, with this delay, format and number of fragments
-        (None: the run's own), and no automation."""
+        """The settings in force: the run's, with this delay, format (a name of
+        :mod:`~megatron_edit.algorithm.formats`: dense, or ``topk<density>-<values>``) and number
+        of fragments (None: the run's own), and no automation. Error feedback is the run's
+        (:attr:`~megatron_edit.config.LocalSGDConfig.error_feedback`) in every format that drops
+        something (fp32 drops nothing)."""
         u = self.user
+        sparse = topk_format(dtype)
         return dataclasses.replace(
             u, auto_overlap=False, auto_formats=None, auto_fragments=None, auto_every=20, outer_step_delay=delay,
-            exchange_dtype=dtype, fragments=u.fragments if fragments is None else fragments,
+            exchange_dtype=dtype if sparse is None else sparse[1],
+            exchange_topk_density=None if sparse is None else sparse[0],
+            exchange_topk_chunk=4096 if sparse is None else u.exchange_topk_chunk,
+            exchange_error_feedback=None if dtype == "fp32" else u.error_feedback,
+            fragments=u.fragments if fragments is None else fragments,
             outer_merge_alpha=u.outer_merge_alpha if delay else None,
             outer_merge_rule=u.outer_merge_rule if delay else None,
-            exchange_block_size=u.exchange_block_size if quantize.has_scales(dtype) else 256)
+            exchange_block_size=u.exchange_block_size if sparse is None and quantize.has_scales(dtype) else 256)
 
     def initial_config(self) -> LocalSGDConfig:
         """The settings the run starts with, until its first decision: the user's delay (0: the
         first syncs block), format and fragments."""
-        return self.config_for(self.user.outer_step_delay, self.user.exchange_dtype)
+        return self.config_for(self.user.outer_step_delay, self.user.start_format)
+
+    def check_workers(self, workers: int) -> None:
+        """Refuse, before the first step, one worker (nothing to hide), and a top-k format it may
+        choose whose all-gather sends more bytes than the dense int4 exchange with ``workers``
+        workers (as a run that starts in it is refused:
+        :func:`~megatron_edit.exchange.sparse.check_sparse_workers`)."""
+        if workers == 1:
+            raise RuntimeError("megatron_edit: --local-sgd-auto-overlap with one EDiT worker: nothing is "
+                               "exchanged, so there is nothing to hide; drop the flag.")
+        for name in self.formats:
+            sparse = topk_format(name)
+            if sparse is not None:
+                check_sparse_workers(workers, sparse[0], self.user.exchange_topk_chunk, sparse[1])
 
     def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
         """A checkpoint's settings in force: continue with them (an error message when this run
-        cannot, or None). Before its first decision the run measures from scratch.
-        ``fragments``: the checkpoint's number of fragments (None: the run's own)."""
+        cannot, or None). Before its first decision the run measures from scratch. ``dtype``:
+        the checkpoint's format (its name: dense, or ``topk<density>-<values>``); ``fragments``:
+        its number of fragments (None: the run's own)."""
         f = self.user.fragments if fragments is None else fragments
         if f not in self.fragments:
             return (f"megatron_edit: the checkpoint was saved with --local-sgd-fragments {f}, which this run's "
@@ -138,12 +183,12 @@ class AutoOverlap:
                     f"--local-sgd-auto-formats ({','.join(self.formats)}) does not allow; add it to the "
                     "formats, or resume without --local-sgd-auto-overlap.")
         h = self.user.local_sgd_sync_interval
-        if delay >= delay_limit(h, f):
+        if delay >= delay_limit(h, f) and not self.user.use_async:  # (A-EDiT plans tau + 1 steps an interval)
             return (f"megatron_edit: the checkpoint was saved with --local-sgd-outer-step-delay {delay}, which "
                     f"this run's H/F = {delay_limit(h, f)} does not allow (tau < H/F); resume with the saved "
                     "--local-sgd-sync-interval and --local-sgd-fragments.")
         self.controller.apply_settings(delay, dtype, f)
-        fresh = (delay, dtype, f) == (self.user.outer_step_delay, self.user.exchange_dtype, self.user.fragments)
+        fresh = (delay, dtype, f) == (self.user.outer_step_delay, self.user.start_format, self.user.fragments)
         self.timed, self._to_measure = fresh, MEASURE_SYNCS if fresh else 0
         self._since_decision, self._predicted = 0, None
         self._step_times, self._last_end, self._report, self._agreement = [], None, None, None
@@ -151,14 +196,17 @@ class AutoOverlap:
 
     # ------------------------------------------------------------------ measurements
     def step_ended(self) -> None:
-        now = self.clock()
-        if self._last_end is not None:
-            self._step_times.append(now - self._last_end)
-        self._last_end = now
+        self._time_step()
         if self._report is not None and self._agreement is None and not self._at_end():
             # A sync was applied in this step: agree on its measurements from now on, read at
             # the next optimizer step (no decision follows the run's last step).
             self._agreement = self._start_agreement(self.measure())
+
+    def _time_step(self) -> None:
+        now = self.clock()
+        if self._last_end is not None:
+            self._step_times.append(now - self._last_end)
+        self._last_end = now
 
     def _at_end(self) -> bool:
         c = self.controller
@@ -196,8 +244,9 @@ class AutoOverlap:
             if report.fragment is not None:  # one fragment's exchange: the whole model's is that per element
                 part = sum(s.numel for s in c.sync_shards.fragments[report.fragment])
                 measured *= numel / max(part, 1)
-            self._local_exchange = overlap_plan.scale_to_formats(
-                measured, report.exchange_dtype, numel, self.formats, self.user.exchange_block_size)
+            self._local_exchange = overlap_plan.scale_to_formats(  # from the format in force (c.config's)
+                measured, c.config.start_format, numel, self.formats, self.user.exchange_block_size,
+                c.num_workers, self.user.exchange_topk_chunk)
         exchange = self._local_exchange or {f: 0.0 for f in self.formats}
         return Measurement(step_s, exchange, exposed, fresh=measured is not None)
 
@@ -229,9 +278,13 @@ class AutoOverlap:
         pending, self._agreement = self._agreement, None
         mine = self.measure() if pending is None else None
         step, delayed = self._report.step, bool(self._report.delay)
-        was_timed, self._report = self.timed, None
-        self._step_times = []
-        m = self._agree(mine) if pending is None else self._finish_agreement(pending)
+        self._report, self._step_times = None, []
+        self._judge(step, delayed, self._agree(mine) if pending is None else self._finish_agreement(pending))
+
+    def _judge(self, step: int, delayed: bool, m: Measurement) -> None:
+        """The agreed measurement ``m`` of the sync after ``step`` (every rank alike): count a
+        timed sync, decide, or have the next sync timed."""
+        was_timed = self.timed
         if m.step_s <= 0:  # a rank timed no inner step since its load: this sync measured nothing
             return
         if was_timed:
@@ -253,22 +306,30 @@ class AutoOverlap:
             # exchange waited for at once (a delayed one right after its launch).
             self.timed, self._to_measure = True, 1
 
+    def _interval(self) -> int:
+        """H of the rule: the run's ``local_sgd_sync_interval`` (A-EDiT's: :mod:`.auto_overlap_async`)."""
+        return self.user.local_sgd_sync_interval
+
+    def _take(self, choice: Choice) -> None:
+        """Put a decision in force: now, between two syncs (A-EDiT's: once its exchange is applied)."""
+        self.controller.apply_settings(choice.outer_step_delay, choice.exchange_dtype, choice.fragments)
+
     def _decide(self, step: int, m: Measurement) -> None:
-        u, c = self.user, self.controller
-        choice = overlap_plan.choose(m.step_s, m.exchange_s, u.local_sgd_sync_interval, self.formats,
-                                     fragments=self.fragments)
+        u, h = self.user, self._interval()
+        choice = overlap_plan.choose(m.step_s, m.exchange_s, h, self.formats,
+                                     fragments=self.fragments, chunk=u.exchange_topk_chunk)
         if self.decisions:  # a re-decision: no more fragments while those in force still cover the exchange
-            choice = overlap_plan.keep_fragments(self.decisions[-1][1], choice, m.step_s, m.exchange_s,
-                                                 u.local_sgd_sync_interval)
+            choice = overlap_plan.keep_fragments(self.decisions[-1][1], choice, m.step_s, m.exchange_s, h)
         self.timed, self._since_decision = False, 0
         self._predicted = choice.exposed_s / choice.fragments  # per sync: one fragment's
         self.decisions.append((step, choice, m))
-        c.apply_settings(choice.outer_step_delay, choice.exchange_dtype, choice.fragments)
+        self._take(choice)
         if not dist.is_initialized() or dist.get_rank() == 0:
             times = ", ".join(f"{f} {s * 1e3:.1f} ms" for f, s in m.exchange_s.items())
             logger.info(
                 "megatron_edit: auto overlap after step %d: inner step %.1f ms, exchange %s (slowest rank), "
-                "exposed %.1f ms -> --local-sgd-outer-step-delay %d --local-sgd-exchange-dtype %s "
+                "exposed %.1f ms -> --local-sgd-outer-step-delay %d %s "
                 "--local-sgd-fragments %d: predicted exposed %.1f ms per sync, %.2f of the no-communication bound%s",
-                step, m.step_s * 1e3, times, m.exposed_s * 1e3, choice.outer_step_delay, choice.exchange_dtype,
+                step, m.step_s * 1e3, times, m.exposed_s * 1e3, choice.outer_step_delay,
+                overlap_plan.format_flags(choice.exchange_dtype),
                 choice.fragments, self._predicted * 1e3, choice.bound_fraction, "" if choice.hidden else " (not hidden)")

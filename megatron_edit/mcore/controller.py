@@ -26,7 +26,7 @@ Two ways to run a sync, same numbers:
 
 Which shards a sync exchanges (all, or one streaming fragment's, ``LocalSGDConfig.fragments``)
 is :class:`~megatron_edit.mcore.fragments.SyncShards`; a delayed outer step's launch and apply
-(``outer_step_delay``) are :class:`~megatron_edit.mcore.delayed.DelayedOuterStep`.
+(``outer_step_delay``) are :mod:`~megatron_edit.mcore.delayed`'s (A-EDiT's: :mod:`.async_delayed`).
 
 A-EDiT's schedule (when each worker syncs next, from the measured speeds) is
 :class:`~megatron_edit.mcore.async_plan.AsyncPlan`. Parts of the controller kept apart (it
@@ -39,6 +39,7 @@ count, warmup, when each sync is due and the layer-wise hooks read and write the
 from __future__ import annotations
 
 import logging
+import time
 from typing import List, Optional, Tuple
 
 import torch
@@ -51,12 +52,12 @@ from ..exchange.groups import WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
+from .async_delayed import delayed_outer_step
 from .async_plan import AsyncPlan
-from .auto_overlap import AutoOverlap
+from .auto_overlap_async import AutoOverlap, auto_overlap_for
 from .controller_progress import RunProgress
 from .controller_settings import ControllerSettings
 from .controller_state import ControllerState
-from .delayed import DelayedOuterStep
 from .expert_bias import ExpertBiases
 from .fragments import SyncShards, cut_fragments
 from .fsdp import fsdp_model_of
@@ -82,9 +83,9 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         """``schedule_group``: every rank of every worker (default: the world group); A-EDiT
         agrees on its schedule over it once per sync (and ``auto_overlap`` on its measurements)."""
         self.auto: Optional[AutoOverlap] = None
-        """Settings from the measured link (``auto_overlap``; :mod:`.auto_overlap`), or None."""
+        """Settings from the measured link (``auto_overlap``; :mod:`.auto_overlap`, A-EDiT's :mod:`.auto_overlap_async`), or None."""
         if local_sgd_config.auto_overlap:
-            self.auto = AutoOverlap(self, local_sgd_config)
+            self.auto = auto_overlap_for(self, local_sgd_config)
             local_sgd_config = self.auto.initial_config()
         self.config = local_sgd_config
         """The settings in force (with ``auto_overlap``: the delay and format it chose)."""
@@ -129,11 +130,10 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         self.backend = backend_for(self, optimizer, inter, self.num_workers)
         """The sync backend this controller drives (:mod:`.sync_backend`)."""
         self.sync_group = self.backend.sync_group
-        if self.auto is not None and self.num_workers == 1:
-            raise RuntimeError("megatron_edit: --local-sgd-auto-overlap with one EDiT worker: nothing is "
-                               "exchanged, so there is nothing to hide; drop the flag.")
+        if self.auto is not None:
+            self.auto.check_workers(self.num_workers)
         self.arrivals = self._arrivals(inter) if self.num_workers > 1 else None
-        self.async_plan = AsyncPlan(self.config, self.sync_group, schedule_group)
+        self.async_plan = AsyncPlan(self.config, self.sync_group, schedule_group, rider=self.auto)
         """A-EDiT's schedule (unused by synchronous EDiT)."""
         self.worker_groups = WorkerGroups(shard_group=self.layout.shard_group, tp_group=self.layout.tp_group)
         allowed = self.auto.fragments if self.auto is not None else (self.config.fragments,)
@@ -158,9 +158,8 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
             on_done=self._on_sync_done,
         )
         self._group_index = {g: i for i, g in enumerate(self.group_order)}
-        self.sync_shards = SyncShards(self.sync.groups, self.config, parts)
-        """Which shards each sync exchanges: all, or a streaming fragment's."""
-        self.delayed = DelayedOuterStep(self) if self.config.outer_step_delay else None  # tau > 0
+        self.sync_shards = SyncShards(self.sync.groups, self.config, parts)  # all, or a streaming fragment's
+        self.delayed = delayed_outer_step(self)  # tau > 0: on EDiT's grid or A-EDiT's syncs (.async_delayed)
         # MoE routers' expert biases, averaged over the workers at each sync (.expert_bias), or None
         self.expert_biases = ExpertBiases.of(optimizer, self.layout.expert, self.sync_group)
         self.sync.commit_gate = self.backend.commit_gate  # (torchft: applied only where committed)
@@ -361,21 +360,23 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         if self.arrivals is not None:  # before the sync's first collective: name a missing worker
             self.arrivals.wait(step - delay)  # where this worker is (a delayed sync: its launch)
         healed = self.backend.begin(step)  # torchft: this sync's quorum (a worker behind heals here)
+        began = time.perf_counter()  # the sync's own time starts here (the waits above are the arrival's)
         if healed is not None:  # it was behind: now in the others' sync
             step = healed
             due = self.sync_shards.due(step, None if delay else self.last_step)
         bytes_at_start = self.sync_group.counters.payload_bytes
         schedule, skip, final, fragment, members = None, False, False, None, None
-        steps_since = step - self._last_sync_step
+        steps_since = step - delay - self._last_sync_step  # (A-EDiT: launch to launch)
         if self.config.use_async:
             device = self.shards[0].device if self.shards else torch.device("cpu")
             # torchft: the learning-rate schedule's position after this step (step-end: its own
             # step's progress is counted after the sync)
-            progress = None
-            if self.backend.dynamic:
-                progress = self.global_progress + (self._step_progress if self._in_step else 0.0)
-            schedule, skip, final = self.async_plan.plan(step, self._last_sync_step, device, arrived,
-                                                         progress=progress)
+            progress = (self.global_progress + (self._step_progress if self._in_step else 0.0)
+                        if self.backend.dynamic else None)
+            schedule, skip, final = self.async_plan.plan(step - delay, self._last_sync_step, device, arrived,
+                                                         progress=progress)  # (delayed: agreed at the launch)
+            if delay and (final or skip):  # not delayed: the final one ends the run with one model
+                step, delay = step - delay, 0
         else:
             fragment, members = due or self.sync_shards.due(step, self.last_step)
             steps_since = self.sync_shards.steps_since(step, fragment, self._last_sync_step)
@@ -385,7 +386,7 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
             None if schedule is None else schedule.interval_seconds,
             skip, bytes_at_start,
             worker_idle=None if schedule is None else schedule.idle,
-            final=final, delay=delay, fragment=fragment, members=members,
+            final=final, delay=delay, fragment=fragment, members=members, began=began,
         )
         if skip:
             self.backend.close_skipped()
@@ -395,7 +396,7 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
 
     def _on_sync_done(self, report: SyncReport) -> None:
         if not report.skipped_sync and report.committed:  # keep counting from the last applied one
-            self._last_sync_step = report.step
+            self._last_sync_step = report.step - (report.delay if self.config.use_async else 0)  # (its launch)
             if self.backend.dynamic and self.config.use_async:  # its steps reached the anchor
                 self.async_plan.applied()
             c = self.config
@@ -436,10 +437,12 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
     def chunk_span(self, shard) -> Optional[Tuple[int, int, int]]:
         """Quantized exchange with error feedback: (offset, length, padded length) of the chunk
         of ``shard``'s result this worker reduces (its ``chunk_residual``); the sparse exchange
-        with error feedback: an empty span (it reduces no chunk); None without."""
+        with error feedback, or fp32 in an ``auto_overlap`` run with it: an empty span (no chunk); None without."""
         quant = self.sync.quantized or self.sync.sparse
         if quant is None or not quant.error_feedback:
-            return None
+            # auto_overlap with error feedback in fp32: the residuals a later format carries on are saved (empty span)
+            run_wide = self.auto is not None and self.auto.user.error_feedback and self.num_workers > 1
+            return (0, 0, 0) if run_wide and quant is None else None
         return quant.chunk_span(shard.numel)
 
     def state_bytes(self) -> int:

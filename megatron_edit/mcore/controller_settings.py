@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..config import FLAG_NAMES
-from .delayed import DelayedOuterStep
+from .async_delayed import delayed_outer_step
 from .fragments import SyncShards, partition_sizes, recut
 
 
@@ -17,21 +17,24 @@ class ControllerSettings:
     """``auto_overlap``'s changes of the settings in force (mixed into :class:`LocalSGD`)."""
 
     def apply_settings(self, delay: int, exchange_dtype: str, fragments: Optional[int] = None) -> None:
-        """``auto_overlap``: put this delay, exchange format and number of fragments (None: the
-        one in force) in force from the next sync on; only between syncs, with nothing in flight
-        (every worker at the same step)."""
+        """``auto_overlap``: put this delay, exchange format (its name: dense, or
+        ``topk<density>-<values>``) and number of fragments (None: the one in force) in force
+        from the next sync on; only between syncs, with nothing in flight (every worker at the
+        same step). At a change of format error feedback's residuals follow
+        :mod:`megatron_edit.algorithm.residual` (:meth:`OuterSync.use_config`)."""
         if self.sync.in_progress or (self.delayed is not None and self.delayed.in_flight):
             raise RuntimeError("megatron_edit: the delay and format change only with no exchange in flight")
         c = self.config
         fragments = c.fragments if fragments is None else fragments
-        if (delay, exchange_dtype, fragments) == (c.outer_step_delay, c.exchange_dtype, c.fragments):
+        if (delay, exchange_dtype, fragments) == (c.outer_step_delay, c.start_format, c.fragments):
             return
         self.config = self.auto.config_for(delay, exchange_dtype, fragments)
         self.sync.use_config(self.config)
         if fragments != c.fragments:
             self._use_fragments(fragments)
         self.sync_shards.config = self.config
-        self.delayed = DelayedOuterStep(self) if delay else None
+        self.async_plan.config = self.config  # A-EDiT: the next intervals at least tau + 1 steps
+        self.delayed = delayed_outer_step(self)  # on EDiT's grid or A-EDiT's syncs
 
     def _use_fragments(self, count: int) -> None:
         """Cut the shards into ``count`` fragments from now on (``auto_overlap``; between syncs):

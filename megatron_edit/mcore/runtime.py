@@ -16,7 +16,8 @@ from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
-from ..config import GTAConfig, LocalSGDConfig, OuterOptimizerConfig, check_combination, default_outer_config
+from ..config import (GTAConfig, LocalSGDConfig, NotSupportedYet, OuterOptimizerConfig, check_combination,
+                      default_outer_config)
 from . import compat
 from .async_plan import AsyncPlan, FollowerPlan
 from .checks import check_megatron_options, check_moe_options, check_optimizer_options, check_workers
@@ -183,6 +184,11 @@ class LocalSGDRuntime:
             for other_optimizer, other in list(self.controllers.items()):
                 if _same_model(other_optimizer, optimizer) and isinstance(other.async_plan, AsyncPlan):
                     controller.async_plan = FollowerPlan(other.async_plan)
+                    if controller.auto is not None:  # (its measurements would ride on no all-reduce)
+                        raise NotSupportedYet(
+                            "megatron_edit: --local-sgd-auto-overlap with --local-sgd-async on a MoE model with "
+                            "expert parallelism (two optimizers on one A-EDiT plan) is not supported yet; drop "
+                            "one of the two.")
                     break
         if controller.config.sync_record is not None:  # before the join: a torchft join is recorded too
             if self.sync_record is None:

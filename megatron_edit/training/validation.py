@@ -273,6 +273,14 @@ def _check_cross_worker_options(local, args: argparse.Namespace) -> None:
                 "never join. Use --save-interval (with A-EDiT it counts global progress and saves "
                 "at a sync)."
             )
+        stops = [f for f in ("save_interval", "exit_interval", "exit_duration_in_mins") if get(f)]
+        if (local.outer_step_delay or local.auto_overlap) and stops:  # (auto_overlap may choose a delay)
+            delay = "--local-sgd-outer-step-delay" if local.outer_step_delay else "--local-sgd-auto-overlap"
+            raise NotSupportedYet(
+                f"--{stops[0].replace('_', '-')} with --local-sgd-async and {delay} is not "
+                "supported yet: A-EDiT saves and stops at a sync, where a delayed exchange has just been "
+                f"launched, and a checkpoint with it in flight is not built for A-EDiT. Drop the flag or {delay}."
+            )
         if get("rampup_batch_size") or get("step_batch_size_schedule"):
             flag = "--rampup-batch-size" if get("rampup_batch_size") else "--step-batch-size-schedule"
             raise ConfigError(

@@ -218,3 +218,51 @@ def test_top_k_formats_parse_order_and_their_wire_bytes():
     assert wire_bytes(n, "topk0.02-int2", 2) / wire_bytes(n, "fp32", 2) == pytest.approx(0.009, abs=0.0005)
     assert precision_order(["topk0.01-int2", "int4", "topk0.03-int2", "fp32"]) == \
         ["fp32", "int4", "topk0.03-int2", "topk0.01-int2"]
+
+
+def test_top_k_formats_scale_with_the_bytes_one_rank_sends_and_are_chosen_when_the_link_needs_them():
+    """The automatic overlap's times for the top-k formats (issue 60): scaled from the measured
+    format by :func:`megatron_edit.algorithm.wire.wire_bytes` (the all-gather of the W - 1 other
+    payloads against the dense formats' 2 (W - 1) / W), with the run's top-k chunk; when no
+    dense format can be hidden, the most precise top-k one that can is chosen."""
+    from megatron_edit.algorithm import wire
+
+    n = 1 << 20
+    for workers in (2, 4):
+        times = scale_to_formats(1.0, "int8", n, ("int8", "topk0.02-int2", "topk0.02-int4"), 256, workers, 1024)
+        for fmt in ("topk0.02-int2", "topk0.02-int4"):
+            assert times[fmt] == pytest.approx(wire.wire_bytes(n, fmt, workers, 256, 1024)
+                                               / wire.wire_bytes(n, "int8", workers, 256))
+        assert times["topk0.02-int2"] < times["topk0.02-int4"] < times["int8"] == 1.0
+    # the all-gather grows with W, the dense exchange does not: top-k costs more relative to int8 at W = 4
+    assert scale_to_formats(1.0, "int8", n, ("topk0.02-int2",), 256, 4)["topk0.02-int2"] > \
+        scale_to_formats(1.0, "int8", n, ("topk0.02-int2",), 256, 2)["topk0.02-int2"]
+    # measured in a top-k format: the dense ones are the inverse ratio
+    back = scale_to_formats(times["topk0.02-int2"], "topk0.02-int2", n, ("int8",), 256, 4, 1024)
+    assert back["int8"] == pytest.approx(1.0)
+    # H = 8, a step of 0.1 s: int8 at 2 s cannot be hidden (tau 24 > H/2); topk0.02-int4 at 0.3 s
+    # needs tau 4 (the cap), topk0.02-int2 would need 3: the most precise that hides, int4 values
+    formats = ("int8", "topk0.02-int2", "topk0.02-int4")
+    chosen = choose(0.1, {"int8": 2.0, "topk0.02-int2": 0.25, "topk0.02-int4": 0.3}, 8, formats, fragments=(1,))
+    assert (chosen.exchange_dtype, chosen.outer_step_delay, chosen.hidden) == ("topk0.02-int4", 4, True)
+    chosen = choose(0.1, {"int8": 0.2, "topk0.02-int2": 0.01, "topk0.02-int4": 0.02}, 8, formats, fragments=(1,))
+    assert chosen.exchange_dtype == "int8"  # int8 hides: the dense format first
+
+
+def test_most_precise_first_is_one_rule_for_dense_and_top_k_formats():
+    """:func:`megatron_edit.algorithm.formats.precision_order` (torch-free, what the configuration
+    orders ``auto_formats`` with) and the planner's are the same: the dense formats in their
+    order, then the top-k ones by density x (index bits + value bits), most first; equal bits,
+    the higher density first."""
+    from megatron_edit.algorithm.formats import precision_order as formats_order
+    from megatron_edit.algorithm.overlap_plan import precision_order
+
+    names = ["topk0.01-fp32", "topk0.02-int2", "int4", "topk0.05-int2", "topk0.02-int4", "fp32", "int8"]
+    # chunk 4096: 12 index bits: 0.01 x 44 = 0.44, 0.02 x 14 = 0.28, 0.05 x 14 = 0.70, 0.02 x 16 = 0.32
+    expected = ["fp32", "int8", "int4", "topk0.05-int2", "topk0.01-fp32", "topk0.02-int4", "topk0.02-int2"]
+    assert formats_order(names) == precision_order(names) == expected
+    # chunk 4: 2 index bits: 0.01 x 34 = 0.34 now ranks above 0.02 x 6 = 0.12 and 0.02 x 4 = 0.08 too
+    assert formats_order(["topk0.02-int2", "topk0.01-fp32", "topk0.02-int4"], chunk=4) == \
+        ["topk0.01-fp32", "topk0.02-int4", "topk0.02-int2"]
+    # equal bits: the higher density first (chunk 65536, 16 index bits: 0.25 x 48 = 0.5 x 24 = 12)
+    assert formats_order(["topk0.25-fp32", "topk0.5-int8"], chunk=1 << 16) == ["topk0.5-int8", "topk0.25-fp32"]

@@ -17,7 +17,6 @@ from megatron_edit.config import (
     ConfigError,
     GTAConfig,
     LocalSGDConfig,
-    NotSupportedYet,
     OuterOptimizerConfig,
 )
 
@@ -322,6 +321,12 @@ def test_auto_overlap_flags_reach_their_fields():
     local = configs_from_args(args)[0]
     assert (local.auto_overlap, local.auto_formats, local.auto_every) == (True, "fp32,int8,int4", 5)
     assert local.allowed_formats == ("fp32", "int8", "int4") and local.allowed_fragments == (1, 2, 4)
+    # top-k formats (issue 60), with the run starting in one of them
+    args = _parser().parse_args(["--use-local-sgd", "--local-sgd-sync-interval", "8", "--local-sgd-auto-overlap",
+                                 "--local-sgd-exchange-dtype", "int2", "--local-sgd-exchange-topk-density", "0.02",
+                                 "--local-sgd-auto-formats", "topk0.02-int2,int8", "--outer-optimizer-lr", "1"])
+    local = configs_from_args(args)[0]
+    assert local.allowed_formats == ("int8", "topk0.02-int2") and local.error_feedback
 
 
 NEEDS = {
@@ -478,6 +483,8 @@ def test_delayed_outer_step_flags_reach_their_fields():
     assert (local.outer_step_delay, local.outer_merge_alpha) == (3, 0.5)
     local, _, _ = _configs("--local-sgd-sync-interval", "8", "--local-sgd-fragments", "4")
     assert local.fragments == 4
+    local = _configs("--local-sgd-async", "--local-sgd-outer-step-delay", "3")[0]  # A-EDiT plans around tau
+    assert local.use_async and local.outer_step_delay == 3
 
 
 @pytest.mark.parametrize("argv, exc, fragments", [
@@ -489,8 +496,6 @@ def test_delayed_outer_step_flags_reach_their_fields():
      ["--local-sgd-outer-step-delay", ">= 0"]),
     (["--local-sgd-sync-interval", "4", "--local-sgd-outer-step-delay", "1", "--local-sgd-outer-merge-alpha", "1.5"],
      ConfigError, ["--local-sgd-outer-merge-alpha", "[0, 1]"]),
-    (["--local-sgd-async", "--local-sgd-outer-step-delay", "1"], NotSupportedYet,
-     ["--local-sgd-outer-step-delay", "--local-sgd-async", "not supported yet"]),
 ])
 def test_delayed_outer_step_refusals(argv, exc, fragments):
     with pytest.raises(exc) as info:
@@ -516,6 +521,13 @@ def test_error_feedback_flag_is_on_by_default_with_topk_and_can_be_turned_off():
     with pytest.raises(ConfigError, match="--no-local-sgd-exchange-error-feedback does nothing without "
                                           "--local-sgd-exchange-topk-density"):
         local("--local-sgd-exchange-dtype", "int8", "--no-local-sgd-exchange-error-feedback")
+    # --local-sgd-auto-overlap that may choose a top-k format: on by default, --no-... turns it off
+    auto = ["--local-sgd-sync-interval", "8", "--local-sgd-auto-overlap", "--local-sgd-exchange-dtype", "int8"]
+    assert local(*auto, "--local-sgd-auto-formats", "int8,topk0.02-int2").error_feedback
+    assert not local(*auto, "--local-sgd-auto-formats", "int8,topk0.02-int2",
+                     "--no-local-sgd-exchange-error-feedback").error_feedback
+    with pytest.raises(ConfigError, match="--no-local-sgd-exchange-error-feedback does nothing without"):
+        local(*auto, "--local-sgd-auto-formats", "fp32,int8", "--no-local-sgd-exchange-error-feedback")
 
 
 def test_torchft_flags_reach_their_fields(monkeypatch):

@@ -511,8 +511,15 @@ def test_delayed_outer_step_checks():
     assert "--local-sgd-outer-step-delay" in message
     message = _raises(LocalSGDConfig, ConfigError, "outer_step_delay", outer_step_delay=4, local_sgd_sync_interval=4)
     assert "--local-sgd-sync-interval (4)" in message and "one in flight" in message
-    with pytest.raises(NotSupportedYet, match="A-EDiT.*not supported yet"):
-        LocalSGDConfig(use_async=True, outer_step_delay=1, local_sgd_sync_interval=4)
+    # A-EDiT plans every interval but the last at least tau + 1 steps: tau >= H (its first interval) too
+    LocalSGDConfig(use_async=True, outer_step_delay=4, local_sgd_sync_interval=2, outer_merge_alpha=0.0)
+
+
+def test_a_delay_with_a_edit_over_torchft_is_refused(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # torchft "installed"
+    with pytest.raises(NotSupportedYet, match=r"\(--local-sgd-outer-step-delay\): .*--local-sgd-async.*torchft"):
+        LocalSGDConfig(use_async=True, outer_step_delay=1, local_sgd_sync_interval=4, sync_backend="torchft",
+                       replica_id=0, lighthouse="http://127.0.0.1:29510")
 
 
 def test_fragments_checks():
@@ -621,13 +628,58 @@ def test_auto_overlap_settings():
     (dict(AUTO, outer_step_delay=4, fragments=2, auto_fragments="1,2"), ConfigError, "outer_step_delay",
      "must be < H/F = 4 with 2 fragments"),
     (dict(AUTO, local_sgd_sync_interval=4, fragments=4), ConfigError, "auto_overlap", "no room for a delay"),
-    (dict(AUTO, use_async=True), NotSupportedYet, "auto_overlap", "--local-sgd-async"),
-    (dict(AUTO, exchange_dtype="int8", exchange_error_feedback=True), NotSupportedYet, "auto_overlap",
-     "--local-sgd-exchange-error-feedback"),
-    (dict(AUTO, exchange_topk_density=0.1), NotSupportedYet, "auto_overlap", "--local-sgd-exchange-topk-density"),
+    # A-EDiT chooses its delay and format; it has no fragments to choose (issue 60)
+    (dict(AUTO, use_async=True, auto_fragments="1,2"), NotSupportedYet, "auto_overlap",
+     "--local-sgd-async and --local-sgd-auto-fragments (A-EDiT has no fragments) is not supported yet"),
+    # top-k formats: named as the planner names them; the one the run starts in must be allowed
+    (dict(AUTO, auto_formats="fp32,topk0.02-bf16"), ConfigError, "auto_formats", "topk<density>-<values>"),
+    (dict(AUTO, auto_formats="fp32,int2"), ConfigError, "auto_formats", "comma-separated list"),
+    (dict(AUTO, exchange_dtype="int2", exchange_topk_density=0.02, auto_formats="int8,topk0.05-int2"), ConfigError,
+     "auto_formats", "starts in --local-sgd-exchange-dtype int2 --local-sgd-exchange-topk-density 0.02 (topk0.02-int2)"),
+    # error feedback where no format it may choose drops anything
+    (dict(AUTO, exchange_error_feedback=True), ConfigError, "exchange_error_feedback", "an fp32 exchange drops nothing"),
+    (dict(AUTO, exchange_error_feedback=True, auto_formats="fp32"), ConfigError, "exchange_error_feedback",
+     "drops nothing"),
+    # a top-k chunk or a block size no format it may choose uses
+    (dict(AUTO, exchange_topk_chunk=1024, auto_formats="fp32,int8"), ConfigError, "exchange_topk_chunk", "only used"),
+    (dict(AUTO, exchange_dtype="int2", exchange_topk_density=0.02, exchange_block_size=64,
+          auto_formats="fp32,topk0.02-int2"), ConfigError, "exchange_block_size", "one scale per chunk"),
 ])
 def test_auto_overlap_refusals(kwargs, exc, field_name, match):
     assert match in _raises(LocalSGDConfig, exc, field_name, **kwargs)
+
+
+def test_auto_overlap_with_a_edit_chooses_the_delay_and_format():
+    """--local-sgd-auto-overlap with --local-sgd-async (issue 60): accepted, from no delay or a
+    given one; H is A-EDiT's planned interval, so a short first interval is no refusal."""
+    for extra in ({}, dict(outer_step_delay=2), dict(local_sgd_sync_interval=2, auto_formats="fp32,int8")):
+        cfg = LocalSGDConfig(**dict(AUTO, use_async=True, **extra))
+        assert cfg.auto_overlap and cfg.allowed_fragments == (1,)
+
+
+def test_auto_overlap_with_error_feedback_and_top_k_formats():
+    """--local-sgd-auto-overlap with error feedback and the top-k exchange (issue 60): top-k
+    formats in --local-sgd-auto-formats, most precise first (the dense ones, then the top-k ones
+    by the bits they send per element); error feedback is one setting for the run, on by default
+    once a top-k format may be chosen; the top-k chunk and the block size are accepted where a
+    format it may choose uses them."""
+    cfg = LocalSGDConfig(**AUTO, exchange_dtype="int2", exchange_topk_density=0.02,
+                         auto_formats="topk0.02-int2, int8,topk0.05-int2,topk0.02-int4")
+    assert cfg.start_format == "topk0.02-int2"
+    assert cfg.allowed_formats == ("int8", "topk0.05-int2", "topk0.02-int4", "topk0.02-int2")
+    assert cfg.error_feedback  # the default: a top-k format may be chosen
+    started_dense = LocalSGDConfig(**AUTO, exchange_dtype="int8", auto_formats="int8,topk0.02-int2")
+    assert started_dense.error_feedback and started_dense.may_use("topk")
+    assert not LocalSGDConfig(**AUTO, exchange_dtype="int8", auto_formats="fp32,int8").error_feedback
+    # once refused (NotSupportedYet): error feedback with the automatic overlap, and the top-k exchange
+    assert LocalSGDConfig(**AUTO, exchange_dtype="int8", exchange_error_feedback=True).error_feedback
+    assert LocalSGDConfig(**AUTO, exchange_dtype="int2", exchange_topk_density=0.1).error_feedback
+    assert LocalSGDConfig(**AUTO, exchange_error_feedback=True, auto_formats="fp32,int8").error_feedback
+    assert not LocalSGDConfig(**AUTO, exchange_dtype="int2", exchange_topk_density=0.02,
+                              exchange_error_feedback=False, auto_formats="int8,topk0.02-int2").error_feedback
+    LocalSGDConfig(**AUTO, exchange_topk_chunk=1024, auto_formats="fp32,topk0.02-int2")
+    LocalSGDConfig(**AUTO, exchange_dtype="int2", exchange_topk_density=0.02, exchange_block_size=64,
+                   auto_formats="int8,topk0.02-int2")
 
 
 def test_auto_overlap_starts_with_the_given_delay():

@@ -54,6 +54,21 @@ def test_workers_that_come_and_go_plan_from_applied_steps_and_measured_speeds():
     assert asynchronous.progress_per_step(torch.tensor([4, 4]), 0, workers=3) == pytest.approx(8 / 12)
 
 
+def test_a_delay_holds_every_interval_but_the_last_to_tau_plus_one_steps():
+    """A-EDiT with a delayed outer step (tau = 4): a worker whose speed gives it 3 steps to the
+    next sync is planned tau + 1 = 5 (its exchange is applied before the next is launched); the
+    final interval is the budget's remainder split by speed, not held (the exchange still in
+    flight at the final sync is applied there; tests/mcore/test_async_delayed.py)."""
+    rates = torch.tensor([1.0, 4.0], dtype=F64)
+    assert asynchronous.min_interval(0) == 1 and asynchronous.min_interval(4) == 5
+    assert asynchronous.plan_next_interval(rates, 3.0).tolist() == [3, 12]
+    assert asynchronous.plan_next_interval(rates, 3.0, min_steps=5).tolist() == [5, 12]
+    interval, last = asynchronous.plan(torch.tensor([6.0, 6.0]), rates, 3.0, budget_steps=40, min_steps=5)
+    assert not last and interval.tolist() == [5, 12]
+    interval, last = asynchronous.plan(torch.tensor([11.0, 18.0]), rates, 3.0, budget_steps=40, min_steps=5)
+    assert last and interval.tolist() == [3, 8]
+
+
 def test_rates_are_smoothed_over_the_last_intervals():
     steps = torch.tensor([[10.0, 10.0], [10.0, 10.0], [10.0, 14.0], [10.0, 6.0]])
     seconds = torch.ones(4, 2)

@@ -237,6 +237,7 @@ class _Controller:
         self.delayed = None
         self.shards = [SimpleNamespace(numel=1024, device="cpu")]
         self.schedule_group = None
+        self.num_workers = 2
         self.config = config
         self.applied = []
 

@@ -314,6 +314,17 @@ def test_moe_a_edit_with_expert_parallelism_syncs_both_halves_at_the_same_steps(
         assert all(torch.equal(a[k], b[k]) for k in a), "replicas after the final sync"
 
 
+@pytest.mark.timeout(200)
+def test_moe_a_edit_with_expert_parallelism_refuses_the_auto_overlap_in_one_line():
+    """A-EDiT's auto overlap carries its measurements on the dense plan's all-reduce; the expert
+    controller follows that plan and has none to ride on: refused when the model is built,
+    naming both flags (mcore/runtime.py)."""
+    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, local_sgd_warmup_steps=1,
+                 min_total_global_steps=10, auto_overlap=True)
+    with pytest.raises(Exception, match="--local-sgd-auto-overlap with --local-sgd-async on a MoE model"):
+        run_ranks(a_edit_moe_job, WORLD, local, [1.0, 0.25], 20, timeout=150)
+
+
 def _moe_config(**overrides):
     from types import SimpleNamespace
 

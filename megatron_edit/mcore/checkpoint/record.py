@@ -109,7 +109,8 @@ def run_record(optimizer, controller, layout, sharding_type: str, residuals: boo
         anchor_taken=outer is not None,
         config=dict(sync_backend=c.sync_backend, sync_interval=c.local_sgd_sync_interval,
                     warmup_steps=c.local_sgd_warmup_steps, sync_mode=c.sync_mode, use_async=c.use_async,
-                    exchange_dtype=c.exchange_dtype, fragments=c.fragments, outer_step_delay=c.outer_step_delay,
+                    exchange_dtype=c.exchange_dtype, exchange_topk_density=c.exchange_topk_density,
+                    fragments=c.fragments, outer_step_delay=c.outer_step_delay,
                     outer_merge_rule=c.merge_rule if c.outer_step_delay else None,
                     merge_alpha=c.merge_alpha if c.outer_step_delay and c.merge_rule == "lerp" else None),
         # The fragments whose shards every worker held identical at the save (all in warmup);

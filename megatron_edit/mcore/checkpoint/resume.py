@@ -48,6 +48,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ...algorithm.formats import format_name
 from ...config import FLAG_NAMES
 from ..process_state import PROCESS
 from .expert_bias import fit_requests as fit_bias_requests
@@ -167,7 +168,8 @@ class ResumePlan:
         if getattr(c, "auto", None) is not None:  # auto overlap: continue with the settings in force
             saved_config = record.get("config") or {}
             refused = c.auto.resume(int(saved_config.get("outer_step_delay") or 0),
-                                    saved_config.get("exchange_dtype") or "fp32",
+                                    format_name(saved_config.get("exchange_dtype") or "fp32",
+                                                saved_config.get("exchange_topk_density")),
                                     int(saved_config.get("fragments") or 1))
             if refused:
                 return refused

@@ -1,0 +1,109 @@
+"""Settings from the measured link on A-EDiT's time-based schedule (``auto_overlap`` with
+``use_async``; arXiv 2412.07210 Sec. 3.4 with Streaming DiLoCo's overlap, arXiv 2501.18512): the
+delay tau and the exchange format chosen while the job runs, for one
+:class:`~megatron_edit.mcore.controller.LocalSGD`. The measuring and the rule are
+:mod:`.auto_overlap`'s; what differs on A-EDiT's schedule:
+
+* **H and the inner step.** A-EDiT's workers take different numbers of steps per interval. The
+  exchange launched at a sync must be hidden behind tau steps of *every* worker, so the step
+  time is the fastest worker's (each rank measures its own median since the last sync, the MAX
+  of the negated times agrees on the smallest, as for EDiT). H is the fewest steps the plan just
+  agreed gives any worker to its next sync (the slowest worker's interval,
+  ``SyncPoint.interval``, identical on every rank): with tau <= H/2 (the rule's cap) every
+  worker's interval holds tau + 1 steps
+  (:func:`~megatron_edit.algorithm.asynchronous.min_interval`) at the speeds measured, so no
+  worker is held back for the delay and no one waits for it at the next sync. (The plan's
+  interval seconds over the fastest step would count the fast worker's steps, more than the
+  slow one takes: a delay from it could hold the slow one; ``--local-sgd-sync-interval`` is
+  only the first interval.) A worker the plan already holds at
+  tau + 1 steps makes H = tau + 1, and the rule lowers the delay.
+* **The agreement rides on the schedule's all-reduce.** At each sync every rank appends its
+  measurement of the previous real sync's exchange (:meth:`AsyncAutoOverlap.message`) to
+  A-EDiT's schedule message, which is all-reduced with MAX over every rank of every worker
+  anyway (:meth:`~megatron_edit.mcore.async_plan.AsyncPlan.plan`); no collective of its own. A
+  sync is the one point where every worker is at the same logical time; an all-reduce started
+  at the end of a worker's own step (EDiT's) would make a fast worker, after its apply, wait for
+  the slow one's apply tau of its slower steps later.
+* **When a decision is in force.** The decision is taken at the sync where the measurement is
+  agreed, after the plan (every rank the same), and put in force once that sync's exchange is
+  applied, at the next optimizer step with nothing in flight (:meth:`AsyncAutoOverlap.after_sync`),
+  so the sync after it launches with the new delay and format, and its interval is planned
+  with the new tau + 1 (the exchange launched at the sync itself keeps the settings it was
+  launched with: its interval was planned for them). A measured sync's settings thus change
+  two syncs later. Every worker applies its exchange before the next sync (every interval but
+  the last is at least tau + 1 steps), so every worker has the new settings there.
+* **The final sync** is never delayed (as without ``auto_overlap``), and nothing is decided at
+  a sync whose next sync is the final one (its interval may be shorter than tau + 1: a worker
+  could still have an exchange in flight at it), nor at the final sync.
+* **Timed syncs** are :mod:`.auto_overlap`'s: without a delay a timed sync blocks; with one its
+  exchange is waited for right after the launch at the sync (:mod:`.async_delayed`).
+* Streaming fragments are not built for A-EDiT: ``auto_fragments`` with ``use_async`` is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..algorithm import overlap_plan
+from ..algorithm.overlap_plan import Choice, Measurement
+from ..config import LocalSGDConfig
+from .auto_overlap import AutoOverlap
+
+
+class AsyncAutoOverlap(AutoOverlap):
+    """:class:`AutoOverlap` on A-EDiT's schedule (see the module docstring)."""
+
+    def __init__(self, controller, user_config: LocalSGDConfig):
+        super().__init__(controller, user_config)
+        self.pending: Optional[Choice] = None
+        """A decision taken at a sync, put in force once nothing is in flight (:meth:`after_sync`)."""
+
+    def step_ended(self) -> None:
+        """Time the inner step (the agreement is at the next sync, :meth:`message`)."""
+        self._time_step()
+
+    def message(self) -> torch.Tensor:
+        """This rank's numbers for the schedule's all-reduce of MAX at a sync: its measurement
+        of the last real sync's exchange since the previous sync, zeros when there is none (a
+        skipped sync, the first one: alike on every rank)."""
+        if self._report is None:
+            mine = Measurement(0.0, {f: 0.0 for f in self.formats}, 0.0)
+        else:
+            mine = self.measure()
+        return torch.tensor(mine.pack(self.formats), dtype=torch.float64)
+
+    def agreed(self, numbers: torch.Tensor, point) -> None:
+        """After the schedule's all-reduce at the sync ``point`` (its next interval planned):
+        the agreed measurement; count it, or decide (in force from the next sync on)."""
+        report, self._report, self._step_times = self._report, None, []
+        if report is None or point.final or self.controller.async_plan.final_planned:
+            return  # nothing measured, or the next (final) sync is never delayed
+        assert self.pending is None, "auto overlap: a decision not yet in force at the next sync"
+        self._judge(report.step, bool(report.delay), overlap_plan.agreed(numbers.tolist(), self.formats))
+
+    def _interval(self) -> int:
+        """The fewest steps the plan gives any worker to its next sync (see the module)."""
+        return min(self.controller.async_plan.last_sync.interval)
+
+    def _take(self, choice: Choice) -> None:
+        self.pending = choice
+
+    def after_sync(self) -> None:
+        """Before each optimizer step: a decision taken at the last sync is put in force once its
+        exchange is applied (before the next sync on every worker)."""
+        c = self.controller
+        if self.pending is None or c.sync.in_progress or (c.delayed is not None and c.delayed.in_flight):
+            return
+        choice, self.pending = self.pending, None
+        super()._take(choice)
+
+    def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
+        self.pending = None
+        return super().resume(delay, dtype, fragments)
+
+
+def auto_overlap_for(controller, user_config: LocalSGDConfig) -> AutoOverlap:
+    """``auto_overlap``'s object for ``controller``: on A-EDiT's schedule or on EDiT's grid."""
+    return (AsyncAutoOverlap if user_config.use_async else AutoOverlap)(controller, user_config)
