@@ -10,7 +10,7 @@ import importlib.util
 import os
 from typing import Optional
 
-from .values import FLAG_NAMES, ConfigError, NotSupportedYet, _is_int, _name, _require
+from .values import FLAG_NAMES, ConfigError, _is_int, _name, _require
 
 SYNC_BACKENDS = ("torch", "torchft")
 
@@ -56,8 +56,8 @@ class BackendSettings:
                 f"{_name('lighthouse')}: {FLAG_NAMES['sync_backend']} torchft needs the Lighthouse's address "
                 "(http://host:port); give the flag or set TORCHFT_LIGHTHOUSE.")
         if self.local_sgd_warmup_steps > 0:
-            raise NotSupportedYet(
-                f"{_name('local_sgd_warmup_steps')} with {FLAG_NAMES['sync_backend']} torchft is not supported yet: "
-                "warmup all-reduces every step's gradients across the workers (across sites, every step "
-                "on the slow link). Warm up in one job with the torch backend, save, and start the torchft "
-                "run from that checkpoint (docs/concepts/torchft.md, 'Warmup'), or drop the flag.")
+            raise ConfigError(  # (a decision, not a gap: docs/concepts/torchft.md, 'Warmup')
+                f"{_name('local_sgd_warmup_steps')} with {FLAG_NAMES['sync_backend']} torchft: a cross-site run does "
+                "not warm up over the slow link (warmup all-reduces every step's gradients across the "
+                "workers and waits for the slowest and a quorum every step). Warm up in one job with the "
+                "torch backend, save, and start the torchft run from that checkpoint (docs/concepts/torchft.md, 'Warmup'), or drop the flag.")

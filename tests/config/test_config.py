@@ -580,8 +580,12 @@ def test_torchft_backend_checks(monkeypatch):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://env:2")
     assert LocalSGDConfig(**{**FT, "lighthouse": None}).lighthouse_address == "http://env:2"
     LocalSGDConfig(**FT, use_async=True)  # and A-EDiT
-    message = _raises(LocalSGDConfig, NotSupportedYet, "local_sgd_warmup_steps", **FT, local_sgd_warmup_steps=2)
-    assert "torchft is not supported yet" in message and "\n" not in message
+    # refused by design (docs/concepts/torchft.md, 'Warmup'), not as a gap: a ConfigError, not NotSupportedYet
+    with pytest.raises(ConfigError) as refused:
+        LocalSGDConfig(**FT, local_sgd_warmup_steps=2)
+    message = str(refused.value)
+    assert not isinstance(refused.value, NotSupportedYet) and "local_sgd_warmup_steps" in message
+    assert "does not warm up over the slow link" in message and "Warmup" in message and "\n" not in message
     from megatron_edit.config import check_combination
 
     check_combination(LocalSGDConfig(**FT), GTAConfig(reducer="gta"))  # GTA runs over it too
