@@ -1,5 +1,5 @@
 """Fault injection for scripts/bench/bench_chaos.py: on PYTHONPATH of every process of a chaos
-run (``MEGATRON_EDIT_CHAOS_DIR`` set), it wraps three functions of the package and torchft as
+run (``MEGATRON_EDIT_CHAOS_DIR`` set), it wraps functions of the package and torchft as
 their modules are imported; a trigger is a file in that folder, taken by the first process
 that renames it (one event, one process):
 
@@ -17,6 +17,9 @@ that renames it (one event, one process):
 * ``hold-end-<worker>``: while it exists, that worker's ranks wait at their end before recording
   it in the supervisor's store (``torchft_round.record_end``, after the run's last sync and the
   job's own end), each writing ``ending-<worker>-<pid>`` first;
+* ``slow-<worker>``: while it exists, each of that worker's ranks sleeps the milliseconds the
+  file holds (a number; empty: 100) after each of its optimizer steps (``LocalSGD.end_step``):
+  a straggler (A-EDiT gives it fewer steps per interval); not taken, every rank of the worker reads it;
 * at each rank's end (``torchft_round.record_end``) the digest of its model is also written to
   ``end-w<worker>-r<rank>-<pid>``, read by the bench apart from the supervisor's own check.
 
@@ -114,8 +117,24 @@ def _patch_round(module) -> None:
     module.record_end = record_end
 
 
+def _patch_controller(module) -> None:
+    controller = module.LocalSGD
+    end_step = controller.end_step
+
+    def slowed_end_step(self):
+        worker = _replica_id()
+        try:
+            with open(os.path.join(CHAOS, f"slow-{worker}")) as f:
+                time.sleep(float(f.read().strip() or 100) / 1e3)
+        except OSError:  # (not armed, or removed: full speed)
+            pass
+        return end_step(self)
+
+    controller.end_step = slowed_end_step
+
+
 PATCHES = {"megatron_edit.exchange.fault_tolerant": _patch_group, "torchft.checkpointing.http_transport": _patch_transport,
-           "megatron_edit.mcore.torchft_round": _patch_round}
+           "megatron_edit.mcore.torchft_round": _patch_round, "megatron_edit.mcore.controller": _patch_controller}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
