@@ -533,8 +533,17 @@ def test_fragments_checks():
     message = _raises(LocalSGDConfig, ConfigError, "outer_step_delay", fragments=4, outer_step_delay=2,
                       local_sgd_sync_interval=8)
     assert "H/F = 2" in message and "--local-sgd-fragments" not in message.split(":")[0]
-    with pytest.raises(NotSupportedYet, match="A-EDiT.*not supported yet"):
-        LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4)
+    # A-EDiT with fragments (issue 60): one fragment per sync, a sync every T/F seconds, the first
+    # interval H/F steps; tau is not held to H/F (A-EDiT plans each interval at least tau + 1 steps)
+    cfg = LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, local_sgd_sync_time=6.0)
+    assert (cfg.async_sync_time, cfg.async_first_interval) == (3.0, 2)
+    assert LocalSGDConfig(use_async=True, local_sgd_sync_time=6.0).async_sync_time == 6.0
+    LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, outer_step_delay=3)
+    message = _raises(LocalSGDConfig, ConfigError, "fragments", use_async=True, fragments=3, local_sgd_sync_interval=4)
+    assert "must divide --local-sgd-sync-interval (4)" in message
+    with pytest.raises(NotSupportedYet, match=r"\(--local-sgd-fragments\): .*--local-sgd-async.*torchft.*torch backend"):
+        LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, sync_backend="torchft",
+                       replica_id=0, lighthouse="http://127.0.0.1:29510")
 
 
 def test_outer_merge_rule_checks():
