@@ -723,7 +723,9 @@ def _simulate_async(spec, n, warmup, tau, alpha, run):
     sync's own delay (auto_overlap's changes; default tau for every one). With streaming
     fragments (``fragment_params``) the k-th real sync exchanges fragment k mod F, its step weights
     counting each worker's steps since that fragment's last real sync; the final sync exchanges
-    every fragment, each layer weighted by its own fragment's steps. Returns each worker's
+    every fragment, each layer weighted by its own fragment's steps (``async_fragments_from``: the
+    index of the first sync with fragments, auto_overlap's change of F; the syncs before it and
+    the change do not count in the round-robin). Returns each worker's
     parameters after each of its steps (``spec["snapshot_every_step"]``; else empty)."""
     keep = spec["local_sgd"].get("outer_merge_rule") == "keep_local"
     snapshots = [{} for _ in range(n)]
@@ -752,8 +754,9 @@ def _simulate_async(spec, n, warmup, tau, alpha, run):
         if skipped:
             continue
         final = k == len(syncs) - 1
-        if len(frags) == 1:
+        if len(frags) == 1 or k < spec.get("async_fragments_from", 0):
             reduced = run["decide"](steps=[t - l for t, l in zip(target, last_real)])
+            last_frag = [list(target) for _ in frags]  # (a change of F: from the last real sync)
         elif final:  # every fragment, each layer weighed by its fragment's steps
             since = torch.tensor([[t - l for t, l in zip(target, last)] for last in last_frag], dtype=torch.float64)
             reduced = run["decide"](steps=since[run["layer_fragment"]].T)

@@ -107,13 +107,10 @@ class OverlapSettings:
                 raise ConfigError(f"{_name(given[0])}: only used by {FLAG_NAMES['auto_overlap']}; add it "
                                   "or drop the flag.")
             return
-        why = None
-        if self.use_async and self.auto_fragments is not None:  # (fragments are not built for A-EDiT)
-            why = f"{FLAG_NAMES['use_async']} and {FLAG_NAMES['auto_fragments']} (A-EDiT has no fragments)"
-        elif self.sync_backend != "torch":
-            why = f"{FLAG_NAMES['sync_backend']} {self.sync_backend} (the torch backend only, yet)"
-        if why is not None:
-            raise NotSupportedYet(f"{_name('auto_overlap')} with {why} is not supported yet; drop one of them.")
+        if self.sync_backend != "torch":
+            raise NotSupportedYet(
+                f"{_name('auto_overlap')} with {FLAG_NAMES['sync_backend']} {self.sync_backend} (the torch backend "
+                "only, yet) is not supported yet; drop one of them.")
         if self.start_format not in self.allowed_formats:
             flags = f"{FLAG_NAMES['exchange_dtype']} {self.exchange_dtype}" + (
                 "" if self.exchange_topk_density is None
