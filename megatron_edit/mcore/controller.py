@@ -29,7 +29,8 @@ is :class:`~megatron_edit.mcore.fragments.SyncShards`; a delayed outer step's la
 (``outer_step_delay``) are :mod:`~megatron_edit.mcore.delayed`'s (A-EDiT's: :mod:`.async_delayed`).
 
 A-EDiT's schedule (when each worker syncs next, from the measured speeds) is
-:class:`~megatron_edit.mcore.async_plan.AsyncPlan`. Parts of the controller kept apart (it
+:class:`~megatron_edit.mcore.async_plan.AsyncPlan`; what a sync asks of it, and which streaming
+fragment an A-EDiT sync exchanges, :mod:`.async_sync`. Parts of the controller kept apart (it
 inherits them): the state a checkpoint or a heal carries (:mod:`.controller_state`), the run's
 length and progress (:mod:`.controller_progress`), the settings ``auto_overlap`` changes
 (:mod:`.controller_settings`). This module is long because it is one state machine: the step
