@@ -541,7 +541,7 @@ def test_fragments_checks():
     LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, outer_step_delay=3)
     message = _raises(LocalSGDConfig, ConfigError, "fragments", use_async=True, fragments=3, local_sgd_sync_interval=4)
     assert "must divide --local-sgd-sync-interval (4)" in message
-    with pytest.raises(NotSupportedYet, match=r"\(--local-sgd-fragments\): .*--local-sgd-async.*torchft.*torch backend"):
+    with pytest.raises(NotSupportedYet, match=r"\(--local-sgd-fragments\): .*--local-sgd-async.*torchft.*torch"):
         LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, sync_backend="torchft",
                        replica_id=0, lighthouse="http://127.0.0.1:29510")
 
