@@ -367,16 +367,7 @@ def _train(rank, spec, tp, pp):
         out["shard_numels"] = [s.numel for s in c.shards]
         out["forward_numels"] = [s.numel for group in c.sync.groups for s in group]
         out["groups_per_sync"] = len(c.group_order)
-        # Streaming fragments: the parameter names of each fragment (the simulation syncs them).
-        if spec.get("fsdp"):  # Megatron-FSDP's buckets hold its raw parameters, named as full_params names them
-            names = {p: n for n, p in ddp.module.raw_param.items()}
-        else:
-            names = {p: n for n, p in getattr(ddp, "module", ddp).named_parameters()}
-        # (a DDP bucket group holds buckets; a Megatron-FSDP group is one bucket of parameters)
-        out["fragment_params"] = [
-            sorted(names[p] for g in c.group_order if any(s is c.group_shards[g][0] for s in frag)
-                   for b in getattr(g, "buckets", (g,)) for p in b.params)
-            for frag in c.sync_shards.fragments]
+        out["fragment_params"] = fragment_params(ddp, c, spec)
         out["state_bytes"] = c.state_bytes()
         out["sync_group_ranks"] = (
             None if c.sync_group.group is None else torch.distributed.get_process_group_ranks(c.sync_group.group)
@@ -392,6 +383,19 @@ def _train(rank, spec, tp, pp):
             c.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
+
+
+def fragment_params(ddp, c, spec):
+    """Streaming fragments: the parameter names of each of controller ``c``'s fragments (the
+    simulation syncs them)."""
+    if spec.get("fsdp"):  # Megatron-FSDP's buckets hold its raw parameters, named as full_params names them
+        names = {p: n for n, p in ddp.module.raw_param.items()}
+    else:
+        names = {p: n for n, p in getattr(ddp, "module", ddp).named_parameters()}
+    # (a DDP bucket group holds buckets; a Megatron-FSDP group is one bucket of parameters)
+    return [sorted(names[p] for g in c.group_order if any(s is c.group_shards[g][0] for s in frag)
+                   for b in getattr(g, "buckets", (g,)) for p in b.params)
+            for frag in c.sync_shards.fragments]
 
 
 def _inject_measurements(controllers, spec, rank):
@@ -507,7 +511,8 @@ def simulate_edit(rank, world_size, spec, dp_size):
     def decide_and_reduce(members=None, steps=None):
         """The workers' pseudo-gradients now, the decisions and the reduced (clipped) one;
         ``members``: the parameter names synchronised (a fragment; the others get no step);
-        ``steps`` (A-EDiT): each worker's steps since the last real sync (the step weights)."""
+        ``steps`` (A-EDiT): each worker's steps since the last real sync of what is synchronised
+        (the step weights; [W], or [W, layers] at A-EDiT's final sync with fragments)."""
         nonlocal stats
         members = everything if members is None else members
         params = [list(m.parameters()) for m in models]
@@ -533,9 +538,10 @@ def simulate_edit(rank, world_size, spec, dp_size):
         else:
             weights = torch.full((n, len(layers)), 1.0 / n, dtype=torch.float64)
         if cfg.get("use_step_weight"):  # (1 - r) w + r * each worker's share of the steps
-            r, share = cfg.get("step_weight_ratio", 0.5), torch.tensor(steps, dtype=torch.float64)
+            r, share = cfg.get("step_weight_ratio", 0.5), torch.as_tensor(steps, dtype=torch.float64)
             assert excluded is None, "the simulation blends step weights without exclusions only"
-            weights = (1 - r) * weights + r * (share / share.sum()).unsqueeze(1)
+            share = share if share.dim() == 2 else share.unsqueeze(1)
+            weights = (1 - r) * weights + r * share / share.sum(0, keepdim=True)
         if spec.get("gta"):
             avg = simulate_gta(spec["gta"], deltas, weights, layer_index)
         else:
@@ -595,8 +601,11 @@ def simulate_edit(rank, world_size, spec, dp_size):
         outer_opt = outer_cls(anchor, **outer_kwargs)
 
     if cfg.get("use_async"):  # A-EDiT: each worker at its own pace between the syncs given
+        # each layer's fragment (A-EDiT's final sync weighs a layer by its fragment's steps)
+        fragment_of = {name: f for f, members in enumerate(frags or [names]) for name in members}
         run = dict(train=train, capture=capture, decide=decide_and_reduce, outer_step=_outer_step, merge=_merge,
-                   models=models)
+                   models=models, frags=frags,
+                   layer_fragment=[fragment_of[names[layer_index.index(layer)]] for layer in range(len(layers))])
         snapshots = _simulate_async(spec, n, warmup, tau, alpha, run)
         return dict(params=[named_params(m) for m in models], decisions=decisions, layers=layers, snapshots=snapshots)
 
@@ -712,7 +721,12 @@ def _simulate_async(spec, n, warmup, tau, alpha, run):
     at the final sync, every worker restarts from the new anchor; with a delay tau the anchor
     steps now and each worker merges after its own step s + tau, or at the next sync if that
     comes first (the final interval may be shorter than tau). ``spec["async_delays"]``: each
-    sync's own delay (auto_overlap's changes; default tau for every one). Returns each worker's
+    sync's own delay (auto_overlap's changes; default tau for every one). With streaming
+    fragments (``fragment_params``) the k-th real sync exchanges fragment k mod F, its step weights
+    counting each worker's steps since that fragment's last real sync; the final sync exchanges
+    every fragment, each layer weighted by its own fragment's steps (``async_fragments_from``: the
+    index of the first sync with fragments, auto_overlap's change of F; the syncs before it and
+    the change do not count in the round-robin). Returns each worker's
     parameters after each of its steps (``spec["snapshot_every_step"]``; else empty)."""
     keep = spec["local_sgd"].get("outer_merge_rule") == "keep_local"
     snapshots = [{} for _ in range(n)]
@@ -725,6 +739,8 @@ def _simulate_async(spec, n, warmup, tau, alpha, run):
             run["train"](w, step)
     run["capture"]()
     done, last_real, pending = [warmup] * n, [warmup] * n, None  # pending: (members, launch, apply after)
+    frags = run["frags"] or [None]
+    last_frag, exchanges = [[warmup] * n for _ in frags], 0  # each fragment's last real sync
     syncs = spec["async_syncs"]
     delays = spec.get("async_delays") or [tau] * len(syncs)
     for k, (target, skipped) in enumerate(syncs):
@@ -738,11 +754,22 @@ def _simulate_async(spec, n, warmup, tau, alpha, run):
         pending = None
         if skipped:
             continue
-        reduced = run["decide"](steps=[t - l for t, l in zip(target, last_real)])
+        final = k == len(syncs) - 1
+        if len(frags) == 1 or k < spec.get("async_fragments_from", 0):
+            reduced = run["decide"](steps=[t - l for t, l in zip(target, last_real)])
+            last_frag = [list(target) for _ in frags]  # (a change of F: from the last real sync)
+        elif final:  # every fragment, each layer weighed by its fragment's steps
+            since = torch.tensor([[t - l for t, l in zip(target, last)] for last in last_frag], dtype=torch.float64)
+            reduced = run["decide"](steps=since[run["layer_fragment"]].T)
+        else:
+            exchanges += 1
+            f = exchanges % len(frags)
+            reduced = run["decide"](set(frags[f]), steps=[t - l for t, l in zip(target, last_frag[f])])
+            last_frag[f] = list(target)
         last_real = list(target)
         launch = [[p.detach().clone() for p in run["models"][w].parameters()] for w in range(n)] if keep else None
         run["outer_step"](reduced)
-        if k == len(syncs) - 1 or not delays[k]:  # the final sync is blocking
+        if final or not delays[k]:  # the final sync is blocking
             for w in range(n):
                 run["merge"](w, reduced[3], None)
                 snap(w)
@@ -864,6 +891,7 @@ def async_runs(rank, world_size, spec):
     out = dict(worker=worker, steps=steps, reports=reports, params=full_params(ddp),
                seconds=_time.monotonic() - t0, finished=controller.finished, progress=progress,
                last_sync=controller.last_sync, snapshots=snapshots, in_flight_at_end=in_flight,
+               fragment_params=fragment_params(ddp, controller, spec),
                decisions=None if controller.auto is None else [  # auto_overlap: (after step, tau, format)
                    (step, ch.outer_step_delay, ch.exchange_dtype) for step, ch, _ in controller.auto.decisions])
     if controller.backend is not None:

@@ -205,11 +205,13 @@ def blend_step_weights(
 ) -> torch.Tensor:
     """``(1 - ratio) * weights + ratio * step share``, per layer over the workers not excluded.
 
-    ``weights`` [W, L] (columns sum to 1 over included workers), ``steps`` [W],
-    ``excluded`` [W, L] bool. A column where every worker is excluded stays 0.
+    ``weights`` [W, L] (columns sum to 1 over included workers), ``steps`` [W] (or [W, L]: each
+    layer its own, A-EDiT's final sync with fragments), ``excluded`` [W, L] bool. A column where
+    every worker is excluded stays 0.
     """
     keep = ~excluded
-    share = steps.to(torch.float64).unsqueeze(1) * keep
+    steps = steps.to(torch.float64)
+    share = (steps if steps.dim() == 2 else steps.unsqueeze(1)) * keep
     total = share.sum(dim=0, keepdim=True)
     share = torch.where(total > 0, share / total.clamp_min(1e-300), torch.zeros_like(share))
     return (1 - ratio) * weights + ratio * share

@@ -11,6 +11,8 @@ Pure functions over sizes and layer sets; the controller applies them to its buc
 * :func:`fragment_due`: which fragment is synchronised after a step. Fragment f is synchronised
   after the steps s > W with s - W = f H/F (mod H): every H/F steps one fragment, each
   fragment every H steps, fragment 0 on the grid of F = 1 (W + kH).
+* :func:`fragment_of_sync`: the same order counted in syncs (the k-th sync exchanges fragment
+  k mod F), which A-EDiT's time-based syncs follow (:mod:`megatron_edit.mcore.async_sync`).
 """
 
 from __future__ import annotations
@@ -60,4 +62,10 @@ def fragment_due(steps_done: int, warmup_steps: int, sync_interval: int, fragmen
     since = steps_done - warmup_steps
     if since <= 0 or since % period:
         return None
-    return (since // period) % fragments
+    return fragment_of_sync(since // period, fragments)
+
+
+def fragment_of_sync(sync: int, fragments: int) -> int:
+    """The fragment the ``sync``-th sync (1, 2, ...) exchanges when each sync exchanges one
+    fragment in turn: ``sync mod F`` (fragment 1 first, fragment 0 at the F-th)."""
+    return sync % fragments

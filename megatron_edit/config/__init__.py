@@ -71,8 +71,10 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
 
     local_sgd_sync_time: float = flag(
         "--local-sgd-sync-time", 600.0,
-        help="A-EDiT (needs --local-sgd-async): seconds of training between syncs.")
-    """A-EDiT only: seconds of training between two synchronisations."""
+        help="A-EDiT (needs --local-sgd-async): seconds of training between syncs (with "
+             "--local-sgd-fragments F: between two syncs of one fragment, a sync every T/F s).")
+    """A-EDiT only: seconds of training between two synchronisations (with ``fragments`` F, of one
+    fragment: a sync every ``local_sgd_sync_time / F`` s, :mod:`megatron_edit.mcore.async_sync`)."""
 
     async_time_budget: Optional[float] = flag(
         "--local-sgd-time-budget", None, show_default=False,
@@ -222,8 +224,8 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
     fragments: int = flag(
         "--local-sgd-fragments", 1,
         help="F: split the model's bucket groups into F fragments synced in turn, one every "
-             "H/F steps (each every H steps), so the link carries 1/F of the model at a time "
-             "(1: the whole model at every sync).")
+             "H/F steps (each every H steps; A-EDiT: one every --local-sgd-sync-time/F seconds), so "
+             "the link carries 1/F of the model at a time (1: the whole model at every sync).")
     """F (Streaming DiLoCo's fragments, torchft's ``_StreamingDiLoCoFragment``): the bucket
     groups, in forward order, are split into F contiguous fragments of about equal size;
     fragment f is synchronised after the steps s > W with s - W = f H/F (mod H). Each sync
@@ -235,7 +237,9 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
     step takes over one interval can reach sqrt(k) times ``clip_pseudo_grad``, and a worker can
     be excluded from one piece and not another. With ``outer_step_delay`` each fragment's exchange is launched
     tau steps before its sync (tau < H/F: one fragment in flight at a time). Needs H divisible
-    by F; not with A-EDiT yet. 1: today's sync of the whole model, bit for bit."""
+    by F. With A-EDiT each sync exchanges one fragment in turn, one every ``local_sgd_sync_time / F``
+    seconds (the first interval H/F steps), its step weights since its own last sync, the final
+    sync of every fragment (:mod:`megatron_edit.mcore.async_sync`). 1: today's sync, bit for bit."""
 
     exchange_dtype: str = flag(
         "--local-sgd-exchange-dtype", "fp32", choices=EXCHANGE_DTYPES,
@@ -294,7 +298,7 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
         "--local-sgd-auto-overlap", False,
         help="Choose the delay (with --local-sgd-auto-formats also the exchange format, with "
              "--local-sgd-auto-fragments the fragments) from the "
-             "measured step and exchange times while the job runs (EDiT, or A-EDiT without fragments; torch backend).")
+             "measured step and exchange times while the job runs (EDiT or A-EDiT; torch backend).")
     """Settings from the measured link (:mod:`megatron_edit.mcore.auto_overlap`): the first syncs,
     and one sync every ``auto_every``, are timed with the settings in force (without a delay they
     block; a delayed one waits for its exchange right after its launch, its numbers unchanged);
@@ -306,9 +310,9 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
     sync with nothing in flight, the same on every worker; with ``auto_fragments`` also the
     fragments F (the fewest that let a delay hide the exchange). H stays the user's (it changes
     the algorithm, not only the schedule). With ``use_async`` (A-EDiT) the agreement rides on the
-    schedule's all-reduce at each sync, H is the fewest steps the plan gives a worker, and a
-    decision is in force from the next sync (:mod:`megatron_edit.mcore.auto_overlap_async`;
-    ``auto_fragments`` is refused). The run starts with ``outer_step_delay`` (0: its first
+    schedule's all-reduce at each sync, H is the fewest steps the plan gives a worker (times the
+    fragments in force), and a decision is in force from the next sync
+    (:mod:`megatron_edit.mcore.auto_overlap_async`). The run starts with ``outer_step_delay`` (0: its first
     syncs block), in ``exchange_dtype``, with ``fragments``: start with the setting it will
     likely choose (``python -m megatron_edit.plan``), since the first syncs' algorithm is the
     start's (in the 20 Mbit/s benchmark two undelayed first syncs cost 7.6% of loss after 416

@@ -7,8 +7,8 @@ One rule is used across the package: a delay must be below H/F
 (:func:`megatron_edit.algorithm.schedule.delay_limit`, re-exported here), so that an exchange is
 applied before the next one (of the next fragment) is launched. A-EDiT (time-based syncs) plans
 its intervals instead: every one but the last at least tau + 1 steps long for each worker
-(:func:`megatron_edit.algorithm.asynchronous.min_interval`; H is its first interval, before any
-exchange is in flight).
+(:func:`megatron_edit.algorithm.asynchronous.min_interval`; its first interval, H or H/F with
+fragments, is before any exchange is in flight).
 """
 
 from __future__ import annotations
@@ -66,6 +66,18 @@ class OverlapSettings:
             return (self.fragments,)
         return tuple(sorted(int(n) for n in self._auto_fragment_names()))
 
+    @property
+    def async_sync_time(self) -> float:
+        """A-EDiT: seconds between two syncs, ``local_sgd_sync_time / fragments``: each sync
+        exchanges one fragment, so each fragment is synced every ``local_sgd_sync_time`` (as
+        Streaming DiLoCo syncs each fragment every H steps and one every H/F)."""
+        return self.local_sgd_sync_time / self.fragments
+
+    @property
+    def async_first_interval(self) -> int:
+        """A-EDiT: the first interval after warmup (no speed measured yet), H/F steps."""
+        return self.local_sgd_sync_interval // self.fragments
+
     def _auto_fragment_names(self) -> list:
         return [n.strip() for n in str(self.auto_fragments).split(",")]
 
@@ -95,13 +107,10 @@ class OverlapSettings:
                 raise ConfigError(f"{_name(given[0])}: only used by {FLAG_NAMES['auto_overlap']}; add it "
                                   "or drop the flag.")
             return
-        why = None
-        if self.use_async and self.auto_fragments is not None:  # (fragments are not built for A-EDiT)
-            why = f"{FLAG_NAMES['use_async']} and {FLAG_NAMES['auto_fragments']} (A-EDiT has no fragments)"
-        elif self.sync_backend != "torch":
-            why = f"{FLAG_NAMES['sync_backend']} {self.sync_backend} (the torch backend only, yet)"
-        if why is not None:
-            raise NotSupportedYet(f"{_name('auto_overlap')} with {why} is not supported yet; drop one of them.")
+        if self.sync_backend != "torch":
+            raise NotSupportedYet(
+                f"{_name('auto_overlap')} with {FLAG_NAMES['sync_backend']} {self.sync_backend} (the torch backend "
+                "only, yet) is not supported yet; drop one of them.")
         if self.start_format not in self.allowed_formats:
             flags = f"{FLAG_NAMES['exchange_dtype']} {self.exchange_dtype}" + (
                 "" if self.exchange_topk_density is None
@@ -178,15 +187,16 @@ class OverlapSettings:
                 "launched (one in flight at a time).")
         f, h = self.fragments, self.local_sgd_sync_interval
         _require(f >= 1, "fragments", f"must be an integer >= 1 (got {f!r}); 1: no fragments.")
-        if f > 1 and self.use_async:
+        if f > 1 and self.use_async and self.sync_backend != "torch":
             raise NotSupportedYet(
-                f"{_name('fragments')}: streaming fragments with {FLAG_NAMES['use_async']} (A-EDiT) "
-                "are not supported yet; drop one of the two.")
+                f"{_name('fragments')}: streaming fragments with {FLAG_NAMES['use_async']} (A-EDiT) over "
+                f"{FLAG_NAMES['sync_backend']} {self.sync_backend} are not supported yet (the torch backend "
+                "only); drop one of the three.")
         if h % f:
             raise ConfigError(
                 f"{_name('fragments')}: {f} must divide {FLAG_NAMES['local_sgd_sync_interval']} ({h}): "
                 "one fragment is synchronised every H/F steps.")
-        if f > 1 and tau >= delay_limit(h, f):
+        if f > 1 and tau >= delay_limit(h, f) and not self.use_async:  # (A-EDiT: planned, tau + 1 each)
             raise ConfigError(
                 f"{_name('outer_step_delay')}: {tau} must be < H/F = {delay_limit(h, f)} with {f} fragments "
                 f"({FLAG_NAMES['local_sgd_sync_interval']} {h}): a fragment's exchange must be applied "

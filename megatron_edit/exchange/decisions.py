@@ -58,7 +58,7 @@ class SyncDecisions:
              layer_names: Sequence[str], step: int) -> Decision:
         """The decision from ``norms`` ([workers, layers], every worker's, on the host).
         ``in_sync``: the layers this sync holds (a fragment's; None: all); ``worker_steps``:
-        A-EDiT's steps per worker (step weights)."""
+        A-EDiT's steps per worker (step weights; [W] or, per layer, [W, L])."""
         c = config
         excluded = None
         trained = getattr(sync_group, "trained", None)  # a group whose workers change (torchft)

@@ -46,7 +46,7 @@ class SyncInProgress:
     excluded: Optional[torch.Tensor] = None
     skipped: Optional[torch.Tensor] = None  # [L] bool
     clip_coef: Dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> 0-dim, on device
-    worker_steps: Optional[torch.Tensor] = None  # A-EDiT: [W]
+    worker_steps: Optional[torch.Tensor] = None  # A-EDiT: [W] (the final sync with fragments: [W, L])
     worker_seconds: Optional[torch.Tensor] = None
     worker_idle: Optional[torch.Tensor] = None
     final: bool = False

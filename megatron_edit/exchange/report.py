@@ -46,7 +46,8 @@ class SyncReport:
     skipped_sync: bool = False
     """A-EDiT: all workers together took fewer than min_total_global_steps: no exchange."""
     worker_steps: Optional[torch.Tensor] = None
-    """A-EDiT: [workers] steps each worker took since the last real exchange."""
+    """A-EDiT: [workers] steps each worker took since the last real exchange (with streaming
+    fragments: of the fragment exchanged; at the final sync, of the fragment synced longest ago)."""
     worker_seconds: Optional[torch.Tensor] = None
     worker_idle: Optional[torch.Tensor] = None
     """A-EDiT: [workers] seconds each worker waited at this sync for the last to arrive."""
@@ -163,7 +164,8 @@ def report_of(sync, config, sync_group, layer_names, outer_lr: float, exchange_e
         skipped=sync.skipped,
         clip_coef=clip,
         skipped_sync=sync.skipped_sync,
-        worker_steps=sync.worker_steps,
+        worker_steps=sync.worker_steps if sync.worker_steps is None or sync.worker_steps.dim() == 1
+        else sync.worker_steps.amax(dim=1),  # (per layer: A-EDiT's final sync with fragments)
         worker_seconds=sync.worker_seconds,
         worker_idle=sync.worker_idle,
         final=sync.final,

@@ -148,10 +148,11 @@ class AsyncPlan:
         return self.interval_start is not None
 
     def plan_first(self, steps_done: int, global_progress: float) -> None:
-        """Before any speed is known: ``local_sgd_sync_interval`` steps for everyone, or the
+        """Before any speed is known: ``local_sgd_sync_interval`` steps for everyone (H/F with
+        fragments: ``async_first_interval``), or the
         whole remaining budget split evenly when that is about as much."""
         workers = self.workers
-        first = asynchronous.first_interval(self.config.local_sgd_sync_interval)
+        first = asynchronous.first_interval(self.config.async_first_interval)
         interval = torch.full((workers,), first, dtype=torch.int64)
         if self.budget_steps is not None:
             # Worker-steps done so far from global progress (synchronous iterations): after an
@@ -239,11 +240,11 @@ class AsyncPlan:
             if c.async_time_budget is not None:
                 remaining_seconds = c.async_time_budget - float(schedule.elapsed.max())
             interval, self.final_planned = asynchronous.plan(
-                schedule.steps, rates, c.local_sgd_sync_time, budget, remaining_seconds, done_steps=done,
+                schedule.steps, rates, c.async_sync_time, budget, remaining_seconds, done_steps=done,
                 min_steps=asynchronous.min_interval(c.outer_step_delay))  # (a delayed outer step: tau + 1)
             self.held = []  # (a delay only: the workers its tau + 1 steps held back)
             if c.outer_step_delay and not self.final_planned:
-                by_speed = asynchronous.plan_next_interval(rates, c.local_sgd_sync_time)
+                by_speed = asynchronous.plan_next_interval(rates, c.async_sync_time)
                 self.held = [w for w, n in enumerate(by_speed) if interval[w] > n]
             me = group.rank
             self.next_sync_at = step + int(interval[me])
@@ -286,8 +287,8 @@ class AsyncPlan:
                 rates[i] = asynchronous.smoothed_rates(history[:, :1], history[:, 1:])[0]
         filled = asynchronous.fill_unmeasured(rates, measured)
         if filled is None:  # the first interval: local_sgd_sync_interval steps each
-            first = asynchronous.first_interval(self.config.local_sgd_sync_interval)
-            return torch.full((len(ids),), first / self.config.local_sgd_sync_time, dtype=torch.float64)
+            first = asynchronous.first_interval(self.config.async_first_interval)
+            return torch.full((len(ids),), first / self.config.async_sync_time, dtype=torch.float64)
         return filled
 
     def applied(self) -> None:

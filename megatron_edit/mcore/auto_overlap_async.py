@@ -37,11 +37,20 @@ delay tau and the exchange format chosen while the job runs, for one
   could still have an exchange in flight at it), nor at the final sync.
 * **Timed syncs** are :mod:`.auto_overlap`'s: without a delay a timed sync blocks; with one its
   exchange is waited for right after the launch at the sync (:mod:`.async_delayed`).
-* Streaming fragments are not built for A-EDiT: ``auto_fragments`` with ``use_async`` is refused.
+* **Fragments** (:mod:`.async_sync`: one fragment per sync, a sync every
+  ``local_sgd_sync_time / F`` seconds). H is a fragment's interval, F syncs: the slowest
+  worker's planned interval times the F in force, rounded down to a multiple of every F allowed
+  (``auto_fragments``; the rule needs F to divide H), so the rule's tau < H/F' is at most the
+  interval each worker is planned with F' (tau + 1 steps). A change of F is put in force as the
+  delay is; the next sync is planned with the new F (``local_sgd_sync_time / F'``), the
+  round-robin goes on (fragment k mod F', k counting the real syncs of one fragment: from one
+  fragment, as a run started with F'), and the new fragments' step weights count from the last
+  real sync of any fragment.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -84,8 +93,13 @@ class AsyncAutoOverlap(AutoOverlap):
         self._judge(report.step, bool(report.delay), overlap_plan.agreed(numbers.tolist(), self.formats))
 
     def _interval(self) -> int:
-        """The fewest steps the plan gives any worker to its next sync (see the module)."""
-        return min(self.controller.async_plan.last_sync.interval)
+        """H of the rule: the fewest steps the plan gives any worker to its next sync, times the
+        fragments in force (a fragment is synced every F syncs), rounded down to a multiple of
+        every number of fragments allowed (see the module)."""
+        c = self.controller
+        h = min(c.async_plan.last_sync.interval) * c.config.fragments
+        grid = math.lcm(*self.fragments)
+        return max(grid, h - h % grid)
 
     def _take(self, choice: Choice) -> None:
         self.pending = choice

@@ -29,7 +29,8 @@ is :class:`~megatron_edit.mcore.fragments.SyncShards`; a delayed outer step's la
 (``outer_step_delay``) are :mod:`~megatron_edit.mcore.delayed`'s (A-EDiT's: :mod:`.async_delayed`).
 
 A-EDiT's schedule (when each worker syncs next, from the measured speeds) is
-:class:`~megatron_edit.mcore.async_plan.AsyncPlan`. Parts of the controller kept apart (it
+:class:`~megatron_edit.mcore.async_plan.AsyncPlan`; what a sync asks of it, and which streaming
+fragment an A-EDiT sync exchanges, :mod:`.async_sync`. Parts of the controller kept apart (it
 inherits them): the state a checkpoint or a heal carries (:mod:`.controller_state`), the run's
 length and progress (:mod:`.controller_progress`), the settings ``auto_overlap`` changes
 (:mod:`.controller_settings`). This module is long because it is one state machine: the step
@@ -52,6 +53,7 @@ from ..exchange.groups import WorkerGroups, default_store
 from ..exchange.outer_state import OuterState
 from ..exchange.outer_sync import OuterSync
 from ..exchange.report import SyncReport
+from . import async_sync
 from .async_delayed import delayed_outer_step
 from .async_plan import AsyncPlan
 from .auto_overlap_async import AutoOverlap, auto_overlap_for
@@ -135,6 +137,7 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         self.arrivals = self._arrivals(inter) if self.num_workers > 1 else None
         self.async_plan = AsyncPlan(self.config, self.sync_group, schedule_group, rider=self.auto)
         """A-EDiT's schedule (unused by synchronous EDiT)."""
+        self.async_fragments = async_sync.AsyncFragments()  # A-EDiT: which fragment each sync exchanges
         self.worker_groups = WorkerGroups(shard_group=self.layout.shard_group, tp_group=self.layout.tp_group)
         allowed = self.auto.fragments if self.auto is not None else (self.config.fragments,)
         buckets, parts, self._recut = cut_fragments(buckets, self.worker_groups, self.config.fragments, allowed)
@@ -300,21 +303,6 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
             else:
                 self.complete_now()
 
-    def _snap_progress(self) -> None:
-        """At an A-EDiT sync every worker's global progress is worker-steps / workers: set it
-        exactly (no float drift between workers). Over torchft the next interval's steps bring
-        it there instead (:meth:`AsyncPlan.plan`: a lost worker's steps were counted)."""
-        if self.at_sync and not self.backend.dynamic:
-            self.global_progress = self.last_sync.global_progress
-
-    @property
-    def at_sync(self) -> bool:
-        """A-EDiT: this worker has just taken the step of its latest sync (nothing trained since):
-        every worker is at the same logical point, the only one they share between syncs."""
-        return (
-            self.last_sync is not None and self.last_sync.step == self.steps_done and not self._in_step
-        )
-
     def complete_at_step_end(self) -> None:
         """Complete the sync just begun, between the inner update and Megatron's own main -> model
         copy (which writes the model). Over torchft, where a later optimizer of this process
@@ -365,30 +353,15 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
             step = healed
             due = self.sync_shards.due(step, None if delay else self.last_step)
         bytes_at_start = self.sync_group.counters.payload_bytes
-        schedule, skip, final, fragment, members = None, False, False, None, None
-        steps_since = step - delay - self._last_sync_step  # (A-EDiT: launch to launch)
-        if self.config.use_async:
-            device = self.shards[0].device if self.shards else torch.device("cpu")
-            # torchft: the learning-rate schedule's position after this step (step-end: its own
-            # step's progress is counted after the sync)
-            progress = (self.global_progress + (self._step_progress if self._in_step else 0.0)
-                        if self.backend.dynamic else None)
-            schedule, skip, final = self.async_plan.plan(step - delay, self._last_sync_step, device, arrived,
-                                                         progress=progress)  # (delayed: agreed at the launch)
-            if delay and (final or skip):  # not delayed: the final one ends the run with one model
-                step, delay = step - delay, 0
+        planned = async_sync.begin(self, step, delay, arrived) if self.config.use_async else None
+        if planned is not None:  # A-EDiT: the schedule, agreed (delayed: at the launch)
+            step, delay, steps_since, fragment, members = planned.where
         else:
             fragment, members = due or self.sync_shards.due(step, self.last_step)
             steps_since = self.sync_shards.steps_since(step, fragment, self._last_sync_step)
-        started = self.sync.start(
-            step, steps_since,
-            None if schedule is None else schedule.steps_since_exchange,
-            None if schedule is None else schedule.interval_seconds,
-            skip, bytes_at_start,
-            worker_idle=None if schedule is None else schedule.idle,
-            final=final, delay=delay, fragment=fragment, members=members, began=began,
-        )
-        if skip:
+        started = self.sync.start(step, steps_since, bytes_at_start=bytes_at_start, delay=delay, fragment=fragment,
+                                  members=members, began=began, **({} if planned is None else planned.sync_args))
+        if planned is not None and planned.skip:
             self.backend.close_skipped()
         if self.expert_biases is not None and not delay:  # (a delayed sync's at its apply)
             self.expert_biases.average(step)

@@ -75,9 +75,11 @@ class RunProgress:
         return self.async_plan.last_sync
 
     def restart_async_schedule(self) -> None:
-        """A-EDiT: plan the next sync as after warmup (first interval from ``steps_done``)."""
+        """A-EDiT: plan the next sync as after warmup (first interval from ``steps_done``); every
+        fragment starts here."""
         if self.config.use_async:
             self.async_plan.plan_first(self.steps_done, self.global_progress)
+            self.async_fragments.restart()
 
     @property
     def progress_scale(self) -> float:
@@ -107,3 +109,17 @@ class RunProgress:
         interval; the step itself still belongs to its own)."""
         return self._step_progress
 
+    def _snap_progress(self) -> None:
+        """At an A-EDiT sync every worker's global progress is worker-steps / workers: set it
+        exactly (no float drift between workers). Over torchft the next interval's steps bring
+        it there instead (:meth:`AsyncPlan.plan`: a lost worker's steps were counted)."""
+        if self.at_sync and not self.backend.dynamic:
+            self.global_progress = self.last_sync.global_progress
+
+    @property
+    def at_sync(self) -> bool:
+        """A-EDiT: this worker has just taken the step of its latest sync (nothing trained since):
+        every worker is at the same logical point, the only one they share between syncs."""
+        return (
+            self.last_sync is not None and self.last_sync.step == self.steps_done and not self._in_step
+        )

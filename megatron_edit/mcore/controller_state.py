@@ -90,6 +90,8 @@ class ControllerState:
         anomaly detector's statistics and A-EDiT's plan (:meth:`AsyncPlan.state_dict`)."""
         out = {"layer_names": list(self.layer_names), "ewma": self.sync.decisions.ewma.state_dict(),
                "global_progress": self.global_progress, **self.async_plan.state_dict(self.at_sync)}
+        if self.config.use_async and self.config.fragments > 1:  # A-EDiT's fragments (.async_sync)
+            out["async_fragments"] = self.async_fragments.state_dict()
         delayed = getattr(self, "delayed", None)
         if delayed is not None and delayed.in_flight:  # a checkpoint mid-flight (DelayedOuterStep)
             out["in_flight_skipped"] = delayed.saved_skipped
@@ -116,6 +118,8 @@ class ControllerState:
             self.backend.load_state_dict(state[STATE_KEY])
         self.global_progress = float(state.get("global_progress", self.steps_done))
         point = self.async_plan.load_state_dict(state, self.steps_done)
+        if "async_fragments" in state:
+            self.async_fragments.load_state_dict(state["async_fragments"], self.num_workers)
         if point is not None:
             self.steps_done = point.step
             self._last_sync_step = point.last_exchange[self.async_plan.place(point)]
@@ -164,10 +168,11 @@ class ControllerState:
         """After :meth:`load_state_dict` of another layout's counters (worker 0's), with an
         anchor: A-EDiT's new workers share the worker-steps done (global progress x workers,
         as even as possible), so that the budget left is the saved run's; every worker restarts
-        its interval here."""
+        its interval here (and, with fragments, every fragment's step count)."""
         if self.config.use_async:
             done = round(self.global_progress * self.num_workers)
             self.steps_done = int(asynchronous.share_steps(done, self.num_workers)[self.sync_group.rank])
+            self.async_fragments.last = None
         self._last_sync_step = self.steps_done
 
     def resume_from_synchronous(self, steps: int) -> None:

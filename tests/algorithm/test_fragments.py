@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from megatron_edit.algorithm.fragments import FragmentError, fragment_due, partition
+from megatron_edit.algorithm.fragments import FragmentError, fragment_due, fragment_of_sync, partition
 
 
 def _brute_force(sizes, fragments):
@@ -45,3 +45,10 @@ def test_fragment_due_is_each_fragment_every_h_steps_in_turn():
     # F = 1: the grid of W + kH, fragment 0
     assert [s for s in range(30) if fragment_due(s, 2, 8, 1) is not None] == [10, 18, 26]
     assert all(fragment_due(s, 2, 8, 1) in (None, 0) for s in range(30))
+
+
+def test_fragment_of_sync_is_the_grid_s_order_counted_in_syncs():
+    """A-EDiT's k-th real sync exchanges the fragment EDiT's grid syncs at W + k H/F."""
+    assert [fragment_of_sync(k, 4) for k in range(1, 9)] == [1, 2, 3, 0, 1, 2, 3, 0]
+    assert [fragment_of_sync(k, 4) for k in range(1, 9)] == [fragment_due(2 + 2 * k, 2, 8, 4) for k in range(1, 9)]
+    assert fragment_of_sync(5, 1) == 0

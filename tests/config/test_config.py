@@ -533,8 +533,17 @@ def test_fragments_checks():
     message = _raises(LocalSGDConfig, ConfigError, "outer_step_delay", fragments=4, outer_step_delay=2,
                       local_sgd_sync_interval=8)
     assert "H/F = 2" in message and "--local-sgd-fragments" not in message.split(":")[0]
-    with pytest.raises(NotSupportedYet, match="A-EDiT.*not supported yet"):
-        LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4)
+    # A-EDiT with fragments (issue 60): one fragment per sync, a sync every T/F seconds, the first
+    # interval H/F steps; tau is not held to H/F (A-EDiT plans each interval at least tau + 1 steps)
+    cfg = LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, local_sgd_sync_time=6.0)
+    assert (cfg.async_sync_time, cfg.async_first_interval) == (3.0, 2)
+    assert LocalSGDConfig(use_async=True, local_sgd_sync_time=6.0).async_sync_time == 6.0
+    LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, outer_step_delay=3)
+    message = _raises(LocalSGDConfig, ConfigError, "fragments", use_async=True, fragments=3, local_sgd_sync_interval=4)
+    assert "must divide --local-sgd-sync-interval (4)" in message
+    with pytest.raises(NotSupportedYet, match=r"\(--local-sgd-fragments\): .*--local-sgd-async.*torchft.*torch"):
+        LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, sync_backend="torchft",
+                       replica_id=0, lighthouse="http://127.0.0.1:29510")
 
 
 def test_outer_merge_rule_checks():
@@ -632,9 +641,8 @@ def test_auto_overlap_settings():
     (dict(AUTO, outer_step_delay=4, fragments=2, auto_fragments="1,2"), ConfigError, "outer_step_delay",
      "must be < H/F = 4 with 2 fragments"),
     (dict(AUTO, local_sgd_sync_interval=4, fragments=4), ConfigError, "auto_overlap", "no room for a delay"),
-    # A-EDiT chooses its delay and format; it has no fragments to choose (issue 60)
-    (dict(AUTO, use_async=True, auto_fragments="1,2"), NotSupportedYet, "auto_overlap",
-     "--local-sgd-async and --local-sgd-auto-fragments (A-EDiT has no fragments) is not supported yet"),
+    # A-EDiT chooses its fragments too (issue 60), from the same list: divisors of H with H/F >= 2
+    (dict(AUTO, use_async=True, auto_fragments="1,3"), ConfigError, "auto_fragments", "3 must divide"),
     # top-k formats: named as the planner names them; the one the run starts in must be allowed
     (dict(AUTO, auto_formats="fp32,topk0.02-bf16"), ConfigError, "auto_formats", "topk<density>-<values>"),
     (dict(AUTO, auto_formats="fp32,int2"), ConfigError, "auto_formats", "comma-separated list"),
@@ -659,6 +667,14 @@ def test_auto_overlap_with_a_edit_chooses_the_delay_and_format():
     for extra in ({}, dict(outer_step_delay=2), dict(local_sgd_sync_interval=2, auto_formats="fp32,int8")):
         cfg = LocalSGDConfig(**dict(AUTO, use_async=True, **extra))
         assert cfg.auto_overlap and cfg.allowed_fragments == (1,)
+    # and the fragments (issue 60): before, refused ("A-EDiT has no fragments")
+    cfg = LocalSGDConfig(**dict(AUTO, use_async=True, auto_fragments="1,2"))
+    assert cfg.allowed_fragments == (1, 2)
+    assert LocalSGDConfig(**dict(AUTO, use_async=True, fragments=2)).allowed_fragments == (2,)
+    # the torch backend only, as before
+    message = _raises(LocalSGDConfig, NotSupportedYet, "auto_overlap", **dict(
+        AUTO, use_async=True, sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510"))
+    assert "--local-sgd-sync-backend torchft (the torch backend only, yet) is not supported yet" in message
 
 
 def test_auto_overlap_with_error_feedback_and_top_k_formats():

@@ -27,6 +27,11 @@ def test_plan_skip_and_step_weights_on_known_inputs():
     weights[:, 2] = torch.tensor([0.0, 1.0], dtype=F64)
     blended = asynchronous.blend_step_weights(weights, torch.tensor([4.0, 16.0]), excluded, 0.5)
     assert torch.allclose(blended[:, 2], torch.tensor([0.0, 1.0], dtype=F64))
+    # per layer (A-EDiT's final sync with fragments: each layer its fragment's steps)
+    per_layer = torch.tensor([[4.0, 4.0, 1.0], [16.0, 16.0, 3.0]])
+    both = asynchronous.blend_step_weights(weights, per_layer, torch.zeros_like(excluded), 0.5)
+    assert torch.allclose(both[:, 0], torch.tensor([0.35, 0.65], dtype=F64))
+    assert torch.allclose(both[:, 2], torch.tensor([0.125, 0.875], dtype=F64))  # 0.5 * (0, 1) + 0.5 * (1, 3) / 4
     message = asynchronous.schedule_message(3, 1, 9, 7, 2.5, 40, 12.0, 30)
     assert message.dtype == F64 and message[:, 1].tolist() == [9, 7, 2.5, 40, 12.0, 30]
     assert message[:, 0].abs().sum() == 0 and message[:, 2].abs().sum() == 0

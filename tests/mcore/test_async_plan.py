@@ -12,6 +12,7 @@ import torch
 
 from megatron_edit.config import LocalSGDConfig
 from megatron_edit.mcore.async_plan import AsyncPlan
+from megatron_edit.mcore.async_sync import AsyncFragments
 from megatron_edit.mcore.controller import LocalSGD
 
 
@@ -81,9 +82,10 @@ def test_the_controller_reads_the_clock_before_waiting_for_the_others():
     ctl.shards = []
     ctl._last_sync_step = 0
     ctl.expert_biases = None  # (a MoE model's router biases, averaged at each sync)
+    ctl.async_fragments, ctl.sync_shards, ctl.layer_names = AsyncFragments(), types.SimpleNamespace(fragments=[[]]), []
     started = {}
-    ctl.sync = types.SimpleNamespace(start=lambda *a, **k: started.setdefault("args", a) is not None)
+    ctl.sync = types.SimpleNamespace(start=lambda *a, **k: started.setdefault("kwargs", k) is not None)
     assert ctl.start_sync(8)
     assert waited == [8]
     assert plan.rate_history[-1][1].tolist() == [4.0]  # before the fix: 24.0
-    assert started["args"][3].tolist() == [4.0]  # the report's interval seconds
+    assert started["kwargs"]["worker_seconds"].tolist() == [4.0]  # the report's interval seconds

@@ -244,3 +244,52 @@ def test_a_resume_takes_a_delay_longer_than_the_first_interval():
     ctl = _stand_in()
     assert ctl.auto.user.local_sgd_sync_interval <= 6
     assert ctl.auto.resume(6, "int8") is None and ctl.applied == [(6, "int8")]
+
+
+# Fragments (issue 60): worker 1 at 0.75 s per step; a sync every 6 s, the first interval 4 steps;
+# a budget of 33 synchronous iterations (66 worker-steps). Agreed: a step of 0.10 s, an exchange
+# of 0.30 s: 1.2 x 0.3 / 0.1 = 3.6 steps, over H/2 = 3 with one fragment (H = 6, the slowest
+# worker's 6 steps), hidden with two: tau = ceil(3.6 / 2) = 2 < H/F = 3.
+MEASURED_FRAGMENTS = {r: (0.10 + 0.01 * r, {"fp32": 0.30 - 0.05 * r}, 0.0) for r in range(WORLD)}
+# The plan: 5 / 5 (the first interval), 11 / 13, 17 / 21 (6 / 8 steps: 6 s each; the third
+# decides F = 2 with tau 2, in force once its exchange is applied), 23 / 29 (planned with F = 1;
+# the first sync of one fragment: fragment 1, launched with tau 2), then 3 s a sync (3 / 4
+# steps): 26 / 33 (fragment 0, 59 worker-steps); the 7 left make the final interval, 3 / 4 by
+# speed: the final sync at 29 / 37, of every fragment.
+SYNCS_FRAGMENTS = [([5, 5], False), ([11, 13], False), ([17, 21], False), ([23, 29], False), ([26, 33], False),
+                   ([29, 37], False)]
+
+
+@pytest.mark.timeout(400)
+def test_fragments_chosen_mid_run_take_effect_at_the_same_sync_everywhere_and_match_the_simulation():
+    """--local-sgd-auto-fragments 1,2 on A-EDiT, started with one fragment and no delay: the third
+    sync decides two fragments with a delay of 2 on every rank (H = 6: one fragment would need a
+    delay over H/2); from the fourth sync each sync exchanges one fragment, in turn, launched at
+    the sync and applied 2 steps later, a sync every 3 s instead of 6; the final sync is of every
+    fragment, blocking; the run matches the plain-PyTorch simulation with those fragments and
+    delays and ends with one model."""
+    choice = choose(0.10, {"fp32": 0.30}, 6, ("fp32",), fragments=(1, 2))
+    assert (choice.fragments, choice.outer_step_delay) == (2, 2)
+    spec = default_spec(local_sgd=dict(A_EDIT, local_sgd_sync_time=6.0, auto_overlap=True, auto_fragments="1,2"),
+                        outer=OUTER, seconds_per_step=[1.0, 0.75], max_steps=MAX_STEPS, steps=MAX_STEPS, train_iters=33,
+                        async_syncs=SYNCS_FRAGMENTS, measurements=MEASURED_FRAGMENTS, bucket_size=1000)
+    results = run_ranks(async_runs, WORLD, spec, timeout=360)
+    frags = results[0]["fragment_params"]
+    assert len(frags) == 2 and all(frags)
+    expected = {0: [(5, 0, None), (11, 0, None), (17, 0, None), (25, 2, 1), (28, 2, 0), (29, 0, None)],
+                1: [(5, 0, None), (13, 0, None), (21, 0, None), (31, 2, 1), (35, 2, 0), (37, 0, None)]}
+    for r in results:
+        assert r["fragment_params"] == frags
+        got = [(rep.step, rep.delay, rep.fragment) for rep in r["reports"]]
+        assert got == expected[r["worker"]], (r["worker"], got)
+        assert [rep.final for rep in r["reports"]] == [False] * 5 + [True]
+        assert r["decisions"] == [((11, 13)[r["worker"]], 2, "fp32")]
+        assert r["finished"] and not r["in_flight_at_end"]
+    sim = run_ranks(simulate_edit, 1, dict(spec, fragment_params=frags, async_delays=[0, 0, 0, 2, 2, 0],
+                                           async_fragments_from=3), WORLD, timeout=120)[0]["params"]
+    for r in results:
+        worst = max_difference(r["params"], sim[r["worker"]])
+        assert worst <= SIM_ATOL, worst
+    for shard in (0, 1):
+        x, y = results[shard]["params"], results[2 + shard]["params"]
+        assert all(torch.equal(x[k], y[k]) for k in x), "one model at the end"
