@@ -164,11 +164,6 @@ class OverlapSettings:
             raise ConfigError(
                 f"{_name('outer_merge_alpha')}: the merge only follows a delayed outer step; add "
                 f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
-        if tau and self.use_async and self.sync_backend != "torch":
-            raise NotSupportedYet(
-                f"{_name('outer_step_delay')}: a delayed outer step with {FLAG_NAMES['use_async']} (A-EDiT) over "
-                f"{FLAG_NAMES['sync_backend']} {self.sync_backend} is not supported yet (the torch backend "
-                "only); drop one of the three.")
         # A-EDiT plans its intervals (H is its first, before any exchange is in flight), each but the
         # last at least tau + 1 steps: nothing to refuse here.
         if tau >= delay_limit(self.local_sgd_sync_interval) and not self.use_async:
