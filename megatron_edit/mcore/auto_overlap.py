@@ -160,6 +160,8 @@ class AutoOverlap:
         choose whose all-gather sends more bytes than the dense int4 exchange with ``workers``
         workers (as a run that starts in it is refused:
         :func:`~megatron_edit.exchange.sparse.check_sparse_workers`)."""
+        if self.user.sync_backend == "torchft":  # a job is one worker; the others come to each sync's quorum
+            return
         if workers == 1:
             raise RuntimeError("megatron_edit: --local-sgd-auto-overlap with one EDiT worker: nothing is "
                                "exchanged, so there is nothing to hide; drop the flag.")
@@ -246,7 +248,7 @@ class AutoOverlap:
                 measured *= numel / max(part, 1)
             self._local_exchange = overlap_plan.scale_to_formats(  # from the format in force (c.config's)
                 measured, c.config.start_format, numel, self.formats, self.user.exchange_block_size,
-                c.num_workers, self.user.exchange_topk_chunk)
+                max(c.sync.num_workers, 2), self.user.exchange_topk_chunk)  # (torchft: the sync's quorum)
         exchange = self._local_exchange or {f: 0.0 for f in self.formats}
         return Measurement(step_s, exchange, exposed, fresh=measured is not None)
 

@@ -515,11 +515,15 @@ def test_delayed_outer_step_checks():
     LocalSGDConfig(use_async=True, outer_step_delay=4, local_sgd_sync_interval=2, outer_merge_alpha=0.0)
 
 
-def test_a_delay_with_a_edit_over_torchft_is_refused(monkeypatch):
+def test_a_delay_and_auto_overlap_with_a_edit_over_torchft_are_accepted(monkeypatch):
+    """A-EDiT's delayed outer step and its automatic overlap over torchft (issue 60); the
+    automatic overlap on EDiT's grid over torchft is still refused, in one line."""
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # torchft "installed"
-    with pytest.raises(NotSupportedYet, match=r"\(--local-sgd-outer-step-delay\): .*--local-sgd-async.*torchft"):
-        LocalSGDConfig(use_async=True, outer_step_delay=1, local_sgd_sync_interval=4, sync_backend="torchft",
-                       replica_id=0, lighthouse="http://127.0.0.1:29510")
+    ft = dict(sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510", local_sgd_sync_interval=4)
+    assert LocalSGDConfig(use_async=True, outer_step_delay=1, **ft).outer_step_delay == 1
+    assert LocalSGDConfig(use_async=True, auto_overlap=True, auto_formats="fp32,int8", **ft).auto_overlap
+    with pytest.raises(NotSupportedYet, match=r"--local-sgd-sync-backend torchft without --local-sgd-async"):
+        LocalSGDConfig(auto_overlap=True, **ft)
 
 
 def test_fragments_checks():
