@@ -246,9 +246,11 @@ class AutoOverlap:
             if report.fragment is not None:  # one fragment's exchange: the whole model's is that per element
                 part = sum(s.numel for s in c.sync_shards.fragments[report.fragment])
                 measured *= numel / max(part, 1)
+            # torchft: the workers of the sync (its quorum), each job being one
+            workers = max(c.sync.num_workers, 2) if self.user.sync_backend == "torchft" else c.num_workers
             self._local_exchange = overlap_plan.scale_to_formats(  # from the format in force (c.config's)
                 measured, c.config.start_format, numel, self.formats, self.user.exchange_block_size,
-                max(c.sync.num_workers, 2), self.user.exchange_topk_chunk)  # (torchft: the sync's quorum)
+                workers, self.user.exchange_topk_chunk)
         exchange = self._local_exchange or {f: 0.0 for f in self.formats}
         return Measurement(step_s, exchange, exposed, fresh=measured is not None)
 

@@ -8,6 +8,7 @@ flight is relaunched, heals with the settings in force and all end with one mode
 torchft is the optional ``ft`` extra: installed in CI's default lane, skipped where it is not."""
 
 import pytest
+import torch
 
 pytest.importorskip("torchft")
 
@@ -104,3 +105,103 @@ def test_auto_overlap_over_torchft_equals_the_torch_backend_with_the_same_measur
         assert max_difference(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
     for run in ft[1:]:
         assert max_difference(ft[0]["params"], run["params"]) == 0.0
+
+
+def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_after, wait_before):
+    """Worker ``worker``'s job (1 rank): A-EDiT with the automatic overlap over torchft, 1 fake s a
+    step for both, the measurements injected (syncs after steps 4, 9, 13, 17, 21, ...: a delay of 2
+    decided at the third, in force from the fifth). The first worker 1 is SIGKILLed
+    after its step ``kill_after``; worker 0 waits before its step ``wait_before`` until the
+    relaunched worker 1 (``joiner``) asks for its join round's quorum."""
+    import os
+
+    import megatron_edit as me
+    from megatron_edit.algorithm.overlap_plan import Measurement
+
+    import checkpoint_runs as cr
+    from edit_runs import MICRO_BATCH
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+    from test_torchft_async import _announce_join, _worker_world
+
+    _worker_world()
+    if joiner:
+        _announce_join(os.path.join(ctl, "joiner-in-quorum"))
+    local = dict(AUTO, sync_backend="torchft", replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0)
+    ddp, opt, c = cr._setup(local, instances=1)
+    numbers = MEASURED[2 * worker]
+    c.auto.measure = lambda: Measurement(*numbers)
+    joined = dict(step=c.steps_done, healed=c.sync_group.healed, delay=c.config.outer_step_delay,
+                  stage=c.auto.rounds.stage, decisions=[d[1].outer_step_delay for d in c.auto.decisions])
+    me.set_train_iters(opt, 24)
+    now = [0.0]
+    c.clock = lambda: now[0]
+    batches = make_batches(128, 2 * MICRO_BATCH, seed=0)
+    reports = []
+    while not c.finished:
+        step = c.steps_done + 1
+        if step == wait_before and worker == 0:
+            ft_jobs.wait_file(os.path.join(ctl, "joiner-in-quorum"), timeout=240.0)
+        now[0] += 1.0
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker, 2))
+        if step == kill_after and worker == 1 and not joiner:
+            os.kill(os.getpid(), 9)
+        reports += [(r.step, r.delay, r.workers, r.committed, r.final) for r in c.drain_reports()]
+    out = cr._state(ddp, opt, c)
+    out.update(reports=reports, joined=joined, delay=c.config.outer_step_delay,
+               decisions=[(s, d.outer_step_delay) for s, d, _ in c.auto.decisions])
+    c.backend.close()
+    me.unpatch_megatron_for_local_sgd()
+    return out
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.parametrize("kill_after, wait_before", [(21, 23), (14, 15)], ids=["exchange-in-flight", "after-decision"])
+def test_a_worker_killed_and_relaunched_takes_the_settings_in_force_and_all_end_with_one_model(
+        tmp_path, kill_after, wait_before):
+    """2 workers of one rank, syncs after steps 4, 9, 13, 17 and 21 (then every 4 or 5 steps). The
+    delay of 2 is decided at the sync after step 13 (kept: its round committed) and in force after
+    the next round (after step 17): the sync after step 21 is the first delayed one, its exchange
+    launched there and applied after step 23. Worker 1 is SIGKILLed after its step 21, right after
+    that launch (``exchange-in-flight``: the survivor's round of it fails, the peer's connection
+    closed, and it keeps its local progress for its next sync), or after step 14, with the
+    decision waiting (``after-decision``). A fresh job joins worker 0's next sync: it heals from
+    worker 0 (nothing in flight there: an A-EDiT sync applies the last exchange first), takes the
+    delay in force (or the decision waiting, in force after that round as worker 0's) and the
+    rule's state; from then on both launch every sync with a delay of 2, and they end at the
+    final (blocking) sync with one model (parameters and anchors bit-identical)."""
+    import os
+    import time
+
+    ctl = str(tmp_path)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2, heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (
+            server, start):
+        addr = server.address()
+        first = [start(_relaunch_auto_job, 1, w, addr, ctl, False, kill_after, wait_before, timeout=2 * TIMEOUT - 60)
+                 for w in range(2)]
+        while first[1].procs[0].exitcode is None:
+            time.sleep(0.1)
+        joiner = start(_relaunch_auto_job, 1, 1, addr, ctl, True, kill_after, wait_before, timeout=2 * TIMEOUT - 60)
+        (survivor,), (rejoined,) = ft_jobs.all_results([first[0], joiner])
+    assert first[1].procs[0].exitcode == -9 and os.path.exists(os.path.join(ctl, "joiner-in-quorum"))
+    before = [r for r in survivor["reports"] if r[0] <= kill_after]
+    assert [r[1] for r in before] == [0, 0, 0, 0, 2][:len(before)] and all(r[3] and r[2] == 2 for r in before)
+    # the survivor's first sync after the kill: the round the joiner joins, committed by both
+    rest = [r for r in survivor["reports"] if r[0] > kill_after]
+    if kill_after == 21:  # the exchange in flight at the kill: its round fails on the survivor, which keeps
+        assert rest[0][1:4] == (2, 2, False)  # its local progress for the next sync
+        rest = rest[1:]
+    joined_at = rest[0][0]
+    assert rest[0][2:4] == (2, True) and rejoined["joined"]["healed"] and rejoined["joined"]["step"] == joined_at
+    if kill_after == 21:  # the delay in force travelled in the heal
+        assert rejoined["joined"]["delay"] == 2 and rejoined["joined"]["decisions"] == [2]
+    else:  # the decision waiting travelled in the heal and is in force after the join's round, as worker 0's
+        assert rejoined["joined"]["delay"] == 0 and rejoined["joined"]["stage"] == "due"
+        assert rest[0][1] == 0
+    assert survivor["decisions"] == rejoined["decisions"] and [d[1] for d in survivor["decisions"]] == [2]
+    assert survivor["delay"] == rejoined["delay"] == 2
+    later = [r for r in survivor["reports"] if r[0] > joined_at]
+    assert later and all(r[1:4] == (2, 2, True) for r in later[:-1]) and later[-1][1] == 0 and later[-1][4]
+    assert len(rejoined["reports"]) == len(later) and all(r[1:4] == (2, 2, True) for r in rejoined["reports"][:-1])
+    assert rejoined["reports"][-1][4]
+    assert all(torch.equal(x, y) for x, y in zip(survivor["anchors"], rejoined["anchors"]))
+    assert all(torch.equal(survivor["params"][k], rejoined["params"][k]) for k in survivor["params"])
