@@ -98,9 +98,6 @@ class OverlapSettings:
         why = None
         if self.use_async and self.auto_fragments is not None:  # (fragments are not built for A-EDiT)
             why = f"{FLAG_NAMES['use_async']} and {FLAG_NAMES['auto_fragments']} (A-EDiT has no fragments)"
-        elif self.sync_backend != "torch" and not self.use_async:
-            why = (f"{FLAG_NAMES['sync_backend']} {self.sync_backend} without {FLAG_NAMES['use_async']} "
-                   "(over torchft only A-EDiT's syncs carry the agreement, yet)")
         if why is not None:
             raise NotSupportedYet(f"{_name('auto_overlap')} with {why} is not supported yet; drop one of them.")
         if self.start_format not in self.allowed_formats:

@@ -50,7 +50,7 @@ from ..algorithm import overlap_plan
 from ..algorithm.overlap_plan import Choice, Measurement
 from ..config import LocalSGDConfig
 from .auto_overlap import AutoOverlap
-from .auto_overlap_ft import RoundRule
+from .auto_overlap_ft import RoundAutoOverlap, RoundRule
 
 
 class AsyncAutoOverlap(AutoOverlap):
@@ -121,5 +121,8 @@ class AsyncAutoOverlap(AutoOverlap):
 
 
 def auto_overlap_for(controller, user_config: LocalSGDConfig) -> AutoOverlap:
-    """``auto_overlap``'s object for ``controller``: on A-EDiT's schedule or on EDiT's grid."""
-    return (AsyncAutoOverlap if user_config.use_async else AutoOverlap)(controller, user_config)
+    """``auto_overlap``'s object for ``controller``: on A-EDiT's schedule, or on EDiT's grid (over
+    torchft: agreed on the rounds, :class:`~megatron_edit.mcore.auto_overlap_ft.RoundAutoOverlap`)."""
+    if user_config.use_async:
+        return AsyncAutoOverlap(controller, user_config)
+    return (RoundAutoOverlap if user_config.sync_backend == "torchft" else AutoOverlap)(controller, user_config)

@@ -25,7 +25,15 @@ workers of a sync are its quorum, and they change between syncs.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..algorithm import overlap_plan
+from ..algorithm.overlap_plan import Choice, Measurement
+from ..config import LocalSGDConfig
+from .auto_overlap import AutoOverlap
 
 
 class RoundRule:
@@ -93,3 +101,84 @@ def load_heal_state(auto, state: dict) -> None:
         auto.rounds.stage = state["stage"]
     auto._report, auto._step_times, auto._last_end, auto._agreement = None, [], None, None
     auto._local_exchange = None
+
+
+class RoundAutoOverlap(AutoOverlap):
+    """:class:`~megatron_edit.mcore.auto_overlap.AutoOverlap` on EDiT's grid over torchft: the
+    measurements of a sync ride on the next round's first collective (the all-gather of who is in
+    it: :meth:`~megatron_edit.exchange.fault_tolerant.FaultTolerantSyncGroup.begin`), a decision
+    follows :class:`RoundRule` (kept where that round commits, in force after the round after
+    it). On the torch backend (a test's comparison) the same agreement is one all-reduce at the
+    sync's start, where every worker is."""
+
+    rides_on_rounds = True
+
+    def __init__(self, controller, user_config: LocalSGDConfig):
+        super().__init__(controller, user_config)
+        self.pending: Optional[Choice] = None
+        self.rounds = RoundRule(True)
+
+    def step_ended(self) -> None:
+        self._time_step()  # (the agreement is at the next round's start: message / agreed)
+
+    def message(self) -> torch.Tensor:
+        """This rank's numbers for the next round's first collective: its measurement of the last
+        committed sync, zeros where there is none (the first sync; a worker that joins or heals)."""
+        mine = Measurement(0.0, {f: 0.0 for f in self.formats}, 0.0) if self._report is None else self.measure()
+        return torch.tensor(mine.pack(self.formats), dtype=torch.float64)
+
+    def agreed(self, numbers: torch.Tensor) -> None:
+        """The MAX of every rank's :meth:`message` of this round (every rank of every worker in it
+        the same): count it, or decide."""
+        report, self._report, self._step_times = self._report, None, []
+        if report is None or self.rounds.waiting:
+            return
+        self._judge(report.step, bool(report.delay), overlap_plan.agreed(numbers.tolist(), self.formats))
+
+    def agree_on_torch(self) -> None:
+        """The torch backend's agreement at a sync's start (every worker there): one all-reduce."""
+        numbers = self.message()
+        dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=self.controller.schedule_group)
+        self.agreed(numbers)
+
+    def _take(self, choice: Choice) -> None:
+        self.pending = choice
+        self.rounds.decided()
+
+    def sync_done(self, report) -> None:
+        super().sync_done(report)
+        if self.pending is not None and not self.rounds.round_ended(report.committed):
+            self.pending = None
+
+    def after_sync(self) -> None:
+        """Before each optimizer step: a decision whose time has come, with nothing in flight."""
+        c = self.controller
+        if self.pending is None or not self.rounds.due or c.sync.in_progress or (
+                c.delayed is not None and c.delayed.in_flight):
+            return
+        choice, self.pending = self.pending, None
+        self.rounds.reset()
+        AutoOverlap._take(self, choice)
+
+    def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
+        self.pending = None
+        self.rounds.reset()
+        return super().resume(delay, dtype, fragments)
+
+
+def round_rider(members) -> Optional[Callable[[], torch.Tensor]]:
+    """What the process's controllers (``members``: their torchft backends) send on a round's
+    first collective: their :meth:`RoundAutoOverlap.message`, one after the other; None when
+    none of them rides."""
+    riders = [m.controller.auto for m in members if getattr(m.controller.auto, "rides_on_rounds", False)]
+    return (lambda: torch.cat([a.message() for a in riders])) if riders else None
+
+
+def dispatch(members, numbers: Optional[torch.Tensor]) -> None:
+    """The agreed :func:`round_rider` numbers to each riding controller, in order."""
+    if numbers is None:
+        return
+    for auto in [m.controller.auto for m in members if getattr(m.controller.auto, "rides_on_rounds", False)]:
+        n = 3 + len(auto.formats)  # (Measurement.pack)
+        auto.agreed(numbers[:n])
+        numbers = numbers[n:]

@@ -515,15 +515,14 @@ def test_delayed_outer_step_checks():
     LocalSGDConfig(use_async=True, outer_step_delay=4, local_sgd_sync_interval=2, outer_merge_alpha=0.0)
 
 
-def test_a_delay_and_auto_overlap_with_a_edit_over_torchft_are_accepted(monkeypatch):
-    """A-EDiT's delayed outer step and its automatic overlap over torchft (issue 60); the
-    automatic overlap on EDiT's grid over torchft is still refused, in one line."""
+def test_a_delay_with_a_edit_and_auto_overlap_over_torchft_are_accepted(monkeypatch):
+    """A-EDiT's delayed outer step and the automatic overlap (on EDiT's grid and with A-EDiT)
+    over torchft (issue 60): accepted."""
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # torchft "installed"
     ft = dict(sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510", local_sgd_sync_interval=4)
     assert LocalSGDConfig(use_async=True, outer_step_delay=1, **ft).outer_step_delay == 1
     assert LocalSGDConfig(use_async=True, auto_overlap=True, auto_formats="fp32,int8", **ft).auto_overlap
-    with pytest.raises(NotSupportedYet, match=r"--local-sgd-sync-backend torchft without --local-sgd-async"):
-        LocalSGDConfig(auto_overlap=True, **ft)
+    assert LocalSGDConfig(auto_overlap=True, auto_fragments="1,2", **ft).allowed_fragments == (1, 2)
 
 
 def test_fragments_checks():

@@ -205,3 +205,41 @@ def test_a_worker_killed_and_relaunched_takes_the_settings_in_force_and_all_end_
     assert rejoined["reports"][-1][4]
     assert all(torch.equal(x, y) for x, y in zip(survivor["anchors"], rejoined["anchors"]))
     assert all(torch.equal(survivor["params"][k], rejoined["params"][k]) for k in survivor["params"])
+
+
+def _ft_grid_worker(rank, world_size, worker, lighthouse, spec):
+    """One worker's job of :func:`edit_runs.megatron_runs` over torchft, with the measurements the
+    one-world run injects on its ranks (global rank: worker x ranks + rank)."""
+    from test_torchft_megatron import _ft_worker_n
+
+    spec = dict(spec, measurements={r: spec["measurements"][worker * world_size + r] for r in range(world_size)})
+    return _ft_worker_n(rank, world_size, worker, lighthouse, spec, 2)
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_auto_overlap_on_edit_s_grid_over_torchft_equals_the_torch_backend_with_the_same_measurements():
+    """EDiT (H = 4, layer-wise, fp32, 24 steps) with --local-sgd-auto-overlap, started without a
+    delay: the syncs after 4 and 8 are timed (blocking); the round of the sync after 12 carries
+    the second's measurements on its first all-gather and every rank decides a delay of 2, kept
+    where that round commits and in force after the next round (16): the sync after 20 is launched
+    after step 18, the last (24) is blocking. The torch backend agreeing at each sync's start by
+    the same rule (``auto_rounds``) takes the same decisions and syncs, parameters and losses
+    equal to 1e-6; one model at the end."""
+    from edit_runs import megatron_runs
+
+    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True)
+    spec = default_spec(steps=24, last_step=24, local_sgd=local, outer=OUTER, measurements=MEASURED, auto_rounds=True)
+    reference = [r["runs"][0] for r in run_ranks(megatron_runs, 4, [spec], timeout=TIMEOUT)]
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_grid_worker, 2, w, server.address(), spec, timeout=TIMEOUT) for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    for g, (ref, run) in enumerate(zip(reference, ft)):
+        syncs = [(r.step, r.delay) for r in run["reports"]]
+        assert syncs == [(r.step, r.delay) for r in ref["reports"]] == [(4, 0), (8, 0), (12, 0), (16, 0), (20, 2),
+                                                                        (24, 0)], (g, syncs)
+        assert run["decisions"] == ref["decisions"] and [d[1:] for d in run["decisions"]] == [(2, "fp32")]
+        assert all(r.committed and r.workers == 2 for r in run["reports"])
+        assert max_difference(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
+        assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6, f"rank {g}"
+    for run in ft[1:]:
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
