@@ -214,12 +214,12 @@ class TorchftRound:
         there, the same progress against the same anchor), up to :data:`LAST_SYNC_TRIES` times
         within :func:`last_sync_seconds` (A-EDiT plans it again among the workers still there: where a
         lost worker's steps leave budget, that sync is not the last, and the workers left train it).
-        Still not committed (or a delayed one, which is not tried again): one error line, and the worker ends with its own model,
-        which the supervisor's end check turns into a failed run."""
+        Still not committed (or delayed on EDiT's grid, not tried again; A-EDiT's last is blocking): one error
+        line, and the worker ends with its own model, which the supervisor's end check turns into a failed run."""
         if not self.last_sync_lost or self.started:
             return
         c = self.members[0].controller
-        retry = all(m.controller.delayed is None for m in self.members)
+        retry = all(m.controller.delayed is None or m.controller.config.use_async for m in self.members)
         deadline = time.monotonic() + last_sync_seconds(c.config.sync_timeout)
         tries = 0
         while retry and self.last_sync_lost and tries < LAST_SYNC_TRIES and time.monotonic() < deadline:

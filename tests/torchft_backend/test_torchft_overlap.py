@@ -243,3 +243,30 @@ def test_auto_overlap_on_edit_s_grid_over_torchft_equals_the_torch_backend_with_
         assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6, f"rank {g}"
     for run in ft[1:]:
         assert max_difference(ft[0]["params"], run["params"]) == 0.0
+
+
+def _ft_grid_worker_measured(rank, world_size, worker, lighthouse, spec):
+    from test_torchft_megatron import _ft_worker_n
+
+    return _ft_worker_n(rank, world_size, worker, lighthouse, spec, 2)
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_auto_overlap_over_torchft_with_real_measurements_ends_with_one_model():
+    """EDiT's grid over torchft with this machine's own clocks (nothing injected), fp32 or int8,
+    re-deciding every sync (--local-sgd-auto-every 1): whatever the rule decides, every rank of
+    both workers takes the same decisions after the same steps, every sync commits with both,
+    and the run ends with one model (the last sync blocking)."""
+    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True, auto_formats="fp32,int8",
+                 auto_every=1)
+    spec = default_spec(steps=20, last_step=20, local_sgd=local, outer=OUTER)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_grid_worker_measured, 2, w, server.address(), spec, timeout=TIMEOUT) for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    assert len(ft[0]["decisions"]) >= 1  # the third round decides from the second sync's measurement
+    for run in ft:
+        assert run["decisions"] == ft[0]["decisions"]
+        assert [(r.step, r.delay, r.exchange_dtype) for r in run["reports"]] == \
+            [(r.step, r.delay, r.exchange_dtype) for r in ft[0]["reports"]]
+        assert all(r.committed and r.workers == 2 for r in run["reports"]) and run["reports"][-1].delay == 0
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
