@@ -71,6 +71,9 @@ folded into it, and an fp32 exchange sends a residual it finds once
 than the dense int4 exchange with the run's workers is refused before the first step
 (:meth:`AutoOverlap.check_workers`).
 
+Over the torchft backend (workers that change between syncs) the agreement rides on each round
+and a decision is in force one sync later: :mod:`.auto_overlap_ft`.
+
 Checkpoints record the settings in force (the run record's config); a resume continues with
 them (:meth:`AutoOverlap.resume`) and measures again: a run saved before its first decision
 starts measuring from scratch, a later one re-decides within ``auto_every`` syncs, or at the
