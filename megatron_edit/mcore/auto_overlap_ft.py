@@ -25,7 +25,7 @@ workers of a sync are its quorum, and they change between syncs.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -166,16 +166,17 @@ class RoundAutoOverlap(AutoOverlap):
         return super().resume(delay, dtype, fragments)
 
 
-def round_rider(members) -> Optional[Callable[[], torch.Tensor]]:
-    """What the process's controllers (``members``: their torchft backends) send on a round's
-    first collective: their :meth:`RoundAutoOverlap.message`, one after the other; None when
-    none of them rides."""
+def ride(members) -> tuple:
+    """The rider of a round's first collective (the arguments after ``contributed`` of
+    :meth:`~megatron_edit.exchange.fault_tolerant.FaultTolerantSyncGroup.begin`): what the
+    process's controllers (``members``: their torchft backends) send there, their
+    :meth:`RoundAutoOverlap.message` one after the other; none when none of them rides."""
     riders = [m.controller.auto for m in members if getattr(m.controller.auto, "rides_on_rounds", False)]
-    return (lambda: torch.cat([a.message() for a in riders])) if riders else None
+    return (lambda: torch.cat([a.message() for a in riders]),) if riders else ()
 
 
 def dispatch(members, numbers: Optional[torch.Tensor]) -> None:
-    """The agreed :func:`round_rider` numbers to each riding controller, in order."""
+    """The agreed numbers of :func:`ride` to each riding controller, in order."""
     if numbers is None:
         return
     for auto in [m.controller.auto for m in members if getattr(m.controller.auto, "rides_on_rounds", False)]:

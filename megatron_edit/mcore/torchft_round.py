@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..exchange.fault_tolerant import FaultTolerantSyncGroup
 from ..exchange.run_gate import START_GATE_ENV, RunEnd, record_end, supervised_workers
-from .auto_overlap_ft import dispatch, round_rider
+from .auto_overlap_ft import dispatch, ride
 from .process_state import PROCESS
 from .worker_layout import is_expert_optimizer
 
@@ -135,7 +135,7 @@ class TorchftRound:
         if not self.started:
             self.step, self.healed_sync_step, self._heal = step, None, None
             start = time.monotonic()
-            self.group.begin(contributed, rider=round_rider(self.members))  # (auto_overlap's measurements)
+            self.group.begin(contributed, *ride(self.members))  # (auto_overlap's measurements, where they ride)
             dispatch(self.members, getattr(self.group, "ridden", None))  # (after a heal: its state's)
             if self.run_end is not None:  # a worker that the others passed the run's last sync without stops here
                 where = "its join" if self.joining else f"its sync after step {step}"

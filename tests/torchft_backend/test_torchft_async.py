@@ -41,9 +41,9 @@ def _announce_join(marker: str) -> None:
 
     begin = FaultTolerantSyncGroup.begin
 
-    def announced(self, contributed):
+    def announced(self, contributed, *args, **kwargs):
         open(marker, "w").close()
-        return begin(self, contributed)
+        return begin(self, contributed, *args, **kwargs)
 
     FaultTolerantSyncGroup.begin = announced
 
