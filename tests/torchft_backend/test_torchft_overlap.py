@@ -270,3 +270,50 @@ def test_auto_overlap_over_torchft_with_real_measurements_ends_with_one_model():
             [(r.step, r.delay, r.exchange_dtype) for r in ft[0]["reports"]]
         assert all(r.committed and r.workers == 2 for r in run["reports"]) and run["reports"][-1].delay == 0
         assert max_difference(ft[0]["params"], run["params"]) == 0.0
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_edit_s_delay_with_fragments_over_torchft_equals_the_torch_backend():
+    """EDiT's delayed outer step with streaming fragments over torchft (each fragment's sync one
+    round from its launch to its apply): 2 fragments, H = 4, tau 1, 8 steps; the same syncs,
+    fragments, delays, parameters and losses as the torch backend."""
+    from test_torchft_megatron import _both_backends, _check_equal
+
+    reference, ft = _both_backends(dict(local_sgd_sync_interval=4, fragments=2, outer_step_delay=1,
+                                        sync_mode="layerwise"), steps=8, last_step=8)
+    _check_equal(reference, ft, [2, 4, 6, 8])
+    assert [(r.fragment, r.delay) for r in ft[0]["reports"]] == [(r.fragment, r.delay) for r in reference[0]["reports"]]
+    assert [r.delay for r in ft[0]["reports"]] == [1, 1, 1, 0]
+
+
+# H = 6, fp32, 1 or 2 fragments: agreed, a step of 0.10 s and an exchange of 0.30 s take 2 fragments
+# with a delay of 2 (tests/mcore/test_auto_overlap.py's MEASURED_F).
+MEASURED_F = {0: (0.10, {"fp32": 0.30}, 0.0), 1: (0.12, {"fp32": 0.28}, 0.0), 2: (0.11, {"fp32": 0.25}, 0.0),
+              3: (0.13, {"fp32": 0.10}, 0.0)}
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_fragments_chosen_over_torchft_equal_the_torch_backend_with_the_same_measurements():
+    """--local-sgd-auto-fragments 1,2 on EDiT's grid over torchft (H = 6, 36 steps): the syncs
+    after 6 and 12 are timed, the round of the sync after 18 decides 2 fragments with a delay of
+    2, in force after the next round (24): each fragment's sync is then its own round, the layers
+    cut anew on every worker alike. Equal to the torch backend with the same rule: the same
+    syncs, fragments, delays, parameters and losses (1e-6); one model at the end."""
+    from edit_runs import megatron_runs
+
+    local = dict(local_sgd_sync_interval=6, sync_mode="layerwise", auto_overlap=True, auto_fragments="1,2")
+    spec = default_spec(steps=36, last_step=36, local_sgd=local, outer=OUTER, measurements=MEASURED_F,
+                        auto_rounds=True)
+    reference = [r["runs"][0] for r in run_ranks(megatron_runs, 4, [spec], timeout=TIMEOUT)]
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_grid_worker, 2, w, server.address(), spec, timeout=TIMEOUT) for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    for g, (ref, run) in enumerate(zip(reference, ft)):
+        syncs = [(r.step, r.delay, r.fragment) for r in run["reports"]]
+        assert syncs == [(r.step, r.delay, r.fragment) for r in ref["reports"]], (g, syncs)
+        assert syncs[:4] == [(6, 0, None), (12, 0, None), (18, 0, None), (24, 0, None)] and syncs[-1] == (36, 0, None)
+        assert {f for _, d, f in syncs[4:-1]} == {0, 1} and all(d == 2 for _, d, _ in syncs[4:-1]), syncs
+        assert max_difference(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
+        assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6, f"rank {g}"
+    for run in ft[1:]:
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
