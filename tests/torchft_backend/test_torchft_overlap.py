@@ -317,3 +317,44 @@ def test_fragments_chosen_over_torchft_equal_the_torch_backend_with_the_same_mea
         assert max(abs(x - y) for x, y in zip(ref["losses"], run["losses"])) <= 1e-6, f"rank {g}"
     for run in ft[1:]:
         assert max_difference(ft[0]["params"], run["params"]) == 0.0
+
+
+def _ft_grid_worker_one_rank_fails(rank, world_size, worker, lighthouse, spec, fail_at):
+    """:func:`_ft_grid_worker`, where rank 1 of worker 1 reports an error in the round of its
+    ``fail_at``-th commit (the join round's is the first): that round fails on that rank, so
+    on the whole worker (a worker is one unit), while worker 0 commits it."""
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    if worker == 1 and rank == 1:
+        commit, calls = FaultTolerantSyncGroup.commit, [0]
+
+        def failing(self):
+            calls[0] += 1
+            if calls[0] == fail_at:
+                self.manager.report_error(RuntimeError("injected: this rank's round failed"))
+            return commit(self)
+
+        FaultTolerantSyncGroup.commit = failing
+    return _ft_grid_worker(rank, world_size, worker, lighthouse, spec)
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_a_decision_whose_round_fails_on_one_rank_of_a_worker_is_taken_from_the_heal():
+    """The partial event: EDiT's grid, 2 workers x 2 ranks, the delay of 2 decided in the round of
+    the sync after step 12 (as above). That round fails on rank 1 of worker 1 only: worker 1
+    commits nothing (a worker is one unit: its ranks agree on the vote) and drops the decision,
+    worker 0 commits it and keeps it. At the next sync (16) worker 1 is behind: it heals from
+    worker 0 and receives the decision, not yet in force; both put it in force after that round,
+    launch the sync after 20 with it, and end with one model."""
+    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True)
+    spec = default_spec(steps=24, last_step=24, local_sgd=local, outer=OUTER, measurements=MEASURED)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_grid_worker_one_rank_fails, 2, w, server.address(), spec, 4, timeout=TIMEOUT)
+                for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    for g, run in enumerate(ft):
+        syncs = [(r.step, r.delay, r.committed) for r in run["reports"]]
+        assert syncs == [(4, 0, True), (8, 0, True), (12, 0, g < 2), (16, 0, True), (20, 2, True), (24, 0, True)], \
+            (g, syncs)
+        assert [d[1:] for d in run["decisions"]] == [(2, "fp32")]
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
