@@ -400,7 +400,16 @@ def fragment_params(ddp, c, spec):
 
 def _inject_measurements(controllers, spec, rank):
     """auto_overlap: ``spec["measurements"]`` = {rank: (step s, {format: s}, exposed s)}, or a
-    list of them, one per sync measured, in order (the last one from then on)."""
+    list of them, one per sync measured, in order (the last one from then on).
+    ``spec["auto_rounds"]``: the torchft backend's rule of when a decision is in force
+    (:class:`~megatron_edit.mcore.auto_overlap_ft.RoundRule`) on the torch backend too."""
+    for c in controllers if spec.get("auto_rounds") else ():
+        if c.config.use_async:
+            c.auto.rounds.confirm = True
+        elif not getattr(c.auto, "rides_on_rounds", False):  # EDiT's grid: agreed at each sync's start
+            from megatron_edit.mcore.auto_overlap_ft import RoundAutoOverlap
+
+            c.auto = RoundAutoOverlap(c, c.auto.user)
     if not controllers or not spec.get("measurements"):
         return
     from megatron_edit.algorithm.overlap_plan import Measurement

@@ -298,7 +298,8 @@ class LocalSGDConfig(ExchangeSettings, PenaltySettings, BackendSettings, Overlap
         "--local-sgd-auto-overlap", False,
         help="Choose the delay (with --local-sgd-auto-formats also the exchange format, with "
              "--local-sgd-auto-fragments the fragments) from the "
-             "measured step and exchange times while the job runs (EDiT or A-EDiT; torch backend).")
+             "measured step and exchange times while the job runs (EDiT or A-EDiT; over torchft a decision is "
+             "in force one sync later).")
     """Settings from the measured link (:mod:`megatron_edit.mcore.auto_overlap`): the first syncs,
     and one sync every ``auto_every``, are timed with the settings in force (without a delay they
     block; a delayed one waits for its exchange right after its launch, its numbers unchanged);

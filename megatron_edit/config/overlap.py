@@ -107,10 +107,11 @@ class OverlapSettings:
                 raise ConfigError(f"{_name(given[0])}: only used by {FLAG_NAMES['auto_overlap']}; add it "
                                   "or drop the flag.")
             return
-        if self.sync_backend != "torch":
-            raise NotSupportedYet(
-                f"{_name('auto_overlap')} with {FLAG_NAMES['sync_backend']} {self.sync_backend} (the torch backend "
-                "only, yet) is not supported yet; drop one of them.")
+        if self.use_async and self.auto_fragments is not None and self.sync_backend != "torch":
+            raise NotSupportedYet(  # (as --local-sgd-fragments with A-EDiT over torchft: _check_delay)
+                f"{_name('auto_overlap')} with {FLAG_NAMES['auto_fragments']}, {FLAG_NAMES['use_async']} (A-EDiT) and "
+                f"{FLAG_NAMES['sync_backend']} {self.sync_backend} is not supported yet (A-EDiT's fragments run on "
+                "the torch backend only); drop one of them.")
         if self.start_format not in self.allowed_formats:
             flags = f"{FLAG_NAMES['exchange_dtype']} {self.exchange_dtype}" + (
                 "" if self.exchange_topk_density is None
@@ -173,11 +174,6 @@ class OverlapSettings:
             raise ConfigError(
                 f"{_name('outer_merge_alpha')}: the merge only follows a delayed outer step; add "
                 f"{FLAG_NAMES['outer_step_delay']} (a number of steps >= 1) or drop the flag.")
-        if tau and self.use_async and self.sync_backend != "torch":
-            raise NotSupportedYet(
-                f"{_name('outer_step_delay')}: a delayed outer step with {FLAG_NAMES['use_async']} (A-EDiT) over "
-                f"{FLAG_NAMES['sync_backend']} {self.sync_backend} is not supported yet (the torch backend "
-                "only); drop one of the three.")
         # A-EDiT plans its intervals (H is its first, before any exchange is in flight), each but the
         # last at least tau + 1 steps: nothing to refuse here.
         if tau >= delay_limit(self.local_sgd_sync_interval) and not self.use_async:

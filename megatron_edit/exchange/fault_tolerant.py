@@ -41,6 +41,9 @@ all-reduces inside the worker make every event of a round happen to all its rank
 torchft is an optional dependency (``pip install torchft==0.2.0``): its Manager is started
 in :mod:`.torchft_manager`. Its quantized all-reduce (``should_quantize``) is CUDA
 only; megatron_edit's own quantized exchange (all-to-all + all-gather) runs over this group.
+
+This module is long because a round is one protocol (the quorum, a worker's ranks acting as one
+in its heal and vote, the first all-gather and what rides on it, the commit) read in one place.
 """
 
 from __future__ import annotations
@@ -148,10 +151,12 @@ class FaultTolerantSyncGroup:
         self.manager.register_state_dict_fn(key, lambda state: self._received.append((load, state)), save)
 
     # ------------------------------------------------------------------ the round
-    def begin(self, contributed: bool) -> None:
+    def begin(self, contributed: bool, rider: Optional[Callable[[], torch.Tensor]] = None) -> None:
         """Start a sync: the quorum (healing this worker from a peer if it is behind), then who
         is in it and which of them trained since the last sync (``contributed``: this worker
-        did; a worker that has just healed did not)."""
+        did; a worker that has just healed did not). ``rider``: numbers that ride on that
+        all-gather (asked for after the heal); their MAX over every rank of every worker of the
+        round is :attr:`ridden` (zeros where the round has failed)."""
         self.healed = self.caught_up = False
         before = (self.size, self.rank)
         counted = self.manager.state_dict()
@@ -165,7 +170,12 @@ class FaultTolerantSyncGroup:
         self.layout_changed = (self.size, self.rank) != before
         mine = torch.tensor([1.0 if contributed and not self.healed else 0.0, float(self.replica_id)],
                             dtype=torch.float64)
+        if rider is not None:  # (auto_overlap on EDiT's grid: the last sync's measurements)
+            mine = torch.cat([mine, rider()])
         everyone = self.all_gather(mine)  # zeros if the round has failed: nobody trained, no commit
+        self.ridden = None if rider is None else everyone[:, 2:].amax(dim=0)
+        if self.ridden is not None and self.worker_group is not None:
+            dist.all_reduce(self.ridden, op=dist.ReduceOp.MAX, group=self.worker_group)
         self.trained = everyone[:, 0] > 0.5
         self.replica_ids = [int(r) for r in everyone[:, 1].tolist()]
         self.contributors = int(self.trained.sum())

@@ -27,6 +27,13 @@ launched before it, as synchronous EDiT does (:mod:`.delayed`). Here:
   real sync's launch (launch to launch: a worker's planned interval), for the skip and for the
   step weights (:meth:`LocalSGD._on_sync_done` keeps the launch step).
 
+Over the torchft backend a sync is one round from the sync (the quorum, the plan, the launch) to
+its apply (the commit, then the merge). A worker that joins or heals does so at a sync, where
+every worker has applied its last exchange: it heals from a peer with nothing in flight. A peer
+that dies with an exchange in flight leaves the others' round of it with all it needs (every
+collective was issued at the sync) or failed (they keep their local progress for the next
+sync). The final sync, blocking, is tried again where it does not commit, as without a delay.
+
 The sync's report has the apply step as its step (launched after ``step - delay``), as for EDiT.
 A checkpoint while an exchange is in flight is refused (not built for A-EDiT yet).
 """
@@ -50,7 +57,10 @@ class AsyncDelayedOuterStep(DelayedOuterStep):
         self._held_said = False
 
     def end_step(self, steps_done: int) -> None:
-        """Nothing: the launch and the apply are both at the step-end point."""
+        """The launch and the apply are both at the step-end point. Over torchft: where the final
+        (blocking) sync did not commit, the backend tries it again (``settle_last_sync``: planned
+        again among the workers still there)."""
+        self.controller.backend.settle_last_sync()
 
     def after_inner_update(self, step: int) -> None:
         """Inner update of ``step`` done, mains not yet copied into the model: apply the exchange

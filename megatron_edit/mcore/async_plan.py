@@ -241,7 +241,9 @@ class AsyncPlan:
                 remaining_seconds = c.async_time_budget - float(schedule.elapsed.max())
             interval, self.final_planned = asynchronous.plan(
                 schedule.steps, rates, c.async_sync_time, budget, remaining_seconds, done_steps=done,
-                min_steps=asynchronous.min_interval(c.outer_step_delay))  # (a delayed outer step: tau + 1)
+                # (a delayed outer step: tau + 1; over torchft a fresh run's join, every worker at
+                # step 0, launches nothing: its first interval is H, as plan_first's)
+                min_steps=asynchronous.min_interval(c.outer_step_delay if int(schedule.steps.max()) else 0))
             self.held = []  # (a delay only: the workers its tau + 1 steps held back)
             if c.outer_step_delay and not self.final_planned:
                 by_speed = asynchronous.plan_next_interval(rates, c.async_sync_time)

@@ -71,6 +71,9 @@ folded into it, and an fp32 exchange sends a residual it finds once
 than the dense int4 exchange with the run's workers is refused before the first step
 (:meth:`AutoOverlap.check_workers`).
 
+Over the torchft backend (workers that change between syncs) the agreement rides on each round
+and a decision is in force one sync later: :mod:`.auto_overlap_ft`.
+
 Checkpoints record the settings in force (the run record's config); a resume continues with
 them (:meth:`AutoOverlap.resume`) and measures again: a run saved before its first decision
 starts measuring from scratch, a later one re-decides within ``auto_every`` syncs, or at the
@@ -160,6 +163,8 @@ class AutoOverlap:
         choose whose all-gather sends more bytes than the dense int4 exchange with ``workers``
         workers (as a run that starts in it is refused:
         :func:`~megatron_edit.exchange.sparse.check_sparse_workers`)."""
+        if self.user.sync_backend == "torchft":  # a job is one worker; the others come to each sync's quorum
+            return
         if workers == 1:
             raise RuntimeError("megatron_edit: --local-sgd-auto-overlap with one EDiT worker: nothing is "
                                "exchanged, so there is nothing to hide; drop the flag.")
@@ -244,9 +249,11 @@ class AutoOverlap:
             if report.fragment is not None:  # one fragment's exchange: the whole model's is that per element
                 part = sum(s.numel for s in c.sync_shards.fragments[report.fragment])
                 measured *= numel / max(part, 1)
+            # torchft: the workers of the sync (its quorum), each job being one
+            workers = max(c.sync.num_workers, 2) if self.user.sync_backend == "torchft" else c.num_workers
             self._local_exchange = overlap_plan.scale_to_formats(  # from the format in force (c.config's)
                 measured, c.config.start_format, numel, self.formats, self.user.exchange_block_size,
-                c.num_workers, self.user.exchange_topk_chunk)
+                workers, self.user.exchange_topk_chunk)
         exchange = self._local_exchange or {f: 0.0 for f in self.formats}
         return Measurement(step_s, exchange, exposed, fresh=measured is not None)
 

@@ -59,6 +59,7 @@ from ..algorithm import overlap_plan
 from ..algorithm.overlap_plan import Choice, Measurement
 from ..config import LocalSGDConfig
 from .auto_overlap import AutoOverlap
+from .auto_overlap_ft import RoundAutoOverlap, RoundRule
 
 
 class AsyncAutoOverlap(AutoOverlap):
@@ -68,6 +69,9 @@ class AsyncAutoOverlap(AutoOverlap):
         super().__init__(controller, user_config)
         self.pending: Optional[Choice] = None
         """A decision taken at a sync, put in force once nothing is in flight (:meth:`after_sync`)."""
+        self.rounds = RoundRule(user_config.sync_backend == "torchft")
+        """Over torchft: a decision is kept only where its round commits and is in force after the
+        next round (:class:`~megatron_edit.mcore.auto_overlap_ft.RoundRule`)."""
 
     def step_ended(self) -> None:
         """Time the inner step (the agreement is at the next sync, :meth:`message`)."""
@@ -89,6 +93,8 @@ class AsyncAutoOverlap(AutoOverlap):
         report, self._report, self._step_times = self._report, None, []
         if report is None or point.final or self.controller.async_plan.final_planned:
             return  # nothing measured, or the next (final) sync is never delayed
+        if self.pending is not None and self.rounds.waiting:
+            return  # (torchft) the decision of the last sync is in force after this one: none now
         assert self.pending is None, "auto overlap: a decision not yet in force at the next sync"
         self._judge(report.step, bool(report.delay), overlap_plan.agreed(numbers.tolist(), self.formats))
 
@@ -103,21 +109,34 @@ class AsyncAutoOverlap(AutoOverlap):
 
     def _take(self, choice: Choice) -> None:
         self.pending = choice
+        self.rounds.decided()
+
+    def sync_done(self, report) -> None:
+        super().sync_done(report)
+        if self.pending is not None and not self.rounds.round_ended(report.committed):
+            self.pending = None  # (torchft) its round did not commit here: this worker heals at the next
 
     def after_sync(self) -> None:
         """Before each optimizer step: a decision taken at the last sync is put in force once its
-        exchange is applied (before the next sync on every worker)."""
+        exchange is applied (before the next sync on every worker; over torchft once the next
+        round has ended too)."""
         c = self.controller
         if self.pending is None or c.sync.in_progress or (c.delayed is not None and c.delayed.in_flight):
+            return
+        if not self.rounds.due:
             return
         choice, self.pending = self.pending, None
         super()._take(choice)
 
     def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
         self.pending = None
+        self.rounds.reset()
         return super().resume(delay, dtype, fragments)
 
 
 def auto_overlap_for(controller, user_config: LocalSGDConfig) -> AutoOverlap:
-    """``auto_overlap``'s object for ``controller``: on A-EDiT's schedule or on EDiT's grid."""
-    return (AsyncAutoOverlap if user_config.use_async else AutoOverlap)(controller, user_config)
+    """``auto_overlap``'s object for ``controller``: on A-EDiT's schedule, or on EDiT's grid (over
+    torchft: agreed on the rounds, :class:`~megatron_edit.mcore.auto_overlap_ft.RoundAutoOverlap`)."""
+    if user_config.use_async:
+        return AsyncAutoOverlap(controller, user_config)
+    return (RoundAutoOverlap if user_config.sync_backend == "torchft" else AutoOverlap)(controller, user_config)

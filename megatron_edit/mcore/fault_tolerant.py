@@ -49,6 +49,7 @@ from ..exchange.torchft_manager import LighthouseUnreachable
 from ..exchange.job_processes import watch_launcher
 from ..exchange.run_gate import START_GATE_ENV, claim_replica_id, start_gate, supervised_workers
 from ..exchange.sparse import check_sparse_workers
+from .auto_overlap_ft import heal_state, load_heal_state
 from .process_state import PROCESS
 from .torchft_round import TorchftRound, expected_controllers, join_plan
 
@@ -227,12 +228,14 @@ class TorchftBackend:
             plan=c.async_plan.dynamic_state() if c.config.use_async else None,
             budget_steps=c.async_plan.budget_steps if c.config.use_async else None,
             global_progress=c.global_progress,
+            auto=None if c.auto is None else heal_state(c.auto),  # the settings in force (auto_overlap_ft)
         )
 
     def load(self, state: dict) -> None:
         """Become the peer's replica (in :meth:`begin`, on the main thread): its anchors, which
-        the parameters restart from, its outer optimizer's state, its step counters and the
-        penalty's statistics of every worker (so every worker takes the same decisions). A
+        the parameters restart from, its outer optimizer's state, its step counters, the
+        penalty's statistics of every worker (so every worker takes the same decisions) and, with
+        ``auto_overlap``, the settings in force (:mod:`.auto_overlap_ft`). A
         worker that was behind (an older checkpoint, a failed commit) is then at the peer's
         point of the sync: the controller goes on with the peer's sync step
         (:attr:`TorchftRound.healed_sync_step`), its fragment and its apply."""
@@ -242,6 +245,8 @@ class TorchftBackend:
             raise RuntimeError(
                 "megatron_edit: the peer this worker heals from holds other shards (its model or its "
                 "parallel layout differs): every worker of a torchft run needs the same model and layout.")
+        if c.auto is not None and state.get("auto") is not None:  # first: a change of format folds residuals
+            load_heal_state(c.auto, state["auto"])
         c.heal_anchor(anchors, state["outer"])
         self._set_ledger(state["ewma"])
         self.load_counters(state)

@@ -24,8 +24,8 @@ them missed one (a straggler past the Lighthouse's join timeout, a slow start af
 * The run's last sync is retried until it commits (:meth:`TorchftRound.settle_last_sync`), a
   new quorum each time among the workers still there, for a bounded time. Under the supervisor,
   a worker past it says so at once, and one that the others passed it without stops (:class:`RunEnd`).
-
-One controller is a round of one: the same calls, nothing deferred.
+* ``auto_overlap`` on EDiT's grid: the measurements ride on the round's first all-gather
+  (:mod:`.auto_overlap_ft`). One controller is a round of one: the same calls, nothing deferred.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ..exchange.fault_tolerant import FaultTolerantSyncGroup
 from ..exchange.run_gate import START_GATE_ENV, RunEnd, record_end, supervised_workers
+from .auto_overlap_ft import dispatch, ride
 from .process_state import PROCESS
 from .worker_layout import is_expert_optimizer
 
@@ -108,8 +109,7 @@ class TorchftRound:
         """Under the supervisor: this worker's word on the run's last sync (:class:`RunEnd`)."""
         group.register_state(STATE_KEY, self._load, self._save)
         group.start_digest = self._start_digest
-        # (taken now: the job may have destroyed its process group by its end)
-        self._rank_and_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self._rank_and_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)  # (now)
         atexit.register(self.record_end)
 
     def record_end(self) -> None:
@@ -135,7 +135,8 @@ class TorchftRound:
         if not self.started:
             self.step, self.healed_sync_step, self._heal = step, None, None
             start = time.monotonic()
-            self.group.begin(contributed)
+            self.group.begin(contributed, *ride(self.members))  # (auto_overlap's measurements, where they ride)
+            dispatch(self.members, getattr(self.group, "ridden", None))  # (after a heal: its state's)
             if self.run_end is not None:  # a worker that the others passed the run's last sync without stops here
                 where = "its join" if self.joining else f"its sync after step {step}"
                 self.run_end.stop_if_left_behind(self.group, where)
@@ -213,12 +214,12 @@ class TorchftRound:
         there, the same progress against the same anchor), up to :data:`LAST_SYNC_TRIES` times
         within :func:`last_sync_seconds` (A-EDiT plans it again among the workers still there: where a
         lost worker's steps leave budget, that sync is not the last, and the workers left train it).
-        Still not committed (or a delayed one, which is not tried again): one error line, and the worker ends with its own model,
-        which the supervisor's end check turns into a failed run."""
+        Still not committed (or delayed on EDiT's grid, not tried again; A-EDiT's last is blocking): one error
+        line, and the worker ends with its own model, which the supervisor's end check turns into a failed run."""
         if not self.last_sync_lost or self.started:
             return
         c = self.members[0].controller
-        retry = all(m.controller.delayed is None for m in self.members)
+        retry = all(m.controller.delayed is None or m.controller.config.use_async for m in self.members)
         deadline = time.monotonic() + last_sync_seconds(c.config.sync_timeout)
         tries = 0
         while retry and self.last_sync_lost and tries < LAST_SYNC_TRIES and time.monotonic() < deadline:

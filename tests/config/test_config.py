@@ -515,11 +515,19 @@ def test_delayed_outer_step_checks():
     LocalSGDConfig(use_async=True, outer_step_delay=4, local_sgd_sync_interval=2, outer_merge_alpha=0.0)
 
 
-def test_a_delay_with_a_edit_over_torchft_is_refused(monkeypatch):
+def test_a_delay_with_a_edit_and_auto_overlap_over_torchft_are_accepted(monkeypatch):
+    """A-EDiT's delayed outer step and the automatic overlap (on EDiT's grid and with A-EDiT)
+    over torchft (issue 60): accepted."""
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())  # torchft "installed"
-    with pytest.raises(NotSupportedYet, match=r"\(--local-sgd-outer-step-delay\): .*--local-sgd-async.*torchft"):
-        LocalSGDConfig(use_async=True, outer_step_delay=1, local_sgd_sync_interval=4, sync_backend="torchft",
-                       replica_id=0, lighthouse="http://127.0.0.1:29510")
+    ft = dict(sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510", local_sgd_sync_interval=4)
+    assert LocalSGDConfig(use_async=True, outer_step_delay=1, **ft).outer_step_delay == 1
+    assert LocalSGDConfig(use_async=True, auto_overlap=True, auto_formats="fp32,int8", **ft).auto_overlap
+    assert LocalSGDConfig(auto_overlap=True, auto_fragments="1,2", **ft).allowed_fragments == (1, 2)
+    # A-EDiT's fragments run on the torch backend only (yet): chosen or given, refused over torchft
+    for given in (dict(auto_overlap=True, auto_fragments="1,2"), dict(fragments=2)):
+        flag = "auto_overlap" if "auto_fragments" in given else "fragments"
+        message = _raises(LocalSGDConfig, NotSupportedYet, flag, use_async=True, **given, **ft)
+        assert "A-EDiT" in message and "torchft" in message and "not supported yet" in message, message
 
 
 def test_fragments_checks():
@@ -671,10 +679,14 @@ def test_auto_overlap_with_a_edit_chooses_the_delay_and_format():
     cfg = LocalSGDConfig(**dict(AUTO, use_async=True, auto_fragments="1,2"))
     assert cfg.allowed_fragments == (1, 2)
     assert LocalSGDConfig(**dict(AUTO, use_async=True, fragments=2)).allowed_fragments == (2,)
-    # the torch backend only, as before
-    message = _raises(LocalSGDConfig, NotSupportedYet, "auto_overlap", **dict(
-        AUTO, use_async=True, sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510"))
-    assert "--local-sgd-sync-backend torchft (the torch backend only, yet) is not supported yet" in message
+    # over torchft too (issue 60), the chosen fragments apart (A-EDiT's fragments: the torch backend only, yet)
+    monkey = __import__("importlib").util
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(monkey, "find_spec", lambda name, *a: object())  # torchft "installed"
+        ft = dict(AUTO, use_async=True, sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510")
+        assert LocalSGDConfig(**ft).auto_overlap
+        message = _raises(LocalSGDConfig, NotSupportedYet, "auto_overlap", **ft, auto_fragments="1,2")
+    assert "A-EDiT's fragments run on the torch backend only" in message
 
 
 def test_auto_overlap_with_error_feedback_and_top_k_formats():

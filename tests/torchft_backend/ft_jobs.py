@@ -198,11 +198,11 @@ def first_round_together(directory: str, name: str, expected: int) -> None:
 
     begin, first = FaultTolerantSyncGroup.begin, [True]
 
-    def together(self, contributed):
+    def together(self, contributed, *args, **kwargs):
         if first[0]:
             first[0] = False
             gate(directory, name, expected, timeout=300.0)
-        return begin(self, contributed)
+        return begin(self, contributed, *args, **kwargs)
 
     FaultTolerantSyncGroup.begin = together
 

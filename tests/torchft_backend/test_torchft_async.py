@@ -41,9 +41,9 @@ def _announce_join(marker: str) -> None:
 
     begin = FaultTolerantSyncGroup.begin
 
-    def announced(self, contributed):
+    def announced(self, contributed, *args, **kwargs):
         open(marker, "w").close()
-        return begin(self, contributed)
+        return begin(self, contributed, *args, **kwargs)
 
     FaultTolerantSyncGroup.begin = announced
 
@@ -377,10 +377,10 @@ def test_a_relaunched_a_edit_worker_of_two_ranks_takes_its_counters_from_one_pee
             assert all(torch.equal(x, y) for x, y in zip(runs[0][r]["anchors"], runs[w][r]["anchors"]))
 
 
-def _final_victim_job(rank, world_size, worker, lighthouse, ctl):
+def _final_victim_job(rank, world_size, worker, lighthouse, ctl, delay=0):
     """Worker ``worker``'s job (1 rank): A-EDiT over torchft, step-end, fake clock (1 s a step for
     both), a budget of 10 iterations (20 worker-steps). Worker 1 stops inside its exchange of the
-    final sync (the test SIGKILLs it there)."""
+    final sync (the test SIGKILLs it there). ``delay``: A-EDiT's delayed outer step (tau)."""
     import megatron_edit as me
     from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
 
@@ -392,7 +392,7 @@ def _final_victim_job(rank, world_size, worker, lighthouse, ctl):
     ft_jobs.first_round_together(os.path.join(ctl, "join"), f"w{worker}", 2)  # both Managers up first
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
-                 sync_timeout=120.0)
+                 sync_timeout=120.0, outer_step_delay=delay)
     ddp, opt, c = cr._setup(local, instances=1)
     me.set_train_iters(opt, 10)
     if worker == 1:
@@ -423,23 +423,26 @@ def _final_victim_job(rank, world_size, worker, lighthouse, ctl):
 
 
 @pytest.mark.timeout(2 * TIMEOUT)
-def test_a_edits_final_sync_whose_peer_dies_inside_it_is_planned_again_and_the_budget_used(tmp_path):
+@pytest.mark.parametrize("delay", [0, 1], ids=["blocking", "delayed"])
+def test_a_edits_final_sync_whose_peer_dies_inside_it_is_planned_again_and_the_budget_used(tmp_path, delay):
     """2 workers of one rank, 1 s a step each, a budget of 10 iterations (20 worker-steps): after
     the sync at step 2 they plan the final interval. Worker 1 is SIGKILLed inside that final sync's
     exchange: worker 0's final sync does not commit, and it tries it again at once, alone. Planned
     again, it is not the last: worker 1's steps since step 2 are lost, so the worker-steps in the
     anchor are short of the budget; worker 0 trains the rest alone and its final sync then applies
-    exactly 20 worker-steps; it ends at its anchor."""
+    exactly 20 worker-steps; it ends at its anchor. ``delayed``: with A-EDiT's delayed outer step
+    (tau 1: the sync at step 2 applied after step 3), whose final sync is blocking and tried
+    again the same way (issue 60)."""
     ctl = str(tmp_path)
     with ft_jobs.jobs_and_lighthouse(heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (server, start):
         addr = server.address()
-        survivor = start(_final_victim_job, 1, 0, addr, ctl, timeout=2 * TIMEOUT - 60)
-        victim = start(_final_victim_job, 1, 1, addr, ctl, timeout=2 * TIMEOUT - 60)
+        survivor = start(_final_victim_job, 1, 0, addr, ctl, delay, timeout=2 * TIMEOUT - 60)
+        victim = start(_final_victim_job, 1, 1, addr, ctl, delay, timeout=2 * TIMEOUT - 60)
         ft_jobs.wait_file(os.path.join(ctl, "victim-in-final"), timeout=2 * TIMEOUT - 60, jobs=[survivor, victim])
         victim.kill()
         (out,) = survivor.results()
     reports = out["reports"]
-    assert len(reports) >= 3 and reports[0] == (2, 2, True, False), reports
+    assert len(reports) >= 3 and reports[0] == (2 + delay, 2, True, False), reports
     final_step = reports[1][0]
     assert reports[1] == (final_step, 2, False, True)  # the final sync, not committed
     assert reports[2] == (final_step, 1, True, False)  # planned again alone: not the last

@@ -175,7 +175,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
     begin = FaultTolerantSyncGroup.begin
     first = [True]
 
-    def announced(self, contributed):
+    def announced(self, contributed, *args, **kwargs):
         if joiner:  # tell the test when this job's join round asks for its quorum
             open(os.path.join(ctl, f"joiner-in-quorum-{rank}"), "w").close()
         elif first[0]:  # the first jobs ask for their join round's quorum together, every
@@ -185,7 +185,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
             # half of the heartbeating workers in it.)
             first[0] = False
             ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}-r{rank}", WORKERS * world_size, timeout=300.0)
-        return begin(self, contributed)
+        return begin(self, contributed, *args, **kwargs)
 
     FaultTolerantSyncGroup.begin = announced
     if failed_heal and rank == 1:
@@ -753,13 +753,13 @@ def _older_checkpoint_worker(rank, world_size, worker, lighthouse, ctl, relaunch
     begins = [0]
     begin = FaultTolerantSyncGroup.begin
 
-    def announced(self, contributed):
+    def announced(self, contributed, *args, **kwargs):
         begins[0] += 1
         if relaunched:  # tell the test and worker 0 where this job asks for a quorum
             open(os.path.join(ctl, f"relaunched-begin-{begins[0]}"), "w").close()
         elif begins[0] == 1:  # the first jobs' join round: together (see _healing_worker)
             ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}", WORKERS, timeout=300.0)
-        return begin(self, contributed)
+        return begin(self, contributed, *args, **kwargs)
 
     FaultTolerantSyncGroup.begin = announced
     local = dict(local_sgd_sync_interval=4, fragments=2, sync_mode="step_end", sync_backend="torchft",

@@ -169,13 +169,13 @@ def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode,
     begin = FaultTolerantSyncGroup.begin
     first = [True]
 
-    def announced(self, contributed):
+    def announced(self, contributed, *args, **kwargs):
         if joiner:  # tell the test when this job's join round asks for its quorum
             open(os.path.join(ctl, f"joiner-in-quorum-{rank}"), "w").close()
         elif first[0]:  # the first jobs ask for their join round's quorum together
             first[0] = False
             ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}-r{rank}", WORKERS * world_size, timeout=300.0)
-        return begin(self, contributed)
+        return begin(self, contributed, *args, **kwargs)
 
     FaultTolerantSyncGroup.begin = announced
     ddp, optimizer = _build(default_spec(instances=1, model=MOE), 1, 1)  # the join round runs in here

@@ -63,11 +63,11 @@ def _patch_group(module) -> None:
     group.all_reduce_sum = all_reduce_sum
     begin = group.begin
 
-    def held_begin(self, contributed=True):
+    def held_begin(self, contributed=True, *args, **kwargs):
         open(os.path.join(CHAOS, f"begun-{self.replica_id}-{os.getpid()}"), "w").close()
         while os.path.exists(os.path.join(CHAOS, f"hold-{self.replica_id}")):
             time.sleep(0.1)
-        return begin(self, contributed)
+        return begin(self, contributed, *args, **kwargs)
 
     group.begin = held_begin
     start_manager = module.start_manager
