@@ -13,7 +13,8 @@ from test_main_job import _chaos_job, _kill_job_of, _wait_for, data_dir  # noqa:
 
 CROSS_SITE = ["--local-sgd-sync-backend", "torchft", "--local-sgd-async", "--local-sgd-sync-time", "1",
               "--local-sgd-min-total-global-steps", "1",
-              "--local-sgd-exchange-topk-density", "0.02", "--local-sgd-exchange-dtype", "int2"]
+              "--local-sgd-exchange-topk-density", "0.02", "--local-sgd-exchange-dtype", "int2",
+              "--local-sgd-auto-overlap", "--local-sgd-auto-formats", "int8,topk0.02-int2", "--local-sgd-auto-every", "2"]
 
 
 @pytest.mark.one_lane
@@ -25,7 +26,8 @@ def test_the_cross_site_run_survives_a_straggler_and_a_killed_worker(data_dir, t
     before its next quorum (scripts/bench/chaos_hooks: ``hold-0``) until the supervisor's
     relaunch of worker 1 is in its join round; the relaunch heals from worker 0 and both train to
     the end, where every rank of both workers holds the same model (the supervisor's check) and
-    the run exits 0."""
+    the run exits 0. The run starts in the top-k exchange with int2 values and the automatic
+    overlap chooses the delay and the format (int8 or that) from its measurements."""
     pytest.importorskip("torchft")
     flags = ["--data-dir", data_dir, "--steps", "100", "--eval-interval", "100", "--log-interval", "4",
              "--lr-warmup-steps", "2", "--local-sgd-sync-timeout", "60", *CROSS_SITE]
@@ -41,6 +43,9 @@ def test_the_cross_site_run_survives_a_straggler_and_a_killed_worker(data_dir, t
     out = log.read_text()
     assert proc.returncode == 0 and "all 2 with one model" in out, out[-4000:]
     assert out.count("relaunching it") == 1, out[-4000:]
+    # the settings chosen from the measured link, the same on both workers (one decision line each)
+    decided = re.findall(r"megatron_edit: auto overlap after step \d+: .* -> (--local-sgd-outer-step-delay \d+ .*): predicted", out)
+    assert decided, out[-4000:]
     assert re.search(r"worker 1 rank 1 joined a running job: healed from a live worker to step \d+", out), out[-4000:]
     # A-EDiT's straggler: after the first interval (H steps for both) worker 1, 60 ms slower per
     # step, takes fewer steps per interval, and the run's last sync (every worker) has both
