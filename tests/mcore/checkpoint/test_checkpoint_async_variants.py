@@ -74,3 +74,56 @@ def test_a_edit_with_fragments_resumes_at_a_sync_bit_for_bit(tmp_path):
         assert [(s[0], s[2]) for s in r["syncs"]] == FRAG_SYNCS[r["worker"]]
     assert [len(s["syncs"]) for s in saved] == [1] * WORLD
     _check_exact(whole, saved, resumed)
+
+
+# --- auto_overlap on A-EDiT (mcore/auto_overlap_async.py) --------------------------------------
+# tests/mcore/test_auto_overlap_async.py's run: worker 0 takes 1 s a step, worker 1 0.5 s; one
+# warmup step; a sync every 4 s, the first interval 4 steps; the measurements injected per rank
+# (every rank's step 0.10-0.13 s). Two timed syncs, then the third agrees on the second's
+# measurements and decides; the decision is in force from the step after that sync (nothing in
+# flight: no delay), so the fourth sync is the first with it. A decision with a delay leaves an
+# exchange in flight at every later sync but the final one (a save there is refused), so the
+# decisions here keep no delay: a fast link (exchange 0.01 s: 1.2 x 0.01 <= a third of a step)
+# takes tau = 0 and the first format / the fewest fragments allowed.
+AUTO = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=4, local_sgd_warmup_steps=1,
+            min_total_global_steps=1, sync_mode="layerwise", outer_merge_alpha=0.0, auto_overlap=True)
+FAST_LINK = {r: (0.10 + 0.01 * r, {"fp32": 0.01 - 0.001 * r, "int8": 0.005}, 0.0) for r in range(WORLD)}
+AUTO_CASES = {  # (flags, budget, each worker's syncs, formats, fragments, the steps decided after)
+    # started in int8 (--local-sgd-exchange-dtype int8 --local-sgd-auto-formats fp32,int8), decides
+    # fp32: syncs after 5 / 5, 9 / 13, 13 / 21 (decides), 17 / 29 (the first in fp32; saved), 21 / 37,
+    # the final one at 26 / 46 (a budget of 36 iterations)
+    "int8 to fp32": (dict(AUTO, exchange_dtype="int8", auto_formats="fp32,int8"), 36,
+                     {0: [5, 9, 13, 17, 21, 26], 1: [5, 13, 21, 29, 37, 46]}, ["int8"] * 3 + ["fp32"] * 3,
+                     [None] * 6, (9, 13)),
+    # started with 2 fragments (--local-sgd-fragments 2 --local-sgd-auto-fragments 1,2), a sync every
+    # 2 s: 3 / 3 (fragment 1), 5 / 7 (0), 7 / 11 (1, decides one fragment), 9 / 15 (the whole model,
+    # planned with F = 2; saved), then every 4 s: 13 / 23, 17 / 31, the final one at 21 / 39 (a budget
+    # of 30 iterations)
+    "2 fragments to 1": (dict(AUTO, fragments=2, auto_fragments="1,2"), 30,
+                         {0: [3, 5, 7, 9, 13, 17, 21], 1: [3, 7, 11, 15, 23, 31, 39]}, ["fp32"] * 7,
+                         [1, 0, 1] + [None] * 4, (5, 7)),
+}
+
+
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+def test_a_edit_auto_overlap_resumes_with_the_settings_in_force_bit_for_bit(tmp_path, case):
+    """Saved at the fourth sync, the first with the decision in force, and resumed with the
+    flags' start settings (int8, or 2 fragments): the resume continues with the checkpoint's
+    (fp32, or one fragment; no measuring: the decision stands), its syncs and final parameters
+    equal the uninterrupted run's bit for bit, and it ends with one model."""
+    local, iters, steps, dtypes, fragments, decided_after = AUTO_CASES[case]
+    whole, saved, resumed = _runs(tmp_path, local, [1.0, 0.5], iters, stop_after_syncs=4, measurements=FAST_LINK,
+                                  resume_measurements=FAST_LINK)
+    start = (0, local.get("exchange_dtype", "fp32"), local.get("fragments", 1))
+    for w, s, r in zip(whole, saved, resumed):
+        assert [x[0] for x in w["syncs"]] == steps[w["worker"]]
+        assert [x[4] for x in w["syncs"]] == dtypes and [x[2] for x in w["syncs"]] == fragments
+        assert [x[1] for x in w["syncs"]] == [0] * len(steps[0])  # no delay
+        # decided at the third sync, on the second's measurements (after the worker's step there)
+        assert w["decisions"] == s["decisions"] == [(decided_after[w["worker"]], 0, "fp32", 1)]
+        assert s["saved"]["settings"] == (0, "fp32", 1) != start
+        assert r["loaded"]["settings"] == (0, "fp32", 1) and r["loaded"]["timed"] is False
+        assert r["decisions"] == [] and r["settings"] == w["settings"] == (0, "fp32", 1)
+    _check_exact(whole, saved, resumed)
