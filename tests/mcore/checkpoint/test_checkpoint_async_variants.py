@@ -51,27 +51,44 @@ def _check_exact(whole, saved, resumed):
 
 
 # A-EDiT with F = 2 (tests/mcore/test_async_sync.py's schedule): worker 0 takes 1 s a step, worker
-# 1 0.25 s; a sync every 2 s (4 s / F), the first interval 2 steps; a budget of 20 iterations:
-# syncs after 3 / 3 (fragment 1), 5 / 11 (fragment 0), 7 / 19 (fragment 1), the final one at
-# 10 / 30 (every fragment). Saved at the first, 3 / 3: the round-robin's count and each
-# fragment's last sync (controller_state's ``async_fragments``) decide the rest (restarted from
-# nothing, the next sync would exchange fragment 1 again, weighed from 3 / 3).
+# 1 0.25 s; one warmup step; a sync every 2 s (4 s / F), the first interval 2 steps; a budget of
+# 20 iterations.
 FRAG = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=4, local_sgd_warmup_steps=1,
             fragments=2, min_total_global_steps=1, use_step_weight=True, step_weight_ratio=0.5,
             sync_mode="step_end")
-FRAG_SYNCS = {0: [(3, 1), (5, 0), (7, 1), (10, None)], 1: [(3, 1), (11, 0), (19, 1), (30, None)]}
+FRAG_CASES = {  # flags, each sync (worker 0's step, worker 1's, delay, fragment, skipped)
+    # Syncs after 3 / 3 (fragment 1), 5 / 11 (fragment 0), 7 / 19 (fragment 1), the final one at
+    # 10 / 30 (every fragment). Saved at the first, 3 / 3: the round-robin's count and each
+    # fragment's last sync (controller_state's ``async_fragments``) decide the rest (restarted
+    # from nothing, the next sync would exchange fragment 1 again, weighed from 3 / 3).
+    "no delay": (FRAG, [(3, 3, 0, 1, False), (5, 11, 0, 0, False), (7, 19, 0, 1, False),
+                        (10, 30, 0, None, False)]),
+    # tau = 1: every real sync but the final one has its exchange in flight at the sync, where a
+    # save is refused (async_delayed), so the save is at a skipped sync: the first, 3 / 3 (2 + 2
+    # worker-steps since the anchor, fewer than --local-sgd-min-total-global-steps 5; nothing
+    # launched). Then 5 / 11 (fragment 1, the first real sync; launched there, applied a step
+    # later), 7 / 19 (fragment 0), the final one at 10 / 30, not delayed.
+    "tau 1, saved at a skipped sync": (
+        dict(FRAG, sync_mode="layerwise", outer_step_delay=1, outer_merge_alpha=0.0, min_total_global_steps=5),
+        [(3, 3, 0, None, True), (6, 12, 1, 1, False), (8, 20, 1, 0, False), (10, 30, 0, None, False)]),
+}
 
 
 @pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
-def test_a_edit_with_fragments_resumes_at_a_sync_bit_for_bit(tmp_path):
-    """Saved at the first sync (fragment 1's, 3 / 3), fragment 0 trained locally since the anchor
-    (after the warmup step): the resumed run exchanges fragment 0 at 5 / 11 with step weights
-    counted from the anchor (4 / 10 steps), fragment 1 at 7 / 19, then every fragment at 10 / 30,
-    as the uninterrupted run."""
-    whole, saved, resumed = _runs(tmp_path, FRAG, [1.0, 0.25], 20, stop_after_syncs=1)
+@pytest.mark.parametrize("case", list(FRAG_CASES))
+def test_a_edit_with_fragments_resumes_at_a_sync_bit_for_bit(tmp_path, case):
+    """Saved at the first sync (3 / 3) and stopped there. Without a delay fragment 1 was synced
+    there and fragment 0 has trained locally since the anchor (after the warmup step): the
+    resumed run exchanges fragment 0 with step weights counted from the anchor (4 / 10 steps),
+    then fragment 1, then every fragment at 10 / 30; with tau = 1 the sync was skipped and the
+    resumed run starts the round-robin at fragment 1, weighed from the anchor. Either way it has
+    the uninterrupted run's syncs and, bit for bit, its parameters."""
+    local, syncs = FRAG_CASES[case]
+    whole, saved, resumed = _runs(tmp_path, local, [1.0, 0.25], 20, stop_after_syncs=1)
     for r in whole:
-        assert [(s[0], s[2]) for s in r["syncs"]] == FRAG_SYNCS[r["worker"]]
+        got = [(x[0], x[1], x[2], x[5]) for x in r["syncs"]]  # (step, delay, fragment, skipped)
+        assert got == [(s[r["worker"]], d, f, k) for *s, d, f, k in syncs], (r["worker"], got)
     assert [len(s["syncs"]) for s in saved] == [1] * WORLD
     _check_exact(whole, saved, resumed)
 
