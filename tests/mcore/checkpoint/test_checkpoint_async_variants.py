@@ -144,3 +144,61 @@ def test_a_edit_auto_overlap_resumes_with_the_settings_in_force_bit_for_bit(tmp_
         assert r["loaded"]["settings"] == (0, "fp32", 1) and r["loaded"]["timed"] is False
         assert r["decisions"] == [] and r["settings"] == w["settings"] == (0, "fp32", 1)
     _check_exact(whole, saved, resumed)
+
+
+# tests/mcore/test_auto_overlap_async.py's change of format: agreed, a step of 0.10 s, an fp32
+# exchange of 0.30 s (a delay of 4 > H/2 = 2), int8 0.08 s: int8 with a delay of 1, decided at
+# the third sync (13 / 21) and in force from the step after it.
+MEASURED_INT8 = {r: (0.10 + 0.01 * r, {"fp32": 0.30 - 0.05 * r, "int8": 0.08 - 0.01 * r}, 0.0) for r in range(WORLD)}
+
+
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
+@pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 60: a decision taken at the sync where the checkpoint is saved is lost: "
+    "AsyncAutoOverlap.pending (put in force at the next optimizer step) is in no checkpoint, the run "
+    "record carries the settings in force (fp32, no delay), so the resume measures from scratch and "
+    "never decides (fp32 to the end) where the uninterrupted run exchanges in int8 with tau 1"))
+def test_a_edit_auto_overlap_saved_at_the_sync_that_decides_keeps_the_decision(tmp_path):
+    """With a delay decided, every later sync but the final one has an exchange in flight (a save
+    there is refused), so the one point to save a run after its decision is the deciding sync
+    itself (not delayed; its exchange is done): saved there (13 / 21) and resumed, the run should
+    go on with int8 and tau 1 (syncs applied after 18 / 30 and 22 / 38, the final one at 26 / 46)
+    as the uninterrupted run, bit for bit."""
+    local = dict(AUTO, auto_formats="fp32,int8")
+    whole, saved, resumed = _runs(tmp_path, local, [1.0, 0.5], 36, stop_after_syncs=3, measurements=MEASURED_INT8,
+                                  resume_measurements=MEASURED_INT8)
+    for w, s, r in zip(whole, saved, resumed):
+        assert [(x[0], x[1], x[4]) for x in w["syncs"]][3:] == [
+            ((18, 30)[w["worker"]], 1, "int8"), ((22, 38)[w["worker"]], 1, "int8"), ((26, 46)[w["worker"]], 0, "int8")]
+        assert s["decisions"] == [((9, 13)[s["worker"]], 1, "int8", 1)]
+        assert r["loaded"]["settings"] == (1, "int8", 1), r["loaded"]  # fails: (0, 'fp32', 1), measuring
+    _check_exact(whole, saved, resumed)
+
+
+@pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
+@pytest.mark.timeout(600)
+def test_a_edit_auto_overlap_resumed_on_the_machine_s_clocks_measures_and_ends_with_one_model(tmp_path):
+    """Saved at the second sync (5 / 7, before any decision) of the run with 2 fragments and
+    resumed with nothing injected: the steps and exchanges are timed on this machine's clocks
+    from the load. (EDiT resumed one step before a sync crashed in its measurement with no step
+    timed since the load: ``StatisticsError``, tests/mcore/test_auto_overlap.py.) On A-EDiT the
+    first sync after the load carries no measurement (zeros, alike everywhere), the next ones
+    do: the run decides on every rank alike, reaches its budget and ends with one model."""
+    local = AUTO_CASES["2 fragments to 1"][0]
+    path = str(tmp_path / "ckpt")
+    run_ranks(async_resume_job, WORLD, local, [1.0, 0.5], 30, save=path, stop_after_syncs=2, measurements=FAST_LINK,
+              timeout=300)
+    resumed = run_ranks(async_resume_job, WORLD, local, [1.0, 0.5], 30, load=path, timeout=300)
+    for r in resumed:
+        assert r["loaded"]["steps_done"] == (5, 7)[r["worker"]] and r["loaded"]["timed"] is True
+        assert r["finished"] and not r["in_flight_at_end"] and r["syncs"][-1][3]  # the final sync
+        assert r["decisions"]  # the two syncs after the load's first measured, then decided (then maybe again)
+        # every rank took the same settings at each sync, and the same decision
+        same = resumed[2 * (r["worker"] == 0)]  # a rank of the other worker
+        assert [x[1:] for x in r["syncs"]] == [x[1:] for x in same["syncs"]]
+        assert [d[1:] for d in r["decisions"]] == [d[1:] for d in same["decisions"]]
+    assert sum(r["steps_done"] for r in resumed[::2]) == 30 * 2  # the budget, exactly
+    for shard in (0, 1):
+        x, y = resumed[shard]["params"], resumed[2 + shard]["params"]
+        assert all(torch.equal(x[k], y[k]) for k in x), "one model at the end"
