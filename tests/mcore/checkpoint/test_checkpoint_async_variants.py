@@ -146,33 +146,45 @@ def test_a_edit_auto_overlap_resumes_with_the_settings_in_force_bit_for_bit(tmp_
     _check_exact(whole, saved, resumed)
 
 
-# tests/mcore/test_auto_overlap_async.py's change of format: agreed, a step of 0.10 s, an fp32
-# exchange of 0.30 s (a delay of 4 > H/2 = 2), int8 0.08 s: int8 with a delay of 1, decided at
-# the third sync (13 / 21) and in force from the step after it.
-MEASURED_INT8 = {r: (0.10 + 0.01 * r, {"fp32": 0.30 - 0.05 * r, "int8": 0.08 - 0.01 * r}, 0.0) for r in range(WORLD)}
+# Decisions with a delay (tests/mcore/test_auto_overlap_async.py's runs), taken at the third sync:
+DECIDING_CASES = {  # (flags, speeds, budget, measurements, the settings decided, syncs after the save)
+    # a step of 0.10 s, an fp32 exchange of 0.30 s (a delay of 4 > H/2 = 2), int8 0.08 s: int8
+    # with a delay of 1 at the third sync (13 / 21); then syncs applied after 18 / 30 and 22 / 38
+    # (launched a step before), the final one at 26 / 46
+    "int8, tau 1": (dict(AUTO, auto_formats="fp32,int8"), [1.0, 0.5], 36,
+                    {r: (0.10 + 0.01 * r, {"fp32": 0.30 - 0.05 * r, "int8": 0.08 - 0.01 * r}, 0.0)
+                     for r in range(WORLD)},
+                    (1, "int8", 1), [((18, 30), 1, None), ((22, 38), 1, None), ((26, 46), 0, None)]),
+    # --local-sgd-auto-fragments 1,2, worker 1 at 0.75 s a step, a sync every 6 s: fp32 at 0.30 s
+    # over a step of 0.10 s needs 2 fragments with a delay of 2 (H = 6), decided at the third sync
+    # (17 / 21); then a sync every 3 s, one fragment each: 25 / 31 (fragment 1), 28 / 35
+    # (fragment 0), the final one at 29 / 37
+    "2 fragments, tau 2": (dict(AUTO, local_sgd_sync_time=6.0, auto_fragments="1,2"), [1.0, 0.75], 33,
+                           {r: (0.10 + 0.01 * r, {"fp32": 0.30 - 0.05 * r}, 0.0) for r in range(WORLD)},
+                           (2, "fp32", 2), [((25, 31), 2, 1), ((28, 35), 2, 0), ((29, 37), 0, None)]),
+}
 
 
 @pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 60: a decision taken at the sync where the checkpoint is saved is lost: "
-    "AsyncAutoOverlap.pending (put in force at the next optimizer step) is in no checkpoint, the run "
-    "record carries the settings in force (fp32, no delay), so the resume measures from scratch and "
-    "never decides (fp32 to the end) where the uninterrupted run exchanges in int8 with tau 1"))
-def test_a_edit_auto_overlap_saved_at_the_sync_that_decides_keeps_the_decision(tmp_path):
+@pytest.mark.parametrize("case", list(DECIDING_CASES))
+def test_a_edit_auto_overlap_saved_at_the_sync_that_decides_keeps_the_decision(tmp_path, case):
     """With a delay decided, every later sync but the final one has an exchange in flight (a save
     there is refused), so the one point to save a run after its decision is the deciding sync
-    itself (not delayed; its exchange is done): saved there (13 / 21) and resumed, the run should
-    go on with int8 and tau 1 (syncs applied after 18 / 30 and 22 / 38, the final one at 26 / 46)
-    as the uninterrupted run, bit for bit."""
-    local = dict(AUTO, auto_formats="fp32,int8")
-    whole, saved, resumed = _runs(tmp_path, local, [1.0, 0.5], 36, stop_after_syncs=3, measurements=MEASURED_INT8,
-                                  resume_measurements=MEASURED_INT8)
+    itself (not delayed; its exchange is done): saved there and resumed with the flags' start
+    settings, the run goes on with the decision, its syncs and final parameters the
+    uninterrupted run's bit for bit. Before the fix (issue 60) the decision, pending until the
+    next optimizer step, was in no checkpoint: the run record carried the settings the run
+    started with, the resume measured from scratch and never decided (to the end without a
+    delay, in fp32 / one fragment)."""
+    local, speeds, iters, measured, decided, after = DECIDING_CASES[case]
+    whole, saved, resumed = _runs(tmp_path, local, speeds, iters, stop_after_syncs=3, measurements=measured,
+                                  resume_measurements=measured)
     for w, s, r in zip(whole, saved, resumed):
-        assert [(x[0], x[1], x[4]) for x in w["syncs"]][3:] == [
-            ((18, 30)[w["worker"]], 1, "int8"), ((22, 38)[w["worker"]], 1, "int8"), ((26, 46)[w["worker"]], 0, "int8")]
-        assert s["decisions"] == [((9, 13)[s["worker"]], 1, "int8", 1)]
-        assert r["loaded"]["settings"] == (1, "int8", 1), r["loaded"]  # fails: (0, 'fp32', 1), measuring
+        assert [(x[0], x[1], x[2]) for x in w["syncs"]][3:] == [(steps[w["worker"]], d, f) for steps, d, f in after]
+        assert [d[1:] for d in s["decisions"]] == [decided]
+        assert s["saved"]["settings"] == decided  # put in force at the save (before_save)
+        assert r["loaded"]["settings"] == decided and r["loaded"]["timed"] is False, r["loaded"]
     _check_exact(whole, saved, resumed)
 
 
