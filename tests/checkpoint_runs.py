@@ -599,3 +599,66 @@ def fsdp_train_job(rank, world, local_sgd=EDIT, instances=2, steps=STEPS, load=N
     me.unpatch_megatron_for_local_sgd()
     me.unpatch_megatron_load_fixes()
     return out
+
+
+def async_resume_job(rank, world, local_sgd, seconds_per_step, train_iters, save=None, stop_after_syncs=None,
+                     load=None, measurements=None, bucket_size=1000):
+    """A-EDiT, 2 workers x 2 ranks, on a fake clock where worker w's step takes
+    ``seconds_per_step[w]`` s, with a budget of ``train_iters`` synchronous iterations, to the
+    final sync. The clock advances during a step, before the sync at its end reads it, so a run
+    resumed from a checkpoint (its interval clock restarts at the load) times each interval as
+    the uninterrupted run does. (Advanced after the step, as in edit_runs.async_runs, the sync
+    would read the clock before its own step's time: the resumed run's first interval would be
+    one step shorter.) ``save``: a path written at the ``stop_after_syncs``-th sync (skipped or
+    not), where the run stops; ``load``: a path to resume from. ``measurements``: as in
+    :func:`train_job` (None with ``auto_overlap``: the machine's own clocks time the steps and
+    exchanges). Returns this worker's syncs, parameters (gathered) and settings in force."""
+    import megatron_edit as me
+    from megatron.core import parallel_state as ps
+
+    from edit_runs import MICRO_BATCH, full_params
+    from gpt_utils import make_batches, rank_micro_batches, train_step
+
+    ps.initialize_model_parallel(num_distributed_optimizer_instances=2)
+    ddp, opt, ctl = _setup(local_sgd, 2, bucket_size=bucket_size)
+    me.set_train_iters(opt, train_iters)
+    if measurements is not None:
+        from megatron_edit.algorithm.overlap_plan import Measurement
+
+        ctl.auto.measure = lambda: Measurement(*measurements[rank])
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    worker = dp_rank // (dp // 2)
+    now = [0.0]
+    ctl.clock = lambda: now[0]
+
+    def settings():
+        c = ctl.config
+        return c.outer_step_delay, c.exchange_dtype, c.fragments
+
+    loaded = None
+    if load is not None:
+        _load(ddp, opt, load, DP_RESHARDABLE)
+        loaded = dict(steps_done=ctl.steps_done, settings=settings(), timed=ctl.auto.timed if ctl.auto else None)
+    batches = make_batches(4 * train_iters, WORLD * MICRO_BATCH)
+    syncs, reports, saved = 0, [], None
+    while not ctl.finished:
+        step = ctl.steps_done + 1
+        now[0] += seconds_per_step[worker]
+        train_step(ddp, opt, rank_micro_batches(batches[step - 1], dp_rank, dp))
+        reports += ctl.drain_reports()
+        if ctl.at_sync:
+            syncs += 1
+            if save is not None and syncs == stop_after_syncs:
+                _save(ddp, opt, save, DP_RESHARDABLE)
+                saved = dict(steps_done=ctl.steps_done, settings=settings())
+                break
+    in_flight = ctl.delayed is not None and ctl.delayed.in_flight
+    ddp.start_param_sync(force_sync=True)  # completes a pending layer-wise sync
+    reports += ctl.drain_reports()
+    out = dict(worker=worker, loaded=loaded, saved=saved, steps_done=ctl.steps_done, finished=ctl.finished,
+               in_flight_at_end=in_flight, params=full_params(ddp), settings=settings(),
+               syncs=[(r.step, r.delay, r.fragment, r.final, r.exchange_dtype, r.skipped_sync) for r in reports],
+               decisions=None if ctl.auto is None else [(s, ch.outer_step_delay, ch.exchange_dtype, ch.fragments)
+                                                        for s, ch, _ in ctl.auto.decisions])
+    me.unpatch_megatron_for_local_sgd()
+    return out

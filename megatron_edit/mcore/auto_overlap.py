@@ -173,6 +173,10 @@ class AutoOverlap:
             if sparse is not None:
                 check_sparse_workers(workers, sparse[0], self.user.exchange_topk_chunk, sparse[1])
 
+    def before_save(self) -> None:
+        """Before a checkpoint's state is read: nothing to do on EDiT's grid (A-EDiT's puts a
+        decision taken at the sync in force, :mod:`.auto_overlap_async`)."""
+
     def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
         """A checkpoint's settings in force: continue with them (an error message when this run
         cannot, or None). Before its first decision the run measures from scratch. ``dtype``:

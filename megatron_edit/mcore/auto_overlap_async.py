@@ -31,7 +31,8 @@ delay tau and the exchange format chosen while the job runs, for one
   with the new tau + 1 (the exchange launched at the sync itself keeps the settings it was
   launched with: its interval was planned for them). A measured sync's settings thus change
   two syncs later. Every worker applies its exchange before the next sync (every interval but
-  the last is at least tau + 1 steps), so every worker has the new settings there.
+  the last is at least tau + 1 steps), so every worker has the new settings there. A
+  checkpoint at the deciding sync puts the decision in force first (:meth:`AsyncAutoOverlap.before_save`).
 * **The final sync** is never delayed (as without ``auto_overlap``), and nothing is decided at
   a sync whose next sync is the final one (its interval may be shorter than tau + 1: a worker
   could still have an exchange in flight at it), nor at the final sync.
@@ -127,6 +128,15 @@ class AsyncAutoOverlap(AutoOverlap):
             return
         choice, self.pending = self.pending, None
         super()._take(choice)
+
+    def before_save(self) -> None:
+        """A checkpoint at the sync that decided (Megatron-LM saves after the step, at a sync):
+        the decision is put in force now, as it would be at the next optimizer step (nothing
+        between reads the settings), so the checkpoint's settings are the ones in force from
+        the next step and a resume continues with them. (Kept pending it would be in no
+        checkpoint: the resume measured from scratch.) With an exchange in flight it stays
+        pending (an A-EDiT save there is refused)."""
+        self.after_sync()
 
     def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
         self.pending = None

@@ -84,6 +84,8 @@ def _wrap_sharded_state_dict(controller_of, original):
         if controller.in_step:
             raise RuntimeError("megatron_edit: a checkpoint cannot be taken inside an optimizer step.")
         controller.flush()  # a due layer-wise sync completes now, with the same numbers
+        if not is_loading and controller.auto is not None:
+            controller.auto.before_save()  # A-EDiT: a decision taken at this sync, in force from now
         if controller.fsdp is not None:  # Megatron-FSDP: its own format (Megatron refuses others)
             state = original(*bound.args, **bound.kwargs)
             if is_loading:
