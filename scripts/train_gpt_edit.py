@@ -168,6 +168,8 @@ def train(args, use_local_sgd: bool, datasets) -> dict:
             run.validate(step, valid_ds)  # worker-local
         if run.save_due(step):
             run.save(step)
+    if run.finished() and run.valid is None:  # A-EDiT over torchft: a relaunch healed at the final sync
+        run.validate(run.controllers[0].steps_done, valid_ds)  # (it trained no step: its loop ended at once)
     return run.finish(t_start)
 
 

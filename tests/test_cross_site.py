@@ -51,3 +51,41 @@ def test_the_cross_site_run_survives_a_straggler_and_a_killed_worker(data_dir, t
     # step, takes fewer steps per interval, and the run's last sync (every worker) has both
     steps = re.findall(r"worker 0 sync \d+ after step \d+: .*steps per worker since the last: (\d+), (\d+)", out)
     assert len(steps) >= 3 and int(steps[-1][0]) > int(steps[-1][1]) > 0, out[-4000:]
+
+
+@pytest.mark.one_lane
+@pytest.mark.timeout(400)
+def test_a_relaunch_that_joins_the_final_sync_validates_the_one_model(data_dir, tmp_path):  # noqa: F811
+    """A-EDiT over torchft with no sync planned between the first and the last (a sync every
+    1000 s): worker 1's job is SIGKILLed after its first sync and its relaunch held before its
+    Manager starts (scripts/bench/chaos_hooks: ``hold-relaunch-1``); worker 0 (100 ms slower per
+    step: time to arm the next hold) syncs alone where the plan had put the final sync, plans the
+    rest of the budget alone, and is held before that sync's quorum until the relaunch is in its
+    join round. The relaunch joins the run's final sync, heals to the final model and has no
+    step left: it validates the model it holds and ends with code 0 (before: its loop ended
+    before any validation and its summary raised TypeError on the missing loss, exit code 1;
+    found by scripts/bench/bench_cross_site.py)."""
+    pytest.importorskip("torchft")
+    flags = ["--data-dir", data_dir, "--steps", "40", "--eval-interval", "40", "--log-interval", "8",
+             "--lr-warmup-steps", "2", "--local-sgd-sync-timeout", "60", "--local-sgd-sync-backend", "torchft",
+             "--local-sgd-async", "--local-sgd-sync-time", "1000", "--local-sgd-min-total-global-steps", "1"]
+    with _chaos_job(tmp_path, flags, ("hold-relaunch-1",)) as (chaos, log, proc, mark):
+        (chaos / "slow-0").write_text("100")
+        _wait_for(lambda: "worker 1 sync 1 after" in log.read_text(), 300, "worker 1's first sync")
+        assert _kill_job_of(1, mark) > 0
+        _wait_for(lambda: re.search(r"worker 0 sync 2 after step \d+: .*\(1 workers\)", log.read_text()), 300,
+                  "worker 0's sync alone")
+        (chaos / "hold-0").touch()  # before the re-planned final sync's quorum
+        first = set(chaos.glob("begun-1-*"))
+        (chaos / "hold-relaunch-1").unlink()
+        _wait_for(lambda: set(chaos.glob("begun-1-*")) - first, 300, "the relaunched job's join round")
+        (chaos / "hold-0").unlink()
+        proc.wait(timeout=300)
+    out = log.read_text()
+    assert proc.returncode == 0 and "all 2 with one model" in out and "Traceback" not in out, out[-4000:]
+    joined = re.search(r"worker 1 rank 0 joined a running job: healed from a live worker to step (\d+)", out)
+    final = re.search(r"worker 0 sync 3 after step (\d+): .*\(2 workers, 1 trained since the last\)", out)
+    assert joined and final and joined.group(1) == final.group(1), out[-4000:]  # it joined the final sync
+    losses = re.findall(r"validation after step \d+: worker (\d) ([\d.]+)", out)
+    ends = {w: v for w, v in losses}  # each worker's last validation: the one model
+    assert set(ends) == {"0", "1"} and ends["0"] == ends["1"], losses
