@@ -56,6 +56,13 @@ def _check_exact(whole, saved, resumed):
 FRAG = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=4, local_sgd_warmup_steps=1,
             fragments=2, min_total_global_steps=1, use_step_weight=True, step_weight_ratio=0.5,
             sync_mode="step_end")
+def _in_ci(cases, kept):
+    """The cases, ``kept`` in CI and the others marked slow (pytest -m slow): CI's time (the
+    fragments cases of the auto runs, 17-24 s each on CI's machine, repeat what the kept one
+    checks with another setting)."""
+    return [c if c == kept else pytest.param(c, marks=pytest.mark.slow) for c in cases]
+
+
 FRAG_CASES = {  # flags, each sync (worker 0's step, worker 1's, delay, fragment, skipped)
     # Syncs after 3 / 3 (fragment 1), 5 / 11 (fragment 0), 7 / 19 (fragment 1), the final one at
     # 10 / 30 (every fragment). Saved at the first, 3 / 3: the round-robin's count and each
@@ -124,7 +131,7 @@ AUTO_CASES = {  # (flags, budget, each worker's syncs, formats, fragments, the s
 
 @pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", list(AUTO_CASES))
+@pytest.mark.parametrize("case", _in_ci(AUTO_CASES, "int8 to fp32"))
 def test_a_edit_auto_overlap_resumes_with_the_settings_in_force_bit_for_bit(tmp_path, case):
     """Saved at the fourth sync, the first with the decision in force, and resumed with the
     flags' start settings (int8, or 2 fragments): the resume continues with the checkpoint's
@@ -167,7 +174,7 @@ DECIDING_CASES = {  # (flags, speeds, budget, measurements, the settings decided
 
 @pytest.mark.one_lane  # an algorithm's variant on checkpoints: the default lane (see conftest)
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", list(DECIDING_CASES))
+@pytest.mark.parametrize("case", _in_ci(DECIDING_CASES, "int8, tau 1"))
 def test_a_edit_auto_overlap_saved_at_the_sync_that_decides_keeps_the_decision(tmp_path, case):
     """With a delay decided, every later sync but the final one has an exchange in flight (a save
     there is refused), so the one point to save a run after its decision is the deciding sync
