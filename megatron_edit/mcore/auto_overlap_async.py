@@ -52,41 +52,22 @@ delay tau and the exchange format chosen while the job runs, for one
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
 from ..algorithm import overlap_plan
-from ..algorithm.overlap_plan import Choice, Measurement
 from ..config import LocalSGDConfig
 from .auto_overlap import AutoOverlap
-from .auto_overlap_ft import RoundAutoOverlap, RoundRule
+from .auto_overlap_ft import RoundAutoOverlap, RoundDecisions
 
 
-class AsyncAutoOverlap(AutoOverlap):
+class AsyncAutoOverlap(RoundDecisions):
     """:class:`AutoOverlap` on A-EDiT's schedule (see the module docstring)."""
 
     def __init__(self, controller, user_config: LocalSGDConfig):
-        super().__init__(controller, user_config)
-        self.pending: Optional[Choice] = None
-        """A decision taken at a sync, put in force once nothing is in flight (:meth:`after_sync`)."""
-        self.rounds = RoundRule(user_config.sync_backend == "torchft")
-        """Over torchft: a decision is kept only where its round commits and is in force after the
-        next round (:class:`~megatron_edit.mcore.auto_overlap_ft.RoundRule`)."""
-
-    def step_ended(self) -> None:
-        """Time the inner step (the agreement is at the next sync, :meth:`message`)."""
-        self._time_step()
-
-    def message(self) -> torch.Tensor:
-        """This rank's numbers for the schedule's all-reduce of MAX at a sync: its measurement
-        of the last real sync's exchange since the previous sync, zeros when there is none (a
-        skipped sync, the first one: alike on every rank)."""
-        if self._report is None:
-            mine = Measurement(0.0, {f: 0.0 for f in self.formats}, 0.0)
-        else:
-            mine = self.measure()
-        return torch.tensor(mine.pack(self.formats), dtype=torch.float64)
+        # Over torchft a decision is kept only where its round commits and is in force after the
+        # next round (RoundRule); on the torch backend at once, once nothing is in flight.
+        super().__init__(controller, user_config, confirm=user_config.sync_backend == "torchft")
 
     def agreed(self, numbers: torch.Tensor, point) -> None:
         """After the schedule's all-reduce at the sync ``point`` (its next interval planned):
@@ -108,27 +89,6 @@ class AsyncAutoOverlap(AutoOverlap):
         grid = math.lcm(*self.fragments)
         return max(grid, h - h % grid)
 
-    def _take(self, choice: Choice) -> None:
-        self.pending = choice
-        self.rounds.decided()
-
-    def sync_done(self, report) -> None:
-        super().sync_done(report)
-        if self.pending is not None and not self.rounds.round_ended(report.committed):
-            self.pending = None  # (torchft) its round did not commit here: this worker heals at the next
-
-    def after_sync(self) -> None:
-        """Before each optimizer step: a decision taken at the last sync is put in force once its
-        exchange is applied (before the next sync on every worker; over torchft once the next
-        round has ended too)."""
-        c = self.controller
-        if self.pending is None or c.sync.in_progress or (c.delayed is not None and c.delayed.in_flight):
-            return
-        if not self.rounds.due:
-            return
-        choice, self.pending = self.pending, None
-        super()._take(choice)
-
     def before_save(self) -> None:
         """A checkpoint at the sync that decided (Megatron-LM saves after the step, at a sync):
         the decision is put in force now, as it would be at the next optimizer step (nothing
@@ -137,11 +97,6 @@ class AsyncAutoOverlap(AutoOverlap):
         checkpoint: the resume measured from scratch.) With an exchange in flight it stays
         pending (an A-EDiT save there is refused)."""
         self.after_sync()
-
-    def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
-        self.pending = None
-        self.rounds.reset()
-        return super().resume(delay, dtype, fragments)
 
 
 def auto_overlap_for(controller, user_config: LocalSGDConfig) -> AutoOverlap:

@@ -81,6 +81,55 @@ class RoundRule:
         self.stage = None
 
 
+class RoundDecisions(AutoOverlap):
+    """A decision that waits in :attr:`pending` for :class:`RoundRule` and for nothing in
+    flight, then is put in force (:meth:`after_sync`); the measurements agreed at a sync's
+    collective (:meth:`message`). A-EDiT's (:class:`~megatron_edit.mcore.auto_overlap_async.AsyncAutoOverlap`,
+    ``confirm`` over torchft only) and EDiT's grid over torchft (:class:`RoundAutoOverlap`)."""
+
+    def __init__(self, controller, user_config: LocalSGDConfig, confirm: bool = True):
+        super().__init__(controller, user_config)
+        self.pending: Optional[Choice] = None
+        """A decision taken at a sync, not yet in force."""
+        self.rounds = RoundRule(confirm)
+        """When :attr:`pending` is in force (over torchft: kept where its round commits, after the next)."""
+
+    def step_ended(self) -> None:
+        self._time_step()  # (the agreement is at the next sync: message / agreed)
+
+    def message(self) -> torch.Tensor:
+        """This rank's numbers for the collective of MAX at a sync: its measurement of the last
+        real (committed) sync's exchange, zeros where there is none (the first sync, a skipped
+        one, a worker that joins or heals: alike on every rank)."""
+        mine = Measurement(0.0, {f: 0.0 for f in self.formats}, 0.0) if self._report is None else self.measure()
+        return torch.tensor(mine.pack(self.formats), dtype=torch.float64)
+
+    def _take(self, choice: Choice) -> None:
+        self.pending = choice
+        self.rounds.decided()
+
+    def sync_done(self, report) -> None:
+        super().sync_done(report)
+        if self.pending is not None and not self.rounds.round_ended(report.committed):
+            self.pending = None  # (torchft) its round did not commit here: this worker heals at the next
+
+    def after_sync(self) -> None:
+        """Before each optimizer step: a decision whose time has come, with nothing in flight
+        (its sync's exchange applied)."""
+        c = self.controller
+        if self.pending is None or not self.rounds.due or c.sync.in_progress or (
+                c.delayed is not None and c.delayed.in_flight):
+            return
+        choice, self.pending = self.pending, None
+        self.rounds.reset()
+        AutoOverlap._take(self, choice)
+
+    def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
+        self.pending = None
+        self.rounds.reset()
+        return super().resume(delay, dtype, fragments)
+
+
 def heal_state(auto) -> dict:
     """What a worker that heals from this one receives of ``auto`` (an
     :class:`~megatron_edit.mcore.auto_overlap.AutoOverlap`): the settings in force and the
@@ -109,7 +158,7 @@ def load_heal_state(auto, state: dict) -> None:
     auto._local_exchange = None
 
 
-class RoundAutoOverlap(AutoOverlap):
+class RoundAutoOverlap(RoundDecisions):
     """:class:`~megatron_edit.mcore.auto_overlap.AutoOverlap` on EDiT's grid over torchft: the
     measurements of a sync ride on the next round's first collective (the all-gather of who is in
     it: :meth:`~megatron_edit.exchange.fault_tolerant.FaultTolerantSyncGroup.begin`), a decision
@@ -118,20 +167,6 @@ class RoundAutoOverlap(AutoOverlap):
     sync's start, where every worker is."""
 
     rides_on_rounds = True
-
-    def __init__(self, controller, user_config: LocalSGDConfig):
-        super().__init__(controller, user_config)
-        self.pending: Optional[Choice] = None
-        self.rounds = RoundRule(True)
-
-    def step_ended(self) -> None:
-        self._time_step()  # (the agreement is at the next round's start: message / agreed)
-
-    def message(self) -> torch.Tensor:
-        """This rank's numbers for the next round's first collective: its measurement of the last
-        committed sync, zeros where there is none (the first sync; a worker that joins or heals)."""
-        mine = Measurement(0.0, {f: 0.0 for f in self.formats}, 0.0) if self._report is None else self.measure()
-        return torch.tensor(mine.pack(self.formats), dtype=torch.float64)
 
     def agreed(self, numbers: torch.Tensor) -> None:
         """The MAX of every rank's :meth:`message` of this round (every rank of every worker in it
@@ -146,30 +181,6 @@ class RoundAutoOverlap(AutoOverlap):
         numbers = self.message()
         dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=self.controller.schedule_group)
         self.agreed(numbers)
-
-    def _take(self, choice: Choice) -> None:
-        self.pending = choice
-        self.rounds.decided()
-
-    def sync_done(self, report) -> None:
-        super().sync_done(report)
-        if self.pending is not None and not self.rounds.round_ended(report.committed):
-            self.pending = None
-
-    def after_sync(self) -> None:
-        """Before each optimizer step: a decision whose time has come, with nothing in flight."""
-        c = self.controller
-        if self.pending is None or not self.rounds.due or c.sync.in_progress or (
-                c.delayed is not None and c.delayed.in_flight):
-            return
-        choice, self.pending = self.pending, None
-        self.rounds.reset()
-        AutoOverlap._take(self, choice)
-
-    def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
-        self.pending = None
-        self.rounds.reset()
-        return super().resume(delay, dtype, fragments)
 
 
 def ride(members) -> tuple:
