@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from test_main_job import _chaos_job, _kill_job_of, _wait_for, data_dir  # noqa: F401 (a fixture)
+from test_main_job import _chaos_job, _kill_job_of, _kill_while_held, _wait_for, data_dir  # noqa: F401 (a fixture)
 
 CROSS_SITE = ["--local-sgd-sync-backend", "torchft", "--local-sgd-async", "--local-sgd-sync-time", "1",
               "--local-sgd-min-total-global-steps", "1",
@@ -34,11 +34,7 @@ def test_the_cross_site_run_survives_a_straggler_and_a_killed_worker(data_dir, t
     with _chaos_job(tmp_path, flags) as (chaos, log, proc, mark):
         (chaos / "slow-1").write_text("60")
         _wait_for(lambda: "worker 1 sync 1 after" in log.read_text(), 300, "worker 1's first sync")
-        (chaos / "hold-0").touch()
-        first = set(chaos.glob("begun-1-*"))
-        assert _kill_job_of(1, mark) > 0
-        _wait_for(lambda: set(chaos.glob("begun-1-*")) - first, 300, "the relaunched job's join round")
-        (chaos / "hold-0").unlink()
+        _kill_while_held(chaos, mark)
         proc.wait(timeout=300)
     out = log.read_text()
     assert proc.returncode == 0 and "all 2 with one model" in out, out[-4000:]
@@ -48,9 +44,11 @@ def test_the_cross_site_run_survives_a_straggler_and_a_killed_worker(data_dir, t
     assert decided, out[-4000:]
     assert re.search(r"worker 1 rank 1 joined a running job: healed from a live worker to step \d+", out), out[-4000:]
     # A-EDiT's straggler: after the first interval (H steps for both) worker 1, 60 ms slower per
-    # step, takes fewer steps per interval, and the run's last sync (every worker) has both
+    # step, takes fewer steps (summed over the syncs after the first: one interval's counts, the
+    # final one's share of the budget above all, are too few to compare under load)
     steps = re.findall(r"worker 0 sync \d+ after step \d+: .*steps per worker since the last: (\d+), (\d+)", out)
-    assert len(steps) >= 3 and int(steps[-1][0]) > int(steps[-1][1]) > 0, out[-4000:]
+    assert len(steps) >= 3, out[-4000:]
+    assert sum(int(a) for a, _ in steps[1:]) > sum(int(b) for _, b in steps[1:]), steps
 
 
 @pytest.mark.one_lane

@@ -795,6 +795,17 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def _kill_while_held(chaos, mark: str, worker: int = 1, held: int = 0) -> None:
+    """SIGKILL ``worker``'s job while ``held``'s ranks wait before their next quorum
+    (scripts/bench/chaos_hooks: ``hold-<held>``), released once the supervisor's relaunch of
+    ``worker`` is in its join round (so that it joins that quorum)."""
+    (chaos / f"hold-{held}").touch()
+    first = set(chaos.glob(f"begun-{worker}-*"))
+    assert _kill_job_of(worker, mark) > 0
+    _wait_for(lambda: set(chaos.glob(f"begun-{worker}-*")) - first, 300, "the relaunched job's join round")
+    (chaos / f"hold-{held}").unlink()
+
+
 @contextlib.contextmanager
 def _chaos_job(tmp_path, flags, triggers=()):
     """The main job with the chaos hooks (scripts/bench/chaos_hooks) armed by ``triggers`` in its
@@ -838,12 +849,8 @@ def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(
              "--local-sgd-sync-timeout", "30"]
     with _chaos_job(tmp_path, flags) as (chaos, log, proc, mark):
         _wait_for(lambda: "worker 1 sync 2 after" in log.read_text(), 300, "worker 1's sync 2")
-        (chaos / "hold-0").touch()
         (chaos / "heal-1").touch()
-        first = set(chaos.glob("begun-1-*"))
-        assert _kill_job_of(1, mark) > 0
-        _wait_for(lambda: set(chaos.glob("begun-1-*")) - first, 300, "the relaunched job's join round")
-        (chaos / "hold-0").unlink()
+        _kill_while_held(chaos, mark)
         proc.wait(timeout=300)
     out = log.read_text()
     assert list(chaos.glob("heal-1.taken-*")), out[-3000:]
