@@ -207,6 +207,54 @@ def first_round_together(directory: str, name: str, expected: int) -> None:
     FaultTolerantSyncGroup.begin = together
 
 
+def lighthouse_status(address: str) -> tuple:
+    """(the current quorum id, how many live workers have asked for the next quorum), read from
+    the torchft Lighthouse's ``/status`` page at ``address``."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=10) as reply:
+        text = reply.read().decode()
+    quorum = re.search(r"Current quorum_id: (\d+)", text)
+    asking = re.search(r"\[(\d+)/\d+ participants healthy\]", text)
+    if quorum is None or asking is None:
+        raise AssertionError(f"the Lighthouse's /status page changed its form: {text[:500]!r}")
+    return int(quorum.group(1)), int(asking.group(1))
+
+
+def announce_quorum_requests(marker: str, lighthouse: str, count: int = 1) -> None:
+    """Inside a job's rank: once each of its first ``count`` quorum requests has reached the
+    Lighthouse (its ``/status`` shows a live worker asking, or a newer quorum), write ``marker``
+    (``{n}`` in it: the request's number, from 1). The test's other jobs wait for the marker
+    before they ask for their own next quorum. (Written before asking, it raced them: torchft's
+    Lighthouse forms a quorum at once when every member of the last one asks, its "fast
+    quorum", without a worker whose request has not arrived yet; that worker then waited for the
+    next one, which the test's gates held back: a CI run hung there for 300 s.)"""
+    import threading
+
+    from torchft.manager import Manager
+
+    start, made = Manager.start_quorum, [0]
+
+    def announced(self, *args, **kwargs):
+        made[0] += 1
+        if made[0] <= count:  # watched from a thread: the request blocks until its quorum forms
+            path, (before, _) = marker.format(n=made[0]), lighthouse_status(lighthouse)
+
+            def arrived() -> bool:
+                quorum, asking = lighthouse_status(lighthouse)
+                return quorum > before or asking >= 1
+
+            def watch():
+                until(arrived, f"{path}'s quorum request at the Lighthouse", timeout=120.0)
+                open(path, "w").close()
+
+            threading.Thread(target=watch, daemon=True).start()
+        return start(self, *args, **kwargs)
+
+    Manager.start_quorum = announced
+
+
 def events(ctl: str, worker: int, rank: int) -> list:
     """The JSON lines rank ``rank`` of worker ``worker``'s jobs logged in ``ctl``
     (``w<worker>-r<rank>-<pid>.jsonl``, one file per job), each with its job's ``pid``."""

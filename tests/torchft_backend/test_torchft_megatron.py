@@ -172,22 +172,14 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
                           skip_anomaly=grow, pseudo_gradnorm_reduce=grow, outer_step_delay=int(grow),
                           sync_record=os.path.join(ctl, "record-{worker}.jsonl")),  # (checked by _records)
         me.OuterOptimizerConfig())
-    begin = FaultTolerantSyncGroup.begin
-    first = [True]
-
-    def announced(self, contributed, *args, **kwargs):
-        if joiner:  # tell the test when this job's join round asks for its quorum
-            open(os.path.join(ctl, f"joiner-in-quorum-{rank}"), "w").close()
-        elif first[0]:  # the first jobs ask for their join round's quorum together, every
-            # Manager already heartbeating: one quorum of both workers. (A worker that asked
-            # alone, before the other's Manager was up, got a quorum of one and then waited at
-            # the start gate, while the other's quorum could not form: torchft needs more than
-            # half of the heartbeating workers in it.)
-            first[0] = False
-            ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}-r{rank}", WORKERS * world_size, timeout=300.0)
-        return begin(self, contributed, *args, **kwargs)
-
-    FaultTolerantSyncGroup.begin = announced
+    if joiner:  # tell the test when this job's join round's quorum request has arrived
+        ft_jobs.announce_quorum_requests(os.path.join(ctl, f"joiner-in-quorum-{rank}"), lighthouse)
+    else:  # the first jobs ask for their join round's quorum together, every Manager already
+        # heartbeating: one quorum of both workers. (A worker that asked alone, before the
+        # other's Manager was up, got a quorum of one and then waited at the start gate, while
+        # the other's quorum could not form: torchft needs more than half of the heartbeating
+        # workers in it.)
+        ft_jobs.first_round_together(os.path.join(ctl, "join"), f"w{worker}-r{rank}", WORKERS * world_size)
     if failed_heal and rank == 1:
         from torchft.checkpointing import HTTPTransport
 
@@ -750,18 +742,10 @@ def _older_checkpoint_worker(rank, world_size, worker, lighthouse, ctl, relaunch
     host, port = ft_jobs.job_store_address()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
-    begins = [0]
-    begin = FaultTolerantSyncGroup.begin
-
-    def announced(self, contributed, *args, **kwargs):
-        begins[0] += 1
-        if relaunched:  # tell the test and worker 0 where this job asks for a quorum
-            open(os.path.join(ctl, f"relaunched-begin-{begins[0]}"), "w").close()
-        elif begins[0] == 1:  # the first jobs' join round: together (see _healing_worker)
-            ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}", WORKERS, timeout=300.0)
-        return begin(self, contributed, *args, **kwargs)
-
-    FaultTolerantSyncGroup.begin = announced
+    if relaunched:  # tell the test and worker 0 where this job's quorum requests have arrived
+        ft_jobs.announce_quorum_requests(os.path.join(ctl, "relaunched-begin-{n}"), lighthouse, count=2)
+    else:  # the first jobs' join round: together (see _healing_worker)
+        ft_jobs.first_round_together(os.path.join(ctl, "join"), f"w{worker}", WORKERS)
     local = dict(local_sgd_sync_interval=4, fragments=2, sync_mode="step_end", sync_backend="torchft",
                  replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0)
     ddp, opt, c = cr._setup(local, instances=1)  # the join round runs in here
@@ -844,8 +828,6 @@ def _exchange_victim_worker(rank, world_size, worker, lighthouse, ctl, stuck_at=
 
     import megatron_edit as me
     from megatron.core import parallel_state as ps
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
-
     import checkpoint_runs as cr
     from edit_runs import MICRO_BATCH
     from gpt_utils import make_batches, rank_micro_batches, train_step

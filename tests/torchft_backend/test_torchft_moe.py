@@ -166,18 +166,10 @@ def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode,
         me.LocalSGDConfig(local_sgd_sync_interval=HEAL_H, sync_mode=mode, sync_backend="torchft", replica_id=worker,
                           lighthouse=lighthouse, sync_timeout=120.0, skip_anomaly=True, **PENALTY),
         me.OuterOptimizerConfig())
-    begin = FaultTolerantSyncGroup.begin
-    first = [True]
-
-    def announced(self, contributed, *args, **kwargs):
-        if joiner:  # tell the test when this job's join round asks for its quorum
-            open(os.path.join(ctl, f"joiner-in-quorum-{rank}"), "w").close()
-        elif first[0]:  # the first jobs ask for their join round's quorum together
-            first[0] = False
-            ft_jobs.gate(os.path.join(ctl, "join"), f"w{worker}-r{rank}", WORKERS * world_size, timeout=300.0)
-        return begin(self, contributed, *args, **kwargs)
-
-    FaultTolerantSyncGroup.begin = announced
+    if joiner:  # tell the test when this job's join round's quorum request has arrived
+        ft_jobs.announce_quorum_requests(os.path.join(ctl, f"joiner-in-quorum-{rank}"), lighthouse)
+    else:  # the first jobs ask for their join round's quorum together
+        ft_jobs.first_round_together(os.path.join(ctl, "join"), f"w{worker}-r{rank}", WORKERS * world_size)
     ddp, optimizer = _build(default_spec(instances=1, model=MOE), 1, 1)  # the join round runs in here
     controllers = me.get_local_sgd(optimizer)
     assert len(controllers) == 2

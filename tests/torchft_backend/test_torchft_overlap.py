@@ -125,7 +125,7 @@ def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_a
 
     _worker_world()
     if joiner:
-        _announce_join(os.path.join(ctl, "joiner-in-quorum"))
+        _announce_join(os.path.join(ctl, "joiner-in-quorum"), lighthouse)
     local = dict(AUTO, sync_backend="torchft", replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0)
     ddp, opt, c = cr._setup(local, instances=1)
     numbers = MEASURED[2 * worker]
