@@ -677,7 +677,8 @@ def test_flag_table_matches_both_parsers(job):
             assert main_job == _as_text(main.get_default(dest)), (flag, main_job)
 
 
-@pytest.mark.one_lane
+@pytest.mark.slow  # (CI time, 40 s: the backends' equality is tests/torchft_backend's; the main job over
+# torchft runs in CI in the heal and cross-site tests)
 @pytest.mark.timeout(600)
 def test_the_torchft_backend_trains_what_the_torch_backend_does(data_dir):
     """--local-sgd-sync-backend torchft started with python: a Lighthouse and one job per worker

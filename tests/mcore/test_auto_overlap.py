@@ -452,6 +452,7 @@ def test_a_re_decision_takes_more_fragments_only_where_those_in_force_no_longer_
     assert ctl.applied[-1] == (3, "fp32", 2) and ctl.config.fragments == 2
 
 
+@pytest.mark.one_lane  # a variant of what other tests check in every lane (CI time; see conftest)
 @NEEDS_CHECKPOINTS
 @pytest.mark.timeout(400)
 def test_a_resume_one_step_before_a_sync_measures_from_its_own_clocks(tmp_path):

@@ -56,6 +56,7 @@ def test_the_injected_measurements_make_the_choice_the_test_expects():
     assert choose(step, exchange, 4, ("fp32",), fragments=(1,)).outer_step_delay == 1
 
 
+@pytest.mark.one_lane  # a variant of what other tests check in every lane (CI time; see conftest)
 @pytest.mark.timeout(400)
 def test_a_run_that_keeps_its_delay_equals_that_fixed_setting_bit_for_bit():
     """Started with --local-sgd-outer-step-delay 2: the first two syncs (5 / 5, 9 / 13) are timed
@@ -121,6 +122,7 @@ def test_a_delay_switched_on_mid_run_takes_effect_at_the_same_sync_everywhere_an
 MEASURED_INT8 = {r: (0.10 + 0.01 * r, {"fp32": 0.30 - 0.05 * r, "int8": 0.08 - 0.01 * r}, 0.0) for r in range(WORLD)}
 
 
+@pytest.mark.one_lane  # a variant of what other tests check in every lane (CI time; see conftest)
 @pytest.mark.timeout(400)
 def test_a_change_of_format_mid_run_is_taken_at_the_same_sync_everywhere_and_ends_with_one_model():
     """--local-sgd-auto-formats fp32,int8, started in fp32 without a delay: the third sync decides
@@ -260,6 +262,7 @@ SYNCS_FRAGMENTS = [([5, 5], False), ([11, 13], False), ([17, 21], False), ([23, 
                    ([29, 37], False)]
 
 
+@pytest.mark.one_lane  # a variant of what other tests check in every lane (CI time; see conftest)
 @pytest.mark.timeout(400)
 def test_fragments_chosen_mid_run_take_effect_at_the_same_sync_everywhere_and_match_the_simulation():
     """--local-sgd-auto-fragments 1,2 on A-EDiT, started with one fragment and no delay: the third

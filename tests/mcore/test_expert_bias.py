@@ -219,7 +219,7 @@ def test_expert_bias_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
         assert torch.equal(by_worker[0][step], by_worker[1][step]) == (step in (1, 3, 5)), step
 
 
-@pytest.mark.one_lane  # the fsdp_dtensor checkpoint path: no megatron-core release difference past the FSDP test above
+@pytest.mark.slow  # (CI time, 30 s) the fsdp_dtensor checkpoint path: the bias entries' resume is the DDP test's
 @ON_FSDP_RELEASE
 @pytest.mark.timeout(600)
 def test_expert_bias_on_megatron_fsdp_checkpoint_between_syncs_resumes_exactly_and_elastically(tmp_path):

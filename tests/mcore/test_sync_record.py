@@ -217,6 +217,7 @@ def _check_settings(name, records):
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall", add_bias_linear=False)
 
 
+@pytest.mark.one_lane  # a variant of what other tests check in every lane (CI time; see conftest)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [dict(pp=2), pytest.param(dict(ep=2), marks=pytest.mark.skipif(
     not compat.version_at_least("0.16.0"), reason="MoE with EDiT needs megatron-core 0.16+"))], ids=["pp2", "moe-ep2"])
@@ -243,6 +244,7 @@ def test_a_worker_of_two_stages_or_two_optimizers_writes_one_record_of_all_its_r
         assert all(r["layer_norms"]["layers"] == layers for r in mine), (layers, mine[0]["layer_norms"])
 
 
+@pytest.mark.one_lane  # a variant of what other tests check in every lane (CI time; see conftest)
 @pytest.mark.timeout(300)
 def test_a_edit_records_its_skipped_syncs_the_steps_per_worker_and_the_final_sync(tmp_path):
     """The budget run of tests/mcore/test_async.py (workers at 1 s and 0.25 s per step): its first
