@@ -712,7 +712,7 @@ def _one_rank_pair_with_victim_killed(fn, ctl, marker):
         addr = server.address()
         survivor = start(fn, 1, 0, addr, ctl, timeout=2 * TIMEOUT - 60)
         victim = start(fn, 1, 1, addr, ctl, timeout=2 * TIMEOUT - 60)
-        _wait_file(os.path.join(ctl, marker))
+        _wait_file(os.path.join(ctl, marker), jobs=[survivor, victim])  # (a job that fails first: its traceback)
         victim.kill()
         yield addr, start, survivor
 
@@ -828,6 +828,8 @@ def _exchange_victim_worker(rank, world_size, worker, lighthouse, ctl, stuck_at=
 
     import megatron_edit as me
     from megatron.core import parallel_state as ps
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
     import checkpoint_runs as cr
     from edit_runs import MICRO_BATCH
     from gpt_utils import make_batches, rank_micro_batches, train_step
