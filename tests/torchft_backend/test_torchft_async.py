@@ -34,12 +34,6 @@ def _worker_world() -> None:
     ps.initialize_model_parallel(num_distributed_optimizer_instances=1)
 
 
-def _announce_join(marker: str, lighthouse: str) -> None:
-    """This rank writes ``marker`` once its join round's quorum request has reached the
-    Lighthouse (:func:`ft_jobs.announce_quorum_requests`): the test's other jobs wait for it."""
-    ft_jobs.announce_quorum_requests(marker, lighthouse)
-
-
 def _ft_async_worker(rank, world_size, worker, lighthouse, spec, workers, gate=None):
     """One worker's job: :func:`edit_runs.async_runs` with the torchft backend, on the
     micro-batches its ranks have in the one-world run; ``gate``: a supervisor's start gate (the
@@ -211,7 +205,7 @@ def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
 
     _worker_world()
     if joiner:
-        _announce_join(os.path.join(ctl, "joiner-in-quorum"), lighthouse)
+        ft_jobs.announce_quorum_requests(os.path.join(ctl, "joiner-in-quorum"), lighthouse)
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
                  sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
                  sync_timeout=120.0)
@@ -304,7 +298,7 @@ def _three_by_two_job(rank, world_size, worker, lighthouse, ctl, joiner):
 
     _worker_world()
     if joiner:
-        _announce_join(os.path.join(ctl, f"joiner-in-quorum-{rank}"), lighthouse)
+        ft_jobs.announce_quorum_requests(os.path.join(ctl, f"joiner-in-quorum-{rank}"), lighthouse)
     else:  # all three workers in the first quorum (a late worker 2 would heal past its step 5)
         ft_jobs.first_round_together(os.path.join(ctl, "start"), f"w{worker}-r{rank}", 6)
     local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,

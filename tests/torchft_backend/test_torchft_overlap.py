@@ -121,11 +121,11 @@ def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_a
     import checkpoint_runs as cr
     from edit_runs import MICRO_BATCH
     from gpt_utils import make_batches, rank_micro_batches, train_step
-    from test_torchft_async import _announce_join, _worker_world
+    from test_torchft_async import _worker_world
 
     _worker_world()
     if joiner:
-        _announce_join(os.path.join(ctl, "joiner-in-quorum"), lighthouse)
+        ft_jobs.announce_quorum_requests(os.path.join(ctl, "joiner-in-quorum"), lighthouse)
     local = dict(AUTO, sync_backend="torchft", replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0)
     ddp, opt, c = cr._setup(local, instances=1)
     numbers = MEASURED[2 * worker]
