@@ -111,7 +111,9 @@ def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_a
     """Worker ``worker``'s job (1 rank): A-EDiT with the automatic overlap over torchft, 1 fake s a
     step for both, the measurements injected (syncs after steps 4, 9, 13, 17, 21, ...: a delay of 2
     decided at the third, in force from the fifth). The first worker 1 is SIGKILLed
-    after its step ``kill_after``; worker 0 waits before its step ``wait_before`` until the
+    after its step ``kill_after``: at its exchange's launch if a sync follows that step (before
+    any of its collectives starts: a kill right after the launch would race the exchange, which
+    may complete first), else after the step; worker 0 waits before its step ``wait_before`` until the
     relaunched worker 1 (``joiner``) asks for its join round's quorum."""
     import os
 
@@ -128,6 +130,19 @@ def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_a
         ft_jobs.announce_quorum_requests(os.path.join(ctl, "joiner-in-quorum"), lighthouse)
     local = dict(AUTO, sync_backend="torchft", replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0)
     ddp, opt, c = cr._setup(local, instances=1)
+    if worker == 1 and not joiner:  # killed at its exchange's launch of the sync after step kill_after (if
+        # one is there), before anything of it leaves: the survivor's round of it cannot complete
+        from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+        def killed_at_launch(collective):
+            def launch(self, *args, **kwargs):
+                if c.steps_done == kill_after:
+                    os.kill(os.getpid(), 9)
+                return collective(self, *args, **kwargs)
+            return launch
+
+        for name in ("all_reduce_sum", "all_gather_into", "all_to_all"):
+            setattr(FaultTolerantSyncGroup, name, killed_at_launch(getattr(FaultTolerantSyncGroup, name)))
     numbers = MEASURED[2 * worker]
     c.auto.measure = lambda: Measurement(*numbers)
     joined = dict(step=c.steps_done, healed=c.sync_group.healed, delay=c.config.outer_step_delay,
@@ -161,9 +176,9 @@ def test_a_worker_killed_and_relaunched_takes_the_settings_in_force_and_all_end_
     """2 workers of one rank, syncs after steps 4, 9, 13, 17 and 21 (then every 4 or 5 steps). The
     delay of 2 is decided at the sync after step 13 (kept: its round committed) and in force after
     the next round (after step 17): the sync after step 21 is the first delayed one, its exchange
-    launched there and applied after step 23. Worker 1 is SIGKILLed after its step 21, right after
-    that launch (``exchange-in-flight``: the survivor's round of it fails, the peer's connection
-    closed, and it keeps its local progress for its next sync), or after step 14, with the
+    launched there and applied after step 23. Worker 1 is SIGKILLed at that launch, before its
+    first collective starts (``exchange-in-flight``: the survivor's round of it fails, the peer's
+    connection closed, and it keeps its local progress for its next sync), or after step 14, with the
     decision waiting (``after-decision``). A fresh job joins worker 0's next sync: it heals from
     worker 0 (nothing in flight there: an A-EDiT sync applies the last exchange first), takes the
     delay in force (or the decision waiting, in force after that round as worker 0's) and the
