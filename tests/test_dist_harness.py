@@ -56,3 +56,48 @@ def test_a_native_crash_is_run_again_and_one_in_every_run_is_raised(tmp_path):
         assert len([w for w in warned if "died in native code" in str(w.message)]) == RUNS - 1
     finally:
         del RERUNS[before:]  # the harness's own crashes are not the suite's: left out of its count
+
+
+def _checkpoint_writer_queue(rank, world_size, folder, killed):
+    """Megatron's torch_dist writer's results queue, as a save takes it; its Manager's pid."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    take = getattr(filesystem_async, "get_write_results_queue", None) or filesystem_async._get_write_results_queue
+    take().put(rank)
+    (manager,) = multiprocessing.active_children()
+    with open(os.path.join(folder, f"manager-{rank}"), "w") as f:
+        f.write(str(manager.pid))
+    if killed:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return manager.pid
+
+
+def _gone(pid, timeout=30.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True  # ended, not yet reaped
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
+@pytest.mark.timeout(120)
+def test_the_checkpoint_writers_queue_manager_ends_with_its_rank_even_a_killed_one(tmp_path):
+    """The harness forks the Manager of Megatron's torch_dist results queue from the rank (a
+    spawned one imports torch: 6-7 s a save): it ends when its rank returns, and when its rank is
+    SIGKILLed (its parent-death signal), so no test leaves it behind."""
+    pids = run_ranks(_checkpoint_writer_queue, 2, str(tmp_path), False, timeout=60)
+    assert len(set(pids)) == 2 and all(_gone(pid) for pid in pids)
+    with pytest.raises(RankError):
+        run_ranks(_checkpoint_writer_queue, 2, str(tmp_path), True, timeout=60)
+    pids = [int(open(tmp_path / f"manager-{rank}").read()) for rank in range(2)]
+    assert all(_gone(pid) for pid in pids)
