@@ -107,14 +107,14 @@ def test_auto_overlap_over_torchft_equals_the_torch_backend_with_the_same_measur
         assert max_difference(ft[0]["params"], run["params"]) == 0.0
 
 
-def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_after, wait_before):
+def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_after, wait_before, kill_sync=None):
     """Worker ``worker``'s job (1 rank): A-EDiT with the automatic overlap over torchft, 1 fake s a
     step for both, the measurements injected (syncs after steps 4, 9, 13, 17, 21, ...: a delay of 2
-    decided at the third, in force from the fifth). The first worker 1 is SIGKILLed
-    after its step ``kill_after``: at its exchange's launch if a sync follows that step (before
-    any of its collectives starts: a kill right after the launch would race the exchange, which
-    may complete first), else after the step; worker 0 waits before its step ``wait_before`` until the
-    relaunched worker 1 (``joiner``) asks for its join round's quorum."""
+    decided at the third, in force from the fifth). The first worker 1 is SIGKILLed at
+    the launch of its ``kill_sync``-th sync's exchange (its round begun), before any of the
+    exchange leaves (a kill after the launch would race the exchange, which may complete
+    first), or else after its step ``kill_after``; worker 0 waits before its step
+    ``wait_before`` until the relaunched worker 1 (``joiner``) asks for its join round's quorum."""
     import os
 
     import megatron_edit as me
@@ -130,13 +130,18 @@ def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_a
         ft_jobs.announce_quorum_requests(os.path.join(ctl, "joiner-in-quorum"), lighthouse)
     local = dict(AUTO, sync_backend="torchft", replica_id=worker, lighthouse=lighthouse, sync_timeout=120.0)
     ddp, opt, c = cr._setup(local, instances=1)
-    if worker == 1 and not joiner:  # killed at its exchange's launch of the sync after step kill_after (if
-        # one is there), before anything of it leaves: the survivor's round of it cannot complete
+    if worker == 1 and not joiner and kill_sync:  # killed at that sync's exchange, before any of it leaves
+        # (the round begun: its quorum and all-gathers done): the survivor's exchange cannot complete
         from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+        syncs = []
 
         def killed_at_launch(collective):
             def launch(self, *args, **kwargs):
-                if c.steps_done == kill_after:
+                if not syncs or syncs[-1] != c.steps_done:
+                    syncs.append(c.steps_done)
+                if len(syncs) == kill_sync and collective.__name__ == "all_reduce_sum":  # the exchange's
+                    open(os.path.join(ctl, f"killed-at-launch-{c.steps_done}"), "w").close()
                     os.kill(os.getpid(), 9)
                 return collective(self, *args, **kwargs)
             return launch
@@ -158,7 +163,7 @@ def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_a
             ft_jobs.wait_file(os.path.join(ctl, "joiner-in-quorum"), timeout=240.0)
         now[0] += 1.0
         train_step(ddp, opt, rank_micro_batches(batches[step - 1], worker, 2))
-        if step == kill_after and worker == 1 and not joiner:
+        if step == kill_after and worker == 1 and not joiner and not kill_sync:
             os.kill(os.getpid(), 9)
         reports += [(r.step, r.delay, r.workers, r.committed, r.final) for r in c.drain_reports()]
     out = cr._state(ddp, opt, c)
@@ -170,15 +175,18 @@ def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_a
 
 
 @pytest.mark.timeout(2 * TIMEOUT)
-@pytest.mark.parametrize("kill_after, wait_before", [(21, 23), (14, 15)], ids=["exchange-in-flight", "after-decision"])
+@pytest.mark.parametrize("kill_after, wait_before, kill_sync", [(21, 23, 5), (14, 15, None)],
+                         ids=["exchange-in-flight", "after-decision"])
 def test_a_worker_killed_and_relaunched_takes_the_settings_in_force_and_all_end_with_one_model(
-        tmp_path, kill_after, wait_before):
+        tmp_path, kill_after, wait_before, kill_sync):
     """2 workers of one rank, syncs after steps 4, 9, 13, 17 and 21 (then every 4 or 5 steps). The
     delay of 2 is decided at the sync after step 13 (kept: its round committed) and in force after
     the next round (after step 17): the sync after step 21 is the first delayed one, its exchange
-    launched there and applied after step 23. Worker 1 is SIGKILLed at that launch, before its
-    first collective starts (``exchange-in-flight``: the survivor's round of it fails, the peer's
-    connection closed, and it keeps its local progress for its next sync), or after step 14, with the
+    launched there and applied after step 23 (worker 1, planned a step fewer, launches it after
+    its step 20). Worker 1 is SIGKILLed at that launch, its round begun, before any of its
+    exchange leaves (``exchange-in-flight``: the survivor's round of it fails, the peer gone,
+    and it keeps its local progress for its next sync; killed after its step 21 instead, its
+    exchange may complete before the kill, as a CI run saw), or after step 14, with the
     decision waiting (``after-decision``). A fresh job joins worker 0's next sync: it heals from
     worker 0 (nothing in flight there: an A-EDiT sync applies the last exchange first), takes the
     delay in force (or the decision waiting, in force after that round as worker 0's) and the
@@ -191,13 +199,16 @@ def test_a_worker_killed_and_relaunched_takes_the_settings_in_force_and_all_end_
     with ft_jobs.jobs_and_lighthouse(min_replicas=2, heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (
             server, start):
         addr = server.address()
-        first = [start(_relaunch_auto_job, 1, w, addr, ctl, False, kill_after, wait_before, timeout=2 * TIMEOUT - 60)
+        first = [start(_relaunch_auto_job, 1, w, addr, ctl, False, kill_after, wait_before, kill_sync,
+                       timeout=2 * TIMEOUT - 60)
                  for w in range(2)]
         while first[1].procs[0].exitcode is None:
             time.sleep(0.1)
-        joiner = start(_relaunch_auto_job, 1, 1, addr, ctl, True, kill_after, wait_before, timeout=2 * TIMEOUT - 60)
+        joiner = start(_relaunch_auto_job, 1, 1, addr, ctl, True, kill_after, wait_before, kill_sync,
+                       timeout=2 * TIMEOUT - 60)
         (survivor,), (rejoined,) = ft_jobs.all_results([first[0], joiner])
     assert first[1].procs[0].exitcode == -9 and os.path.exists(os.path.join(ctl, "joiner-in-quorum"))
+    assert os.path.exists(os.path.join(ctl, "killed-at-launch-20")) == bool(kill_sync)  # where it was told
     before = [r for r in survivor["reports"] if r[0] <= kill_after]
     assert [r[1] for r in before] == [0, 0, 0, 0, 2][:len(before)] and all(r[3] and r[2] == 2 for r in before)
     # the survivor's first sync after the kill: the round the joiner joins, committed by both
