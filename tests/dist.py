@@ -35,7 +35,7 @@ _PRELOAD = [
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
     "megatron_edit.cpu.adapter",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # (the adapter wraps its writer's queue)
 ]
 
 
@@ -65,7 +65,6 @@ def _worker(rank, world_size, store_path, timeout, device, fn, args, kwargs, res
 
             # (with the check of asynchronous collectives: conftest.py sets it for every process)
             cpu_adapter.activate()
-            _forked_write_results_queue()
             backend = "gloo"
         # The process-group timeout makes a stuck collective fail in the child too.
         # A file store: no TCP port to pick, so no race with other jobs on a busy machine.
@@ -91,52 +90,6 @@ def _worker(rank, world_size, store_path, timeout, device, fn, args, kwargs, res
 
 
 _FAULT_FILE = None
-
-
-def _die_with_the_rank():
-    """In a process a rank starts: SIGKILL it when the rank dies (prctl PR_SET_PDEATHSIG; Linux)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
-def _forked_write_results_queue():
-    """Megatron's torch_dist writer (every ``dist_checkpointing.save``) collects its write results
-    in a queue of a multiprocessing Manager it *spawns* on a rank's first save: a fresh
-    interpreter that imports torch to unpickle them, 6-7 s per rank and save on 2 loaded cores
-    (measured: a 4-rank save 8.5 s, 1.2 s with this). Here that Manager is a fork of the rank
-    (torch imported): the same queue, the same writes. Only the first save of a rank makes it;
-    the rank's exit shuts it down (multiprocessing's finalizer), as Megatron's own, and a rank
-    killed takes it along (Linux: its parent-death signal; Megatron's own would be left)."""
-    from multiprocessing.managers import SyncManager
-
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-    except ImportError:
-        return
-    for name in ("_get_write_results_queue", "get_write_results_queue"):  # (the name in older / newer releases)
-        original = getattr(filesystem_async, name, None)
-        if original is None:
-            continue
-
-        def forked(*args, _original=original, **kwargs):
-            if filesystem_async._results_queue is None:
-                config = multiprocessing.current_process()._config
-                was = config.get("daemon")
-                config["daemon"] = False  # a rank is daemonic; Megatron's Manager is its child too
-                try:
-                    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-                    manager.start(initializer=_die_with_the_rank)
-                    filesystem_async._results_queue = manager.Queue()  # (the queue keeps it alive)
-                finally:
-                    config["daemon"] = was
-            return _original(*args, **kwargs)
-
-        setattr(filesystem_async, name, forked)
 
 
 def _fault_path(store_path, rank):

@@ -23,6 +23,8 @@ transformer-engine that helper raises even when there is no FP8 parameter; the a
 it 0.13's behaviour (nothing to do for an empty list, still an error otherwise). MoE without
 transformer-engine (0.16.x's router GEMM name, the alltoall dispatcher's split sizes): see
 :mod:`megatron_edit.cpu.moe`. Megatron-FSDP (0.16.1): see :mod:`megatron_edit.cpu.fsdp`.
+Megatron's checkpoint writers (``--async-save``'s spawned one; every save's results queue, whose
+Manager is forked here rather than spawned): see :mod:`megatron_edit.cpu.async_writer`.
 
 Every replacement is a declared :class:`~megatron_edit.mcore.wrap_registry.Patch` (``replace`` patches
 for stand-ins, wraps for functions that still call the original) applied by the package's one
@@ -47,7 +49,7 @@ import torch
 from ..mcore.wrap_registry import Patch, PatchError, PatchRegistry, VersionRange
 from ..mcore.session import SESSION
 from . import collective_guard
-from .async_writer import async_loop_on_cpu
+from .async_writer import declare_writers
 from .fsdp import declare_fsdp
 from .moe import declare_moe
 
@@ -346,12 +348,9 @@ def _declare(registry: PatchRegistry, version: str) -> PatchRegistry:
         if not fp8_utils.HAVE_TE:
             wrap("megatron.core.fp8_utils:_quantize_param_shard_impl", _quantize_no_fp8_params,
                  "0.12.x without transformer-engine: nothing to quantize without FP8 params")
-    # (6) --async-save's persistent writer: a spawned process, without the adapter.
-    import megatron.core.dist_checkpointing.strategies.async_utils as async_utils
-
-    if hasattr(async_utils, "PersistentAsyncCaller"):
-        replace("megatron.core.dist_checkpointing.strategies.async_utils:PersistentAsyncCaller.async_loop",
-                staticmethod(async_loop_on_cpu), "CPU: the spawned checkpoint writer selects no CUDA device")
+    # (6) Megatron's checkpoint writers: --async-save's persistent one (a spawned process, without
+    # the adapter) and every torch_dist save's results queue (see megatron_edit.cpu.async_writer).
+    declare_writers(registry, _ANY_RELEASE)
     # (7) MoE without transformer-engine: the router's GEMM name, the alltoall dispatcher's splits.
     declare_moe(registry, _ANY_RELEASE)
     # (8) Megatron-FSDP: two CUDA literals (megatron-core 0.16.1 only; see megatron_edit.cpu.fsdp).
