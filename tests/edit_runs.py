@@ -376,7 +376,10 @@ def _train(rank, spec, tp, pp):
         # every controller (MoE with expert parallelism: the dense one, then the experts')
         out["per_controller"] = [dict(reports=o.drain_reports() if o is not c else out["reports"],
                                       state_bytes=o.state_bytes(), shard_numels=[s.numel for s in o.shards],
-                                      layer_names=list(o.layer_names)) for o in controllers]
+                                      layer_names=list(o.layer_names),
+                                      decisions=None if o.auto is None else [
+                                          (step, ch.outer_step_delay, ch.exchange_dtype)
+                                          for step, ch, _ in o.auto.decisions]) for o in controllers]
     for c in controllers or ():
         if c.backend.dynamic:  # the torchft backend: this rank's Manager
             out["manager_step"] = c.sync_group.step  # its committed rounds

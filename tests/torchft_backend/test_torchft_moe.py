@@ -133,6 +133,42 @@ def test_a_edit_moe_over_torchft_equals_the_torch_backend():
         assert worst <= 1e-6, f"rank {g}: {worst:.3g}"
 
 
+def _ft_moe_worker_measured(rank, world_size, worker, lighthouse, spec):
+    """:func:`_ft_moe_worker` with the measurements the one-world run injects on its ranks
+    (global rank: worker x ranks + rank)."""
+    spec = dict(spec, measurements={r: spec["measurements"][worker * world_size + r] for r in range(world_size)})
+    return _ft_moe_worker(rank, world_size, worker, lighthouse, spec)
+
+
+# rank -> (inner step s, {format: exchange s}, exposed s): agreed, the fastest step 0.10 s and the
+# slowest exchange 0.15 s: a delay of 2 (as tests/torchft_backend/test_torchft_overlap.py's)
+MEASURED = {0: (0.10, {"fp32": 0.15}, 0.0), 1: (0.12, {"fp32": 0.14}, 0.0), 2: (0.11, {"fp32": 0.12}, 0.0),
+            3: (0.13, {"fp32": 0.05}, 0.0)}
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_auto_overlap_on_a_moe_model_over_torchft_equals_the_torch_backend_with_the_same_measurements():
+    """EDiT (H = 4, layer-wise, 24 steps) with --local-sgd-auto-overlap on the MoE model with
+    expert parallelism 2: the dense and the expert controller each measure, agree on their
+    sync's round and decide (the same measurements injected on both: a delay of 2 decided at
+    the sync after 12, in force after 16, so the sync after 20 is launched after step 18); both
+    controllers' decisions, syncs and parameters (1e-6) equal the torch backend's under the same
+    rule (``auto_rounds``), and one model at the end."""
+    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True)
+    spec = default_spec(steps=24, last_step=24, model=MOE, outer=OUTER, local_sgd=local, measurements=MEASURED,
+                        auto_rounds=True)
+    reference = [r["runs"][0] for r in run_ranks(megatron_runs, WORKERS * RANKS, [spec], ep=EP, timeout=TIMEOUT)]
+    with ft_jobs.jobs_and_lighthouse(min_replicas=WORKERS) as (server, start):
+        jobs = [start(_ft_moe_worker_measured, RANKS, w, server.address(), spec, timeout=TIMEOUT)
+                for w in range(WORKERS)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]  # worker-major
+    _check_equal(reference, ft, [4, 8, 12, 16, 20, 24])
+    for ref, run in zip(reference, ft):
+        for mine, theirs in zip(run["per_controller"], ref["per_controller"]):
+            assert [r.delay for r in mine["reports"]] == [r.delay for r in theirs["reports"]] == [0, 0, 0, 0, 2, 0]
+            assert mine["decisions"] == theirs["decisions"] and [d[1:] for d in mine["decisions"]] == [(2, "fp32")]
+
+
 # ---------------------------------------------------------------------- a worker dies and comes back
 HEAL_TOTAL, HEAL_H = 12, 2
 
