@@ -136,7 +136,7 @@ def test_a_reader_that_is_its_workers_writer_takes_its_records_in_its_process(tm
 
 def test_a_reader_names_the_records_that_did_not_come_by_the_end(tmp_path, caplog):
     store, path = dist.HashStore(), tmp_path / "r.jsonl"
-    (first, feed0), (second, feed1) = _rank(store, path, 0, 2, 0), _rank(store, path, 1, 2, 0, reader=True)
+    (first, _), (second, feed1) = _rank(store, path, 0, 2, 0), _rank(store, path, 1, 2, 0, reader=True)
     _sync(feed1, 2, 5)  # the writer never reports its sync: no record is written before its close
     assert second.take(wait=0.2) == []
     assert "rank 1 did not get 1 of worker 0's sync records (from its sync 1 on) within 0.2 s" in caplog.text

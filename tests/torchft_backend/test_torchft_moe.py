@@ -190,7 +190,6 @@ def _healing_moe_worker(rank, world_size, worker, lighthouse, ctl, joiner, mode,
 
     import megatron_edit as me
     from megatron.core import parallel_state as ps
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
 
     from edit_runs import MICRO_BATCH, _build
     from gpt_utils import make_batches, named_params, rank_micro_batches, train_step
