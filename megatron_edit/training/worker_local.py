@@ -104,22 +104,33 @@ class WorkerLocalCollectives:
         return list(runtime.controllers.values()) if runtime is not None else []
 
     @contextmanager
-    def reporting(self):
-        """A region whose data-parallel reductions only feed the log."""
+    def reporting(self, whole_model: bool = False):
+        """A region whose data-parallel reductions only feed the log. ``whole_model``: a
+        figure of the model itself (its norm), which the worker's ranks hold whole, warmup
+        included (see :meth:`in_reporting`)."""
         depth = getattr(self._local, "depth", 0)
+        outer = getattr(self._local, "whole_model", False)
         self._local.depth = depth + 1
+        self._local.whole_model = outer or whole_model
         try:
             yield
         finally:
             self._local.depth = depth
+            self._local.whole_model = outer
 
     def in_reporting(self) -> bool:
         """Inside a reporting region while gradients stay inside the worker. During the
         synchronous warmup the workers step together and their gradients cross them anyway:
         the regions keep Megatron's groups, whose figures are then everyone's (and
         ``--calculate-per-token-loss`` divides the gradients summed over every data-parallel
-        rank by the tokens counted over the same ranks; after it, over the worker's)."""
-        return getattr(self._local, "depth", 0) > 0 and self.grads_are_local()
+        rank by the tokens counted over the same ranks; after it, over the worker's). The
+        model's norm (``--log-params-norm``) is the exception, taken over the worker always: in
+        bf16 it sums the squares of the distributed optimizer's shards of the main parameters,
+        which the worker's ranks hold whole (one instance per worker), so over every
+        data-parallel rank it counted the model once per worker."""
+        if getattr(self._local, "depth", 0) == 0:
+            return False
+        return getattr(self._local, "whole_model", False) or self.grads_are_local()
 
     def grads_are_local(self) -> bool:
         controllers = self.controllers()
@@ -145,14 +156,17 @@ class WorkerLocalCollectives:
         return known
 
     # ------------------------------------------------------------ wrappers
-    def wrap_reporting_region(self, original):
+    def wrap_reporting_region(self, original, whole_model: bool = False):
         def region(*args, **kwargs):
             if not self.controllers():
                 return original(*args, **kwargs)
-            with self.reporting():
+            with self.reporting(whole_model):
                 return original(*args, **kwargs)
 
         return region
+
+    def wrap_model_norm_region(self, original):
+        return self.wrap_reporting_region(original, whole_model=True)
 
     def wrap_get_data_parallel_group(self, original):
         # Keywords only: the parameters after the first differ between releases (compat:
@@ -380,7 +394,8 @@ def add_worker_local_patches(
                 lambda original: wl.wrap_reporting_region(ChecksAtMeetings(runtime_ref).wrap_evaluate(original)),
                 "the validation loss is averaged over the worker; --exit-duration-in-mins asked at syncs"),
         tracked("worker-local-params-norm", f"{_TRAINING}:calc_params_l2_norm",
-                wl.wrap_reporting_region, "--log-params-norm: the norm of the worker's model"),
+                wl.wrap_model_norm_region,
+                "--log-params-norm: the norm of the worker's model (warmup included)"),
         tracked("worker-local-dp-group", f"{_PS}:get_data_parallel_group",
                 wl.wrap_get_data_parallel_group,
                 "inside those three: the worker's data-parallel group for the full one", v),

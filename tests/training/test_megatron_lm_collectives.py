@@ -213,6 +213,31 @@ def test_replica_hash_check_owed_at_each_multiple_is_made_at_the_next_sync(monke
     assert checked == [9, 16]  # 4.5 was a skipped sync (replicas differ): made at the next real one
 
 
+def test_during_warmup_only_the_model_norm_is_taken_over_the_worker():
+    """Warmup: the logged losses keep Megatron's groups (the workers step together), but the
+    model's norm (in bf16: summed from the distributed optimizer's shards of the main parameters,
+    which the worker's ranks hold whole) is taken over the worker: over every data-parallel rank
+    it counted the model once per worker, and it crossed workers between syncs."""
+    warmup = _worker_local(_Controller(2))  # warmup 4: gradients still cross workers
+    seen = []
+    warmup.wrap_reporting_region(lambda: seen.append(warmup.in_reporting()))()
+    warmup.wrap_model_norm_region(lambda: seen.append(warmup.in_reporting()))()
+    # Nested: a norm taken inside train_step's region, and the region after it.
+    warmup.wrap_reporting_region(lambda: (
+        warmup.wrap_model_norm_region(lambda: seen.append(warmup.in_reporting()))(),
+        seen.append(warmup.in_reporting())))()
+    assert seen == [False, True, True, False]
+    after = _worker_local(_Controller(6))
+    seen.clear()
+    after.wrap_reporting_region(lambda: seen.append(after.in_reporting()))()
+    after.wrap_model_norm_region(lambda: seen.append(after.in_reporting()))()
+    assert seen == [True, True]
+    off = _worker_local()  # local SGD off: nothing changes
+    seen.clear()
+    off.wrap_model_norm_region(lambda: seen.append(off.in_reporting()))()
+    assert seen == [False]
+
+
 def _dp_0_16(with_context_parallel=False, partial_data_parallel=False, independent_all_gather=False):
     return dict(cp=with_context_parallel, partial=partial_data_parallel, independent=independent_all_gather)
 
