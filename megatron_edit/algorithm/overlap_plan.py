@@ -213,16 +213,42 @@ def smallest_interval(params: int, workers: int, link_bits_per_s: float, step_s:
     return None
 
 
+def predict_formats(measured_s: float, measured_format: str, numel: int, formats: Sequence[str],
+                    block: int = 256, workers: int = 2, chunk: int = TOPK_CHUNK,
+                    codec_s: Optional[Dict[str, float]] = None, latency_s: float = 0.0, buckets: int = 1,
+                    per_byte_s: Optional[float] = None) -> Tuple[Dict[str, float], float]:
+    """Each format's exchange time from one measured in ``measured_format`` (the same link), and
+    the link's seconds per byte this measurement shows. The model is :func:`format_seconds`' with
+    this rank's compute added: ``codec_s[f]`` (the format's encode, decode and sums, timed
+    locally; None: 0) + ``buckets * message_rounds(f) * latency_s`` (``latency_s``: one
+    message's time, measured; ``buckets``: the exchange's collectives in a row of one format's)
+    + the bytes one rank sends for a ``numel``-element pseudo-gradient among ``workers``
+    (:func:`megatron_edit.algorithm.wire.wire_bytes`, the one wire model; ``chunk``: the top-k
+    exchange's) times the seconds per byte: ``per_byte_s`` where the caller knows it (probed),
+    else what of the measured time is left once its codec and latency are taken off, over its
+    bytes (never below 0). The measured format's time is the measured one. With neither codec
+    nor latency the times scale with the bytes (:func:`scale_to_formats`)."""
+    w, n = max(workers, 2), max(numel, 1)  # one worker sends nothing: the ratio of two
+    codec = codec_s or {}
+
+    def fixed(fmt: str) -> float:
+        return codec.get(fmt, 0.0) + buckets * wire.message_rounds(fmt, w) * latency_s
+
+    per_byte = per_byte_s
+    if per_byte is None:
+        per_byte = max(measured_s - fixed(measured_format), 0.0) / wire.wire_bytes(n, measured_format, w, block, chunk)
+    times = {fmt: fixed(fmt) + wire.wire_bytes(n, fmt, w, block, chunk) * per_byte for fmt in formats}
+    if measured_format in times:
+        times[measured_format] = measured_s
+    return times, per_byte
+
+
 def scale_to_formats(measured_s: float, measured_format: str, numel: int, formats: Sequence[str],
                      block: int = 256, workers: int = 2, chunk: int = TOPK_CHUNK) -> Dict[str, float]:
-    """Each format's exchange time from one measured in ``measured_format``: the same link, so
-    the time scales with the bytes one rank sends for a ``numel``-element pseudo-gradient among
-    ``workers`` (:func:`megatron_edit.algorithm.wire.wire_bytes`, the one wire model: scales and
-    indices included, the top-k all-gather's W - 1 payloads against a dense format's
-    2 (W - 1) / W; ``chunk``: the top-k exchange's)."""
-    w, n = max(workers, 2), max(numel, 1)  # one worker sends nothing: the ratio of two
-    base = wire.wire_bytes(n, measured_format, w, block, chunk)
-    return {fmt: measured_s * wire.wire_bytes(n, fmt, w, block, chunk) / base for fmt in formats}
+    """Each format's exchange time from one measured in ``measured_format``, scaled by the bytes
+    one rank sends (:func:`predict_formats` without codec or latency: the top-k all-gather's
+    W - 1 payloads against a dense format's 2 (W - 1) / W)."""
+    return predict_formats(measured_s, measured_format, numel, formats, block, workers, chunk)[0]
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,18 @@ class SyncInProgress:
     launch_wait: Optional[float] = None
     """Delayed outer step, a sync ``auto_overlap`` times: host seconds from the sync's start to
     the end of its exchange, waited for right after the launch (None: not waited for there)."""
+    exchange_seconds: float = 0.0
+    """Of ``seconds``, those inside the reducers' launch and finish: the codec and the wire (the
+    rest is the sync's own work in any format: the penalty's decisions, the pseudo-gradients,
+    the outer step)."""
+    probe_latency: bool = False
+    """One tiny all-reduce before the exchange and one, timed, after it (``OuterSync.start``)."""
+    arrived: Optional[float] = None
+    """Seconds of the all-reduce before the exchange's first launch: the workers' skew."""
+    latency: Optional[float] = None
+    """Seconds of an all-reduce of one element over the sync group after it (None: not probed)."""
+    rate_probe: Optional[float] = None
+    """Seconds of an all-reduce of ``link_probe.rate_probe_numel`` elements after that one."""
     committed: Optional[bool] = None
     """Whether the sync is applied (``OuterSync.commit_gate``; None: not asked yet)."""
     members: List[BucketShard] = field(default_factory=list)

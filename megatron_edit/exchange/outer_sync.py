@@ -42,7 +42,7 @@ import torch
 from ..algorithm import penalty
 from ..config import GTAConfig, LocalSGDConfig
 from .decisions import NonFinitePseudoGradient, SyncDecisions  # noqa: F401 (NonFinitePseudoGradient: its callers')
-from . import reducers
+from . import link_probe, reducers
 from .groups import mean_divisor
 from .in_flight import SyncInProgress
 from .layerwise import LayerwisePhases
@@ -160,7 +160,8 @@ class OuterSync(LayerwisePhases):
               worker_seconds: Optional[torch.Tensor] = None, skip: bool = False,
               bytes_at_start: Optional[int] = None, worker_idle: Optional[torch.Tensor] = None,
               final: bool = False, delay: int = 0, fragment: Optional[int] = None,
-              members: Optional[Sequence[BucketShard]] = None, began: Optional[float] = None) -> bool:
+              members: Optional[Sequence[BucketShard]] = None, began: Optional[float] = None,
+              probe_latency: bool = False) -> bool:
         """Begin the sync due after ``step``: the penalty's decisions. ``skip`` (A-EDiT: too few
         steps in total) ends it at once without any exchange; returns whether it goes on.
         ``bytes_at_start``: the sync group's byte count where the sync's traffic began (A-EDiT's
@@ -168,7 +169,11 @@ class OuterSync(LayerwisePhases):
         steps later (a delayed outer step; ``step`` is the apply step). ``members``: the shards
         this sync exchanges (streaming fragment ``fragment``; default: every shard). ``began``: the
         ``time.perf_counter()`` at which the caller began the sync (its schedule and bookkeeping
-        count in the sync's seconds; default: now)."""
+        count in the sync's seconds; default: now). ``probe_latency`` (every worker of the sync
+        must ask it alike: the automatic overlap's timed syncs): a blocking all-reduce of one
+        element over the sync group before the exchange's first launch (the workers' skew is
+        waited out there, not in the exchange's time) and, once the whole exchange is in, two
+        timed ones (:mod:`.link_probe`: the link's latency and rate)."""
         assert self._sync is None, "a sync is already in progress"
         t0 = time.perf_counter() if began is None else began
         if bytes_at_start is None:
@@ -177,6 +182,7 @@ class OuterSync(LayerwisePhases):
         self._sync.worker_steps, self._sync.worker_seconds = worker_steps, worker_seconds
         self._sync.worker_idle, self._sync.final, self._sync.delay = worker_idle, final, delay
         self._sync.members = list(self.shards if members is None else members)
+        self._sync.probe_latency = probe_latency
         if members is not None:
             self._sync.fragment = fragment
             layers = torch.zeros(len(self.layer_names), dtype=torch.bool)
@@ -250,7 +256,11 @@ class OuterSync(LayerwisePhases):
                 continue
             if state.delta is None:
                 state.delta = self._delta(shard)
+            if self._sync.probe_latency and self._sync.arrived is None:
+                self._sync.arrived = link_probe.all_reduce_seconds(self.sync_group, shard.device)
+            t1 = time.perf_counter()
             state.flight = state.reducer.launch(shard, state.delta, self._sync.skipped_ranges(shard))
+            self._sync.exchange_seconds += time.perf_counter() - t1
         self._sync.seconds += time.perf_counter() - t0
 
     def _defers_mean(self) -> bool:
@@ -278,8 +288,21 @@ class OuterSync(LayerwisePhases):
                 state.delta = state.reducer.finish(state.flight)
                 state.flight, state.exchanged = None, True
         self._sync.seconds += time.perf_counter() - t0
+        self._sync.exchange_seconds += time.perf_counter() - t0
         if self._sync.delay and exposed:
             self._sync.exposed_wait += time.perf_counter() - t0
+        self._probe_latency()
+
+    def _probe_latency(self) -> None:
+        """The link's probes a sync asked for (:meth:`start`, :mod:`.link_probe`), once its whole
+        exchange is in: the workers have just met there, so their times are the link's."""
+        sync = self._sync
+        if not sync.probe_latency or sync.latency is not None:
+            return
+        if not all(sync.of(s).exchanged for s in sync.members):
+            return
+        device = sync.members[0].device if sync.members else torch.device("cpu")
+        sync.latency, sync.rate_probe = link_probe.probe(self.sync_group, device, sum(s.numel for s in self.shards))
 
     def wait_at_launch(self) -> None:
         """A delayed sync that ``auto_overlap`` times: wait for its whole exchange right after

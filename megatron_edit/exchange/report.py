@@ -77,6 +77,17 @@ class SyncReport:
     """Delayed outer step, a sync ``LocalSGDConfig.auto_overlap`` times: host seconds from the
     sync's start to the end of its exchange, waited for right after the launch (the apply stays
     ``delay`` steps later, with the same numbers); None: not waited for there."""
+    exchange_seconds: float = 0.0
+    """Of ``seconds``, host seconds inside the exchange's launch and finish (its codec and wire;
+    the rest is the sync's work in any format: the penalty's decisions, the pseudo-gradients,
+    the outer step)."""
+    latency_seconds: Optional[float] = None
+    """A sync ``LocalSGDConfig.auto_overlap`` times (the torch backend): host seconds of one
+    blocking all-reduce of one element over the sync group once the exchange was in (the
+    link's latency, which the prediction of the other formats needs); None: not probed."""
+    rate_probe_seconds: Optional[float] = None
+    """The same sync: host seconds of the all-reduce of ``link_probe.rate_probe_numel`` fp32 elements
+    after that one (the latency and the bytes: the link's rate); None: not probed."""
     auto_overlap: bool = False
     """The delay, format and fragments were chosen by ``LocalSGDConfig.auto_overlap``: the
     scalars carry the settings in force at every sync (delay 0 too) and the exposed wait."""
@@ -174,6 +185,9 @@ def report_of(sync, config, sync_group, layer_names, outer_lr: float, exchange_e
         delay=sync.delay,
         exposed_wait_seconds=sync.exposed_wait,
         launch_wait_seconds=sync.launch_wait,
+        exchange_seconds=sync.exchange_seconds,
+        latency_seconds=sync.latency,
+        rate_probe_seconds=sync.rate_probe,
         committed=sync.committed is not False,
         layers=sync.layers,
         residual_norm=_residual_norm(sync.members) if config.sync_record is not None and config.error_feedback

@@ -16,12 +16,19 @@ What is measured, on every rank:
   run that starts with the setting it keeps choosing equals that fixed setting's run bit for
   bit. (Before, the timed syncs ran undelayed, full outer steps without the merge; at 20
   Mbit/s the first two cost 7.6% of validation loss after 416 steps against the delay chosen,
-  the re-measures 0.1% more.) The other formats' times are scaled by the bytes one rank sends
-  in each (:func:`~megatron_edit.algorithm.overlap_plan.scale_to_formats`, from
-  :mod:`~megatron_edit.algorithm.wire`: a top-k format's all-gather of the W - 1 other
-  workers' payloads against a dense format's 2 (W - 1) / W); a fragment's exchange
-  counts for the whole model's in proportion to its elements. With a delay in force, a
-  sync that exposes a wait tells more: the exchange took tau steps plus that wait;
+  the re-measures 0.1% more.) The other formats' times are predicted from it
+  (:func:`~megatron_edit.algorithm.overlap_plan.predict_formats`): an exchange is its codec
+  (this rank's compute: timed at the sync for every allowed format against a loopback group,
+  :func:`~megatron_edit.exchange.codec_clock.codec_seconds`, no collective), the latency of its
+  messages (on the torch backend a timed sync ends its exchange with one all-reduce of one
+  element, timed: :attr:`~megatron_edit.exchange.report.SyncReport.latency_seconds`) and its
+  bytes (:mod:`~megatron_edit.algorithm.wire`: a top-k format's all-gather of the W - 1 other
+  workers' payloads against a dense format's 2 (W - 1) / W) over the link's rate, which is what
+  is left of the measured time. (Before, the whole time was scaled by bytes: measured in a top-k
+  format, mostly codec and latency on a fast link, a dense format was predicted ~90x too slow
+  and never chosen.) A fragment's exchange counts for the whole model's in proportion to its
+  elements. With a delay in force, a sync that exposes a wait tells more: the exchange took
+  tau steps plus that wait;
 * the wait each sync exposed (not hidden behind compute).
 
 Agreement: one all-reduce of MAX over every rank of every worker (the controller's
@@ -95,7 +102,9 @@ from ..algorithm import overlap_plan, quantize
 from ..algorithm.formats import topk_format
 from ..algorithm.overlap_plan import Choice, Measurement
 from ..config import LocalSGDConfig, delay_limit
+from ..exchange.codec_clock import codec_seconds
 from ..exchange.sparse import check_sparse_workers
+from .format_times import FormatTimes
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +125,8 @@ class AutoOverlap:
         self.clock: Callable[[], float] = time.perf_counter
         self.measure: Callable[[], Measurement] = self._measure
         """This rank's measurement at a sync (replaceable in tests)."""
+        self.codec = codec_seconds
+        """Each format's codec seconds on this rank (replaceable in tests)."""
         self.timed = True
         """The next sync is timed with the settings in force (without a delay it blocks; with
         one its exchange is waited for right after the launch)."""
@@ -130,6 +141,9 @@ class AutoOverlap:
         """The agreement's all-reduce in flight, started at the end of the step that applied a
         sync (:meth:`step_ended`), read at the next optimizer step (:meth:`after_sync`)."""
         self._local_exchange: Optional[dict] = None
+        self.format_times = FormatTimes(self.formats, user_config.exchange_block_size, user_config.exchange_topk_chunk)
+        self._not_stepping = 0.0
+        """Seconds since the last step's end spent timing the codecs (not an inner step's)."""
         self.decisions: List[Tuple[int, Choice, Measurement]] = []
         """(step after which it was taken, the choice, the agreed measurement), in order."""
 
@@ -214,8 +228,17 @@ class AutoOverlap:
     def _time_step(self) -> None:
         now = self.clock()
         if self._last_end is not None:
-            self._step_times.append(now - self._last_end)
-        self._last_end = now
+            self._step_times.append(now - self._last_end - self._not_stepping)
+        self._last_end, self._not_stepping = now, 0.0
+
+    @property
+    def probes(self) -> bool:
+        """Whether the next sync times the link's latency (:meth:`~megatron_edit.exchange.
+        outer_sync.OuterSync.start`): a timed sync, on the torch backend. Over torchft a worker
+        whose heal failed on one of its ranks keeps its own rule's state for a round (it may be
+        timing where the others are not), and a collective only some workers of a round make
+        would fail it: there the latency is taken as 0 (the wire's time all bytes)."""
+        return self.timed and self.user.sync_backend != "torchft"
 
     def _at_end(self) -> bool:
         c = self.controller
@@ -244,22 +267,35 @@ class AutoOverlap:
         step_s = statistics.median(self._step_times)  # H/F >= 2: at least one step since the last sync
         measured = None
         if self.timed and (not report.delay or report.launch_wait_seconds is not None):
-            # timed: a sync without a delay blocks; a delayed one waited at its launch
+            # timed: a sync without a delay blocks; a delayed one waited at its launch. Of its
+            # time, the codec and the wire depend on the format; the rest is the same in any.
             measured = report.launch_wait_seconds if report.delay else report.seconds
+            wire_part = min(report.exchange_seconds, measured)
         elif report.delay and exposed > 0.5 * step_s:  # the exchange outlasted its tau steps
-            measured = report.delay * step_s + exposed
+            measured = wire_part = report.delay * step_s + exposed
         if measured is not None:
             numel = sum(s.numel for s in c.shards)
+            scale = 1.0
             if report.fragment is not None:  # one fragment's exchange: the whole model's is that per element
-                part = sum(s.numel for s in c.sync_shards.fragments[report.fragment])
-                measured *= numel / max(part, 1)
-            # torchft: the workers of the sync (its quorum), each job being one
-            workers = max(c.sync.num_workers, 2) if self.user.sync_backend == "torchft" else c.num_workers
-            self._local_exchange = overlap_plan.scale_to_formats(  # from the format in force (c.config's)
-                measured, c.config.start_format, numel, self.formats, self.user.exchange_block_size,
-                workers, self.user.exchange_topk_chunk)
+                scale = numel / max(sum(s.numel for s in c.sync_shards.fragments[report.fragment]), 1)
+            own = (measured - wire_part) * scale
+            self._local_exchange = {f: own + t for f, t in self._predict(wire_part * scale, report, numel).items()}
         exchange = self._local_exchange or {f: 0.0 for f in self.formats}
         return Measurement(step_s, exchange, exposed, fresh=measured is not None)
+
+    def _predict(self, measured: float, report, numel: int) -> dict:
+        """Every allowed format's codec and wire time from ``measured``, those of the format in
+        force (:mod:`.format_times`), with each format's codec timed now on this rank."""
+        c, u = self.controller, self.user
+        # torchft: the workers of the sync (its quorum), each job being one
+        workers = max(c.sync.num_workers, 2) if u.sync_backend == "torchft" else c.num_workers
+        t0 = self.clock()
+        device = c.shards[0].device if c.shards else torch.device("cpu")
+        codec = self.codec(lambda fmt: self.config_for(0, fmt), self.formats, [s.numel for s in c.shards] or [numel],
+                           workers, device)
+        self._not_stepping += self.clock() - t0
+        return self.format_times.predict(measured, c.config.start_format, numel, workers, report, codec,
+                                         len(c.shards))
 
     def _start_agreement(self, mine: Measurement):
         """Start the all-reduce of MAX of this rank's numbers over every rank (asynchronous)."""

@@ -15,6 +15,7 @@ from megatron_edit.algorithm.overlap_plan import (
     exposed_seconds,
     format_seconds,
     plan,
+    predict_formats,
     smallest_interval,
 )
 
@@ -266,3 +267,35 @@ def test_most_precise_first_is_one_rule_for_dense_and_top_k_formats():
         ["topk0.01-fp32", "topk0.02-int4", "topk0.02-int2"]
     # equal bits: the higher density first (chunk 65536, 16 index bits: 0.25 x 48 = 0.5 x 24 = 12)
     assert formats_order(["topk0.25-fp32", "topk0.5-int8"], chunk=1 << 16) == ["topk0.5-int8", "topk0.25-fp32"]
+
+
+def test_a_format_is_predicted_from_its_codec_the_latency_per_message_and_the_rest_per_byte():
+    """A top-k exchange measured at 0.1 s among 4 workers, 10 buckets: 0.06 s of it codec, 10 x 3
+    messages of 1 ms latency, the 0.01 s left over its bytes is the link's rate. int8 is then its
+    own codec + 10 x 4 messages + its bytes at that rate; fp32 (no codec) 10 x 6 messages + its
+    bytes. Scaled by bytes alone, fp32 was ~90x the top-k time."""
+    from megatron_edit.algorithm import wire
+
+    n, w, fmts = 1 << 20, 4, ("fp32", "int8", "topk0.02-int2")
+    codec = {"fp32": 0.0, "int8": 0.02, "topk0.02-int2": 0.06}
+    times, per_byte = predict_formats(0.1, "topk0.02-int2", n, fmts, 256, w, 4096, codec_s=codec,
+                                      latency_s=0.001, buckets=10)
+    sent = {f: wire.wire_bytes(n, f, w, 256, 4096) for f in fmts}
+    assert per_byte == pytest.approx(0.01 / sent["topk0.02-int2"])
+    assert times["topk0.02-int2"] == 0.1
+    assert times["int8"] == pytest.approx(0.02 + 0.04 + sent["int8"] * per_byte)
+    assert times["fp32"] == pytest.approx(0.06 + sent["fp32"] * per_byte)
+    assert times["fp32"] < 0.2 * scale_to_formats(0.1, "topk0.02-int2", n, ("fp32",), 256, w, 4096)["fp32"]
+    # codec and latency more than the measured time (noise): nothing left for the bytes (0 per
+    # byte); a rate the caller knows (probed) is taken as it is
+    over, rate = predict_formats(0.05, "topk0.02-int2", n, fmts, 256, w, 4096, codec_s=codec, latency_s=0.001,
+                                 buckets=10)
+    assert rate == 0.0 and over["fp32"] == pytest.approx(0.06) and over["topk0.02-int2"] == 0.05
+    known = 1e-8
+    over, rate = predict_formats(0.1, "topk0.02-int2", n, fmts, 256, w, 4096, codec_s=codec, latency_s=0.001,
+                                 buckets=10, per_byte_s=known)
+    assert rate == known and over["fp32"] == pytest.approx(0.06 + sent["fp32"] * known)
+    assert over["topk0.02-int2"] == 0.1
+    # neither codec nor latency: the bytes' ratio, as scale_to_formats
+    plain, _ = predict_formats(0.1, "topk0.02-int2", n, fmts, 256, w, 4096)
+    assert plain == pytest.approx(scale_to_formats(0.1, "topk0.02-int2", n, fmts, 256, w, 4096))

@@ -94,7 +94,8 @@ def test_a_delay_chosen_mid_run_matches_the_simulation(fsdp):
     (measured), the delay 1 decided at the step after 4; the syncs after 6 and 8 are launched one
     step earlier and merged (alpha 0.5), the last (10) is blocking. The sync after 8 re-measures
     with the delay in force (its exchange waited for right after its launch, after step 7): the
-    same numbers as an untimed one. Against the plain-PyTorch simulation with the delay switched
+    same numbers as an untimed one; each timed sync ends its exchange with the latency probe.
+    Against the plain-PyTorch simulation with the delay switched
     on after step 4 (``delay_switch``), and one model on every worker at the end; on the
     distributed optimizer and on Megatron-FSDP in HSDP."""
     from edit_runs import default_spec, megatron_runs, simulate_edit
@@ -110,6 +111,9 @@ def test_a_delay_chosen_mid_run_matches_the_simulation(fsdp):
         assert [(rep.step, rep.delay) for rep in run["reports"]] == [(2, 0), (4, 0), (6, 1), (8, 1), (10, 0)]
         # the sync after 8 was timed at its launch (a re-measure), the one after 6 not
         assert [rep.launch_wait_seconds is not None for rep in run["reports"][2:4]] == [False, True]
+        # the timed syncs (2, 4, 8) probed the link's latency once their exchange was in, no other
+        assert [rep.latency_seconds is not None for rep in run["reports"]] == [True, True, False, True, False]
+        assert all(rep.latency_seconds > 0 for rep in run["reports"] if rep.latency_seconds is not None)
         assert [d[0] for d in run["decisions"]] == [4, 8]
         worst = max_difference(run["params"], sim[run["worker"]])
         assert worst <= SIM_ATOL, worst
@@ -256,12 +260,21 @@ def _auto(**local):
     ctl.auto = AutoOverlap(ctl, user)
     ctl.config = ctl.auto.initial_config()
     ctl.auto._agree = lambda mine: mine  # one rank: the agreement is what it measured
-    times = iter(range(10**6))
-    ctl.auto.clock = lambda: 0.1 * next(times)  # every step 0.1 s
+    # Every step 0.1 s: the clock moves at each step's end only.
+    now, step_ended = [0.0], ctl.auto.step_ended
+    ctl.auto.clock = lambda: now[0]
+
+    def tick():
+        now[0] += 0.1
+        step_ended()
+
+    ctl.auto.step_ended = tick
+    # No codec and no latency probed (the fake reports): the other formats' times scale with bytes.
+    ctl.auto.codec = lambda config_for, formats, *_: {f: 0.0 for f in formats}
     return ctl
 
 
-def _sync(ctl, step, seconds, exposed=0.0, steps=8, fragment=None):
+def _sync(ctl, step, seconds, exposed=0.0, steps=8, fragment=None, probes=None):
     from megatron_edit.exchange.report import SyncReport
 
     for _ in range(steps):
@@ -271,7 +284,10 @@ def _sync(ctl, step, seconds, exposed=0.0, steps=8, fragment=None):
     waited = seconds if ctl.auto.timed and c.outer_step_delay else None
     ctl.auto.sync_done(SyncReport(step=step, mode="layerwise", buckets=1, payload_bytes=0, seconds=seconds,
                                   workers=2, delay=c.outer_step_delay, exchange_dtype=c.exchange_dtype,
-                                  exposed_wait_seconds=exposed, fragment=fragment, launch_wait_seconds=waited))
+                                  exposed_wait_seconds=exposed, fragment=fragment, launch_wait_seconds=waited,
+                                  exchange_seconds=seconds,  # (the stand-in's sync is all exchange)
+                                  latency_seconds=probes[0] if probes and ctl.auto.timed else None,
+                                  rate_probe_seconds=probes[1] if probes and ctl.auto.timed else None))
     ctl.auto.after_sync()
 
 
@@ -322,7 +338,8 @@ def test_a_sync_applied_in_a_step_is_agreed_on_asynchronously_from_the_end_of_th
         c = ctl.config
         ctl.auto.sync_done(SyncReport(step=step, mode="layerwise", buckets=1, payload_bytes=0, seconds=seconds,
                                       workers=2, delay=c.outer_step_delay, exchange_dtype=c.exchange_dtype,
-                                      launch_wait_seconds=seconds if ctl.auto.timed else None))
+                                      launch_wait_seconds=seconds if ctl.auto.timed else None,
+                                      exchange_seconds=seconds))
         ctl.steps_done = step
         ctl.auto.step_ended()  # the end of the step that applied it
         ctl.auto.after_sync()  # the next optimizer step
@@ -336,6 +353,51 @@ def test_a_sync_applied_in_a_step_is_agreed_on_asynchronously_from_the_end_of_th
     ctl.steps_done = 24  # the run's last step: nothing follows it
     ctl.auto.step_ended()
     assert len(started) == 2 and ctl.auto._agreement is None
+
+
+def test_measured_in_top_k_a_dense_format_is_predicted_from_its_codec_and_the_probed_link():
+    """Started in topk0.02-int2 (40 bytes a sync for the stand-in's 1024 elements; fp32 4096), H 8,
+    a step of 0.1 s: the timed syncs take 0.3 s, of which 0.297 s is the top-k codec (timed
+    locally). Their probes: an all-reduce of one element 2 ms (1 ms a message of the ring's 2),
+    of the rank's 1024 elements (4096 bytes on the wire) 2 ms + 4096 bytes at 5e-8 s a byte.
+    fp32 (no codec) is then 2 messages + 4096 bytes: 2.2 ms, hidden without a delay. Scaled by bytes alone it was
+    30.7 s and the run stayed in top-k (tau 4)."""
+    from megatron_edit.algorithm.wire import all_reduce_bytes
+
+    ctl = _auto(auto_formats="fp32,topk0.02-int2", exchange_dtype="int2", exchange_topk_density=0.02)
+    ctl.auto.codec = lambda config_for, formats, *_: {"fp32": 0.0, "topk0.02-int2": 0.297}
+    assert ctl.config.start_format == "topk0.02-int2"
+    probes = (0.002, 0.002 + all_reduce_bytes(4 * 1024, 2) * 5e-8)
+    _sync(ctl, 8, 0.3, probes=probes)
+    _sync(ctl, 16, 0.3, probes=probes)
+    step, choice, m = ctl.auto.decisions[-1]
+    assert m.exchange_s["topk0.02-int2"] == pytest.approx(0.3)
+    assert m.exchange_s["fp32"] == pytest.approx(0.002 + 4096 * 5e-8)
+    assert (choice.exchange_dtype, choice.outer_step_delay, choice.hidden) == ("fp32", 0, True)
+    assert ctl.applied == [(0, "fp32")]
+
+
+def test_without_probes_the_rate_is_what_the_bytes_left_and_few_bytes_only_raise_it():
+    """Over torchft no probe (latency 0): measured in top-k, 0.3 s of which 0.297 s codec, the 3 ms
+    left are its 40 bytes' (7.5e-5 s a byte): fp32 0.3072 s, tau = ceil(1.2 x 3.072) = 4. Measured
+    in fp32 (4096 bytes) that rate stays; a top-k re-measure whose bytes leave less (0.5 ms,
+    1.25e-5 s a byte) does not lower it: fp32 stays predicted at 0.3072 s."""
+    ctl = _auto(auto_formats="fp32,topk0.02-int2", exchange_dtype="int2", exchange_topk_density=0.02)
+    ctl.auto.codec = lambda config_for, formats, *_: {"fp32": 0.0, "topk0.02-int2": 0.297}
+    _sync(ctl, 8, 0.3)
+    _sync(ctl, 16, 0.3)
+    step, choice, m = ctl.auto.decisions[-1]
+    assert m.exchange_s["fp32"] == pytest.approx(4096 * 0.003 / 40)
+    assert (choice.exchange_dtype, choice.outer_step_delay, choice.hidden) == ("fp32", 4, True)
+    ctl.auto.timed = True
+    _sync(ctl, 24, 0.3072)
+    assert ctl.auto.format_times.link == (4096, pytest.approx(0.3072 / 4096))
+    ctl.apply_settings(0, "topk0.02-int2")
+    ctl.auto.timed = True
+    _sync(ctl, 32, 0.2975)
+    assert ctl.auto.format_times.link == (4096, pytest.approx(0.3072 / 4096))
+    assert ctl.auto._local_exchange["fp32"] == pytest.approx(0.3072)
+    assert ctl.auto._local_exchange["topk0.02-int2"] == pytest.approx(0.2975)
 
 
 def test_a_grown_exposed_wait_re_decides_at_once_from_what_that_sync_measured():

@@ -173,8 +173,17 @@ def _stand_in(**local):
         ctl.config = auto.config_for(delay, dtype)
 
     ctl.apply_settings = apply_settings
-    times = iter(range(10**6))
-    auto.clock = lambda: 0.1 * next(times)
+    # Every step 0.1 s: the clock moves at each step's end only; no codec, no probes (the
+    # stand-in's reports): the other formats' times scale with bytes.
+    now, step_ended = [0.0], auto.step_ended
+    auto.clock = lambda: now[0]
+
+    def tick():
+        now[0] += 0.1
+        step_ended()
+
+    auto.step_ended = tick
+    auto.codec = lambda config_for, formats, *_: {f: 0.0 for f in formats}
     return ctl
 
 
@@ -195,7 +204,8 @@ def _at_sync(ctl, seconds, interval=(4, 8), final=False, final_next=False):
     c = ctl.config
     auto.sync_done(SyncReport(step=0, mode="layerwise", buckets=1, payload_bytes=0, seconds=seconds, workers=2,
                               delay=c.outer_step_delay, exchange_dtype=c.exchange_dtype,
-                              launch_wait_seconds=seconds if auto.timed and c.outer_step_delay else None))
+                              launch_wait_seconds=seconds if auto.timed and c.outer_step_delay else None,
+                              exchange_seconds=seconds))
 
 
 def test_measurements_agreed_at_the_next_sync_decide_and_the_decision_waits_for_nothing_in_flight():
