@@ -195,7 +195,9 @@ def run_ranks(fn, world_size, *args, timeout=120, device="cpu", rerun_any_failur
     (2026-12-04): SIGSEGV in a gloo worker thread's ``malloc``, a small chunk that thread had
     freed written after its free: glibc's heap damaged in torch's own memory; on 2026-12-05
     megatron-core's own synchronous training, none of EDiT's wraps attached, aborted the same way
-    once in about 31,200 steps: not EDiT's, torch's gloo or the CPU adapter's). Any other
+    once in about 31,200 steps, and its core shows a double free of a 32-byte chunk on a gloo
+    worker thread: torch's ``ProcessGroupGloo`` (pytorch/pytorch, ProcessGroupGloo.cpp), not EDiT
+    and not a collective's buffer). Any other
     failure, and a crash in every run, is raised. ``rerun_any_failure``: again after any
     rank's failure (:func:`run_fsdp_ranks`).
     """
@@ -213,8 +215,9 @@ def run_ranks(fn, world_size, *args, timeout=120, device="cpu", rerun_any_failur
             RERUNS.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], cause, first))
             guarded = ("; the collective guard was on: no buffer of a collective in flight was freed or written"
                        if os.environ.get("MEGATRON_EDIT_COLLECTIVE_GUARD") == "1" else "")
-            where = ("; seen as glibc's heap damaged under a gloo worker thread, also in megatron-core's own "
-                     "synchronous training without EDiT (2026-12-05)") if native else ""
+            where = ("; a double free of a small object on a gloo worker thread, also in megatron-core's own "
+                     "synchronous training without EDiT: torch's ProcessGroupGloo, pytorch/pytorch "
+                     "ProcessGroupGloo.cpp") if native else ""
             warnings.warn(f"{cause} (known defect, cause open: docs/status.md, issue 62{where}{guarded}; "
                           f"run {attempt} of {RUNS} failed, running again): "
                           f"{_excerpt(str(error))}")
