@@ -65,7 +65,9 @@ def _values(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float64, device=device).mul_(0.6180339887498949).frac_().sub_(0.5).float()
 
 
-def _exchange_once(config: LocalSGDConfig, workers: int, values: torch.Tensor) -> None:
+def _exchange_once(config: LocalSGDConfig, workers: int, values: torch.Tensor):
+    """One exchange of ``values`` (a copy) among ``workers`` loopback workers in ``config``'s
+    format, through the reducer the sync would choose: (its result, the group, the protocol)."""
     group = LoopbackGroup(workers)
     protocol = reducers.exchange_protocol(config, group, workers)
     shard = SimpleNamespace(numel=values.numel(), residual=None, chunk_residual=None)
@@ -73,7 +75,7 @@ def _exchange_once(config: LocalSGDConfig, workers: int, values: torch.Tensor) -
                                     weights=None, own_weights=None, step=0, shard_rank=0, defer=False)
     flight = reducer.launch(shard, values.clone())
     reducer.advance(flight)
-    reducer.finish(flight)
+    return reducer.finish(flight), group, protocol
 
 
 def codec_seconds(config_for: Callable[[str], LocalSGDConfig], formats: Sequence[str], numels: Sequence[int],

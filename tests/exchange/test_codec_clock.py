@@ -1,15 +1,13 @@
 """Each format's codec timed against a loopback group (exchange/codec_clock.py)."""
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_edit.algorithm.formats import topk_format
-from megatron_edit.config import GTAConfig, LocalSGDConfig
-from megatron_edit.exchange import reducers
-from megatron_edit.exchange.codec_clock import LoopbackGroup, _values, codec_seconds
+from megatron_edit.config import LocalSGDConfig
+from megatron_edit.exchange.codec_clock import _exchange_once, _values, codec_seconds
 
 FORMATS = ("fp32", "bf16", "int8", "int4", "topk0.02-int2", "topk0.1-int4")
 
@@ -25,19 +23,11 @@ def test_the_loopback_exchange_is_the_real_one_with_every_worker_sending_the_sam
     """Every worker of the loopback group sends this rank's payload, through the reducer the sync
     runs (reducers.choose): fp32's mean of W equal pseudo-gradients is the pseudo-gradient, the
     top-k exchange's is its own payload decoded, the quantized exchange's chunk 0 (the one this
-    rank reduces) its quantization; nothing is sent anywhere."""
+    rank reduces) its quantization."""
     from megatron_edit.algorithm import quantize, topk
 
     values = _values(10_000, torch.device("cpu"))
-    workers, group = 3, LoopbackGroup(3)
-    config = _config(fmt)
-    protocol = reducers.exchange_protocol(config, group, workers)
-    shard = SimpleNamespace(numel=values.numel(), residual=None, chunk_residual=None)
-    _, (reducer,) = reducers.choose([shard], sync_group=group, protocol=protocol, gta_config=GTAConfig(),
-                                    weights=None, own_weights=None, step=0, shard_rank=0, defer=False)
-    flight = reducer.launch(shard, values.clone())
-    reducer.advance(flight)
-    mean = reducer.finish(flight)
+    mean, _, protocol = _exchange_once(_config(fmt), 3, values)
     sparse = topk_format(fmt)
     if fmt == "fp32":
         assert torch.allclose(mean, values)
@@ -53,7 +43,6 @@ def test_the_loopback_exchange_is_the_real_one_with_every_worker_sending_the_sam
         # the owner's sum of 3 equal chunks, divided, then quantized again for the all-gather
         assert (mean[: sizes[0]] - own).norm() <= 2 * (once - own).norm() + 1e-6
         assert (mean[: sizes[0]] - own).norm() > 0
-    assert group.counters.collectives == 0
 
 
 def test_codec_seconds_times_every_format_on_the_shards_sizes_and_leaves_the_random_state_alone():
