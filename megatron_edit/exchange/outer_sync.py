@@ -249,6 +249,8 @@ class OuterSync(LayerwisePhases):
     @torch.no_grad()
     def launch(self, shards: Sequence[BucketShard]) -> None:
         """Start the asynchronous exchange of ``shards`` (each worker's weighted Delta)."""
+        if self._sync.probe_latency and self._sync.arrived is None and shards:  # (not the sync's time)
+            self._sync.arrived = link_probe.all_reduce_seconds(self.sync_group, shards[0].device)
         t0 = time.perf_counter()
         for shard in shards:
             state = self._sync.of(shard)
@@ -256,8 +258,6 @@ class OuterSync(LayerwisePhases):
                 continue
             if state.delta is None:
                 state.delta = self._delta(shard)
-            if self._sync.probe_latency and self._sync.arrived is None:
-                self._sync.arrived = link_probe.all_reduce_seconds(self.sync_group, shard.device)
             t1 = time.perf_counter()
             state.flight = state.reducer.launch(shard, state.delta, self._sync.skipped_ranges(shard))
             self._sync.exchange_seconds += time.perf_counter() - t1

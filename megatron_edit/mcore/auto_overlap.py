@@ -20,11 +20,12 @@ What is measured, on every rank:
   (:func:`~megatron_edit.algorithm.overlap_plan.predict_formats`): an exchange is its codec
   (this rank's compute: timed at the sync for every allowed format against a loopback group,
   :func:`~megatron_edit.exchange.codec_clock.codec_seconds`, no collective), the latency of its
-  messages (on the torch backend a timed sync ends its exchange with one all-reduce of one
-  element, timed: :attr:`~megatron_edit.exchange.report.SyncReport.latency_seconds`) and its
-  bytes (:mod:`~megatron_edit.algorithm.wire`: a top-k format's all-gather of the W - 1 other
-  workers' payloads against a dense format's 2 (W - 1) / W) over the link's rate, which is what
-  is left of the measured time. (Before, the whole time was scaled by bytes: measured in a top-k
+  messages and its bytes (:mod:`~megatron_edit.algorithm.wire`: a top-k format's all-gather of
+  the W - 1 other workers' payloads against a dense format's 2 (W - 1) / W) over the link's
+  rate, both probed on the torch backend (:mod:`~megatron_edit.exchange.link_probe`; over
+  torchft the rate is what the bytes leave of the measured time: :mod:`.format_times`); the
+  rest of the sync's time (its decisions, pseudo-gradients, outer step) is the same in any
+  format. (Before, the whole time was scaled by bytes: measured in a top-k
   format, mostly codec and latency on a fast link, a dense format was predicted ~90x too slow
   and never chosen.) A fragment's exchange counts for the whole model's in proportion to its
   elements. With a delay in force, a sync that exposes a wait tells more: the exchange took
@@ -233,11 +234,11 @@ class AutoOverlap:
 
     @property
     def probes(self) -> bool:
-        """Whether the next sync times the link's latency (:meth:`~megatron_edit.exchange.
-        outer_sync.OuterSync.start`): a timed sync, on the torch backend. Over torchft a worker
-        whose heal failed on one of its ranks keeps its own rule's state for a round (it may be
-        timing where the others are not), and a collective only some workers of a round make
-        would fail it: there the latency is taken as 0 (the wire's time all bytes)."""
+        """Whether the next sync probes the link (:meth:`~megatron_edit.exchange.outer_sync.
+        OuterSync.start`): a timed sync, on the torch backend. Over torchft a worker whose heal
+        failed on one of its ranks keeps its own rule's state for a round (it may be timing where
+        the others are not), and a collective only some workers of a round make would fail it:
+        there no probe (:mod:`.format_times`)."""
         return self.timed and self.user.sync_backend != "torchft"
 
     def _at_end(self) -> bool:
