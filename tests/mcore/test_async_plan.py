@@ -82,6 +82,7 @@ def test_the_controller_reads_the_clock_before_waiting_for_the_others():
     ctl.shards = []
     ctl._last_sync_step = 0
     ctl.expert_biases = None  # (a MoE model's router biases, averaged at each sync)
+    ctl.auto = None  # (no automatic overlap)
     ctl.async_fragments, ctl.sync_shards, ctl.layer_names = AsyncFragments(), types.SimpleNamespace(fragments=[[]]), []
     started = {}
     ctl.sync = types.SimpleNamespace(start=lambda *a, **k: started.setdefault("kwargs", k) is not None)
