@@ -29,7 +29,6 @@ SAMPLE = 1 << 20
 """Elements timed per format at most; a larger pseudo-gradient's codec scales by its size."""
 
 
-
 class LoopbackGroup:
     """``size`` workers in one process, each sending what this one (rank 0) sends: the
     collectives copy locally (a sum multiplies), nothing crosses a process. Each worker's part of

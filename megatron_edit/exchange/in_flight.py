@@ -66,10 +66,10 @@ class SyncInProgress:
     """Of ``seconds``, those inside the reducers' launch and finish: the codec and the wire (the
     rest is the sync's own work in any format: the penalty's decisions, the pseudo-gradients,
     the outer step)."""
-    probe_latency: bool = False
-    """One tiny all-reduce before the exchange and one, timed, after it (``OuterSync.start``)."""
-    arrived: Optional[float] = None
-    """Seconds of the all-reduce before the exchange's first launch: the workers' skew."""
+    probe_link: bool = False
+    """The link's probes (``OuterSync.start``): one all-reduce before the exchange, two after it."""
+    met: bool = False
+    """The probes' all-reduce before the exchange's first launch is done (the workers' skew)."""
     latency: Optional[float] = None
     """Seconds of an all-reduce of one element over the sync group after it (None: not probed)."""
     rate_probe: Optional[float] = None

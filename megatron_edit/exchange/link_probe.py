@@ -1,6 +1,6 @@
-"""The link's probes at a sync the automatic overlap times (``OuterSync.start(probe_latency=
-True)``): blocking all-reduces over the sync group, timed. Before the exchange's first launch one
-of a single element takes the workers' skew (the exchange's time then starts with every worker
+"""The link's probes at a sync the automatic overlap times (``OuterSync.start(probe_link=True)``):
+blocking all-reduces over the sync group, timed. Before the exchange's first launch one of a
+single element takes the workers' skew (the exchange's time then starts with every worker
 there); once the exchange is in, one of a single element times the latency and one of
 :func:`rate_probe_numel` elements the latency and the bytes: the link's rate
 (:meth:`~megatron_edit.mcore.auto_overlap.AutoOverlap._measure`)."""

@@ -161,7 +161,7 @@ class OuterSync(LayerwisePhases):
               bytes_at_start: Optional[int] = None, worker_idle: Optional[torch.Tensor] = None,
               final: bool = False, delay: int = 0, fragment: Optional[int] = None,
               members: Optional[Sequence[BucketShard]] = None, began: Optional[float] = None,
-              probe_latency: bool = False) -> bool:
+              probe_link: bool = False) -> bool:
         """Begin the sync due after ``step``: the penalty's decisions. ``skip`` (A-EDiT: too few
         steps in total) ends it at once without any exchange; returns whether it goes on.
         ``bytes_at_start``: the sync group's byte count where the sync's traffic began (A-EDiT's
@@ -169,7 +169,7 @@ class OuterSync(LayerwisePhases):
         steps later (a delayed outer step; ``step`` is the apply step). ``members``: the shards
         this sync exchanges (streaming fragment ``fragment``; default: every shard). ``began``: the
         ``time.perf_counter()`` at which the caller began the sync (its schedule and bookkeeping
-        count in the sync's seconds; default: now). ``probe_latency`` (every worker of the sync
+        count in the sync's seconds; default: now). ``probe_link`` (every worker of the sync
         must ask it alike: the automatic overlap's timed syncs): a blocking all-reduce of one
         element over the sync group before the exchange's first launch (the workers' skew is
         waited out there, not in the exchange's time) and, once the whole exchange is in, two
@@ -182,7 +182,7 @@ class OuterSync(LayerwisePhases):
         self._sync.worker_steps, self._sync.worker_seconds = worker_steps, worker_seconds
         self._sync.worker_idle, self._sync.final, self._sync.delay = worker_idle, final, delay
         self._sync.members = list(self.shards if members is None else members)
-        self._sync.probe_latency = probe_latency
+        self._sync.probe_link = probe_link
         if members is not None:
             self._sync.fragment = fragment
             layers = torch.zeros(len(self.layer_names), dtype=torch.bool)
@@ -249,8 +249,9 @@ class OuterSync(LayerwisePhases):
     @torch.no_grad()
     def launch(self, shards: Sequence[BucketShard]) -> None:
         """Start the asynchronous exchange of ``shards`` (each worker's weighted Delta)."""
-        if self._sync.probe_latency and self._sync.arrived is None and shards:  # (not the sync's time)
-            self._sync.arrived = link_probe.all_reduce_seconds(self.sync_group, shards[0].device)
+        if self._sync.probe_link and not self._sync.met and shards:  # (not the sync's time)
+            link_probe.all_reduce_seconds(self.sync_group, shards[0].device)
+            self._sync.met = True
         t0 = time.perf_counter()
         for shard in shards:
             state = self._sync.of(shard)
@@ -291,13 +292,13 @@ class OuterSync(LayerwisePhases):
         self._sync.exchange_seconds += time.perf_counter() - t0
         if self._sync.delay and exposed:
             self._sync.exposed_wait += time.perf_counter() - t0
-        self._probe_latency()
+        self._probe_link()
 
-    def _probe_latency(self) -> None:
+    def _probe_link(self) -> None:
         """The link's probes a sync asked for (:meth:`start`, :mod:`.link_probe`), once its whole
         exchange is in: the workers have just met there, so their times are the link's."""
         sync = self._sync
-        if not sync.probe_latency or sync.latency is not None:
+        if not sync.probe_link or sync.latency is not None:
             return
         if not all(sync.of(s).exchanged for s in sync.members):
             return

@@ -360,7 +360,7 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
             fragment, members = due or self.sync_shards.due(step, self.last_step)
             steps_since = self.sync_shards.steps_since(step, fragment, self._last_sync_step)
         started = self.sync.start(step, steps_since, bytes_at_start=bytes_at_start, delay=delay, fragment=fragment,
-                                  members=members, began=began, probe_latency=self.auto is not None and self.auto.probes,
+                                  members=members, began=began, probe_link=self.auto is not None and self.auto.probes,
                                   **({} if planned is None else planned.sync_args))
         if planned is not None and planned.skip:
             self.backend.close_skipped()
