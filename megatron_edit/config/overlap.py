@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..algorithm.formats import DENSE, format_name, precision_order, topk_format
 from ..algorithm.schedule import delay_limit  # noqa: F401 (re-exported)
-from .values import FLAG_NAMES, ConfigError, NotSupportedYet, _name, _require
+from .values import FLAG_NAMES, ConfigError, _name, _require
 
 
 def _known(name: str) -> bool:
@@ -107,11 +107,6 @@ class OverlapSettings:
                 raise ConfigError(f"{_name(given[0])}: only used by {FLAG_NAMES['auto_overlap']}; add it "
                                   "or drop the flag.")
             return
-        if self.use_async and self.auto_fragments is not None and self.sync_backend != "torch":
-            raise NotSupportedYet(  # (as --local-sgd-fragments with A-EDiT over torchft: _check_delay)
-                f"{_name('auto_overlap')} with {FLAG_NAMES['auto_fragments']}, {FLAG_NAMES['use_async']} (A-EDiT) and "
-                f"{FLAG_NAMES['sync_backend']} {self.sync_backend} is not supported yet (A-EDiT's fragments run on "
-                "the torch backend only); drop one of them.")
         if self.start_format not in self.allowed_formats:
             flags = f"{FLAG_NAMES['exchange_dtype']} {self.exchange_dtype}" + (
                 "" if self.exchange_topk_density is None
@@ -183,11 +178,6 @@ class OverlapSettings:
                 "launched (one in flight at a time).")
         f, h = self.fragments, self.local_sgd_sync_interval
         _require(f >= 1, "fragments", f"must be an integer >= 1 (got {f!r}); 1: no fragments.")
-        if f > 1 and self.use_async and self.sync_backend != "torch":
-            raise NotSupportedYet(
-                f"{_name('fragments')}: streaming fragments with {FLAG_NAMES['use_async']} (A-EDiT) over "
-                f"{FLAG_NAMES['sync_backend']} {self.sync_backend} are not supported yet (the torch backend "
-                "only); drop one of the three.")
         if h % f:
             raise ConfigError(
                 f"{_name('fragments')}: {f} must divide {FLAG_NAMES['local_sgd_sync_interval']} ({h}): "

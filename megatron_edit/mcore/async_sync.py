@@ -29,7 +29,7 @@ fragments (Streaming DiLoCo, arXiv 2501.18512): what
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -72,52 +72,84 @@ class AsyncStart:
 
 class AsyncFragments:
     """Which fragment each A-EDiT sync exchanges, and every worker's step count at each
-    fragment's last real sync (see the module docstring)."""
+    fragment's last real sync, by worker id (see the module docstring)."""
 
     def __init__(self):
         self.exchanges = 0
         """Real syncs of single fragments since the anchor was taken (the round-robin's count)."""
-        self.last: Optional[List[List[int]]] = None
-        """Per fragment, every worker's step count at its last real sync's launch; None: every
-        fragment at the last real sync of any (after the anchor is taken, or an elastic resume)."""
+        self.last: Optional[List[Dict[int, int]]] = None
+        """Per fragment, each worker's step count (by worker id: the torchft backend's replica id,
+        else its place) at the fragment's last real sync's launch; None: every fragment at the
+        last real sync of any (after the anchor is taken, or an elastic resume)."""
+        self._before: Optional[dict] = None
+        """The counts before the latest :meth:`at_sync` (:meth:`not_committed` goes back to them)."""
 
     def restart(self) -> None:
         """The anchor was taken: every fragment starts here."""
         self.exchanges, self.last = 0, None
 
-    def at_sync(self, shards, layers: int, schedule, skip: bool, final: bool):
+    def at_sync(self, shards, layers: int, schedule, skip: bool, final: bool, ids: Optional[List[int]] = None):
         """(fragment, members, every worker's steps) of the sync whose agreed schedule is
         ``schedule``; ``shards``: the controller's :class:`~.fragments.SyncShards`, ``layers``:
-        its number of layers. Counts the sync when it exchanges."""
+        its number of layers; ``ids``: the worker ids of the schedule's entries (the torchft
+        backend's quorum; default: 0 .. W-1). Counts the sync when it exchanges.
+
+        A worker that brings no steps (``steps_since_exchange`` 0: over torchft it joins, or heals
+        from a peer, and holds the anchor) weighs 0 in every fragment, whose count then starts at
+        its step; one the counts do not know (it was not in the fragment's last sync) counts from
+        its own last exchange."""
         count = len(shards.fragments)
+        self._before = None
         if count == 1 or skip:
             return None, None, schedule.steps_since_exchange
+        self._before = self.state_dict()
         steps = [int(n) for n in schedule.steps]
+        ids = list(range(len(steps))) if ids is None else [int(w) for w in ids]
+        since_any = [int(k) for k in schedule.steps_since_exchange]
         if self.last is None or len(self.last) != count:
-            start = [n - int(k) for n, k in zip(steps, schedule.steps_since_exchange)]
-            self.last = [list(start) for _ in range(count)]
-        since = torch.tensor([[n - m for n, m in zip(steps, last)] for last in self.last], dtype=torch.float64)
+            self.last = [{} for _ in range(count)]
+        for w, n, k in zip(ids, steps, since_any):
+            for last in self.last:
+                if k == 0 or w not in last:  # (the joiner's and healer's parameters are the anchor)
+                    last[w] = n - k
+        since = torch.tensor([[n - last[w] for w, n in zip(ids, steps)] for last in self.last], dtype=torch.float64)
         if final:  # every fragment: each layer weighs its own fragment's steps
             of_layer = torch.zeros(layers, dtype=torch.int64)
             for f, fragment in enumerate(shards.fragments):
                 for shard in fragment:
                     of_layer[list(shard.bucket_layers)] = f
-            self.last = [list(steps) for _ in range(count)]
+            self.last = [dict(zip(ids, steps)) for _ in range(count)]
             return None, shards.all, since[of_layer].T.contiguous()
         self.exchanges += 1
         f = math_fragments.fragment_of_sync(self.exchanges, count)
-        self.last[f] = list(steps)
+        self.last[f] = dict(zip(ids, steps))
+        for last in self.last:  # (a worker gone from the sync is counted again if it comes back)
+            for w in [w for w in last if w not in ids]:
+                del last[w]
         return f, shards.fragments[f], since[f]
 
-    def state_dict(self) -> dict:
-        return {"exchanges": self.exchanges, "last": None if self.last is None else [list(x) for x in self.last]}
+    def settled(self, committed: bool) -> None:
+        """The latest sync ended; where it did not commit (torchft: its round failed on this
+        worker) the counts go back to before it, as the workers keep their progress for the next
+        sync (the same fragment is then due again, its steps counted from its last committed sync)."""
+        if self._before is not None and not committed:
+            self.load_state_dict(self._before)
+        self._before = None
 
-    def load_state_dict(self, state: dict, workers: int) -> None:
-        """Restore :meth:`state_dict`; saved with another number of workers (an elastic resume,
-        where every worker restarts its interval), every fragment counts from the resume."""
+    def state_dict(self) -> dict:
+        return {"exchanges": self.exchanges, "last": None if self.last is None else [dict(x) for x in self.last]}
+
+    def load_state_dict(self, state: dict, workers: Optional[int] = None) -> None:
+        """Restore :meth:`state_dict`; ``workers``: this run's number of workers where they are
+        0 .. W-1 (the torch backend; None: by replica id, torchft). Saved with other workers (an
+        elastic resume, where every worker restarts its interval), every fragment counts from the
+        resume."""
         self.exchanges = int(state["exchanges"])
         last = state["last"]
-        self.last = None if last is None or any(len(x) != workers for x in last) else [list(x) for x in last]
+        last = None if last is None else [{int(w): int(n) for w, n in x.items()} for x in last]
+        if last is not None and workers is not None and any(set(x) != set(range(workers)) for x in last):
+            last = None
+        self.last = last
 
 
 def begin(controller, step: int, delay: int, arrived: Optional[float]) -> AsyncStart:
@@ -133,8 +165,14 @@ def begin(controller, step: int, delay: int, arrived: Optional[float]) -> AsyncS
     schedule, skip, final = c.async_plan.plan(launch, c.last_sync_step, device, arrived, progress=progress)
     if delay and (final or skip):  # not delayed: the final one ends the run with one model
         step, delay = launch, 0
-    fragment, members, worker_steps = c.async_fragments.at_sync(c.sync_shards, len(c.layer_names), schedule,
-                                                                skip, final)
+    fragment, members, worker_steps = exchanged(c, schedule, skip, final)
     me = c.sync_group.rank
     steps_since = launch - c.last_sync_step if fragment is None else int(worker_steps[me])
     return AsyncStart(step, delay, schedule, skip, final, steps_since, worker_steps, fragment, members)
+
+
+def exchanged(c, schedule, skip: bool, final: bool):
+    """(fragment, members, every worker's steps) of controller ``c``'s sync whose agreed schedule
+    is ``schedule`` (:meth:`AsyncFragments.at_sync`, by the sync's worker ids)."""
+    return c.async_fragments.at_sync(c.sync_shards, len(c.layer_names), schedule, skip, final,
+                                     c.async_plan.last_sync.replica_ids)

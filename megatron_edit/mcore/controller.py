@@ -369,6 +369,8 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         return started
 
     def _on_sync_done(self, report: SyncReport) -> None:
+        if self.config.use_async:  # (torchft: a failed round counts no fragment)
+            self.async_fragments.settled(report.committed)
         if not report.skipped_sync and report.committed:  # keep counting from the last applied one
             self._last_sync_step = report.step - (report.delay if self.config.use_async else 0)  # (its launch)
             if self.backend.dynamic and self.config.use_async:  # its steps reached the anchor

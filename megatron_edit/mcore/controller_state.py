@@ -119,7 +119,8 @@ class ControllerState:
         self.global_progress = float(state.get("global_progress", self.steps_done))
         point = self.async_plan.load_state_dict(state, self.steps_done)
         if "async_fragments" in state:
-            self.async_fragments.load_state_dict(state["async_fragments"], self.num_workers)
+            self.async_fragments.load_state_dict(state["async_fragments"],
+                                                 None if self.backend.dynamic else self.num_workers)
         if point is not None:
             self.steps_done = point.step
             self._last_sync_step = point.last_exchange[self.async_plan.place(point)]
@@ -139,16 +140,19 @@ class ControllerState:
         self.outer_state.optimizer.load_state_dict(outer)
 
     def heal_to(self, step: int, last_sync_step: int, global_progress: float, last_step=None, plan=None,
-                budget_steps=None) -> None:
+                budget_steps=None, fragments=None) -> None:
         """A heal (the torchft backend): this worker takes a peer's point in the run, one peer's for
         the whole worker: its step count where it is in the sync, its last sync's step and its
         global progress (the learning-rate schedule follows at the next step); the run's length
         and A-EDiT's budget until the run tells them; A-EDiT's plan (the run's workers, the
-        budget used, the speeds)."""
+        budget used, the speeds) and its fragments' counts (the round-robin's, every worker's
+        steps at each fragment's last sync, by worker id)."""
         self.steps_done = int(step)
         self.move_progress(global_progress)
         if plan is not None:
             self.async_plan.load_dynamic_state(plan)
+        if fragments is not None:
+            self.async_fragments.load_state_dict(fragments)
         self._last_sync_step = int(last_sync_step)
         if self.last_step is None and last_step is not None:
             self.last_step = int(last_step)

@@ -228,6 +228,7 @@ class TorchftBackend:
             plan=c.async_plan.dynamic_state() if c.config.use_async else None,
             budget_steps=c.async_plan.budget_steps if c.config.use_async else None,
             global_progress=c.global_progress,
+            fragments=c.async_fragments.state_dict() if c.config.use_async else None,  # (a copy: served later)
             auto=None if c.auto is None else heal_state(c.auto),  # the settings in force (auto_overlap_ft)
         )
 
@@ -255,7 +256,7 @@ class TorchftBackend:
         """The counters of a heal state (:data:`~megatron_edit.mcore.torchft_round.COUNTERS`):
         where the worker it came from stands in the run."""
         self.controller.heal_to(state["step"], state["last_sync_step"], state["global_progress"],
-                                state["last_step"], state["plan"], state["budget_steps"])
+                                state["last_step"], state["plan"], state["budget_steps"], state["fragments"])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -42,15 +42,16 @@ import torch.distributed as dist
 
 from ..exchange.fault_tolerant import FaultTolerantSyncGroup
 from ..exchange.run_gate import START_GATE_ENV, RunEnd, record_end, supervised_workers
+from .async_sync import exchanged
 from .auto_overlap_ft import dispatch, ride
 from .process_state import PROCESS
 from .worker_layout import is_expert_optimizer
 
 STATE_KEY = "megatron_edit"
 """The torchft state key under which a healing peer's same rank receives every controller's state."""
-COUNTERS = ("step", "last_sync_step", "last_step", "plan", "budget_steps", "global_progress")
+COUNTERS = ("step", "last_sync_step", "last_step", "plan", "budget_steps", "global_progress", "fragments")
 """What a controller's heal state holds of its worker's own (its steps and progress; A-EDiT's
-plan): one peer's for every rank of the healing worker."""
+plan and its fragments' counts): one peer's for every rank of the healing worker."""
 LAST_SYNC_TRIES = 5
 """How often the run's last sync is tried again when it does not commit (within
 :func:`last_sync_seconds` too)."""
@@ -92,8 +93,7 @@ class TorchftRound:
         self._healed_counters: Optional[dict] = None
         """The counters of the peer this rank healed from at the open round's quorum."""
         self.residuals_before: dict = {}
-        """Each started member's error-feedback residuals from before the open round (see
-        :meth:`begin`)."""
+        """Each started member's error-feedback residuals from before the open round (:meth:`begin`)."""
         self.last_sync_lost = False
         """The run's last sync did not commit (:meth:`settle_last_sync` tries it again)."""
         self.joining = False
@@ -283,9 +283,9 @@ class TorchftRound:
             if healed is not None:  # it applies the others' sync now: it is at its step
                 c.enter_healed_sync(healed)
             if c.config.use_async:  # A-EDiT: the others' schedule (the experts follow the dense plan)
-                schedule, skip, final = join_plan(c, self.group)
-                if c.sync.start(c.steps_done, 0, schedule.steps_since_exchange, schedule.interval_seconds, skip,
-                                final=final):
+                schedule, skip, final, fragment, shards, steps = join_plan(c, self.group)
+                if c.sync.start(c.steps_done, 0, steps, schedule.interval_seconds, skip, final=final,
+                                fragment=fragment, members=shards):
                     c.sync.launch(c.sync.members)
                 continue
             due = c.sync_shards.due(c.steps_done, c.last_step)
@@ -350,8 +350,7 @@ class TorchftRound:
     def _counters_from_one_source(self) -> None:
         """After a heal of the whole worker: every rank takes the counters of the peer its first
         rank healed from. torchft serves rank r from worker (i + r) mod n, and under A-EDiT each
-        worker has its own step counts and progress (the shards' state is the same on every
-        worker)."""
+        worker has its own step counts and progress (the shards' state is the same everywhere)."""
         counters = self.group.same_in_worker(self._healed_counters)
         self.healed_sync_step = int(counters["sync_step"])
         for member, mine in zip(self.members, counters["members"]):
@@ -379,7 +378,8 @@ def _tensor_bytes(value) -> int:
 
 def join_plan(c, group: FaultTolerantSyncGroup):
     """A-EDiT: controller ``c``'s schedule in the join round (a fresh run: everyone's first
-    interval; a worker that joins brings no steps); ``(schedule, skip, final)``."""
+    interval; a worker that joins brings no steps) and what the others' sync exchanges there:
+    ``(schedule, skip, final, fragment, members, every worker's steps)``."""
     plan = c.async_plan
     if plan.run_workers is None:  # a fresh run (none healed from knows it)
         plan.start_run(supervised_workers(os.environ.get(START_GATE_ENV)) or group.size)
@@ -387,7 +387,7 @@ def join_plan(c, group: FaultTolerantSyncGroup):
     schedule, skip, final = plan.plan(c.steps_done, c.last_sync_step, device, joining=True)
     plan.restart_clock()  # its first interval starts with its first step
     c.move_progress(plan.last_sync.global_progress)
-    return schedule, skip, final
+    return (schedule, skip, final, *exchanged(c, schedule, skip, final))
 
 
 def expected_controllers(optimizer) -> int:

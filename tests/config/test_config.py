@@ -523,11 +523,9 @@ def test_a_delay_with_a_edit_and_auto_overlap_over_torchft_are_accepted(monkeypa
     assert LocalSGDConfig(use_async=True, outer_step_delay=1, **ft).outer_step_delay == 1
     assert LocalSGDConfig(use_async=True, auto_overlap=True, auto_formats="fp32,int8", **ft).auto_overlap
     assert LocalSGDConfig(auto_overlap=True, auto_fragments="1,2", **ft).allowed_fragments == (1, 2)
-    # A-EDiT's fragments run on the torch backend only (yet): chosen or given, refused over torchft
-    for given in (dict(auto_overlap=True, auto_fragments="1,2"), dict(fragments=2)):
-        flag = "auto_overlap" if "auto_fragments" in given else "fragments"
-        message = _raises(LocalSGDConfig, NotSupportedYet, flag, use_async=True, **given, **ft)
-        assert "A-EDiT" in message and "torchft" in message and "not supported yet" in message, message
+    # and A-EDiT's fragments, chosen or given (refused before: the torch backend only)
+    assert LocalSGDConfig(use_async=True, auto_overlap=True, auto_fragments="1,2", **ft).allowed_fragments == (1, 2)
+    assert LocalSGDConfig(use_async=True, fragments=2, **ft).fragments == 2
 
 
 def test_fragments_checks():
@@ -549,9 +547,6 @@ def test_fragments_checks():
     LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, outer_step_delay=3)
     message = _raises(LocalSGDConfig, ConfigError, "fragments", use_async=True, fragments=3, local_sgd_sync_interval=4)
     assert "must divide --local-sgd-sync-interval (4)" in message
-    with pytest.raises(NotSupportedYet, match=r"\(--local-sgd-fragments\): .*--local-sgd-async.*torchft.*torch"):
-        LocalSGDConfig(use_async=True, fragments=2, local_sgd_sync_interval=4, sync_backend="torchft",
-                       replica_id=0, lighthouse="http://127.0.0.1:29510")
 
 
 def test_outer_merge_rule_checks():
@@ -679,14 +674,13 @@ def test_auto_overlap_with_a_edit_chooses_the_delay_and_format():
     cfg = LocalSGDConfig(**dict(AUTO, use_async=True, auto_fragments="1,2"))
     assert cfg.allowed_fragments == (1, 2)
     assert LocalSGDConfig(**dict(AUTO, use_async=True, fragments=2)).allowed_fragments == (2,)
-    # over torchft too (issue 60), the chosen fragments apart (A-EDiT's fragments: the torch backend only, yet)
+    # over torchft too (issue 60), the chosen fragments with it
     monkey = __import__("importlib").util
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(monkey, "find_spec", lambda name, *a: object())  # torchft "installed"
         ft = dict(AUTO, use_async=True, sync_backend="torchft", replica_id=0, lighthouse="http://127.0.0.1:29510")
         assert LocalSGDConfig(**ft).auto_overlap
-        message = _raises(LocalSGDConfig, NotSupportedYet, "auto_overlap", **ft, auto_fragments="1,2")
-    assert "A-EDiT's fragments run on the torch backend only" in message
+        assert LocalSGDConfig(**ft, auto_fragments="1,2").allowed_fragments == (1, 2)
 
 
 def test_auto_overlap_with_error_feedback_and_top_k_formats():

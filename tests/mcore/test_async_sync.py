@@ -105,8 +105,57 @@ def test_fragments_go_round_robin_over_the_real_syncs():
     assert weights.tolist() == [[5.0, 5.0, 7.0], [19.0, 19.0, 27.0]]  # layers 0-1: fragment 0's, 2: fragment 1's
     again = AsyncFragments()
     again.load_state_dict(saved, workers=2)
-    assert again.state_dict() == saved == {"exchanges": 2, "last": [[5, 11], [3, 3]]}
+    assert again.state_dict() == saved == {"exchanges": 2, "last": [{0: 5, 1: 11}, {0: 3, 1: 3}]}
     again.load_state_dict(saved, workers=4)
     assert again.exchanges == 2 and again.last is None
+    again.load_state_dict({"exchanges": 2, "last": [{"0": 5, "1": 11}, {"0": 3, "1": 3}]})  # (keys as text)
+    assert again.state_dict() == saved
     one = SimpleNamespace(fragments=[shards.all], all=shards.all)
     assert frags.at_sync(one, 3, schedule([3, 3], [2, 2]), skip=False, final=False)[:2] == (None, None)
+
+
+def test_fragments_count_by_worker_id_over_torchft():
+    """Over torchft the sync's workers change: each fragment's counts are kept by worker id. A
+    worker that brings no steps (it joins, or heals from a peer and holds the anchor) weighs 0 and
+    counts every fragment from its step; a worker gone from a sync is forgotten; a round that does
+    not commit on this worker counts nothing (the same fragment is due again); a heal passes the
+    counts on (state_dict)."""
+    from types import SimpleNamespace
+
+    class Shard:
+        def __init__(self, layers):
+            self.bucket_layers = set(layers)
+
+    shards = SimpleNamespace(fragments=[[Shard([0])], [Shard([1])]])
+    shards.all = [s for f in shards.fragments for s in f]
+
+    def schedule(steps, since):
+        return SimpleNamespace(steps=torch.tensor(steps, dtype=torch.float64),
+                               steps_since_exchange=torch.tensor(since, dtype=torch.float64))
+
+    frags = AsyncFragments()
+    # workers 3 and 7 at their first sync (4 steps each since the anchor): fragment 1
+    f, _, weights = frags.at_sync(shards, 2, schedule([4, 4], [4, 4]), False, False, ids=[3, 7])
+    assert (f, weights.tolist()) == (1, [4.0, 4.0])
+    frags.settled(True)
+    # worker 7 died; worker 3 alone (its quorum): fragment 0, 8 steps since the anchor
+    f, _, weights = frags.at_sync(shards, 2, schedule([8], [4]), False, False, ids=[3])
+    assert (f, weights.tolist()) == (0, [8.0])
+    frags.settled(True)
+    assert frags.last == [{3: 8}, {3: 4}]  # worker 7 forgotten
+    # worker 7 relaunched joins (healed to worker 3's step 11, brings no steps); the round fails
+    healed = AsyncFragments()
+    healed.load_state_dict(frags.state_dict())
+    for counts in (frags, healed):
+        f, _, weights = counts.at_sync(shards, 2, schedule([11, 11], [3, 0]), False, False, ids=[3, 7])
+        assert (f, weights.tolist()) == (1, [7.0, 0.0])  # fragment 1: worker 3's 7 steps since step 4
+        counts.settled(False)
+    assert frags.state_dict() == healed.state_dict() == {"exchanges": 2, "last": [{3: 8}, {3: 4}]}
+    # the next round commits: fragment 1 again, worker 7 healed at this one (no steps again)
+    f, _, weights = frags.at_sync(shards, 2, schedule([13, 11], [5, 0]), False, False, ids=[3, 7])
+    assert (f, weights.tolist()) == (1, [9.0, 0.0])
+    frags.settled(True)
+    # the final sync: fragment 0 weighs worker 3's steps since 8, worker 7's since its heal at 11
+    f, members, weights = frags.at_sync(shards, 2, schedule([16, 14], [3, 3]), False, True, ids=[3, 7])
+    assert (f, members) == (None, shards.all)
+    assert weights.tolist() == [[8.0, 3.0], [3.0, 3.0]]  # [worker, layer]: layer 0 fragment 0, layer 1 fragment 1

@@ -80,6 +80,78 @@ def test_a_edit_over_torchft_equals_the_torch_backend():
         assert max_difference(ft[0]["params"], run["params"]) == 0.0
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_a_edit_s_fragments_over_torchft_equal_the_torch_backend():
+    """A-EDiT with 2 streaming fragments and a delay of 1 (alpha 0, layer-wise) over torchft, 2
+    workers x 2 ranks (1 s and 0.25 s a step, a sync every 2 s, a budget of 20 iterations): the
+    same syncs as the torch backend's (each exchanging one fragment in turn, the final one every
+    fragment), the same step weights (each worker's steps since its fragment's last sync, kept by
+    worker id over torchft), parameters to 1e-6 and one model at the end."""
+    spec = default_spec(
+        local_sgd=dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=4, fragments=2,
+                       min_total_global_steps=1, use_step_weight=True, step_weight_ratio=0.5, sync_mode="layerwise",
+                       outer_step_delay=1, outer_merge_alpha=0.0),
+        outer=OUTER, seconds_per_step=[1.0, 0.25], max_steps=64, train_iters=20, bucket_size=1000)
+    reference = run_ranks(async_runs, 4, spec, timeout=TIMEOUT)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_async_worker, 2, w, server.address(), spec, 2, timeout=TIMEOUT) for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]  # worker-major
+    for g, (ref, run) in enumerate(zip(reference, ft)):
+        syncs = [(r.step, r.delay, r.fragment, r.final, r.worker_steps.tolist()) for r in run["reports"]]
+        assert syncs == [(r.step, r.delay, r.fragment, r.final, r.worker_steps.tolist()) for r in ref["reports"]]
+        assert [s[2] for s in syncs] == [1, 0, 1, None] and all(r.committed for r in run["reports"]), syncs
+        assert run["finished"] and run["progress"] == pytest.approx(20.0, abs=1e-9)
+        assert max_difference(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
+    for run in ft[1:]:  # the final sync leaves every rank of every worker with the same model
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
+
+
+def _ft_async_worker_one_rank_fails(rank, world_size, worker, lighthouse, spec, workers, fail_at):
+    """:func:`_ft_async_worker`, where rank 1 of worker 1 reports an error in the round of its
+    ``fail_at``-th commit (the join round's is the first): that round fails on that rank, so on
+    the whole worker (a worker is one unit), while worker 0 commits it."""
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    if worker == 1 and rank == 1:
+        commit, calls = FaultTolerantSyncGroup.commit, [0]
+
+        def failing(self):
+            calls[0] += 1
+            if calls[0] == fail_at:
+                self.manager.report_error(RuntimeError("injected: this rank's round failed"))
+            return commit(self)
+
+        FaultTolerantSyncGroup.commit = failing
+    return _ft_async_worker(rank, world_size, worker, lighthouse, spec, workers)
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_an_a_edit_fragment_s_round_that_fails_on_one_rank_of_a_worker_is_healed_at_the_next_sync():
+    """The partial event with A-EDiT's fragments: 2 workers x 2 ranks, 2 fragments, the round of
+    the second sync (fragment 0) fails on rank 1 of worker 1 only. Worker 1 commits nothing on
+    either rank (a worker is one unit) and its fragments' counts go back to before that round;
+    at its next sync it heals from worker 0 (the anchors and the counts, by worker id), so it
+    exchanges the fragment worker 0 exchanges (1) with no steps of its own, then both go on
+    with the same fragments and step weights and end with one model."""
+    spec = default_spec(
+        local_sgd=dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=4, fragments=2,
+                       min_total_global_steps=1, use_step_weight=True, sync_mode="step_end"),
+        outer=OUTER, seconds_per_step=[1.0, 1.0], max_steps=64, train_iters=12, bucket_size=1000)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_async_worker_one_rank_fails, 2, w, server.address(), spec, 2, 3, timeout=TIMEOUT)
+                for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]  # worker-major
+    for g, run in enumerate(ft):
+        syncs = [(r.step, r.fragment, r.committed, r.worker_steps.tolist()) for r in run["reports"]]
+        # (step, fragment, committed, step weights): at 8 worker 1 heals (0 steps), at 10 fragment
+        # 0 weighs worker 0's 4 steps since 6 and worker 1's 2 since its heal at 8
+        assert syncs == [(2, 1, True, [2.0, 2.0]), (6, 0, g < 2, [6.0, 6.0]), (8, 1, True, [6.0, 0.0]),
+                         (10, 0, True, [4.0, 2.0]), (13, None, True, [5.0, 5.0])], (g, syncs)
+        assert run["finished"] and run["last_sync"].global_progress == 12  # the budget
+    for run in ft[1:]:
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
+
+
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_a_edit_over_torchft_goes_on_without_a_dead_worker_and_uses_the_budget_exactly():
     """3 workers of one rank (1 s, 0.5 s, 0.5 s per step), a budget of 16 iterations (48
@@ -190,7 +262,7 @@ def test_each_a_edit_worker_resumes_from_its_own_checkpoint_exactly(tmp_path):
     assert all(torch.equal(runs[True][0]["params"][k], runs[True][1]["params"][k]) for k in runs[True][0]["params"])
 
 
-def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
+def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner, extra=None, budget=15):
     """Worker ``worker``'s job (1 rank): A-EDiT over torchft, fake clock (1 s a step for both), a
     budget of 15 iterations, the step-end sync. The first worker 1 dies after its step 5;
     worker 0 waits before its step 7 until the relaunched worker 1 (``joiner``) asks for its join
@@ -206,24 +278,24 @@ def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
     _worker_world()
     if joiner:
         ft_jobs.announce_quorum_requests(os.path.join(ctl, "joiner-in-quorum"), lighthouse)
-    local = dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
-                 sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
-                 sync_timeout=120.0)
+    local = dict(dict(use_async=True, local_sgd_sync_time=4.0, local_sgd_sync_interval=2, min_total_global_steps=1,
+                      sync_mode="step_end", sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
+                      sync_timeout=120.0), **(extra or {}))
     ddp, opt, ctl_ = cr._setup(local, instances=1)
     # Megatron's learning-rate schedule over the budget's 15 iterations: a healed worker's
     # follows the heal (patch sched-step-global-progress)
     for group in opt.param_groups:  # what get_megatron_optimizer sets from OptimizerConfig.lr / min_lr
         group["max_lr"], group["min_lr"] = LR, LR / 10
     scheduler = OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR / 10, lr_warmup_steps=0,
-                                        lr_decay_steps=15, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
-                                        wd_incr_steps=15, wd_incr_style="constant")
+                                        lr_decay_steps=budget, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=budget, wd_incr_style="constant")
     joined = dict(step=ctl_.steps_done, healed=ctl_.sync_group.healed, progress=ctl_.global_progress,
                   applied=ctl_.async_plan.applied_steps, run_workers=ctl_.async_plan.run_workers)
-    me.set_train_iters(opt, 15)  # after the build, as Megatron-LM tells it: after the join
+    me.set_train_iters(opt, budget)  # after the build, as Megatron-LM tells it: after the join
     now = [0.0]
     ctl_.clock = lambda: now[0]
     batches = make_batches(128, 2 * MICRO_BATCH, seed=0)
-    reports = []
+    reports, fragment_syncs = [], []
     while not ctl_.finished:
         step = ctl_.steps_done + 1
         if step == 7 and worker == 0:
@@ -233,9 +305,12 @@ def _relaunch_job(rank, world_size, worker, lighthouse, ctl, joiner):
         scheduler.step(1)
         if step == 5 and worker == 1 and not joiner:
             os.kill(os.getpid(), 9)  # a crash: its 3 steps since the sync after step 2 are lost
-        reports += [(r.step, r.workers, r.trained, r.committed, r.final) for r in ctl_.drain_reports()]
+        for r in ctl_.drain_reports():
+            reports.append((r.step, r.workers, r.trained, r.committed, r.final))
+            fragment_syncs.append((r.step, r.fragment, r.worker_steps.tolist()))
     out = cr._state(ddp, opt, ctl_)
-    out.update(reports=reports, joined=joined, last_sync=ctl_.last_sync, schedule=scheduler.num_steps)
+    out.update(reports=reports, joined=joined, last_sync=ctl_.last_sync, schedule=scheduler.num_steps,
+               fragment_syncs=fragment_syncs)
     ctl_.backend.close()
     me.unpatch_megatron_for_local_sgd()
     return out
@@ -276,6 +351,46 @@ def test_a_relaunched_a_edit_worker_heals_and_the_budget_stays_exact(tmp_path):
         # Megatron's schedule at the budget's 15 iterations: the relaunched worker's jumped to the
         # survivor's progress at the heal (6 iterations) and went on from there
         assert run["schedule"] == pytest.approx(15.0, abs=1e-9)
+    assert all(torch.equal(x, y) for x, y in zip(survivor["anchors"], rejoined["anchors"]))
+    assert all(torch.equal(survivor["params"][k], rejoined["params"][k]) for k in survivor["params"])
+
+
+FRAGMENTS = dict(fragments=2, local_sgd_sync_interval=4, use_step_weight=True)
+"""The relaunch with fragments: the first interval H/F = 2 steps, then a sync every 2 s."""
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_a_relaunched_a_edit_worker_with_fragments_takes_the_fragments_counts_from_its_heal(tmp_path):
+    """As above with 2 streaming fragments (a sync every 2 s, each exchanging one fragment in
+    turn, the final one every fragment; step weights on). The relaunched worker joins worker 0's
+    sync after step 6 and heals there: it takes the round-robin's count and every worker's steps at
+    each fragment's last sync (by worker id) with the anchor, exchanges the fragment worker 0
+    exchanges and weighs 0 there (it brings no steps); at each later sync it weighs its steps
+    since its join, every fragment counting from there. The two take the same syncs to the end,
+    use the budget (30 iterations) exactly and end bit-identical."""
+    ctl = str(tmp_path)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2, heartbeat_timeout_ms=3000, join_timeout_ms=60000) as (
+            server, start):
+        addr = server.address()
+        first = [start(_relaunch_job, 1, w, addr, ctl, False, FRAGMENTS, 30, timeout=2 * TIMEOUT - 60) for w in range(2)]
+        while first[1].procs[0].exitcode is None:  # its crash after step 5
+            time.sleep(0.1)
+        joiner = start(_relaunch_job, 1, 1, addr, ctl, True, FRAGMENTS, 30, timeout=2 * TIMEOUT - 60)
+        survivor, rejoined = ft_jobs.all_results([first[0], joiner])
+        survivor, rejoined = survivor[0], rejoined[0]
+    assert first[1].procs[0].exitcode == -9
+    assert rejoined["joined"]["healed"] and rejoined["joined"]["step"] == 6
+    # (step, fragment, step weights): worker 0's first syncs, the join's at its step 6
+    assert survivor["fragment_syncs"][:3] == [(2, 1, [2.0, 2.0]), (6, 0, [6.0, 0.0]), (8, 1, [6.0, 4.0])]
+    after = [s[1:] for s in survivor["fragment_syncs"][2:]]
+    # Worker 1's (its own steps, 4 in its first interval after the join): fragment 1 at its step
+    # 10 weighs worker 0's 6 steps since 2 and its 4 since the join, fragment 0 at its 13 its 7
+    # steps since the join's 6 (and worker 0's 4 since its 6)
+    assert rejoined["fragment_syncs"][:2] == [(10, 1, [6.0, 4.0]), (13, 0, [4.0, 7.0])]
+    assert after == [s[1:] for s in rejoined["fragment_syncs"]]  # the same syncs, fragments and weights
+    assert after[-1][0] is None  # the final sync: every fragment
+    for run in (survivor, rejoined):
+        assert run["last_sync"].final and run["last_sync"].global_progress == 30  # the budget (60 worker-steps), exactly
     assert all(torch.equal(x, y) for x, y in zip(survivor["anchors"], rejoined["anchors"]))
     assert all(torch.equal(survivor["params"][k], rejoined["params"][k]) for k in survivor["params"])
 

@@ -107,6 +107,51 @@ def test_auto_overlap_over_torchft_equals_the_torch_backend_with_the_same_measur
         assert max_difference(ft[0]["params"], run["params"]) == 0.0
 
 
+# A-EDiT's fragments chosen (issue 60): worker 0 1 s a step, worker 1 0.75 s; a sync every 6 s,
+# the first interval 4 steps; a budget of 33 iterations; the agreed 0.10 s step and 0.30 s
+# exchange give 2 fragments with a delay of 2 (tests/mcore/test_auto_overlap_async.py's
+# MEASURED_FRAGMENTS, there with a warmup step, which torchft refuses).
+MEASURED_A_F = {r: (0.10 + 0.01 * r, {"fp32": 0.30 - 0.05 * r}, 0.0) for r in range(4)}
+
+
+@pytest.mark.timeout(2 * TIMEOUT + 120)
+def test_a_edit_s_fragments_chosen_over_torchft_equal_the_torch_backend_with_the_same_measurements():
+    """--local-sgd-auto-fragments 1,2 with A-EDiT over torchft, started with one fragment and no
+    delay: the round of the second sync decides 2 fragments with a delay of 2, in force after
+    the next round (the sync after it was planned with one fragment); from then on each sync
+    exchanges one fragment in turn (a sync every 3 s), the final one every fragment. Equal to
+    the torch backend with the same rule (``auto_rounds``): the same syncs, fragments, delays,
+    step weights and parameters (1e-6); one model at the end."""
+    local = dict(AUTO, local_sgd_sync_time=6.0, auto_fragments="1,2", use_step_weight=True)
+    spec = default_spec(local_sgd=local, outer=OUTER, seconds_per_step=[1.0, 0.75], max_steps=128, train_iters=45,
+                        bucket_size=1000)
+    spec = dict(spec, measurements=MEASURED_A_F, auto_rounds=True)
+    reference = run_ranks(async_runs, 4, spec, timeout=TIMEOUT)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_auto_worker, 2, w, server.address(), spec, 2, timeout=TIMEOUT) for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    for g, (ref, run) in enumerate(zip(reference, ft)):
+        syncs = [(r.step, r.delay, r.fragment, r.final, r.worker_steps.tolist()) for r in run["reports"]]
+        assert syncs == [(r.step, r.delay, r.fragment, r.final, r.worker_steps.tolist()) for r in ref["reports"]]
+        assert [d[1:] for d in run["decisions"]] == [(2, "fp32")] and run["decisions"] == ref["decisions"]
+        # (the step, delay and fragment of each sync) worker 0's / worker 1's: the round of the
+        # second sync decides, the fourth is the last planned with one fragment, then fragment
+        # 1, 0, 1 each launched with tau 2 (a sync every 3 s), the final sync of every fragment
+        assert [s[:3] for s in syncs] == [
+            [(4, 0, None), (12, 0, None), (19, 0, None), (25, 0, None), (33, 2, 1), (36, 2, 0), (39, 2, 1),
+             (39, 0, None)],
+            [(4, 0, None), (15, 0, None), (24, 0, None), (32, 0, None), (42, 2, 1), (46, 2, 0), (50, 2, 1),
+             (51, 0, None)],
+        ][g // 2], syncs
+        # step weights: fragment 1's first sync counts from the last real sync (25 / 32) to its
+        # launch (31 / 40), fragment 0's from there to its own launch (34 / 44)
+        assert [s[4] for s in syncs[4:6]] == [[6.0, 8.0], [9.0, 12.0]]
+        assert run["finished"] and not run["in_flight_at_end"]
+        assert max_difference(ref["params"], run["params"]) <= 1e-6, f"rank {g}"
+    for run in ft[1:]:
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
+
+
 def _relaunch_auto_job(rank, world_size, worker, lighthouse, ctl, joiner, kill_after, wait_before, kill_sync=None):
     """Worker ``worker``'s job (1 rank): A-EDiT with the automatic overlap over torchft, 1 fake s a
     step for both, the measurements injected (syncs after steps 4, 9, 13, 17, 21, ...: a delay of 2
