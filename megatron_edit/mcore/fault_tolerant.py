@@ -51,7 +51,7 @@ from ..exchange.run_gate import START_GATE_ENV, claim_replica_id, start_gate, su
 from ..exchange.sparse import check_sparse_workers
 from .auto_overlap_ft import heal_state, load_heal_state
 from .process_state import PROCESS
-from .torchft_round import TorchftRound, expected_controllers, join_plan
+from .torchft_round import TorchftRound, expected_controllers
 
 
 
