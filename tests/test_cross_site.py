@@ -51,7 +51,7 @@ def test_the_cross_site_run_survives_a_straggler_and_a_killed_worker(data_dir, t
     assert sum(int(a) for a, _ in steps[1:]) > sum(int(b) for _, b in steps[1:]), steps
 
 
-@pytest.mark.one_lane
+@pytest.mark.slow  # (CI time, 38 s; the cross-site run itself, above, runs in CI)
 @pytest.mark.timeout(400)
 def test_a_relaunch_that_joins_the_final_sync_validates_the_one_model(data_dir, tmp_path):  # noqa: F811
     """A-EDiT over torchft with no sync planned between the first and the last (a sync every

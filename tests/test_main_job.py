@@ -757,7 +757,7 @@ def test_megatron_fsdp_trains_what_ddp_and_the_distributed_optimizer_do(data_dir
     assert _summary(fsdp) == _summary(ddp) and _summary(fsdp)["EDiT"][1] == 3  # after steps 4, 6, 8
 
 
-@pytest.mark.one_lane
+@pytest.mark.slow  # (CI time, 22 s: it waits out the connection's timeout)
 @pytest.mark.timeout(300)
 def test_an_unreachable_lighthouse_is_one_line_per_worker_and_stops_the_run(data_dir):
     """A wrong --local-sgd-lighthouse (nothing listens there): a worker's job says so in one line
@@ -833,7 +833,7 @@ def _chaos_job(tmp_path, flags, triggers=()):
         _kill_job_of(-1, mark)
 
 
-@pytest.mark.one_lane
+@pytest.mark.slow  # (CI time, 64 s; the partial heal: test_torchft_megatron, the loop at the peer's step: test_megatron_lm_torchft)
 @pytest.mark.timeout(600)
 def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(data_dir, tmp_path):
     """The main job over torchft (2 workers x 2 ranks, the supervisor). Worker 1's job is
@@ -860,7 +860,7 @@ def test_a_torchft_worker_healed_at_a_later_sync_trains_on_from_the_others_step(
     assert proc.returncode == 0 and "all 2 with one model" in out, out[-3000:]
 
 
-@pytest.mark.one_lane
+@pytest.mark.slow  # (CI time, 28 s; a worker arriving after the run's end: tests/torchft_backend/test_supervise.py)
 @pytest.mark.timeout(300)
 def test_a_torchft_relaunch_after_the_runs_last_sync_does_not_train_alone(data_dir, tmp_path):
     """The main job over torchft (2 workers x 1 rank, the supervisor), the window of a slow

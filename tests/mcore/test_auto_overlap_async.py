@@ -80,6 +80,7 @@ def test_a_run_that_keeps_its_delay_equals_that_fixed_setting_bit_for_bit():
         assert all(torch.equal(x[k], y[k]) for k in x), "one model at the end"
 
 
+@pytest.mark.one_lane  # a variant of what other tests check in every lane (CI time; see conftest)
 @pytest.mark.timeout(400)
 def test_a_delay_switched_on_mid_run_takes_effect_at_the_same_sync_everywhere_and_matches_the_simulation():
     """Started without a delay (layer-wise): the syncs after 5 / 5 and 9 / 13 are timed (each

@@ -440,6 +440,7 @@ def test_moe_expert_tensor_parallel_1_under_tensor_parallel_2_checkpoint_resumes
     _assert_resumed_exactly(whole, resumed)
 
 
+@pytest.mark.one_lane  # a variant of what other tests check in every lane (CI time; see conftest)
 @pytest.mark.timeout(400)
 def test_moe_expert_parallel_checkpoint_with_a_delayed_exchange_in_flight_resumes_exactly(tmp_path):
     """EP=2, 2 workers, the delayed outer step (tau 1, H 2): saved after step 3, with both

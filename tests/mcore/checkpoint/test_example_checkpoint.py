@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not checkpointing.SUPPORTED.contains(compat.megatron_core_version()),
                     reason=f"EDiT checkpoints need megatron-core {checkpointing.SUPPORTED}")
-@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=ON_FSDP_RELEASE)], ids=["ddp", "megatron-fsdp"])
+# (Megatron-FSDP's: slow, CI time, 30 s; its checkpoints are tests/mcore/checkpoint/test_checkpointing_fsdp.py's)
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=[ON_FSDP_RELEASE, pytest.mark.slow])],
+                         ids=["ddp", "megatron-fsdp"])
 def test_the_save_and_resume_example_runs_and_resumes_exactly(tmp_path, fsdp):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", "localhost:0", str(ROOT / "scripts" / "example_checkpoint.py"),
