@@ -22,11 +22,15 @@ workers of a sync are its quorum, and they change between syncs.
   that is kept). A round a worker joins or heals in measures nothing (its rank sends no inner
   step: the agreed step is 0 on every worker, so none decides).
 
-Not covered: a worker that misses the decision's round and whose heal at the next round is a
-*partial* one (a rank's transfer failed: it loads nothing and heals again at the round after) finds
-the decision in force on its peers there, and would take other settings at a heal in the middle
-of its own sync (the delay of the sync it has begun is its old one). Two faults in two rounds;
-not tested.
+Not covered (a known defect): a worker that misses the decision's round and whose heal at the
+next round is a *partial* one (a rank's transfer failed: it loads nothing and heals again at the
+round after) finds the decision in force on its peers there, and takes other settings at a heal
+in the middle of its own sync (the delay of the sync it has begun is its old one). Reproduced on
+EDiT's grid (2 workers x 2 ranks; ``tests/torchft_backend/test_torchft_overlap.py``, the double
+fault, ``slow`` and ``xfail``): the healed worker ends its loop without the run's last sync and
+the other waits at that sync's quorum, so the run hangs. A fix needs the rule to keep every
+worker of a round on the same settings across a failed round (e.g. in force only after a round
+committed here, with the peers that moved on and the ones that did not reconciled at the heal).
 """
 
 from __future__ import annotations

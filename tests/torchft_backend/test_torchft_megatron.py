@@ -451,8 +451,8 @@ def test_three_one_rank_workers_equal_the_torch_backend():
 def _ft_worker_n(rank, world_size, worker, lighthouse, spec, workers):
     host, port = ft_jobs.job_store_address()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    local = dict(spec["local_sgd"], sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
-                 sync_timeout=120.0)
+    local = dict(dict(sync_timeout=120.0), **spec["local_sgd"], sync_backend="torchft", replica_id=worker,
+                 lighthouse=lighthouse)
     # A fault of worker w of the one-world run is worker 0's of its own job.
     faults = [dict(f, workers=[0] if worker in f["workers"] else []) for f in spec.get("faults", ())]
     spec = dict(spec, instances=1, data_dp=workers * world_size, data_rank_offset=worker * world_size,
