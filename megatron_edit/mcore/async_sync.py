@@ -82,7 +82,7 @@ class AsyncFragments:
         else its place) at the fragment's last real sync's launch; None: every fragment at the
         last real sync of any (after the anchor is taken, or an elastic resume)."""
         self._before: Optional[dict] = None
-        """The counts before the latest :meth:`at_sync` (:meth:`not_committed` goes back to them)."""
+        """The counts before the latest :meth:`at_sync` (:meth:`settled` goes back to them)."""
 
     def restart(self) -> None:
         """The anchor was taken: every fragment starts here."""

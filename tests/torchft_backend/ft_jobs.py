@@ -278,3 +278,35 @@ def until(predicate, what: str, jobs=(), timeout: float = 300.0) -> None:
         for job in jobs:
             job.poll(wait=0.0)
         time.sleep(0.1)
+
+
+def fail_round(fail_at: int) -> None:
+    """In a job's rank: the round of its ``fail_at``-th commit (the join round's is the first)
+    fails here (an error reported to its Manager), so on the whole worker (a worker is one unit)."""
+    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
+
+    commit, calls = FaultTolerantSyncGroup.commit, [0]
+
+    def failing(self):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            self.manager.report_error(RuntimeError("injected: this rank's round failed"))
+        return commit(self)
+
+    FaultTolerantSyncGroup.commit = failing
+
+
+def fail_first_heal_transfer() -> None:
+    """In a job's rank: its first heal transfer fails (a partial heal where the worker's other
+    ranks receive theirs: none of them loads it)."""
+    from torchft.checkpointing import HTTPTransport
+
+    receive, failed = HTTPTransport.recv_checkpoint, []
+
+    def fails_once(self, *args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise ConnectionError("injected: this rank's heal transfer failed")
+        return receive(self, *args, **kwargs)
+
+    HTTPTransport.recv_checkpoint = fails_once

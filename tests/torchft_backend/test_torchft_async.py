@@ -110,18 +110,8 @@ def _ft_async_worker_one_rank_fails(rank, world_size, worker, lighthouse, spec, 
     """:func:`_ft_async_worker`, where rank 1 of worker 1 reports an error in the round of its
     ``fail_at``-th commit (the join round's is the first): that round fails on that rank, so on
     the whole worker (a worker is one unit), while worker 0 commits it."""
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
-
     if worker == 1 and rank == 1:
-        commit, calls = FaultTolerantSyncGroup.commit, [0]
-
-        def failing(self):
-            calls[0] += 1
-            if calls[0] == fail_at:
-                self.manager.report_error(RuntimeError("injected: this rank's round failed"))
-            return commit(self)
-
-        FaultTolerantSyncGroup.commit = failing
+        ft_jobs.fail_round(fail_at)
     return _ft_async_worker(rank, world_size, worker, lighthouse, spec, workers)
 
 

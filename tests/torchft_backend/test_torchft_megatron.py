@@ -181,17 +181,7 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
         # workers in it.)
         ft_jobs.first_round_together(os.path.join(ctl, "join"), f"w{worker}-r{rank}", WORKERS * world_size)
     if failed_heal and rank == 1:
-        from torchft.checkpointing import HTTPTransport
-
-        receive, failed = HTTPTransport.recv_checkpoint, []
-
-        def fails_once(self, *args, **kwargs):
-            if not failed:
-                failed.append(True)
-                raise ConnectionError("injected: rank 1's heal transfer failed")
-            return receive(self, *args, **kwargs)
-
-        HTTPTransport.recv_checkpoint = fails_once
+        ft_jobs.fail_first_heal_transfer()
     ddp, optimizer = _build(default_spec(instances=1), 1, 1)  # the join round runs in here
     (c,) = me.get_local_sgd(optimizer)
     me.set_train_iters(optimizer, HEAL_TOTAL)  # the last step syncs every shard: identical workers at the end

@@ -394,18 +394,8 @@ def _ft_grid_worker_one_rank_fails(rank, world_size, worker, lighthouse, spec, f
     """:func:`_ft_grid_worker`, where rank 1 of worker 1 reports an error in the round of its
     ``fail_at``-th commit (the join round's is the first): that round fails on that rank, so
     on the whole worker (a worker is one unit), while worker 0 commits it."""
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
-
     if worker == 1 and rank == 1:
-        commit, calls = FaultTolerantSyncGroup.commit, [0]
-
-        def failing(self):
-            calls[0] += 1
-            if calls[0] == fail_at:
-                self.manager.report_error(RuntimeError("injected: this rank's round failed"))
-            return commit(self)
-
-        FaultTolerantSyncGroup.commit = failing
+        ft_jobs.fail_round(fail_at)
     return _ft_grid_worker(rank, world_size, worker, lighthouse, spec)
 
 
@@ -413,17 +403,7 @@ def _ft_grid_worker_double_fault(rank, world_size, worker, lighthouse, spec, fai
     """:func:`_ft_grid_worker_one_rank_fails`, where rank 1 of worker 1 also fails its first heal
     transfer (a partial heal: neither rank of the worker loads its heal)."""
     if worker == 1 and rank == 1:
-        from torchft.checkpointing import HTTPTransport
-
-        receive, failed = HTTPTransport.recv_checkpoint, []
-
-        def fails_once(self, *args, **kwargs):
-            if not failed:
-                failed.append(True)
-                raise ConnectionError("injected: rank 1's heal transfer failed")
-            return receive(self, *args, **kwargs)
-
-        HTTPTransport.recv_checkpoint = fails_once
+        ft_jobs.fail_first_heal_transfer()
     return _ft_grid_worker_one_rank_fails(rank, world_size, worker, lighthouse, spec, fail_at)
 
 
