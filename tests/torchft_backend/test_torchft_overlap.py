@@ -21,12 +21,12 @@ from test_torchft_async import OUTER, _ft_async_worker  # noqa: E402
 TIMEOUT = 300
 
 
-def _both_backends(spec):
+def _both_backends(spec, job=None):
     """``spec`` on the torch backend (one world, 2 workers x 2 ranks) and over torchft (a job per
-    worker); every rank's results, worker-major."""
+    worker: ``job``, default :func:`_ft_async_worker`); every rank's results, worker-major."""
     reference = run_ranks(async_runs, 4, spec, timeout=TIMEOUT)
     with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
-        jobs = [start(_ft_async_worker, 2, w, server.address(), spec, 2, timeout=TIMEOUT) for w in range(2)]
+        jobs = [start(job or _ft_async_worker, 2, w, server.address(), spec, 2, timeout=TIMEOUT) for w in range(2)]
         ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
     return reference, ft
 
@@ -91,10 +91,7 @@ def test_auto_overlap_over_torchft_equals_the_torch_backend_with_the_same_measur
     decisions, syncs and parameters (1e-6); one model at the end."""
     spec = default_spec(local_sgd=AUTO, outer=OUTER, seconds_per_step=[1.0, 0.5], max_steps=128, train_iters=36)
     spec = dict(spec, measurements=MEASURED, auto_rounds=True)
-    reference = run_ranks(async_runs, 4, spec, timeout=TIMEOUT)
-    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
-        jobs = [start(_ft_auto_worker, 2, w, server.address(), spec, 2, timeout=TIMEOUT) for w in range(2)]
-        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    reference, ft = _both_backends(spec, _ft_auto_worker)
     for g, (ref, run) in enumerate(zip(reference, ft)):
         assert _reports(run) == _reports(ref), (g, _reports(run), _reports(ref))
         delays = [r[1] for r in _reports(run)]
@@ -126,10 +123,7 @@ def test_a_edit_s_fragments_chosen_over_torchft_equal_the_torch_backend_with_the
     spec = default_spec(local_sgd=local, outer=OUTER, seconds_per_step=[1.0, 0.75], max_steps=128, train_iters=45,
                         bucket_size=1000)
     spec = dict(spec, measurements=MEASURED_A_F, auto_rounds=True)
-    reference = run_ranks(async_runs, 4, spec, timeout=TIMEOUT)
-    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
-        jobs = [start(_ft_auto_worker, 2, w, server.address(), spec, 2, timeout=TIMEOUT) for w in range(2)]
-        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    reference, ft = _both_backends(spec, _ft_auto_worker)
     for g, (ref, run) in enumerate(zip(reference, ft)):
         syncs = [(r.step, r.delay, r.fragment, r.final, r.worker_steps.tolist()) for r in run["reports"]]
         assert syncs == [(r.step, r.delay, r.fragment, r.final, r.worker_steps.tolist()) for r in ref["reports"]]
