@@ -233,6 +233,12 @@ class AutoOverlap:
         self._last_end, self._not_stepping = now, 0.0
 
     @property
+    def completes_now(self) -> bool:
+        """A layer-wise sync without a delay completes right after its optimizer step (not in
+        the next forward pass): a timed one."""
+        return self.timed
+
+    @property
     def probes(self) -> bool:
         """Whether the next sync probes the link (:meth:`~megatron_edit.exchange.outer_sync.
         OuterSync.start`): a timed sync, on the torch backend. Over torchft a worker whose heal

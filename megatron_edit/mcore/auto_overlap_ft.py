@@ -22,15 +22,13 @@ workers of a sync are its quorum, and they change between syncs.
   that is kept). A round a worker joins or heals in measures nothing (its rank sends no inner
   step: the agreed step is 0 on every worker, so none decides).
 
-Not covered (a known defect): a worker that misses the decision's round and whose heal at the
-next round is a *partial* one (a rank's transfer failed: it loads nothing and heals again at the
-round after) finds the decision in force on its peers there, and takes other settings at a heal
-in the middle of its own sync (the delay of the sync it has begun is its old one). Reproduced on
-EDiT's grid (2 workers x 2 ranks; ``tests/torchft_backend/test_torchft_overlap.py``, the double
-fault, ``slow`` and ``xfail``): the healed worker ends its loop without the run's last sync and
-the other waits at that sync's quorum, so the run hangs. A fix needs the rule to keep every
-worker of a round on the same settings across a failed round (e.g. in force only after a round
-committed here, with the peers that moved on and the ones that did not reconciled at the heal).
+The double fault: a worker that misses the decision's round and whose heal at the next round is
+a *partial* one (a rank's transfer failed: it loads nothing and heals again at the round after)
+heals when its peers have the decision in force, in a sync it began with its old delay. On EDiT's
+grid it goes on with that sync as it began it (``LocalSGD.keep_place_in_sync``: at its own step,
+not the peer's, which a delay puts earlier), in the format and fragments of the heal, completes it
+at once and takes the heal's delay once it is applied (:attr:`RoundDecisions.delay_after_heal`):
+the next sync it launches with the others. (A-EDiT's healer takes the heal's delay at once.)
 """
 
 from __future__ import annotations
@@ -97,6 +95,13 @@ class RoundDecisions(AutoOverlap):
         """A decision taken at a sync, not yet in force."""
         self.rounds = RoundRule(confirm)
         """When :attr:`pending` is in force (over torchft: kept where its round commits, after the next)."""
+        self.delay_after_heal: Optional[int] = None
+        """EDiT's grid: the delay in force on the peer this worker healed from in the sync it had
+        begun with another (:func:`load_heal_state`), in force once that sync is applied."""
+
+    @property
+    def completes_now(self) -> bool:
+        return self.timed or self.delay_after_heal is not None
 
     def step_ended(self) -> None:
         self._time_step()  # (the agreement is at the next sync: message / agreed)
@@ -121,15 +126,19 @@ class RoundDecisions(AutoOverlap):
         """Before each optimizer step: a decision whose time has come, with nothing in flight
         (its sync's exchange applied)."""
         c = self.controller
-        if self.pending is None or not self.rounds.due or c.sync.in_progress or (
-                c.delayed is not None and c.delayed.in_flight):
+        if c.sync.in_progress or (c.delayed is not None and c.delayed.in_flight):
+            return
+        if self.delay_after_heal is not None:
+            c.apply_settings(self.delay_after_heal, c.config.start_format, c.config.fragments)
+            self.delay_after_heal = None
+        if self.pending is None or not self.rounds.due:
             return
         choice, self.pending = self.pending, None
         self.rounds.reset()
         AutoOverlap._take(self, choice)
 
     def resume(self, delay: int, dtype: str, fragments: Optional[int] = None) -> Optional[str]:
-        self.pending = None
+        self.pending, self.delay_after_heal = None, None
         self.rounds.reset()
         return super().resume(delay, dtype, fragments)
 
@@ -138,9 +147,9 @@ def heal_state(auto) -> dict:
     """What a worker that heals from this one receives of ``auto`` (an
     :class:`~megatron_edit.mcore.auto_overlap.AutoOverlap`): the settings in force and the
     rule's state; plain values (a copy: the transfer serves it by reference)."""
-    c = auto.controller.config
+    c, after_heal = auto.controller.config, getattr(auto, "delay_after_heal", None)
     return dict(
-        settings=(int(c.outer_step_delay), c.start_format, int(c.fragments)),
+        settings=(int(c.outer_step_delay if after_heal is None else after_heal), c.start_format, int(c.fragments)),
         timed=auto.timed, to_measure=auto._to_measure, since_decision=auto._since_decision,
         predicted=auto._predicted, decisions=list(auto.decisions),
         pending=getattr(auto, "pending", None), stage=getattr(getattr(auto, "rounds", None), "stage", None))
@@ -151,7 +160,10 @@ def load_heal_state(auto, state: dict) -> None:
     format folds residuals the heal then zeroes). This worker's own measurements since its last
     sync are dropped (it trained nothing the others count)."""
     delay, dtype, fragments = state["settings"]
-    auto.controller.apply_settings(delay, dtype, fragments)
+    c, own = auto.controller, int(auto.controller.config.outer_step_delay)
+    auto.delay_after_heal = delay if not c.config.use_async and delay != own else None  # EDiT's grid
+    c.apply_settings(own if auto.delay_after_heal is not None else delay, dtype, fragments)  # (the format and
+    # fragments now: this sync's collectives are the others'; the delay after the sync this worker began)
     auto.timed, auto._to_measure = state["timed"], state["to_measure"]
     auto._since_decision, auto._predicted = state["since_decision"], state["predicted"]
     auto.decisions = list(state["decisions"])

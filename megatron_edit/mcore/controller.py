@@ -279,7 +279,7 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
             if self.fsdp is not None:  # the step's prefetch reads the weights the sync changes: wait for it first
                 self.fsdp.wait_stale_gathers()
             final = self.finished or (not self.config.use_async and self.steps_done == self.last_step) or (
-                self.auto is not None and self.auto.timed)  # auto overlap: a timed sync
+                self.auto is not None and self.auto.completes_now)  # auto overlap: a timed sync, a heal's delay
             if self.backend.waits_for_others:  # a later optimizer's exchange first
                 self.backend.defer(self.complete_now if final else self.flush)
             else:
@@ -347,9 +347,12 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         arrived = self.async_plan.clock() if self.config.use_async else None
         if self.arrivals is not None:  # before the sync's first collective: name a missing worker
             self.arrivals.wait(step - delay)  # where this worker is (a delayed sync: its launch)
+        before = self.steps_done
         healed = self.backend.begin(step)  # torchft: this sync's quorum (a worker behind heals here)
         began = time.perf_counter()  # the sync's own time starts here (the waits above are the arrival's)
         if healed is not None:  # it was behind: now in the others' sync
+            if not self.config.use_async:  # EDiT's grid: where this sync began, at the others' step
+                self.keep_place_in_sync(healed - (step - before))
             step = healed
             due = self.sync_shards.due(step, None if delay else self.last_step)
         bytes_at_start = self.sync_group.counters.payload_bytes

@@ -34,7 +34,8 @@ class ControllerSettings:
             self._use_fragments(fragments)
         self.sync_shards.config = self.config
         self.async_plan.config = self.config  # A-EDiT: the next intervals at least tau + 1 steps
-        self.delayed = delayed_outer_step(self)  # on EDiT's grid or A-EDiT's syncs
+        if delay != c.outer_step_delay:  # (kept otherwise: a heal's format comes inside a delayed launch)
+            self.delayed = delayed_outer_step(self)  # on EDiT's grid or A-EDiT's syncs
 
     def _use_fragments(self, count: int) -> None:
         """Cut the shards into ``count`` fragments from now on (``auto_overlap``; between syncs):

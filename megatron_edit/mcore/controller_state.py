@@ -162,6 +162,15 @@ class ControllerState:
             # it would overrun it.
             self.async_plan.budget_steps = int(budget_steps)
 
+    def keep_place_in_sync(self, steps_done: int) -> None:
+        """EDiT's grid over torchft: a worker that healed into the others' sync goes on with the
+        sync it began, at its place in it (``steps_done``: the others' sync step less the steps
+        its own flow stands before it; the peer's count differs where its delay does, a heal's
+        delay goes in force after this sync: :mod:`.auto_overlap_ft`), its progress with it."""
+        shift = int(steps_done) - self.steps_done
+        self.steps_done = int(steps_done)
+        self.move_progress(self.global_progress + shift)
+
     def enter_healed_sync(self, step: int) -> None:
         """The join round healed this worker into the others' sync after ``step``: it applies that
         sync now, so it is at that step (and its progress)."""

@@ -99,3 +99,28 @@ def test_a_worker_that_heals_after_the_change_takes_the_settings_in_force():
     _round([a, fresh], 20, (True, True), heals=[(fresh, a)])
     assert fresh.applied == [(2, "fp32")] and fresh.config.outer_step_delay == 2
     assert fresh.auto.decisions == a.auto.decisions
+
+
+def test_a_heal_into_another_delay_takes_it_once_the_sync_the_worker_began_is_applied():
+    """EDiT's grid: a worker that heals (its heal reaches it in a sync it began without a delay)
+    from a peer with the delay of 2 in force keeps its sync's delay, completes that sync at once
+    and takes the delay at the next optimizer step with nothing in flight; a worker that heals
+    from it meanwhile is told the delay coming (the double fault over real torchft:
+    tests/torchft_backend/test_torchft_overlap.py)."""
+    a, b = _worker(), _worker()
+    for step in (4, 8, 12, 16):
+        _round([a, b], step, (True, True))
+    assert a.config.outer_step_delay == 2
+    healer = _worker()
+    load_heal_state(healer.auto, heal_state(a.auto))
+    assert healer.config.outer_step_delay == 0 and healer.applied == []
+    assert healer.auto.delay_after_heal == 2 and healer.auto.completes_now
+    assert heal_state(healer.auto)["settings"][0] == 2
+    healer.sync.in_progress = True  # its sync is not applied yet
+    healer.auto.after_sync()
+    assert healer.applied == []
+    healer.sync.in_progress = False
+    healer.auto.after_sync()
+    assert healer.applied == [(2, "fp32")] and healer.auto.delay_after_heal is None
+    load_heal_state(b.auto, heal_state(a.auto))  # a heal with the delay already its own: nothing waits
+    assert b.auto.delay_after_heal is None and not b.auto.completes_now

@@ -14,7 +14,7 @@ pytest.importorskip("torchft")
 
 import ft_jobs  # noqa: E402
 from compare import max_difference  # noqa: E402
-from dist import RankError, run_ranks  # noqa: E402
+from dist import run_ranks  # noqa: E402
 from edit_runs import async_runs, default_spec  # noqa: E402
 from test_torchft_async import OUTER, _ft_async_worker  # noqa: E402
 
@@ -401,29 +401,59 @@ def _ft_grid_worker_double_fault(rank, world_size, worker, lighthouse, spec, fai
     return _ft_grid_worker_one_rank_fails(rank, world_size, worker, lighthouse, spec, fail_at)
 
 
-@pytest.mark.slow  # (a known defect, reproduced: its jobs run into their timeout, 100 s)
-@pytest.mark.xfail(strict=True, raises=RankError, reason=(
-    "the double fault (issue 60, megatron_edit/mcore/auto_overlap_ft.py 'Not covered'): worker 0 puts the "
-    "decision in force after the round of the sync after 16, which failed (RoundRule moves kept to due at any "
-    "round's end), worker 1, whose heal there was partial, does not; worker 1 ends its loop after its sync "
-    "at 24 without the final sync and worker 0 waits at the final sync's quorum: the run hangs"))
 @pytest.mark.timeout(TIMEOUT + 60)
 def test_a_missed_decision_round_then_a_partial_heal_end_with_the_decision_everywhere_and_one_model():
     """The double fault: the round of the sync after 12, which decides a delay of 2, fails on
     rank 1 of worker 1 only (worker 1 drops the decision, worker 0 keeps it); at the next sync
     (16) worker 1, behind, heals, but rank 1's transfer fails (a partial heal: neither rank loads,
-    the round fails on worker 1, and on worker 0 once its collectives time out, 20 s here). What
-    should happen: worker 1 heals at the sync after that and receives the decision; both take the
-    same syncs and delays from there and end with one model (28 steps, the last sync blocking)."""
+    the round fails on worker 1, and on worker 0 once its collectives time out, 20 s here), and
+    worker 0 puts the decision in force after that round. At the sync after 20 worker 0 launches
+    its exchange after step 18; worker 1 heals into it from its own blocking sync after 20: it
+    stays at step 20, takes the delay once that sync is applied (completed at once) and launches
+    the next one after 22 with worker 0. Both end with one model (28 steps, the last sync
+    blocking). (Before, worker 1 took worker 0's step count, 18, and the delay in the middle of
+    its sync: it ended its loop without the run's last sync and the run hung.)"""
     local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True, sync_timeout=20.0)
     spec = default_spec(steps=28, last_step=28, local_sgd=local, outer=OUTER, measurements=MEASURED)
     with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
-        jobs = [start(_ft_grid_worker_double_fault, 2, w, server.address(), spec, 4, timeout=100)
+        jobs = [start(_ft_grid_worker_double_fault, 2, w, server.address(), spec, 4, timeout=TIMEOUT)
                 for w in range(2)]
         ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
-    syncs = [[(r.step, r.delay, r.committed) for r in run["reports"]] for run in ft]
-    assert all(s[-1] == (28, 0, True) for s in syncs), syncs
-    assert all(s[-3:] == syncs[0][-3:] for s in syncs), syncs  # the same syncs and delays after the heal
+    for g, run in enumerate(ft):
+        syncs = [(r.step, r.delay, r.committed) for r in run["reports"]]
+        worker_0 = g < 2
+        assert syncs == [(4, 0, True), (8, 0, True), (12, 0, worker_0), (16, 0, False), (20, 2 if worker_0 else 0, True),
+                         (24, 2, True), (28, 0, True)], (g, syncs)
+        assert [d[1:] for d in run["decisions"]] == [(2, "fp32")]
+    for run in ft[1:]:
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
+
+
+# H = 4 from a delay of 2: a step of 0.10 s and an fp32 exchange of at most 0.02 s take no delay.
+MEASURED_FAST = {0: (0.10, {"fp32": 0.02}, 0.0), 1: (0.12, {"fp32": 0.01}, 0.0), 2: (0.11, {"fp32": 0.02}, 0.0),
+                 3: (0.13, {"fp32": 0.01}, 0.0)}
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_the_double_fault_from_a_delay_to_none_ends_with_the_same_syncs_and_one_model():
+    """The double fault the other way round: the run starts with a delay of 2 and the round of the
+    sync after 12 decides none; worker 0 puts it in force after the round of 16 (which failed,
+    worker 1's heal there partial). At the sync after 20 worker 0 blocks; worker 1 heals into it
+    from its own launch after step 18: it stays at step 18, applies that exchange after 20 as it
+    launched it, then takes no delay, and the sync after 24 blocks on both. One model at the end."""
+    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True, outer_step_delay=2,
+                 sync_timeout=20.0)
+    spec = default_spec(steps=28, last_step=28, local_sgd=local, outer=OUTER, measurements=MEASURED_FAST)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_grid_worker_double_fault, 2, w, server.address(), spec, 4, timeout=TIMEOUT)
+                for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    for g, run in enumerate(ft):
+        syncs = [(r.step, r.delay, r.committed) for r in run["reports"]]
+        worker_0 = g < 2
+        assert syncs == [(4, 2, True), (8, 2, True), (12, 2, worker_0), (16, 2, False), (20, 0 if worker_0 else 2, True),
+                         (24, 0, True), (28, 0, True)], (g, syncs)
+        assert [d[1:] for d in run["decisions"]] == [(0, "fp32")]
     for run in ft[1:]:
         assert max_difference(ft[0]["params"], run["params"]) == 0.0
 
