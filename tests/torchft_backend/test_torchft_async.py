@@ -44,8 +44,8 @@ def _ft_async_worker(rank, world_size, worker, lighthouse, spec, workers, gate=N
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
     if gate is not None:
         os.environ[START_GATE_ENV] = gate
-    local = dict(spec["local_sgd"], sync_backend="torchft", replica_id=worker, lighthouse=lighthouse,
-                 sync_timeout=120.0)
+    local = dict(spec["local_sgd"], sync_backend="torchft", replica_id=worker, lighthouse=lighthouse)
+    local.setdefault("sync_timeout", 120.0)  # (a spec's own: a test that waits one out)
     spec = dict(spec, instances=1, worker=worker, data_dp=workers * world_size, data_rank_offset=worker * world_size,
                 local_sgd=local, die_after=spec.get("die_after", {}).get(worker))
     return async_runs(rank, world_size, spec)

@@ -458,6 +458,43 @@ def test_the_double_fault_from_a_delay_to_none_ends_with_the_same_syncs_and_one_
         assert max_difference(ft[0]["params"], run["params"]) == 0.0
 
 
+def _ft_auto_worker_double_fault(rank, world_size, worker, lighthouse, spec, workers, fail_at):
+    """:func:`_ft_auto_worker` with the double fault of :func:`_ft_grid_worker_double_fault`."""
+    if worker == 1 and rank == 1:
+        ft_jobs.fail_first_heal_transfer()
+        ft_jobs.fail_round(fail_at)
+    return _ft_auto_worker(rank, world_size, worker, lighthouse, spec, workers)
+
+
+@pytest.mark.slow  # (A-EDiT's healer takes the heal's delay at once, as before the grid's fix; 33 s, 20 s of it a timeout)
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_a_edit_s_double_fault_ends_with_the_delay_everywhere_and_one_model():
+    """The double fault with A-EDiT's automatic overlap (fake clocks, the measurements of
+    :func:`test_auto_overlap_over_torchft_equals_the_torch_backend_with_the_same_measurements`):
+    the round of the third sync, which decides a delay of 2, fails on rank 1 of worker 1 (it drops
+    the decision); at the fourth, skipped (a round that applies nothing), worker 1's heal is
+    partial, the round fails on both (worker 0's collectives time out, 20 s) and worker 0 puts
+    the decision in force. Worker 1 heals at the fifth, where worker 0 launches with the delay:
+    it takes the others' step and the delay from its heal, launches its next sync with it, and
+    both end with one model."""
+    local = dict(AUTO, sync_timeout=20.0)
+    spec = default_spec(local_sgd=local, outer=OUTER, seconds_per_step=[1.0, 0.5], max_steps=128, train_iters=36)
+    spec = dict(spec, measurements=MEASURED)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_auto_worker_double_fault, 2, w, server.address(), spec, 2, 4, timeout=TIMEOUT)
+                for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    first = [(r.step, r.delay) for r in ft[0]["reports"]]
+    for g, run in enumerate(ft):
+        reports, worker_0 = run["reports"], g < 2
+        assert [r.delay for r in reports] == ([0, 0, 0, 0, 2, 2, 0] if worker_0 else [0, 0, 0, 0, 0, 2, 0]), (g, reports)
+        assert [r.committed for r in reports] == [True, True, worker_0, True, True, True, True] and reports[3].skipped_sync
+        assert reports[4].step == first[4][0]  # worker 1 healed into worker 0's fifth sync
+        assert [d[1:] for d in run["decisions"]] == [(2, "fp32")] and run["finished"]
+    for run in ft[1:]:
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
+
+
 @pytest.mark.timeout(TIMEOUT + 60)
 def test_a_decision_whose_round_fails_on_one_rank_of_a_worker_is_taken_from_the_heal():
     """The partial event: EDiT's grid, 2 workers x 2 ranks, the delay of 2 decided in the round of
