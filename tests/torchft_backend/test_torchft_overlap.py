@@ -406,14 +406,14 @@ def test_a_missed_decision_round_then_a_partial_heal_end_with_the_decision_every
     """The double fault: the round of the sync after 12, which decides a delay of 2, fails on
     rank 1 of worker 1 only (worker 1 drops the decision, worker 0 keeps it); at the next sync
     (16) worker 1, behind, heals, but rank 1's transfer fails (a partial heal: neither rank loads,
-    the round fails on worker 1, and on worker 0 once its collectives time out, 20 s here), and
+    the round fails on worker 1, and on worker 0 once its collectives time out, 10 s here), and
     worker 0 puts the decision in force after that round. At the sync after 20 worker 0 launches
     its exchange after step 18; worker 1 heals into it from its own blocking sync after 20: it
     stays at step 20, takes the delay once that sync is applied (completed at once) and launches
     the next one after 22 with worker 0. Both end with one model (28 steps, the last sync
     blocking). (Before, worker 1 took worker 0's step count, 18, and the delay in the middle of
     its sync: it ended its loop without the run's last sync and the run hung.)"""
-    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True, sync_timeout=20.0)
+    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True, sync_timeout=10.0)
     spec = default_spec(steps=28, last_step=28, local_sgd=local, outer=OUTER, measurements=MEASURED)
     with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
         jobs = [start(_ft_grid_worker_double_fault, 2, w, server.address(), spec, 4, timeout=TIMEOUT)
@@ -442,7 +442,7 @@ def test_the_double_fault_from_a_delay_to_none_ends_with_the_same_syncs_and_one_
     from its own launch after step 18: it stays at step 18, applies that exchange after 20 as it
     launched it, then takes no delay, and the sync after 24 blocks on both. One model at the end."""
     local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True, outer_step_delay=2,
-                 sync_timeout=20.0)
+                 sync_timeout=10.0)
     spec = default_spec(steps=28, last_step=28, local_sgd=local, outer=OUTER, measurements=MEASURED_FAST)
     with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
         jobs = [start(_ft_grid_worker_double_fault, 2, w, server.address(), spec, 4, timeout=TIMEOUT)
