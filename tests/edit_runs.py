@@ -614,10 +614,10 @@ def simulate_edit(rank, world_size, spec, dp_size):
 
     if cfg.get("use_async"):  # A-EDiT: each worker at its own pace between the syncs given
         # each layer's fragment (A-EDiT's final sync weighs a layer by its fragment's steps)
-        fragment_of = {name: f for f, members in enumerate(frags or [names]) for name in members}
+        fragment_by_name = {name: f for f, members in enumerate(frags or [names]) for name in members}
         run = dict(train=train, capture=capture, decide=decide_and_reduce, outer_step=_outer_step, merge=_merge,
                    models=models, frags=frags,
-                   layer_fragment=[fragment_of[names[layer_index.index(layer)]] for layer in range(len(layers))])
+                   layer_fragment=[fragment_by_name[names[layer_index.index(layer)]] for layer in range(len(layers))])
         snapshots = _simulate_async(spec, n, warmup, tau, alpha, run)
         return dict(params=[named_params(m) for m in models], decisions=decisions, layers=layers, snapshots=snapshots)
 

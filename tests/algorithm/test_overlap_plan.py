@@ -299,3 +299,16 @@ def test_a_format_is_predicted_from_its_codec_the_latency_per_message_and_the_re
     # neither codec nor latency: the bytes' ratio, as scale_to_formats
     plain, _ = predict_formats(0.1, "topk0.02-int2", n, fmts, 256, w, 4096)
     assert plain == pytest.approx(scale_to_formats(0.1, "topk0.02-int2", n, fmts, 256, w, 4096))
+
+
+def test_the_smallest_interval_is_the_first_h_whose_choice_hides_the_exchange():
+    """1.3B parameters, 2 workers, 100 Mbit/s, 0.5 s steps, int4 or the top-k exchange: the H
+    returned hides the exchange and the H before it does not; the search starts at ``smallest``
+    and gives up past ``largest``."""
+    model = dict(params=1_300_000_000, workers=2, link_bits_per_s=100e6, step_s=0.5, formats=["int4", "topk0.02-int2"])
+    h, choice = smallest_interval(**model)
+    times = format_seconds(1_300_000_000, 2, 100e6, ["int4", "topk0.02-int2"])
+    assert h > 1 and choice.hidden and choice == choose(0.5, times, h, ["int4", "topk0.02-int2"])
+    assert not choose(0.5, times, h - 1, ["int4", "topk0.02-int2"]).hidden
+    assert smallest_interval(**model, smallest=h + 1)[0] > h
+    assert smallest_interval(**model, largest=h - 1) is None

@@ -153,7 +153,6 @@ def _healing_worker(rank, world_size, worker, lighthouse, ctl, joiner, grow=Fals
 
     import megatron_edit as me
     from megatron.core import parallel_state as ps
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
 
     from edit_runs import MICRO_BATCH, _build
     from gpt_utils import make_batches, named_params, rank_micro_batches, train_step
@@ -722,7 +721,6 @@ def _older_checkpoint_worker(rank, world_size, worker, lighthouse, ctl, relaunch
 
     import megatron_edit as me
     from megatron.core import parallel_state as ps
-    from megatron_edit.exchange.fault_tolerant import FaultTolerantSyncGroup
     from megatron_edit.mcore.fault_tolerant import TorchftBackend
 
     import checkpoint_runs as cr
