@@ -546,3 +546,44 @@ def test_a_killed_a_edit_worker_is_relaunched_heals_and_the_budget_is_used_by_th
         last = log[max(log)]
         assert _field(last, "local sgd workers") == 2 and _field(last, "local sgd syncs") > 0, last
         assert re.search(rf"global iteration: {ITERS}\.00/{ITERS} \|", last), last
+
+
+PACED = WRAPPER_HEAD + """
+
+
+def train_step(*args, **kwargs):
+    time.sleep(0.25 if worker == 1 else 0.1)  # worker 1 the straggler, both paced over the machine's noise
+    return original_step(*args, **kwargs)
+
+
+training.train_step = train_step
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_edit_with_the_automatic_overlap_through_megatron_lm_over_torchft_ends_with_one_model(tmp_path):
+    """The cross-site combination (issue 60) through Megatron-LM's pretrain_gpt.py: A-EDiT with
+    --local-sgd-auto-overlap (fp32 or int8, the link measured: nothing injected) over torchft, 2
+    workers x 1 rank, worker 0 0.1 s a step, worker 1 0.25 s, a sync every second, a budget of 32
+    iterations (64 worker-steps): the run exits 0 (the supervisor compares the workers' models at
+    the end), both workers end at the same final sync with 2 workers in it and the budget used
+    exactly, and they log the same decisions after the same syncs."""
+    script = _script_in_checkout(tmp_path, "paced.py", PACED)
+    code, out = _supervised(tmp_path, ["--local-sgd-sync-interval", "2", "--local-sgd-async", "--local-sgd-sync-time",
+                                       "1", "--local-sgd-min-total-global-steps", "0", "--train-iters", str(2 * ITERS),
+                                       "--local-sgd-auto-overlap", "--local-sgd-auto-formats", "fp32,int8"],
+                            script=script, ranks=1)
+    fast_log, slow_log = _log(tmp_path, 0), _log(tmp_path, 1)
+    assert code == 0, out[-3000:] + slow_log[-5000:]
+    fast, slow = _lines(fast_log), _lines(slow_log)
+    assert max(fast) + max(slow) == 4 * ITERS, (max(fast), max(slow))
+    for lines in (fast, slow):
+        last = lines[max(lines)]
+        assert _field(last, "local sgd workers") == 2 and _field(last, "local sgd syncs") > 0, last
+        assert re.search(rf"global iteration: {2 * ITERS}\.00/{2 * ITERS} \|", last), last
+    # the same decisions at the same syncs (each worker names its own step there)
+    decided = [re.findall(r"auto overlap after step \d+: ([^\n]*)", log) for log in (fast_log, slow_log)]
+    assert decided[0] == decided[1] and len(decided[0]) >= 1, decided
