@@ -201,26 +201,36 @@ def run_ranks(fn, world_size, *args, timeout=120, device="cpu", rerun_any_failur
     failure, and a crash in every run, is raised. ``rerun_any_failure``: again after any
     rank's failure (:func:`run_fsdp_ranks`).
     """
-    import warnings
-
     for attempt in range(1, RUNS + 1):
         try:
             return _run_ranks_once(fn, world_size, *args, timeout=timeout, device=device, **kwargs)
         except RankError as error:
-            native = any(mark in str(error) for mark in NATIVE_CRASH)
-            if attempt == RUNS or not (native or rerun_any_failure):
+            if not run_again(error, attempt, rerun_any_failure):
                 raise
-            cause = "a rank died in native code" if native else "a Megatron-FSDP job failed"
-            first = (str(error).strip().splitlines() or [""])[0]
-            RERUNS.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], cause, first))
-            guarded = ("; the collective guard was on: no buffer of a collective in flight was freed or written"
-                       if os.environ.get("MEGATRON_EDIT_COLLECTIVE_GUARD") == "1" else "")
-            where = ("; a double free of a small object on a gloo worker thread, also in megatron-core's own "
-                     "synchronous training without EDiT: torch's ProcessGroupGloo, pytorch/pytorch "
-                     "ProcessGroupGloo.cpp") if native else ""
-            warnings.warn(f"{cause} (known defect, cause open: docs/status.md, issue 62{where}{guarded}; "
-                          f"run {attempt} of {RUNS} failed, running again): "
-                          f"{_excerpt(str(error))}")
+
+
+def run_again(error: "RankError", attempt: int, any_failure: bool = False) -> bool:
+    """Whether the job (or test) whose ``attempt``-th run failed with ``error`` runs again: when a
+    rank died in native code (:data:`NATIVE_CRASH`; ``any_failure``: after any failure) and
+    fewer than :data:`RUNS` runs were made. Then the rerun is counted (:data:`RERUNS`) and said as
+    a warning with its reason and the failure."""
+    import warnings
+
+    native = any(mark in str(error) for mark in NATIVE_CRASH)
+    if attempt >= RUNS or not (native or any_failure):
+        return False
+    cause = "a rank died in native code" if native else "a Megatron-FSDP job failed"
+    first = (str(error).strip().splitlines() or [""])[0]
+    RERUNS.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], cause, first))
+    guarded = ("; the collective guard was on: no buffer of a collective in flight was freed or written"
+               if os.environ.get("MEGATRON_EDIT_COLLECTIVE_GUARD") == "1" else "")
+    where = ("; a double free of a small object on a gloo worker thread, also in megatron-core's own "
+             "synchronous training without EDiT: torch's ProcessGroupGloo, pytorch/pytorch "
+             "ProcessGroupGloo.cpp") if native else ""
+    warnings.warn(f"{cause} (known defect, cause open: docs/status.md, issue 62{where}{guarded}; "
+                  f"run {attempt} of {RUNS} failed, running again): "
+                  f"{_excerpt(str(error))}")
+    return True
 
 
 def _excerpt(text: str, head: int = 6000, tail: int = 3000) -> str:

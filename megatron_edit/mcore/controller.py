@@ -347,11 +347,11 @@ class LocalSGD(ControllerState, RunProgress, ControllerSettings):
         arrived = self.async_plan.clock() if self.config.use_async else None
         if self.arrivals is not None:  # before the sync's first collective: name a missing worker
             self.arrivals.wait(step - delay)  # where this worker is (a delayed sync: its launch)
-        before = self.steps_done
+        before = None if self.config.use_async else self.steps_done  # (EDiT's grid: where this sync began)
         healed = self.backend.begin(step)  # torchft: this sync's quorum (a worker behind heals here)
         began = time.perf_counter()  # the sync's own time starts here (the waits above are the arrival's)
         if healed is not None:  # it was behind: now in the others' sync
-            if not self.config.use_async:  # EDiT's grid: where this sync began, at the others' step
+            if before is not None:  # EDiT's grid: at its place in the sync it began, at the others' step
                 self.keep_place_in_sync(healed - (step - before))
             step = healed
             due = self.sync_shards.due(step, None if delay else self.last_step)

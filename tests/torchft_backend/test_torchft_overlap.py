@@ -401,6 +401,25 @@ def _ft_grid_worker_double_fault(rank, world_size, worker, lighthouse, spec, fai
     return _ft_grid_worker_one_rank_fails(rank, world_size, worker, lighthouse, spec, fail_at)
 
 
+def _double_fault(start_delay, measurements, decided):
+    """The double fault on EDiT's grid (2 workers x 2 ranks, H 4, 28 steps, the last sync blocking,
+    a sync timeout of 10 s): the round of the sync after 12 fails on rank 1 of worker 1 only, its
+    heal at 16 is partial. Checks that every rank logs the one decision (``decided``: the delay, in
+    fp32) and ends with one model; returns each rank's syncs (step, delay, committed)."""
+    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True, outer_step_delay=start_delay,
+                 sync_timeout=10.0)
+    spec = default_spec(steps=28, last_step=28, local_sgd=local, outer=OUTER, measurements=measurements)
+    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
+        jobs = [start(_ft_grid_worker_double_fault, 2, w, server.address(), spec, 4, timeout=TIMEOUT)
+                for w in range(2)]
+        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
+    for run in ft:
+        assert [d[1:] for d in run["decisions"]] == [(decided, "fp32")]
+    for run in ft[1:]:
+        assert max_difference(ft[0]["params"], run["params"]) == 0.0
+    return [[(r.step, r.delay, r.committed) for r in run["reports"]] for run in ft]
+
+
 @pytest.mark.timeout(TIMEOUT + 60)
 def test_a_missed_decision_round_then_a_partial_heal_end_with_the_decision_everywhere_and_one_model():
     """The double fault: the round of the sync after 12, which decides a delay of 2, fails on
@@ -413,20 +432,10 @@ def test_a_missed_decision_round_then_a_partial_heal_end_with_the_decision_every
     the next one after 22 with worker 0. Both end with one model (28 steps, the last sync
     blocking). (Before, worker 1 took worker 0's step count, 18, and the delay in the middle of
     its sync: it ended its loop without the run's last sync and the run hung.)"""
-    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True, sync_timeout=10.0)
-    spec = default_spec(steps=28, last_step=28, local_sgd=local, outer=OUTER, measurements=MEASURED)
-    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
-        jobs = [start(_ft_grid_worker_double_fault, 2, w, server.address(), spec, 4, timeout=TIMEOUT)
-                for w in range(2)]
-        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
-    for g, run in enumerate(ft):
-        syncs = [(r.step, r.delay, r.committed) for r in run["reports"]]
+    for g, syncs in enumerate(_double_fault(0, MEASURED, 2)):
         worker_0 = g < 2
         assert syncs == [(4, 0, True), (8, 0, True), (12, 0, worker_0), (16, 0, False), (20, 2 if worker_0 else 0, True),
                          (24, 2, True), (28, 0, True)], (g, syncs)
-        assert [d[1:] for d in run["decisions"]] == [(2, "fp32")]
-    for run in ft[1:]:
-        assert max_difference(ft[0]["params"], run["params"]) == 0.0
 
 
 # H = 4 from a delay of 2: a step of 0.10 s and an fp32 exchange of at most 0.02 s take no delay.
@@ -441,21 +450,10 @@ def test_the_double_fault_from_a_delay_to_none_ends_with_the_same_syncs_and_one_
     worker 1's heal there partial). At the sync after 20 worker 0 blocks; worker 1 heals into it
     from its own launch after step 18: it stays at step 18, applies that exchange after 20 as it
     launched it, then takes no delay, and the sync after 24 blocks on both. One model at the end."""
-    local = dict(local_sgd_sync_interval=4, sync_mode="layerwise", auto_overlap=True, outer_step_delay=2,
-                 sync_timeout=10.0)
-    spec = default_spec(steps=28, last_step=28, local_sgd=local, outer=OUTER, measurements=MEASURED_FAST)
-    with ft_jobs.jobs_and_lighthouse(min_replicas=2) as (server, start):
-        jobs = [start(_ft_grid_worker_double_fault, 2, w, server.address(), spec, 4, timeout=TIMEOUT)
-                for w in range(2)]
-        ft = [out for outs in ft_jobs.all_results(jobs) for out in outs]
-    for g, run in enumerate(ft):
-        syncs = [(r.step, r.delay, r.committed) for r in run["reports"]]
+    for g, syncs in enumerate(_double_fault(2, MEASURED_FAST, 0)):
         worker_0 = g < 2
         assert syncs == [(4, 2, True), (8, 2, True), (12, 2, worker_0), (16, 2, False), (20, 0 if worker_0 else 2, True),
                          (24, 0, True), (28, 0, True)], (g, syncs)
-        assert [d[1:] for d in run["decisions"]] == [(0, "fp32")]
-    for run in ft[1:]:
-        assert max_difference(ft[0]["params"], run["params"]) == 0.0
 
 
 def _ft_auto_worker_double_fault(rank, world_size, worker, lighthouse, spec, workers, fail_at):
