@@ -161,9 +161,9 @@ def load_heal_state(auto, state: dict) -> None:
     sync are dropped (it trained nothing the others count)."""
     delay, dtype, fragments = state["settings"]
     c, own = auto.controller, int(auto.controller.config.outer_step_delay)
-    auto.delay_after_heal = delay if not c.config.use_async and delay != own else None  # EDiT's grid
-    c.apply_settings(own if auto.delay_after_heal is not None else delay, dtype, fragments)  # (the format and
-    # fragments now: this sync's collectives are the others'; the delay after the sync this worker began)
+    grid = not c.config.use_async  # EDiT's grid: the delay after the sync this worker began (A-EDiT: now)
+    auto.delay_after_heal = delay if grid and delay != own else None
+    c.apply_settings(own if grid else delay, dtype, fragments)  # the format and fragments now: the others'
     auto.timed, auto._to_measure = state["timed"], state["to_measure"]
     auto._since_decision, auto._predicted = state["since_decision"], state["predicted"]
     auto.decisions = list(state["decisions"])
