@@ -51,6 +51,7 @@ from ..mcore.session import SESSION
 from . import collective_guard
 from .async_writer import declare_writers
 from .fsdp import declare_fsdp
+from .gloo_threads import declare_gloo_threads
 from .moe import declare_moe
 
 __all__ = ["activate", "deactivate", "is_active"]
@@ -355,7 +356,9 @@ def _declare(registry: PatchRegistry, version: str) -> PatchRegistry:
     declare_moe(registry, _ANY_RELEASE)
     # (8) Megatron-FSDP: two CUDA literals (megatron-core 0.16.1 only; see megatron_edit.cpu.fsdp).
     declare_fsdp(registry)
-    # (9) debug (MEGATRON_EDIT_COLLECTIVE_GUARD=1): no buffer of a collective in flight freed or written.
+    # (9) one worker thread per gloo process group: torch's race on a group's status (issue 62).
+    declare_gloo_threads(registry, _ANY_RELEASE)
+    # (10) debug (MEGATRON_EDIT_COLLECTIVE_GUARD=1): no buffer of a collective in flight freed or written.
     if collective_guard.enabled():
         collective_guard.declare_guard(registry, _ANY_RELEASE)
     return registry

@@ -21,8 +21,9 @@
 #                  STUB=a folder with a no-op matplotlib where matplotlib is not installed)
 #   bench_aedit_int4  scripts/bench/bench_convergence.py with the two run kinds bench_multi leaves out:
 #                  aedit:H=$H,slow=2 (A-EDiT, worker 1 at half speed) and edit:H=$H,dtype=int4,ef=1
-#   gloo_stress    scripts/dev/repro_gloo_crash.py (no megatron_edit, no Megatron): the same gloo
-#                  pattern, $STRESS_ITERS iterations, quantized exchange
+#   gloo_stress    scripts/dev/repro_gloo_crash.py (no Megatron): the smallest reproducer of the crash
+#                  (torch's gloo status race, issue 62), $STRESS_ITERS iterations, torch's two threads
+#   gloo_one_thread  the same with one worker thread per gloo group (megatron_edit.cpu.gloo_threads)
 # The configurations are run round-robin until DEADLINE_EPOCH (date +%s); one job at a time,
 # under nice -n 19. Every run gets its own folder OUTDIR/runs/NNNN-CONFIG (its working directory:
 # core_pattern "core" writes cores there) with its log; OUTDIR/results.tsv has one line per run:
@@ -63,12 +64,13 @@ while [ "$(date +%s)" -lt "$DEADLINE" ]; do
       fsdp_edit) extra=(--mode edit --use-megatron-fsdp "${HW[@]}") ;;
       bench_multi|bench_aedit_int4) extra=() ;;
       gloo_stress) extra=() ;;
+      gloo_one_thread) extra=(--one-thread) ;;
       *) echo "unknown config $cfg"; exit 2 ;;
     esac
     t0=$(date +%s)
-    if [ "$cfg" = gloo_stress ]; then
+    if [ "$cfg" = gloo_stress ] || [ "$cfg" = gloo_one_thread ]; then
       (cd "$dir" && exec nice -n 19 timeout -s KILL 900 "$PY" -m torch.distributed.run --standalone \
-          --nproc_per_node "$np" "$REPO/scripts/dev/repro_gloo_crash.py" --iters "${STRESS_ITERS:-300}") > "$dir/log" 2>&1 </dev/null
+          --nproc_per_node "$np" "$REPO/scripts/dev/repro_gloo_crash.py" --iters "${STRESS_ITERS:-300}" "${extra[@]}") > "$dir/log" 2>&1 </dev/null
     elif [ "$cfg" = bench_multi ] || [ "$cfg" = bench_aedit_int4 ]; then  # the convergence benchmark itself
       runs=(sync "edit:H=$H" "edit:H=$H,dtype=int8,ef=1" "diloco:H=$H")  # several runs in one process
       [ "$cfg" = bench_aedit_int4 ] && runs=("aedit:H=$H,slow=2" "edit:H=$H,dtype=int4,ef=1")

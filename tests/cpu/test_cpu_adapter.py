@@ -69,9 +69,11 @@ def _snapshot():
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.tensor_parallel.random as mc_random
+    import torch.distributed.distributed_c10d as c10d
 
     owners = [
         torch,
+        c10d,
         torch.cuda,
         torch.cuda.random,
         torch.Tensor,
@@ -106,7 +108,8 @@ def test_activate_deactivate_restores_exactly():
         assert cpu_adapter.is_active()
         patched = _changed(before, _snapshot())
         for name in ["torch.zeros", "torch.cuda.current_device", "torch.cuda.Stream",
-                     "torch.cuda.get_rng_state", "torch.cuda.random.get_rng_state"]:
+                     "torch.cuda.get_rng_state", "torch.cuda.random.get_rng_state",
+                     "torch.distributed.distributed_c10d.ProcessGroupGloo"]:
             assert name in patched
         assert torch.cuda.current_device() == torch.device("cpu")
         assert torch.cuda.device_count() == 1
