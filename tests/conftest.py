@@ -48,16 +48,6 @@ def pytest_configure(config):
 WITHOUT_MEGATRON_CORE = ("algorithm", "exchange", "status")
 
 
-def pytest_terminal_summary(terminalreporter):
-    """How many multi-rank jobs ran again after a native crash (dist.run_ranks), at the end of
-    every session, so that a rising rate is seen (issue 62)."""
-    from dist import RERUNS
-
-    terminalreporter.write_line(f"multi-rank jobs run again after a failure (tests/dist.py): {len(RERUNS)}")
-    for test, cause, first in RERUNS:
-        terminalreporter.write_line(f"  {test}: {cause}: {first[:200]}")
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config, items):
     """The tests of :data:`WITHOUT_MEGATRON_CORE` are ``one_lane``. The GPU lane runs where

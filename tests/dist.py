@@ -162,84 +162,16 @@ def _failures(rank, payload, results, procs, store_path, finished=(), grace=10.0
     return "\n".join(lines)
 
 
-# What a rank killed in native code leaves (faulthandler's line, the exit code of SIGSEGV / SIGABRT;
-# the last two as torchrun reports them).
-NATIVE_CRASH = ("Fatal Python error: Segmentation fault", "Fatal Python error: Aborted",
-                "exited with code -11 ", "exited with code -6 ", "(exitcode: -11)", "(exitcode: -6)")
-
-
-#: Runs of a job that failed by the known defect before its failure is the test's: 3, since a CI run
-#: on 2026-11-29 saw one Megatron-FSDP job fail twice in a row (a rank's error in the forward pass,
-#: then a segmentation fault inside gloo's parameter all-gather; test_fsdp_megatron's MoE test),
-#: where a failure that repeats three times is a defect of its own.
-RUNS = 3
-
-#: Every run again in this pytest session: (test, cause, the failure's first line), for the count
-#: conftest prints at the end (issue 62: a rising rate is seen, not hidden by the reruns).
-RERUNS: list = []
-
-
-def run_ranks(fn, world_size, *args, timeout=120, device="cpu", rerun_any_failure=False, **kwargs) -> list:
+def run_ranks(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
     ``device="cuda"``: no CPU adapter, NCCL, rank r on GPU r (the GPU lane, tests/cuda).
     Returns the ranks' return values in rank order. Raises :class:`RankError` (with the child's
-    traceback) if any rank raises or exits without reporting, or after ``timeout`` seconds.
-
-    Run again (up to :data:`RUNS` runs in all), with a warning carrying each failure, when and only when a rank died in
-    native code (SIGSEGV / SIGABRT, :data:`NATIVE_CRASH`): the known defect of docs/status.md (a
-    heap corrupted under gloo, about one step in 10,000; seen in CI on 2026-11-28 in a DDP
-    layer-wise test on megatron-core 0.12.3, inside gloo's coalesced all-gather; cause open, issue
-    62: not a buffer freed or written while a collective uses it, which the collective guard every
-    job runs with would have stopped, and not seen in a loop of 11,968 steps; a core on 0.12.3
-    (2026-12-04): SIGSEGV in a gloo worker thread's ``malloc``, a small chunk that thread had
-    freed written after its free: glibc's heap damaged in torch's own memory; on 2026-12-05
-    megatron-core's own synchronous training, none of EDiT's wraps attached, aborted the same way
-    once in about 31,200 steps, and its core shows a double free of a 32-byte chunk on a gloo
-    worker thread: torch's ``ProcessGroupGloo`` (pytorch/pytorch, ProcessGroupGloo.cpp), not EDiT
-    and not a collective's buffer). Any other
-    failure, and a crash in every run, is raised. ``rerun_any_failure``: again after any
-    rank's failure (:func:`run_fsdp_ranks`).
+    traceback, or its signal and the fault handler's report) if any rank raises or exits without
+    reporting, or after ``timeout`` seconds. A job runs once: the native crash that runs used to
+    repeat (torch's gloo status race, issue 62) is gone under the CPU adapter
+    (:mod:`megatron_edit.cpu.gloo_threads`), so a crash now is a defect to find, never rerun.
     """
-    for attempt in range(1, RUNS + 1):
-        try:
-            return _run_ranks_once(fn, world_size, *args, timeout=timeout, device=device, **kwargs)
-        except RankError as error:
-            if not run_again(error, attempt, rerun_any_failure):
-                raise
-
-
-def run_again(error: "RankError", attempt: int, any_failure: bool = False) -> bool:
-    """Whether the job (or test) whose ``attempt``-th run failed with ``error`` runs again: when a
-    rank died in native code (:data:`NATIVE_CRASH`; ``any_failure``: after any failure) and
-    fewer than :data:`RUNS` runs were made. Then the rerun is counted (:data:`RERUNS`) and said as
-    a warning with its reason and the failure."""
-    import warnings
-
-    native = any(mark in str(error) for mark in NATIVE_CRASH)
-    if attempt >= RUNS or not (native or any_failure):
-        return False
-    cause = "a rank died in native code" if native else "a Megatron-FSDP job failed"
-    first = (str(error).strip().splitlines() or [""])[0]
-    RERUNS.append((os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], cause, first))
-    guarded = ("; the collective guard was on: no buffer of a collective in flight was freed or written"
-               if os.environ.get("MEGATRON_EDIT_COLLECTIVE_GUARD") == "1" else "")
-    where = ("; a double free of a small object on a gloo worker thread, also in megatron-core's own "
-             "synchronous training without EDiT: torch's ProcessGroupGloo, pytorch/pytorch "
-             "ProcessGroupGloo.cpp") if native else ""
-    warnings.warn(f"{cause} (known defect, cause open: docs/status.md, issue 62{where}{guarded}; "
-                  f"run {attempt} of {RUNS} failed, running again): "
-                  f"{_excerpt(str(error))}")
-    return True
-
-
-def _excerpt(text: str, head: int = 6000, tail: int = 3000) -> str:
-    """A failure's start (which rank, the signal, the crashing thread's frames and the others')
-    and its end: a warning carries both, however long the fault handler's report."""
-    return text if len(text) <= head + tail else f"{text[:head]}\n[...]\n{text[-tail:]}"
-
-
-def _run_ranks_once(fn, world_size, *args, timeout=120, device="cpu", **kwargs) -> list:
     ctx = _context()
     results = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="megatron_edit_store_")
@@ -280,12 +212,3 @@ def _run_ranks_once(fn, world_size, *args, timeout=120, device="cpu", **kwargs) 
         results.close()
         shutil.rmtree(store_dir, ignore_errors=True)
     return [values[rank] for rank in range(world_size)]
-
-
-def run_fsdp_ranks(fn, world_size, *args, **kwargs) -> list:
-    """:func:`run_ranks` for a job that runs Megatron-FSDP on the CPU, run again when a rank
-    fails: a few such jobs in a hundred here (3 of about 100 on 2026-11-28) have a rank die in gloo (a segmentation fault, an abort
-    after a read error) or raise from a damaged autograd graph, a known defect whose cause is open
-    (docs/concepts/megatron-fsdp.md). The last run's failure (:data:`RUNS`) is the test's: a failure that
-    repeats (every wrong number, every refusal) is never hidden; each rerun is said as a warning."""
-    return run_ranks(fn, world_size, *args, rerun_any_failure=True, **kwargs)

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from dist import RERUNS, RUNS, RankError, run_ranks
+from dist import RankError, run_ranks
 
 pytestmark = pytest.mark.one_lane
 
@@ -28,32 +28,22 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_exit_code_beside_the_echo()
     assert f"rank 1 exited with code {-signal.SIGKILL} without reporting" in message, message
 
 
-def _rank_1_segfaults(rank, world_size, marker, always):
+def _rank_1_segfaults(rank, world_size, runs):
     import torch.distributed as dist
 
+    with open(runs, "a") as f:
+        f.write(f"{rank}\n")
     dist.barrier()
-    if rank == 1 and (always or not os.path.exists(marker)):
-        open(marker, "w").close()
-        os.kill(os.getpid(), signal.SIGSEGV)  # a crash in native code, as the known gloo defect
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # a crash in native code
     return rank
 
 
-@pytest.mark.timeout(200)
-def test_a_native_crash_is_run_again_and_one_in_every_run_is_raised(tmp_path):
-    """The known native crash (docs/status.md) fails a job now and then: run_ranks runs it again
-    (up to RUNS runs), with a warning for each failure; a crash in every run, or a rank killed
-    otherwise (above), is raised."""
-    before = len(RERUNS)
-    try:
-        with pytest.warns(UserWarning, match="died in native code"):
-            assert run_ranks(_rank_1_segfaults, 2, str(tmp_path / "once"), False, timeout=60) == [0, 1]
-        assert len(RERUNS) == before + 1  # counted for the session's summary line (conftest)
-        assert RERUNS[-1][0].endswith("test_a_native_crash_is_run_again_and_one_in_every_run_is_raised")
-        assert RERUNS[-1][1] == "a rank died in native code"
-        with pytest.raises(RankError, match=f"rank 1 exited with code {-signal.SIGSEGV} "):
-            with pytest.warns(UserWarning, match="died in native code") as warned:
-                run_ranks(_rank_1_segfaults, 2, str(tmp_path / "always"), True, timeout=60)
-        assert len([w for w in warned if "died in native code" in str(w.message)]) == RUNS - 1
-    finally:
-        del RERUNS[before:]  # the harness's own crashes are not the suite's: left out of its count
-
+@pytest.mark.timeout(120)
+def test_a_native_crash_fails_the_job_at_once_with_its_signal(tmp_path):
+    """A rank that dies in native code fails the job in its one run, named with its signal: no
+    rerun hides it (the crash runs used to repeat had its cause found: issue 62)."""
+    runs = tmp_path / "runs"
+    with pytest.raises(RankError, match=f"rank 1 exited with code {-signal.SIGSEGV} "):
+        run_ranks(_rank_1_segfaults, 2, str(runs), timeout=60)
+    assert sorted(runs.read_text().split()) == ["0", "1"]  # one run of each rank

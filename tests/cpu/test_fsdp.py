@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from compare import max_difference
-from dist import run_fsdp_ranks
+from dist import run_ranks
 from edit_runs import default_spec, megatron_runs
 from megatron_edit.mcore import compat
 from megatron_edit.mcore.releases import FSDP_SUPPORTED
@@ -28,7 +28,7 @@ def test_megatron_fsdp_hsdp_trains_on_cpu_like_ddp_with_the_distributed_optimize
     DDP + distributed optimizer with 2 instances (fp32: to 1e-6), and both HSDP instances hold
     the same model (the outer gradient all-reduce keeps them in step)."""
     specs = [default_spec(steps=4), default_spec(steps=4, fsdp=True)]
-    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=280)
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=280)
     for r in results:
         ddp, fsdp = r["runs"]
         assert fsdp["losses"] == pytest.approx(ddp["losses"], abs=1e-6)

@@ -29,6 +29,8 @@ def _groups_and_threads(rank, world):
     seen = {"default": threads_of(), "data-parallel": threads_of(dp),
             "model-parallel": threads_of(ps.get_model_parallel_group()),
             "new_group": threads_of(dist.new_group(timeout=datetime.timedelta(seconds=60)))}
+    every = {threads_of(group) for group in list(c10d._world.pg_map)}  # every group of the process
+    seen["every group"] = every.pop() if len(every) == 1 else sorted(every)
     assert isinstance(dp._get_backend(torch.device("cpu")), c10d.ProcessGroupGloo)
     outs = [torch.empty(2 * world) for _ in range(2)]
     handles = []
@@ -52,7 +54,7 @@ def _groups_and_threads(rank, world):
 def test_every_gloo_group_under_the_adapter_has_one_worker_thread_and_torch_s_default_comes_back():
     for seen, gathered in run_ranks(_groups_and_threads, 2, timeout=100):
         assert seen == {"default": 1, "data-parallel": 1, "model-parallel": 1, "new_group": 1,
-                        "after deactivate": 2}
+                        "every group": 1, "after deactivate": 2}
         assert gathered == [[0.0, 0.0, 1.0, 1.0], [10.0, 10.0, 11.0, 11.0]]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compare import max_difference
-from dist import run_fsdp_ranks, run_ranks
+from dist import run_ranks
 from edit_runs import ON_FSDP_RELEASE
 from megatron_edit.algorithm.overlap_plan import choose
 from megatron_edit.mcore import checkpoint as checkpointing, compat
@@ -104,7 +104,7 @@ def test_a_delay_chosen_mid_run_matches_the_simulation(fsdp):
                  auto_every=1)
     outer = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
     spec = default_spec(steps=10, last_step=10, local_sgd=local, outer=outer, measurements=MEASURED_FP32, fsdp=fsdp)
-    results = (run_fsdp_ranks if fsdp else run_ranks)(megatron_runs, WORLD, [spec], timeout=360)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=360)
     sim = run_ranks(simulate_edit, 1, dict(spec, delay_switch=(4, 1)), WORLD, timeout=120)[0]["params"]
     for r in results:
         run = r["runs"][0]
@@ -188,7 +188,7 @@ def test_fragments_chosen_mid_run_match_the_simulation(fsdp):
     outer = dict(outer_optim_class="torch.optim.SGD", outer_optim_kwargs=dict(lr=0.7, momentum=0.9, nesterov=True))
     spec = default_spec(steps=21, last_step=21, local_sgd=local, outer=outer, measurements=MEASURED_F,
                         bucket_size=3000, fsdp=fsdp)
-    results = (run_fsdp_ranks if fsdp else run_ranks)(megatron_runs, WORLD, [spec], timeout=420)
+    results = run_ranks(megatron_runs, WORLD, [spec], timeout=420)
     run = results[0]["runs"][0]
     assert len(run["fragment_params"]) == 2
     sim = run_ranks(simulate_edit, 1, dict(spec, delay_switch=(12, 2), fragment_switch=(12, run["fragment_params"])),

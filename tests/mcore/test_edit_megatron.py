@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from compare import max_difference
-from dist import run_fsdp_ranks, run_ranks
+from dist import run_ranks
 from edit_runs import ON_FSDP_RELEASE, default_spec, megatron_runs, simulate_edit
 
 WORLD = 4
@@ -252,7 +252,7 @@ def test_sparse_exchange_keeps_replicas_identical_and_equals_a_shard_level_simul
                           fsdp=fsdp),
              default_spec(steps=6, local_sgd=dict(local_sgd_sync_interval=2, local_sgd_warmup_steps=1), outer=OUTER,
                           fsdp=fsdp)]
-    results = (run_fsdp_ranks if fsdp else run_ranks)(megatron_runs, WORLD, specs, timeout=380)
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=380)
     for r in results:
         layerwise, step_end, fp32 = r["runs"]
         _assert_params_equal(layerwise["params"], step_end["params"], "layer-wise vs step-end")

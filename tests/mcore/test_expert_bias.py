@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compare import max_difference
-from dist import run_fsdp_ranks, run_ranks
+from dist import run_ranks
 from edit_runs import ON_EXPERT_PARALLEL_FSDP, ON_FSDP_RELEASE
 from megatron_edit.mcore import compat
 
@@ -206,7 +206,7 @@ def test_expert_bias_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
     model = dict(FSDP_MOE, **{k: MOE[k] for k in MOE if k.startswith("moe_router_")})
     specs = [default_spec(steps=6, model=model, local_sgd=dict(EDIT, sync_mode="layerwise"), outer=OUTER, fsdp=fsdp)
              for fsdp in (False, True)]
-    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560, ep=ep)
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560, ep=ep)
     for r in results:
         ddp, fsdp = r["runs"]
         assert [rep.step for rep in fsdp["reports"]] == [rep.step for rep in ddp["reports"]] == [3, 5]
@@ -232,8 +232,8 @@ def test_expert_bias_on_megatron_fsdp_checkpoint_between_syncs_resumes_exactly_a
 
     model = dict(FSDP_MOE, **{k: MOE[k] for k in MOE if k.startswith("moe_router_")})
     path = str(tmp_path / "ckpt")
-    whole = run_fsdp_ranks(fsdp_train_job, WORLD, saves=(7,), path=path, snapshots=(7,), model=model, timeout=400)
-    resumed = run_fsdp_ranks(fsdp_train_job, WORLD, load=7, path=path, model=model, timeout=400)
+    whole = run_ranks(fsdp_train_job, WORLD, saves=(7,), path=path, snapshots=(7,), model=model, timeout=400)
+    resumed = run_ranks(fsdp_train_job, WORLD, load=7, path=path, model=model, timeout=400)
     saved = {r["worker"]: r["snapshots"][7]["expert_biases"] for r in whole}
     assert len(saved[0]) == 2 and not all(torch.equal(a, b) for a, b in zip(saved[0], saved[1]))
     for a, b in zip(whole, resumed):
@@ -243,7 +243,7 @@ def test_expert_bias_on_megatron_fsdp_checkpoint_between_syncs_resumes_exactly_a
             assert (x == y) if isinstance(x, int) else all(
                 torch.equal(x[k], y[k]) for k in x) if isinstance(x, dict) else all(
                 torch.equal(u, v) for u, v in zip(x, y)), key
-    one = run_fsdp_ranks(fsdp_train_job, WORLD, instances=1, load=7, path=path, model=model, timeout=400)
+    one = run_ranks(fsdp_train_job, WORLD, instances=1, load=7, path=path, model=model, timeout=400)
     mean = [((x.double() + y.double()) / 2).to(x.dtype) for x, y in zip(saved[0], saved[1])]
     for r in one:
         assert all(torch.equal(x, y) for x, y in zip(r["loaded"]["expert_biases"], mean)), "the mean over the saved workers"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compare import all_equal, max_difference
-from dist import run_fsdp_ranks, run_ranks
+from dist import run_ranks
 from edit_runs import FSDP_MOE, ON_EXPERT_PARALLEL_FSDP, ON_FSDP_RELEASE, async_runs, default_spec, megatron_runs, simulate_edit
 from megatron_edit.config import ConfigError, LocalSGDConfig, NotSupportedYet
 from megatron_edit.mcore.fsdp import check_fsdp_options
@@ -54,7 +54,7 @@ def test_edit_on_megatron_fsdp_equals_edit_on_the_distributed_optimizer():
         default_spec(local_sgd=dict(EDIT, sync_mode="layerwise"), outer=OUTER, fsdp=True, traffic=True,
                      last_step=8),
     ]
-    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560)
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
     (sim,) = run_ranks(simulate_edit, 1, specs[0], WORLD, timeout=200)
     for r in results:
         ddp, step_end, layerwise = r["runs"]
@@ -195,7 +195,7 @@ def test_penalty_on_megatron_fsdp_equals_the_distributed_optimizer():
     # inside Megatron-FSDP's coalesced all-gathers (the step's prefetch, the next forward pass),
     # where the clip factors' sum over the worker runs on EDiT's own copy of the shard group.
     specs.append(default_spec(steps=5, local_sgd=configs[1], outer=OUTER, faults=faults, fsdp=True))
-    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560)
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
     exclusions = clipped = 0
     for r in results:
         for ddp, fsdp in (r["runs"][:2], r["runs"][2:4], (r["runs"][2], r["runs"][4])):
@@ -243,7 +243,7 @@ def test_gta_and_the_bf16_exchange_on_megatron_fsdp_equal_the_distributed_optimi
                      snapshot_every_step=True),
         default_spec(steps=5, local_sgd=dict(bf16, sync_mode="layerwise"), outer=OUTER, fsdp=True),
     ]
-    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560)
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
     for r in results:
         runs = r["runs"]
         for ddp, fsdp_runs in ((runs[0], runs[1:3]), (runs[3], runs[4:6])):
@@ -278,7 +278,7 @@ def test_quantized_exchange_on_megatron_fsdp_keeps_replicas_identical(dtype):
                      snapshot_every_step=True, record_shards_at_steps=(3, 5)),
         default_spec(steps=5, local_sgd=dict(FORMATS, sync_mode="step_end"), outer=OUTER, fsdp=True),
     ]
-    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560)
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
     low, high = {"int8": (0.25, 0.40), "int4": (0.12, 0.27)}[dtype]
     for r in results:
         layerwise, step_end, fp32 = r["runs"]
@@ -331,7 +331,7 @@ def test_delay_and_fragments_on_megatron_fsdp():
         spec(dict(FRAG, sync_mode="step_end", pseudo_gradnorm_reduce=True), fsdp=True, snapshot_every_step=True),
         spec(dict(FRAG, sync_mode="step_end", outer_step_delay=1, outer_merge_rule="keep_local"), fsdp=True),
     ]
-    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560)
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560)
     frags = results[0]["runs"][4]["fragment_params"]
     assert len(frags) == 2 and all(frags) and not set(frags[0]) & set(frags[1])
     assert set(frags[0]) | set(frags[1]) == set(results[0]["runs"][4]["params"])
@@ -385,7 +385,7 @@ def test_a_edit_on_megatron_fsdp_equals_the_distributed_optimizer(mode):
     spec = default_spec(local_sgd=dict(ASYNC, sync_mode=mode), outer=OUTER, seconds_per_step=[1.0, 0.25],
                         syncs=3, max_steps=64)
     ddp = run_ranks(async_runs, WORLD, spec, timeout=280)
-    fsdp = run_fsdp_ranks(async_runs, WORLD, dict(spec, fsdp=True), timeout=280)
+    fsdp = run_ranks(async_runs, WORLD, dict(spec, fsdp=True), timeout=280)
     for a, b in zip(fsdp, ddp):
         expected = [3, 7, 11] if a["worker"] == 0 else [3, 19, 35]
         assert [rep.step for rep in a["reports"]] == [rep.step for rep in b["reports"]] == expected
@@ -423,7 +423,7 @@ def test_moe_on_megatron_fsdp_equals_the_distributed_optimizer(ep):
                            snapshot_every_step=True) for mode in ("step_end", "layerwise")]
     specs += [default_spec(steps=6, model=FSDP_MOE, local_sgd=dict(MOE_PENALTY, sync_mode="layerwise"), outer=OUTER,
                            fsdp=fsdp) for fsdp in (False, True)]
-    results = run_fsdp_ranks(megatron_runs, WORLD, specs, timeout=560, ep=ep)
+    results = run_ranks(megatron_runs, WORLD, specs, timeout=560, ep=ep)
     (sim,) = run_ranks(simulate_edit, 1, specs[0], WORLD, timeout=200)
     for r in results:
         ddp, step_end, layerwise, ddp_penalty, penalty = r["runs"]

@@ -9,7 +9,7 @@ import torch
 
 from checkpoint_runs import DP_RESHARDABLE, EDIT, STEPS, _equal, fsdp_train_job, train_job
 from compare import max_difference
-from dist import run_fsdp_ranks, run_ranks
+from dist import run_ranks
 from edit_runs import FSDP_MOE, ON_EXPERT_PARALLEL_FSDP, ON_FSDP_RELEASE
 
 WORLD = 4
@@ -35,10 +35,10 @@ def test_exact_resume_on_megatron_fsdp(tmp_path, local, saves, steps):
     the run without the stop; right after the load each worker holds its own saved state (the
     two workers' parameters differ there: worker 1 did not get worker 0's)."""
     path = str(tmp_path / "ckpt")
-    whole = run_fsdp_ranks(fsdp_train_job, WORLD, local_sgd=local, steps=steps, saves=saves, path=path,
+    whole = run_ranks(fsdp_train_job, WORLD, local_sgd=local, steps=steps, saves=saves, path=path,
                            snapshots=saves, timeout=400)
     for step in saves:
-        resumed = run_fsdp_ranks(fsdp_train_job, WORLD, local_sgd=local, steps=steps, load=step, path=path,
+        resumed = run_ranks(fsdp_train_job, WORLD, local_sgd=local, steps=steps, load=step, path=path,
                                  timeout=400)
         for a, b in zip(whole, resumed):
             for key in _STATE:
@@ -61,9 +61,9 @@ def test_moe_exact_resume_on_megatron_fsdp(tmp_path, ep):
     saved between syncs (step 6) and resumed in fresh processes: every rank's parameters, Adam
     state, anchor, outer state and counters bit for bit those of the run without the stop."""
     path = str(tmp_path / "ckpt")
-    whole = run_fsdp_ranks(fsdp_train_job, WORLD, steps=STEPS, saves=(6,), path=path, snapshots=(6,),
+    whole = run_ranks(fsdp_train_job, WORLD, steps=STEPS, saves=(6,), path=path, snapshots=(6,),
                            model=FSDP_MOE, ep=ep, timeout=400)
-    resumed = run_fsdp_ranks(fsdp_train_job, WORLD, steps=STEPS, load=6, path=path, model=FSDP_MOE, ep=ep, timeout=400)
+    resumed = run_ranks(fsdp_train_job, WORLD, steps=STEPS, load=6, path=path, model=FSDP_MOE, ep=ep, timeout=400)
     for a, b in zip(whole, resumed):
         assert any(".experts." in k for k in a["final"]["params"])
         for key in _STATE:
@@ -82,8 +82,8 @@ def test_elastic_resume_on_megatron_fsdp_takes_the_distributed_optimizers_outer_
     run goes on from there. (The two paths' later steps differ by megatron-core's own reduction
     order with 4 shards: plain Megatron-FSDP and DDP differ as much.)"""
     fsdp_path, ddp_path = str(tmp_path / "fsdp"), str(tmp_path / "ddp")
-    run_fsdp_ranks(fsdp_train_job, WORLD, saves=(6,), path=fsdp_path, train_iters=False, timeout=400)
-    fsdp = run_fsdp_ranks(fsdp_train_job, WORLD, instances=1, load=6, path=fsdp_path, train_iters=False,
+    run_ranks(fsdp_train_job, WORLD, saves=(6,), path=fsdp_path, train_iters=False, timeout=400)
+    fsdp = run_ranks(fsdp_train_job, WORLD, instances=1, load=6, path=fsdp_path, train_iters=False,
                           timeout=400)
     run_ranks(train_job, WORLD, saves={6: [(ddp_path, DP_RESHARDABLE)]}, timeout=400)
     ddp = run_ranks(train_job, WORLD, instances=1, load=(ddp_path, DP_RESHARDABLE, 6), timeout=400)
@@ -101,8 +101,8 @@ def test_edit_resumes_a_plain_megatron_fsdp_checkpoint_as_the_distributed_optimi
     state kept, the anchor taken at the loaded model, syncs on the usual grid; the run equals the
     distributed optimizer's resume of its own synchronous checkpoint to 1e-6."""
     fsdp_path, ddp_path = str(tmp_path / "fsdp"), str(tmp_path / "ddp")
-    run_fsdp_ranks(fsdp_train_job, WORLD, local_sgd=None, saves=(4,), path=fsdp_path, timeout=400)
-    fsdp = run_fsdp_ranks(fsdp_train_job, WORLD, load=4, path=fsdp_path, train_iters=False, timeout=400)
+    run_ranks(fsdp_train_job, WORLD, local_sgd=None, saves=(4,), path=fsdp_path, timeout=400)
+    fsdp = run_ranks(fsdp_train_job, WORLD, load=4, path=fsdp_path, train_iters=False, timeout=400)
     run_ranks(train_job, WORLD, local_sgd=None, saves={4: [(ddp_path, DP_RESHARDABLE)]}, timeout=400)
     ddp = run_ranks(train_job, WORLD, load=(ddp_path, DP_RESHARDABLE, 4), timeout=400)
     for f, d in zip(fsdp, ddp):
@@ -163,15 +163,15 @@ def test_refusals_of_fsdp_dtensor_checkpoints(tmp_path):
     import os
 
     path = str(tmp_path / "ckpt")
-    run_fsdp_ranks(fsdp_train_job, WORLD, saves=(6,), path=path, steps=6, timeout=400)
+    run_ranks(fsdp_train_job, WORLD, saves=(6,), path=path, steps=6, timeout=400)
     saved = os.path.join(path, "step_6")
-    no_model = run_fsdp_ranks(_refusal_job, WORLD, saved, "save-without-model", timeout=300)
+    no_model = run_ranks(_refusal_job, WORLD, saved, "save-without-model", timeout=300)
     assert no_model[0] is None and no_model[2] is not None  # worker 0 writes the model's keys itself
     assert "CheckpointStateError" in no_model[2] and "'model': model.state_dict()" in no_model[2]
-    unpatched = run_fsdp_ranks(_refusal_job, WORLD, saved, "load-without-patch", timeout=300)
+    unpatched = run_ranks(_refusal_job, WORLD, saved, "load-without-patch", timeout=300)
     assert all(m and "without megatron_edit's patch of torch.distributed.checkpoint.load" in m for m in unpatched)
     _drop_anchor_entries(saved)
-    damaged = run_fsdp_ranks(_refusal_job, WORLD, saved, "damaged", timeout=300)
+    damaged = run_ranks(_refusal_job, WORLD, saved, "damaged", timeout=300)
     assert all(m and "CheckpointStateError" in m and "incomplete or corrupted" in m and "local_sgd.anchor." in m
                for m in damaged)
     assert len(set(damaged)) == 1  # the same line on every rank
@@ -186,8 +186,8 @@ def test_model_only_load_on_megatron_fsdp_restarts_edit_from_worker_0(tmp_path):
     and EDiT starts afresh (no anchor, the warmup again), so after the two synchronous steps the
     workers are identical."""
     path = str(tmp_path / "ckpt")
-    whole = run_fsdp_ranks(fsdp_train_job, WORLD, steps=8, saves=(6,), path=path, snapshots=(6,), timeout=400)
-    resumed = run_fsdp_ranks(fsdp_train_job, WORLD, steps=8, load=6, path=path, load_optimizer=False, timeout=400)
+    whole = run_ranks(fsdp_train_job, WORLD, steps=8, saves=(6,), path=path, snapshots=(6,), timeout=400)
+    resumed = run_ranks(fsdp_train_job, WORLD, steps=8, load=6, path=path, load_optimizer=False, timeout=400)
     worker0 = whole[0]["snapshots"][6]
     assert max_difference(worker0["params"], whole[2]["snapshots"][6]["params"]) > 1e-4  # between syncs
     for rank, r in enumerate(resumed):
