@@ -65,9 +65,14 @@ class OneThreadGloo:
     def __init__(self, original):
         self.original = original
 
-    def __call__(self, store, rank, size, options=None, timeout=None):
+    def __call__(self, store, rank, size, options=None, timeout=None, **settings):
         if options is None or isinstance(options, datetime.timedelta):
             options = self.options(timeout or options or _DEFAULT_TIMEOUT)
+        for name, value in settings.items():  # torch 2.15's enable_reconfigure: an option of the same name
+            if not hasattr(options, name):
+                raise TypeError(f"megatron_edit.cpu.gloo_threads: torch's ProcessGroupGloo was built with "
+                                f"{name}=, which its options do not have; update megatron_edit.cpu.gloo_threads")
+            setattr(options, name, value)
         options._threads = THREADS
         return self.original(store, rank, size, options)
 

@@ -70,6 +70,10 @@ def test_the_stand_in_builds_torch_s_group_with_its_devices_and_one_thread(monke
     options._devices, options._threads, options._timeout = [gloo.create_default_device()], 4, timeout
     assert gloo(dist.HashStore(), 0, 1, options).options._threads == 1
     assert gloo.create_default_device is c10d.ProcessGroupGloo.create_default_device
+    if hasattr(options, "enable_reconfigure"):  # torch 2.15 builds its groups with it
+        assert gloo(dist.HashStore(), 0, 1, timeout=timeout, enable_reconfigure=True).options.enable_reconfigure
+    with pytest.raises(TypeError, match="no_such_setting="):
+        gloo(dist.HashStore(), 0, 1, timeout=timeout, no_such_setting=1)
 
 
 @pytest.mark.slow
