@@ -48,6 +48,7 @@ from __future__ import annotations
 import datetime
 import os
 
+import torch
 import torch.distributed.distributed_c10d as c10d
 
 TARGET = "torch.distributed.distributed_c10d:ProcessGroupGloo"
@@ -69,7 +70,7 @@ class OneThreadGloo:
 
     def __call__(self, store, rank, size, options=None, timeout=None, **settings):
         if options is None or isinstance(options, datetime.timedelta):
-            options = self.options(timeout or options or _DEFAULT_TIMEOUT)
+            options = self.default_options(timeout or options or _DEFAULT_TIMEOUT)
         for name, value in settings.items():  # torch 2.15's enable_reconfigure: an option of the same name
             if not hasattr(options, name):
                 raise TypeError(f"megatron_edit.cpu.gloo_threads: torch's ProcessGroupGloo was built with "
@@ -78,7 +79,7 @@ class OneThreadGloo:
         options._threads = THREADS
         return self.original(store, rank, size, options)
 
-    def options(self, timeout: datetime.timedelta):
+    def default_options(self, timeout: datetime.timedelta):
         """Torch's default options for a timeout (its ``ProcessGroupGloo(store, rank, size,
         timeout)``): the devices of ``GLOO_SOCKET_IFNAME`` (comma-separated), else the default one."""
         options = self.original._Options()
@@ -99,8 +100,6 @@ class OneThreadGloo:
 
 def threads_of(group=None) -> int:
     """Worker threads of ``group``'s gloo backend (default: the default group)."""
-    import torch
-
     group = group if group is not None else c10d._get_default_group()
     return group._get_backend(torch.device("cpu")).options._threads
 
